@@ -1,0 +1,47 @@
+//! Dataplanes: each turns a [`DesiredState`] into kernel state, behind one trait.
+use std::fmt;
+
+use crate::model::DesiredState;
+
+pub mod ebpf;
+
+/// What a sync did. Frontends a dataplane cannot express are skipped and reported, never
+/// fatal.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SyncReport {
+    /// Frontends added, changed or removed in the kernel.
+    pub changed: usize,
+    /// Frontends left as they were because applying them failed; retried on the next sync.
+    pub failed: Vec<String>,
+    /// Frontends this dataplane does not support, with the reason.
+    pub unsupported: Vec<String>,
+}
+
+impl SyncReport {
+    pub fn is_complete(&self) -> bool {
+        self.failed.is_empty()
+    }
+}
+
+impl fmt::Display for SyncReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} frontends changed", self.changed)?;
+        if !self.failed.is_empty() {
+            write!(f, ", {} failed", self.failed.len())?;
+        }
+        if !self.unsupported.is_empty() {
+            write!(f, ", {} unsupported", self.unsupported.len())?;
+        }
+        Ok(())
+    }
+}
+
+pub trait Dataplane {
+    /// The `--proxy-mode` name of this dataplane.
+    fn mode(&self) -> &'static str;
+
+    /// Makes the kernel implement `state`, touching only what differs from what it
+    /// implements now. An error means nothing could be applied; partial failures are in the
+    /// report.
+    fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport>;
+}

@@ -1,0 +1,12 @@
+//! vipr: an eBPF Kubernetes service proxy. The binary is a thin shell around this library so
+//! that integration tests and tools can drive the same code.
+
+/// The kernel programs, built from proxy-ebpf by build.rs and embedded so that the agent and
+/// its datapath always come from the same commit.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+pub mod agent;
+pub mod cli;
+pub mod dataplane;
+pub mod model;
+pub mod source;

@@ -1,0 +1,183 @@
+//! The standalone source: a file of Kubernetes manifests (multi-document YAML, or JSON),
+//! re-read whenever its content changes.
+use std::{
+    path::{Path, PathBuf},
+    sync::mpsc::{Receiver, RecvTimeoutError, Sender},
+    time::Duration,
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use serde::Deserialize;
+use tracing::debug;
+
+use super::{Objects, SourceEvent};
+use crate::model::kubernetes::Rejection;
+
+/// A file that is not valid YAML/JSON at all. The whole file is refused, because a syntax
+/// error can hide any number of objects and applying the rest would delete them.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: document {document}, line {line}, column {column}: {message}")]
+pub struct SyntaxError {
+    pub path: String,
+    pub document: usize,
+    pub line: usize,
+    pub column: usize,
+    pub message: String,
+}
+
+/// Parses manifests. Documents of other kinds are ignored; Services and EndpointSlices that do
+/// not deserialize into their API types are rejected one by one.
+pub fn parse_manifests(path: &Path, text: &str) -> Result<Objects, SyntaxError> {
+    let mut objects = Objects::default();
+    for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let value = serde_yaml::Value::deserialize(document).map_err(|error| {
+            let location = error.location();
+            SyntaxError {
+                path: path.display().to_string(),
+                document: index + 1,
+                line: location.as_ref().map_or(0, |l| l.line()),
+                column: location.as_ref().map_or(0, |l| l.column()),
+                message: error.to_string(),
+            }
+        })?;
+        add_object(value, index + 1, &mut objects);
+    }
+    Ok(objects)
+}
+
+fn add_object(value: serde_yaml::Value, document: usize, objects: &mut Objects) {
+    if value.is_null() {
+        return;
+    }
+    let text_field = |field: &str| value.get(field).and_then(serde_yaml::Value::as_str).unwrap_or_default().to_owned();
+    let (api_version, kind) = (text_field("apiVersion"), text_field("kind"));
+    let describe = |kind: &str| {
+        let metadata = value.get("metadata");
+        let field = |name: &str| metadata.and_then(|m| m.get(name)).and_then(serde_yaml::Value::as_str);
+        format!(
+            "{kind} {}/{} (document {document})",
+            field("namespace").unwrap_or("default"),
+            field("name").unwrap_or("<unnamed>")
+        )
+    };
+    match (api_version.as_str(), kind.as_str()) {
+        ("v1", "Service") => match serde_yaml::from_value::<Service>(value.clone()) {
+            Ok(service) => objects.services.push(service),
+            Err(error) => objects.rejected.push(Rejection { object: describe("Service"), reason: error.to_string() }),
+        },
+        ("discovery.k8s.io/v1", "EndpointSlice") => match serde_yaml::from_value::<EndpointSlice>(value.clone()) {
+            Ok(slice) => objects.slices.push(slice),
+            Err(error) => {
+                objects.rejected.push(Rejection { object: describe("EndpointSlice"), reason: error.to_string() })
+            }
+        },
+        (_, list) if list.ends_with("List") => {
+            if let Some(items) = value.get("items").and_then(serde_yaml::Value::as_sequence) {
+                for item in items {
+                    add_object(item.clone(), document, objects);
+                }
+            }
+        }
+        ("", _) | (_, "") => objects.rejected.push(Rejection {
+            object: format!("document {document}"),
+            reason: "apiVersion or kind is missing".into(),
+        }),
+        _ => debug!(document, api_version, kind, "ignoring an object vipr does not use"),
+    }
+}
+
+/// Watches a manifest file and sends its objects each time its content changes, until the
+/// receiving side is dropped or `stop` fires. Polling, rather than inotify, also catches
+/// editors and `kubectl`-style tools that replace the file by renaming over it.
+pub fn watch(path: PathBuf, interval: Duration, events: Sender<SourceEvent>, stop: Receiver<()>) {
+    let mut last_content: Option<Vec<u8>> = None;
+    let mut last_error: Option<String> = None;
+    loop {
+        match std::fs::read(&path) {
+            Ok(content) if last_content.as_ref() != Some(&content) => {
+                last_error = None;
+                let event = match std::str::from_utf8(&content) {
+                    Ok(text) => match parse_manifests(&path, text) {
+                        Ok(objects) => SourceEvent::Objects(objects),
+                        Err(error) => SourceEvent::Unusable(error.to_string()),
+                    },
+                    Err(error) => SourceEvent::Unusable(format!("{}: not UTF-8: {error}", path.display())),
+                };
+                last_content = Some(content);
+                if events.send(event).is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(error) => {
+                let message = format!("{}: cannot read: {error}", path.display());
+                if last_error.as_ref() != Some(&message) {
+                    if events.send(SourceEvent::Unusable(message.clone())).is_err() {
+                        return;
+                    }
+                    last_error = Some(message);
+                }
+                // Re-read once the file is back, even if its content is what it was.
+                last_content = None;
+            }
+        }
+        match stop.recv_timeout(interval) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Objects, SyntaxError> {
+        parse_manifests(Path::new("test.yaml"), text)
+    }
+
+    #[test]
+    fn reads_services_and_slices_from_multi_document_yaml() {
+        let objects = parse(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n---\n\
+             apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n---\n\
+             apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: web}\n",
+        )
+        .unwrap();
+        assert_eq!(objects.services.len(), 1);
+        assert_eq!(objects.slices.len(), 1);
+        assert!(objects.rejected.is_empty(), "{:?}", objects.rejected);
+    }
+
+    #[test]
+    fn reads_json_and_lists() {
+        let objects = parse(
+            r#"{"apiVersion": "v1", "kind": "List", "items": [
+                {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "a"}, "spec": {"clusterIP": "10.96.0.2"}},
+                {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "b"}, "spec": {"clusterIP": "10.96.0.3"}}
+            ]}"#,
+        )
+        .unwrap();
+        assert_eq!(objects.services.len(), 2);
+    }
+
+    #[test]
+    fn syntax_error_names_document_and_line() {
+        let error = parse("apiVersion: v1\nkind: Service\n---\nmetadata: {name: [unclosed\n").unwrap_err();
+        assert_eq!(error.document, 2);
+        assert!(error.line >= 4, "{error}");
+        assert!(error.to_string().starts_with("test.yaml: document 2, line"), "{error}");
+    }
+
+    #[test]
+    fn object_of_the_wrong_shape_is_rejected_alone() {
+        let objects = parse(
+            "apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec: {ports: [{port: eighty}]}\n---\n\
+             apiVersion: v1\nkind: Service\nmetadata: {name: good}\nspec: {clusterIP: 10.96.0.1}\n---\nfoo: bar\n",
+        )
+        .unwrap();
+        assert_eq!(objects.services.len(), 1);
+        assert_eq!(objects.rejected.len(), 2, "{:?}", objects.rejected);
+        assert!(objects.rejected[0].object.starts_with("Service default/bad"));
+    }
+}
