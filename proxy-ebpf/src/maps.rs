@@ -11,9 +11,7 @@ use aya_ebpf::{
     bindings::bpf_map_type::{BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_LRU_HASH},
     helpers::{bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem},
 };
-use proxy_common::{
-    capacity, pins, Backend4, BackendSlot, Flow4, FlowKey4, Service, ServiceKey4,
-};
+use proxy_common::{capacity, pins, Backend4, BackendSlot, Flow4, FlowKey4, Service, ServiceKey4};
 
 const LIBBPF_PIN_BY_NAME: usize = 1;
 const HASH: usize = BPF_MAP_TYPE_HASH as usize;
@@ -63,14 +61,22 @@ impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize> PinnedMap<K, V, TYPE, MA
                 0,
             )
         };
-        if result == 0 { Ok(()) } else { Err(result) }
+        if result == 0 {
+            Ok(())
+        } else {
+            Err(result)
+        }
     }
 
     #[inline(always)]
     #[allow(dead_code)]
     pub fn remove(&self, key: &K) -> Result<(), i64> {
         let result = unsafe { bpf_map_delete_elem(self.as_ptr(), core::ptr::from_ref(key).cast()) };
-        if result == 0 { Ok(()) } else { Err(result) }
+        if result == 0 {
+            Ok(())
+        } else {
+            Err(result)
+        }
     }
 }
 
@@ -108,5 +114,4 @@ pub static BACKENDS4: PinnedMap<BackendSlot, Backend4, HASH, { capacity::BACKEND
 
 #[unsafe(link_section = ".maps")]
 #[unsafe(export_name = "vipr_flow4_v1")]
-pub static FLOWS4: PinnedMap<FlowKey4, Flow4, LRU_HASH, { capacity::FLOWS as usize }> =
-    PinnedMap::new();
+pub static FLOWS4: PinnedMap<FlowKey4, Flow4, LRU_HASH, { capacity::FLOWS as usize }> = PinnedMap::new();

@@ -112,10 +112,8 @@ pub fn rewrite(ctx: &TcContext, packet: &Ipv4L4, side: Side, addr: [u8; 4], port
     }
     // Checksum helpers take the changed words exactly as they lie in the packet.
     let (old_addr, new_addr) = (u32::from_ne_bytes(old_addr) as u64, u32::from_ne_bytes(addr) as u64);
-    let (old_port, new_port) = (
-        u16::from_ne_bytes(old_port.to_be_bytes()) as u64,
-        u16::from_ne_bytes(port.to_be_bytes()) as u64,
-    );
+    let (old_port, new_port) =
+        (u16::from_ne_bytes(old_port.to_be_bytes()) as u64, u16::from_ne_bytes(port.to_be_bytes()) as u64);
     // A UDP checksum of 0 means "none" and must stay 0.
     let mangled = if packet.flow.proto == proto::UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
     let l4_csum = l4_csum_offset(packet.l4_offset, packet.flow.proto);

@@ -1,5 +1,4 @@
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
     helpers::bpf_get_prandom_u32,
     macros::classifier,
     programs::TcContext,
@@ -11,8 +10,12 @@ use crate::{
     packet::{parse_ipv4_l4, rewrite, Ipv4L4, Side},
 };
 
-/// Leaves the decision to the next program or the default action: vipr did not act.
+// Verdicts from linux/pkt_cls.h, typed as the program returns them.
+/// vipr did not act: the next program (or the default action) decides.
 const TC_ACT_UNSPEC: i32 = -1;
+/// vipr rewrote the packet; let it continue.
+const TC_ACT_OK: i32 = 0;
+const TC_ACT_SHOT: i32 = 2;
 
 #[classifier]
 pub fn vipr_tc_ingress(ctx: TcContext) -> i32 {
@@ -38,7 +41,7 @@ fn balance(ctx: &TcContext, packet: &Ipv4L4) -> i32 {
         return TC_ACT_UNSPEC;
     };
     if service.backend_count == 0 {
-        return TC_ACT_SHOT as i32;
+        return TC_ACT_SHOT;
     }
     let slot = BackendSlot {
         backend_set: service.backend_set,
@@ -47,7 +50,7 @@ fn balance(ctx: &TcContext, packet: &Ipv4L4) -> i32 {
     // A miss means the agent retired this set between our two lookups; the client retransmits
     // and meets the new set.
     let Some(backend) = BACKENDS4.get(&slot) else {
-        return TC_ACT_SHOT as i32;
+        return TC_ACT_SHOT;
     };
     track(packet, &backend);
     verdict(rewrite(ctx, packet, Side::Destination, backend.addr, backend.port))
@@ -57,7 +60,8 @@ fn balance(ctx: &TcContext, packet: &Ipv4L4) -> i32 {
 /// balancing decision for the next packet, so it does not drop this one.
 #[inline(always)]
 fn track(packet: &Ipv4L4, backend: &Backend4) {
-    let to_backend = Flow4 { nat_addr: backend.addr, nat_port: backend.port, kind: flow_kind::TO_BACKEND, pad: 0 };
+    let to_backend =
+        Flow4 { nat_addr: backend.addr, nat_port: backend.port, kind: flow_kind::TO_BACKEND, pad: 0 };
     let reply = FlowKey4 {
         src_addr: backend.addr,
         dst_addr: packet.flow.src_addr,
@@ -79,8 +83,8 @@ fn track(packet: &Ipv4L4, backend: &Backend4) {
 #[inline(always)]
 fn verdict(result: Result<(), i64>) -> i32 {
     match result {
-        Ok(()) => TC_ACT_OK as i32,
+        Ok(()) => TC_ACT_OK,
         // Half-rewritten packets must not escape.
-        Err(_) => TC_ACT_SHOT as i32,
+        Err(_) => TC_ACT_SHOT,
     }
 }

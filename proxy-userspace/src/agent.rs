@@ -40,7 +40,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         other => bail!("--proxy-mode={other:?} is not implemented yet; use --proxy-mode=ebpf"),
     }
     let Some(services_file) = args.services_file.clone() else {
-        bail!("no source of services: pass --services-file=PATH (the API server source is not implemented yet)");
+        bail!(
+            "no source of services: pass --services-file=PATH (the API server source is not implemented yet)"
+        );
     };
     let devices = args.devices().context("cannot list network devices")?;
     if devices.is_empty() {

@@ -65,7 +65,9 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], _node: &Nod
     for service in services {
         match service_ports(service) {
             Ok(service_ports) => ports.extend(service_ports),
-            Err(reason) => rejected.push(Rejection { object: describe("Service", &service.metadata), reason }),
+            Err(reason) => {
+                rejected.push(Rejection { object: describe("Service", &service.metadata), reason })
+            }
         }
     }
     let mut endpoints: BTreeMap<ServicePortName, Vec<EndpointSpec>> = BTreeMap::new();
@@ -76,7 +78,9 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], _node: &Nod
                     endpoints.entry(name).or_default().extend(found);
                 }
             }
-            Err(reason) => rejected.push(Rejection { object: describe("EndpointSlice", &slice.metadata), reason }),
+            Err(reason) => {
+                rejected.push(Rejection { object: describe("EndpointSlice", &slice.metadata), reason })
+            }
         }
     }
 
@@ -122,7 +126,9 @@ fn describe(kind: &str, metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v
     )
 }
 
-fn identity(metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Result<(String, String), String> {
+fn identity(
+    metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Result<(String, String), String> {
     let name = metadata.name.clone().filter(|name| !name.is_empty()).ok_or("metadata.name is missing")?;
     Ok((metadata.namespace.clone().unwrap_or_else(|| "default".into()), name))
 }
@@ -156,7 +162,9 @@ fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
     }
     let cluster_ips = addresses
         .iter()
-        .map(|address| address.parse::<IpAddr>().map_err(|_| format!("cluster IP {address:?} is not an IP address")))
+        .map(|address| {
+            address.parse::<IpAddr>().map_err(|_| format!("cluster IP {address:?} is not an IP address"))
+        })
         .collect::<Result<Vec<_>, _>>()?;
 
     let mut seen = HashSet::new();
@@ -170,14 +178,22 @@ fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
             return Err(format!("{field}: port {number}/{protocol} is listed twice"));
         }
         ports.push(ServicePortSpec {
-            name: ServicePortName { namespace: namespace.clone(), name: name.clone(), port: port_name, protocol },
+            name: ServicePortName {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                port: port_name,
+                protocol,
+            },
             cluster_ips: cluster_ips.clone(),
             port: number,
         });
     }
     let mut names = HashSet::new();
     if let Some(duplicate) = ports.iter().find(|port| !names.insert(&port.name)) {
-        return Err(format!("port name {:?} is used twice for {}", duplicate.name.port, duplicate.name.protocol));
+        return Err(format!(
+            "port name {:?} is used twice for {}",
+            duplicate.name.port, duplicate.name.protocol
+        ));
     }
     Ok(ports)
 }
@@ -202,15 +218,16 @@ fn slice_endpoints(slice: &EndpointSlice) -> Result<Vec<(ServicePortName, Vec<En
 
     let mut addresses = Vec::new();
     for (index, endpoint) in slice.endpoints.iter().enumerate() {
-        let address = endpoint
-            .addresses
-            .first()
-            .ok_or_else(|| format!("endpoints[{index}] has no address"))?;
+        let address =
+            endpoint.addresses.first().ok_or_else(|| format!("endpoints[{index}] has no address"))?;
         let ip: IpAddr = address
             .parse()
             .map_err(|_| format!("endpoints[{index}].addresses[0] {address:?} is not an IP address"))?;
         if ip.is_ipv4() != (slice.address_type == "IPv4") {
-            return Err(format!("endpoints[{index}] address {ip} is not of addressType {}", slice.address_type));
+            return Err(format!(
+                "endpoints[{index}] address {ip} is not of addressType {}",
+                slice.address_type
+            ));
         }
         // Unset conditions mean ready, as the API documents.
         let ready = endpoint.conditions.as_ref().and_then(|conditions| conditions.ready).unwrap_or(true);
@@ -232,7 +249,10 @@ fn slice_endpoints(slice: &EndpointSlice) -> Result<Vec<(ServicePortName, Vec<En
             port: port.name.clone().unwrap_or_default(),
             protocol,
         };
-        let endpoints = addresses.iter().map(|(ip, ready)| EndpointSpec { ip: *ip, port: number, ready: *ready }).collect();
+        let endpoints = addresses
+            .iter()
+            .map(|(ip, ready)| EndpointSpec { ip: *ip, port: number, ready: *ready })
+            .collect();
         by_port.push((name, endpoints));
     }
     Ok(by_port)

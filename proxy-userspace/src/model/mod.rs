@@ -3,11 +3,7 @@
 //! This is the only thing a dataplane sees. It is computed from Kubernetes objects by
 //! [`kubernetes::desired_state`] and knows nothing of maps, rules or kernels; each dataplane
 //! turns it into its own representation.
-use std::{
-    collections::BTreeMap,
-    fmt,
-    net::IpAddr,
-};
+use std::{collections::BTreeMap, fmt, net::IpAddr};
 
 pub mod kubernetes;
 

@@ -49,7 +49,8 @@ fn add_object(value: serde_yaml::Value, document: usize, objects: &mut Objects) 
     if value.is_null() {
         return;
     }
-    let text_field = |field: &str| value.get(field).and_then(serde_yaml::Value::as_str).unwrap_or_default().to_owned();
+    let text_field =
+        |field: &str| value.get(field).and_then(serde_yaml::Value::as_str).unwrap_or_default().to_owned();
     let (api_version, kind) = (text_field("apiVersion"), text_field("kind"));
     let describe = |kind: &str| {
         let metadata = value.get("metadata");
@@ -63,14 +64,18 @@ fn add_object(value: serde_yaml::Value, document: usize, objects: &mut Objects) 
     match (api_version.as_str(), kind.as_str()) {
         ("v1", "Service") => match serde_yaml::from_value::<Service>(value.clone()) {
             Ok(service) => objects.services.push(service),
-            Err(error) => objects.rejected.push(Rejection { object: describe("Service"), reason: error.to_string() }),
-        },
-        ("discovery.k8s.io/v1", "EndpointSlice") => match serde_yaml::from_value::<EndpointSlice>(value.clone()) {
-            Ok(slice) => objects.slices.push(slice),
             Err(error) => {
-                objects.rejected.push(Rejection { object: describe("EndpointSlice"), reason: error.to_string() })
+                objects.rejected.push(Rejection { object: describe("Service"), reason: error.to_string() })
             }
         },
+        ("discovery.k8s.io/v1", "EndpointSlice") => {
+            match serde_yaml::from_value::<EndpointSlice>(value.clone()) {
+                Ok(slice) => objects.slices.push(slice),
+                Err(error) => objects
+                    .rejected
+                    .push(Rejection { object: describe("EndpointSlice"), reason: error.to_string() }),
+            }
+        }
         (_, list) if list.ends_with("List") => {
             if let Some(items) = value.get("items").and_then(serde_yaml::Value::as_sequence) {
                 for item in items {

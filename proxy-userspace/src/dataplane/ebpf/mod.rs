@@ -139,7 +139,9 @@ impl EbpfDataplane {
     fn fill_set(&mut self, set: u32, backends: &[Backend4]) -> anyhow::Result<()> {
         for (slot, backend) in backends.iter().enumerate() {
             let slot = BackendSlot { backend_set: set, slot: slot as u32 };
-            self.backends.insert(slot, backend, 0).context("cannot store a backend slot (is the backends map full?)")?;
+            self.backends
+                .insert(slot, backend, 0)
+                .context("cannot store a backend slot (is the backends map full?)")?;
         }
         Ok(())
     }
@@ -155,11 +157,17 @@ impl EbpfDataplane {
     }
 
     /// The desired state in this dataplane's terms: IPv4 TCP/UDP frontends.
-    fn wanted(&mut self, state: &DesiredState, report: &mut SyncReport) -> BTreeMap<ServiceKey4, WantedFrontend> {
+    fn wanted(
+        &mut self,
+        state: &DesiredState,
+        report: &mut SyncReport,
+    ) -> BTreeMap<ServiceKey4, WantedFrontend> {
         let mut wanted = BTreeMap::new();
         for (frontend, entry) in &state.frontends {
             let (IpAddr::V4(address), Some(protocol)) = (frontend.ip, ip_protocol(frontend.protocol)) else {
-                report.unsupported.push(format!("{frontend} ({}): only IPv4 TCP and UDP are supported", entry.service));
+                report
+                    .unsupported
+                    .push(format!("{frontend} ({}): only IPv4 TCP and UDP are supported", entry.service));
                 continue;
             };
             let backends: Vec<Backend4> = entry
@@ -267,7 +275,10 @@ fn take_map<K: aya::Pod, V: aya::Pod>(ebpf: &mut Ebpf, name: &str) -> anyhow::Re
     HashMap::try_from(map).with_context(|| format!("map {name} does not have the expected layout"))
 }
 
-fn remove_entry<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, key: &K) -> Result<(), aya::maps::MapError> {
+fn remove_entry<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    key: &K,
+) -> Result<(), aya::maps::MapError> {
     match map.remove(key) {
         Err(aya::maps::MapError::KeyNotFound) => Ok(()),
         other => other,
@@ -298,10 +309,15 @@ fn attach(program: &mut SchedClassifier, device: &str, link_pin: &Path) -> anyho
                 }
             }
         }
-        Err(LinkError::SyscallError(SyscallError { io_error, .. })) if io_error.kind() == io::ErrorKind::NotFound => {}
+        Err(LinkError::SyscallError(SyscallError { io_error, .. }))
+            if io_error.kind() == io::ErrorKind::NotFound => {}
         Err(error) => return Err(error.into()),
     }
-    match program.attach_with_options(device, TcAttachType::Ingress, TcAttachOptions::TcxOrder(LinkOrder::default())) {
+    match program.attach_with_options(
+        device,
+        TcAttachType::Ingress,
+        TcAttachOptions::TcxOrder(LinkOrder::default()),
+    ) {
         Ok(id) => {
             let link: FdLink = program.take_link(id)?.try_into()?;
             link.pin(link_pin).with_context(|| format!("cannot pin the link at {}", link_pin.display()))?;
@@ -314,7 +330,11 @@ fn attach(program: &mut SchedClassifier, device: &str, link_pin: &Path) -> anyho
             }
             detach_clsact(device);
             let id = program
-                .attach_with_options(device, TcAttachType::Ingress, TcAttachOptions::Netlink(Default::default()))
+                .attach_with_options(
+                    device,
+                    TcAttachType::Ingress,
+                    TcAttachOptions::Netlink(Default::default()),
+                )
                 .with_context(|| format!("TCX failed ({tcx_error}) and so did clsact"))?;
             // A clsact filter lives until removed; dropping aya's handle would remove it now.
             std::mem::forget(program.take_link(id)?);

@@ -39,7 +39,8 @@ impl PinDir {
     /// Creates the directories, mounting a bpffs at `bpf_root` first when there is none.
     pub fn create(&self, bpf_root: &Path) -> anyhow::Result<()> {
         ensure_bpffs(bpf_root)?;
-        std::fs::create_dir_all(self.links()).with_context(|| format!("cannot create {}", self.links().display()))
+        std::fs::create_dir_all(self.links())
+            .with_context(|| format!("cannot create {}", self.links().display()))
     }
 
     /// Detaches every pinned link and deletes every pin: after this no trace of vipr is left
@@ -54,7 +55,8 @@ impl PinDir {
                 }
                 Err(error) => {
                     warn!(pin = %link.display(), %error, "not a link; removing the pin");
-                    std::fs::remove_file(&link).with_context(|| format!("cannot remove {}", link.display()))?;
+                    std::fs::remove_file(&link)
+                        .with_context(|| format!("cannot remove {}", link.display()))?;
                 }
             }
             removed += 1;
@@ -109,11 +111,11 @@ fn ensure_bpffs(root: &Path) -> anyhow::Result<()> {
     }
     let target = CString::new(root.as_os_str().as_bytes())?;
     // SAFETY: all pointers are NUL-terminated strings that outlive the call.
-    let result = unsafe {
-        libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null())
-    };
+    let result =
+        unsafe { libc::mount(c"bpf".as_ptr(), target.as_ptr(), c"bpf".as_ptr(), 0, std::ptr::null()) };
     if result != 0 {
-        return Err(io::Error::last_os_error()).with_context(|| format!("cannot mount a bpffs at {}", root.display()));
+        return Err(io::Error::last_os_error())
+            .with_context(|| format!("cannot mount a bpffs at {}", root.display()));
     }
     info!(root = %root.display(), "mounted a bpffs");
     Ok(())

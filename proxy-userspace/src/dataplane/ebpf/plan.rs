@@ -117,18 +117,20 @@ impl SetIds {
 }
 
 /// The changes that turn `programmed` into `wanted`; frontends that already match get none.
-pub fn plan(programmed: &Programmed, wanted: &BTreeMap<ServiceKey4, WantedFrontend>, ids: &mut SetIds) -> Vec<Change> {
+pub fn plan(
+    programmed: &Programmed,
+    wanted: &BTreeMap<ServiceKey4, WantedFrontend>,
+    ids: &mut SetIds,
+) -> Vec<Change> {
     let mut in_use = programmed.sets_in_use();
-    let mut changes: Vec<Change> = programmed
-        .orphan_sets
-        .iter()
-        .map(|(&set, &slots)| Change::ClearOrphanSet { set, slots })
-        .collect();
+    let mut changes: Vec<Change> =
+        programmed.orphan_sets.iter().map(|(&set, &slots)| Change::ClearOrphanSet { set, slots }).collect();
     for (key, want) in wanted {
         let current = programmed.frontends.get(key);
         let same_backends = current.is_some_and(|c| c.backends == want.backends);
         if same_backends
-            && current.is_some_and(|c| c.service.service_id == want.service_id && c.service.flags == want.flags)
+            && current
+                .is_some_and(|c| c.service.service_id == want.service_id && c.service.flags == want.flags)
         {
             continue;
         }
@@ -181,7 +183,14 @@ mod tests {
         entries
             .iter()
             .map(|(key, id, backends)| {
-                (*key, WantedFrontend { service_id: *id, flags: 0, backends: backends.iter().map(|b| backend(*b)).collect() })
+                (
+                    *key,
+                    WantedFrontend {
+                        service_id: *id,
+                        flags: 0,
+                        backends: backends.iter().map(|b| backend(*b)).collect(),
+                    },
+                )
             })
             .collect()
     }
@@ -249,9 +258,14 @@ mod tests {
     #[test]
     fn backend_change_switches_to_a_fresh_set_and_retires_the_old_one() {
         let mut ids = SetIds::after(&Programmed::default());
-        let before = apply(&Programmed::default(), &plan(&Programmed::default(), &wanted(&[(key(1, 80), 7, &[1, 2, 3])]), &mut ids));
+        let before = apply(
+            &Programmed::default(),
+            &plan(&Programmed::default(), &wanted(&[(key(1, 80), 7, &[1, 2, 3])]), &mut ids),
+        );
         let changes = plan(&before, &wanted(&[(key(1, 80), 7, &[1, 3])]), &mut ids);
-        let [Change::Upsert { fill: Some(fill), service, retire: Some((old_set, 3)), .. }] = changes.as_slice() else {
+        let [Change::Upsert { fill: Some(fill), service, retire: Some((old_set, 3)), .. }] =
+            changes.as_slice()
+        else {
             panic!("unexpected plan {changes:?}");
         };
         assert_eq!(fill, &vec![backend(1), backend(3)]);
@@ -264,7 +278,10 @@ mod tests {
     #[test]
     fn identity_change_keeps_the_backend_set() {
         let mut ids = SetIds::after(&Programmed::default());
-        let before = apply(&Programmed::default(), &plan(&Programmed::default(), &wanted(&[(key(1, 80), 7, &[1])]), &mut ids));
+        let before = apply(
+            &Programmed::default(),
+            &plan(&Programmed::default(), &wanted(&[(key(1, 80), 7, &[1])]), &mut ids),
+        );
         let changes = plan(&before, &wanted(&[(key(1, 80), 9, &[1])]), &mut ids);
         assert!(matches!(changes.as_slice(), [Change::Upsert { fill: None, retire: None, service, .. }]
             if service.service_id == 9 && service.backend_set == before.frontends[&key(1, 80)].service.backend_set));

@@ -1,1 +1,194 @@
+use std::net::IpAddr;
 
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use serde_json::json;
+
+use super::*;
+
+fn service(name: &str, spec: serde_json::Value) -> Service {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+fn slice(name: &str, service: &str, body: serde_json::Value) -> EndpointSlice {
+    let mut object = json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": "ns", "labels": {SERVICE_NAME_LABEL: service}},
+        "addressType": "IPv4",
+    });
+    object.as_object_mut().unwrap().extend(body.as_object().unwrap().clone());
+    serde_json::from_value(object).unwrap()
+}
+
+fn translate(services: &[Service], slices: &[EndpointSlice]) -> Translation {
+    desired_state(services, slices, &NodeContext { name: "node-a".into() })
+}
+
+fn frontend(ip: &str, port: u16, protocol: Protocol) -> Frontend {
+    Frontend { ip: ip.parse().unwrap(), port, protocol }
+}
+
+fn backends(entry: &FrontendEntry) -> Vec<String> {
+    entry.backends.iter().map(ToString::to_string).collect()
+}
+
+fn web() -> Service {
+    service(
+        "web",
+        json!({"clusterIP": "10.96.0.10", "ports": [
+            {"name": "http", "port": 80, "protocol": "TCP"},
+            {"name": "dns", "port": 53, "protocol": "UDP"},
+        ]}),
+    )
+}
+
+#[test]
+fn cluster_ip_ports_map_to_ready_endpoints_by_port_name_and_protocol() {
+    let slices = [slice(
+        "web-1",
+        "web",
+        json!({
+            "endpoints": [
+                {"addresses": ["10.1.0.1"], "conditions": {"ready": true}},
+                {"addresses": ["10.1.0.2"]},
+                {"addresses": ["10.1.0.3"], "conditions": {"ready": false}},
+            ],
+            "ports": [
+                {"name": "http", "port": 8080, "protocol": "TCP"},
+                {"name": "dns", "port": 5353, "protocol": "UDP"},
+                {"name": "http", "port": 9999, "protocol": "UDP"},
+            ],
+        }),
+    )];
+    let translation = translate(&[web()], &slices);
+    assert!(translation.rejected.is_empty(), "{:?}", translation.rejected);
+    let frontends = &translation.state.frontends;
+    assert_eq!(frontends.len(), 2);
+    assert_eq!(
+        backends(&frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)]),
+        ["10.1.0.1:8080", "10.1.0.2:8080"]
+    );
+    assert_eq!(
+        backends(&frontends[&frontend("10.96.0.10", 53, Protocol::Udp)]),
+        ["10.1.0.1:5353", "10.1.0.2:5353"]
+    );
+    assert_eq!(frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)].service.to_string(), "ns/web:http");
+}
+
+#[test]
+fn slices_of_one_service_are_merged_and_duplicates_count_once() {
+    let endpoint_slice = |name, address| {
+        slice(
+            name,
+            "web",
+            json!({"endpoints": [{"addresses": [address]}, {"addresses": ["10.1.0.9"]}], "ports": [{"name": "http", "port": 8080}]}),
+        )
+    };
+    let translation =
+        translate(&[web()], &[endpoint_slice("web-1", "10.1.0.1"), endpoint_slice("web-2", "10.1.0.2")]);
+    let entry = &translation.state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)];
+    assert_eq!(backends(entry), ["10.1.0.1:8080", "10.1.0.2:8080", "10.1.0.9:8080"]);
+}
+
+#[test]
+fn a_service_without_endpoints_is_still_a_frontend_with_no_backends() {
+    let translation = translate(&[web()], &[]);
+    assert!(translation.state.frontends.values().all(|entry| entry.backends.is_empty()));
+    assert_eq!(translation.state.frontends.len(), 2);
+}
+
+#[test]
+fn headless_and_external_name_services_have_no_frontends_and_are_not_errors() {
+    let headless = service("headless", json!({"clusterIP": "None", "ports": [{"port": 80}]}));
+    let external = service("external", json!({"type": "ExternalName", "externalName": "example.com"}));
+    let translation = translate(&[headless, external], &[]);
+    assert!(translation.state.frontends.is_empty());
+    assert!(translation.rejected.is_empty());
+}
+
+#[test]
+fn dual_stack_cluster_ips_each_get_a_frontend() {
+    let dual = service(
+        "dual",
+        json!({"clusterIP": "10.96.0.11", "clusterIPs": ["10.96.0.11", "fd00::11"], "ports": [{"port": 80}]}),
+    );
+    let translation = translate(&[dual], &[]);
+    let ips: Vec<IpAddr> = translation.state.frontends.keys().map(|f| f.ip).collect();
+    assert_eq!(ips, ["10.96.0.11".parse::<IpAddr>().unwrap(), "fd00::11".parse().unwrap()]);
+}
+
+#[test]
+fn invalid_services_are_rejected_alone() {
+    let cases = [
+        (json!({"clusterIP": "10.96.0.300", "ports": [{"port": 80}]}), "is not an IP address"),
+        (json!({"clusterIP": "10.96.0.1", "ports": [{"port": 0}]}), "is not a port"),
+        (json!({"clusterIP": "10.96.0.1", "ports": [{"port": 70000}]}), "is not a port"),
+        (
+            json!({"clusterIP": "10.96.0.1", "ports": [{"port": 80, "protocol": "ICMP"}]}),
+            "is not TCP, UDP or SCTP",
+        ),
+        (
+            json!({"clusterIP": "10.96.0.1", "ports": [{"name": "a", "port": 80}, {"name": "b", "port": 80}]}),
+            "listed twice",
+        ),
+    ];
+    for (spec, reason) in cases {
+        let translation = translate(&[service("bad", spec.clone()), web()], &[]);
+        assert_eq!(translation.rejected.len(), 1, "{spec}");
+        assert!(translation.rejected[0].reason.contains(reason), "{spec}: {}", translation.rejected[0]);
+        assert_eq!(translation.rejected[0].object, "Service ns/bad");
+        assert_eq!(translation.state.frontends.len(), 2, "the valid service must still be applied ({spec})");
+    }
+}
+
+#[test]
+fn invalid_slices_are_rejected_alone() {
+    let good = slice(
+        "web-good",
+        "web",
+        json!({"endpoints": [{"addresses": ["10.1.0.1"]}], "ports": [{"name": "http", "port": 8080}]}),
+    );
+    let cases = [
+        slice(
+            "web-bad",
+            "web",
+            json!({"endpoints": [{"addresses": ["10.1.0.999"]}], "ports": [{"name": "http", "port": 8080}]}),
+        ),
+        slice(
+            "web-bad",
+            "web",
+            json!({"endpoints": [{"addresses": ["fd00::1"]}], "ports": [{"name": "http", "port": 8080}]}),
+        ),
+        slice(
+            "web-bad",
+            "web",
+            json!({"endpoints": [{"addresses": ["10.1.0.2"]}], "ports": [{"name": "http", "port": 0}]}),
+        ),
+        slice(
+            "web-bad",
+            "",
+            json!({"endpoints": [{"addresses": ["10.1.0.2"]}], "ports": [{"name": "http", "port": 8080}]}),
+        ),
+    ];
+    for bad in cases {
+        let translation = translate(&[web()], &[bad.clone(), good.clone()]);
+        assert_eq!(translation.rejected.len(), 1, "{bad:?}");
+        assert_eq!(translation.rejected[0].object, "EndpointSlice ns/web-bad");
+        let entry = &translation.state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)];
+        assert_eq!(backends(entry), ["10.1.0.1:8080"]);
+    }
+}
+
+#[test]
+fn a_frontend_claimed_twice_goes_to_the_first_service_by_name() {
+    let first = service("a-first", json!({"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}));
+    let translation = translate(&[web(), first], &[]);
+    let owner = &translation.state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)].service;
+    assert_eq!(owner.name, "a-first");
+    assert_eq!(translation.rejected.len(), 1);
+    assert!(translation.rejected[0].reason.contains("already served by ns/a-first"));
+}
