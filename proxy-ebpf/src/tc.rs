@@ -1,8 +1,4 @@
-use aya_ebpf::{
-    helpers::bpf_get_prandom_u32,
-    macros::classifier,
-    programs::TcContext,
-};
+use aya_ebpf::{helpers::bpf_get_prandom_u32, macros::classifier, programs::TcContext};
 use proxy_common::{flow_kind, Backend4, BackendSlot, Flow4, FlowKey4, ServiceKey4};
 
 use crate::{

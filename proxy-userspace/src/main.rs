@@ -1,3 +1,5 @@
+use std::io::IsTerminal as _;
+
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 use vipr::cli::Args;
@@ -10,7 +12,11 @@ fn main() -> std::process::ExitCode {
         _ => "trace",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
     match vipr::agent::run(&args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {

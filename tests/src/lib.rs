@@ -1,1 +1,135 @@
-//! Network-namespace testbed (in progress).
+//! `testbed`: real-kernel network-namespace labs for vipr's end-to-end tests and demo.
+//!
+//! Everything here is an RAII guard that undoes itself on drop, including while a test
+//! panics: namespaces ([`Netns`]), a star of veth links around a node namespace
+//! ([`Topology`]), a private bpffs mount ([`BpfFs`]), the agent process ([`Vipr`]), backend
+//! servers ([`EchoServer`]) and scratch directories ([`WorkDir`]). [`Lab`] puts them together
+//! as client -> node (vipr) -> backends.
+//!
+//! Namespaces are entered with `setns()` in-process, never with `ip netns exec`, which
+//! remounts /sys and would hide the bpffs that vipr pins into. Code that must run inside a
+//! namespace goes through [`Netns::run`]; sockets it creates stay in that namespace and can be
+//! used from any thread afterwards.
+//!
+//! A run that is killed (SIGKILL, a CI timeout) cannot run its guards: vipr still gets SIGTERM
+//! as its parent dies, and the namespaces, mounts and directories it left are removed by the
+//! next run that uses the same label. All of it needs root.
+
+mod bpffs;
+mod client;
+mod cmd;
+mod echo;
+mod lab;
+pub mod manifest;
+mod maps;
+mod netns;
+mod topology;
+mod vipr;
+mod workdir;
+
+use std::{
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+pub use bpffs::BpfFs;
+pub use client::{
+    count_by_backend, exchange, exchanges, tcp_exchange, udp_exchange, Answer, Exchange, TcpSession,
+};
+pub use echo::EchoServer;
+pub use lab::{Lab, LabConfig};
+pub use manifest::{ClusterIpService, Endpoint, Frontend, Protocol, ServicePort};
+pub use maps::{PinnedMaps, ServiceEntry};
+pub use netns::Netns;
+pub use topology::{create_veth, Leaf, LeafSpec, Topology, VethEnd};
+pub use vipr::{locate_vipr, vipr_cleanup, Vipr, ViprConfig};
+pub use workdir::{write_atomically, WorkDir};
+
+/// A name no other lab in this or any concurrently running process uses: `prefix`, our pid
+/// and a per-process counter. Used for namespaces, mount points and scratch directories, so
+/// tests can run in parallel.
+pub fn unique_name(prefix: &str) -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}-{}-{n}", std::process::id())
+}
+
+/// Whether `name` came from [`unique_name`] with `prefix` in a process that no longer exists:
+/// the leftovers of a run that was killed before its guards could clean up.
+fn left_by_dead_process(name: &str, prefix: &str) -> bool {
+    let Some(rest) = name.strip_prefix(prefix).and_then(|rest| rest.strip_prefix('-')) else {
+        return false;
+    };
+    let Some((pid, _)) = rest.split_once('-') else {
+        return false;
+    };
+    pid.parse::<u32>().is_ok_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+}
+
+/// Entries of the temp dir that [`left_by_dead_process`] with `prefix`.
+fn temp_dir_leftovers(prefix: &str) -> Result<Vec<std::path::PathBuf>> {
+    let temp = std::env::temp_dir();
+    let mut leftovers = Vec::new();
+    for entry in std::fs::read_dir(&temp).with_context(|| format!("cannot list {}", temp.display()))? {
+        let path = entry?.path();
+        if path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .is_some_and(|name| left_by_dead_process(name, prefix))
+        {
+            leftovers.push(path);
+        }
+    }
+    Ok(leftovers)
+}
+
+/// Fails early with a readable message instead of a string of EPERMs.
+pub fn require_root() -> Result<()> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the vipr testbed creates namespaces, veths and bpffs mounts: run it as root");
+    }
+    Ok(())
+}
+
+/// One look at a condition that [`wait_for`] polls.
+pub enum Check<T> {
+    Done(T),
+    /// Not there yet; the text says what was seen, and ends up in the timeout error.
+    NotYet(String),
+}
+
+/// Polls `probe` until it reports [`Check::Done`], for at most `timeout`. An `Err` from the
+/// probe aborts at once (for conditions that can no longer come true, such as the agent
+/// having exited).
+pub fn wait_for<T>(what: &str, timeout: Duration, mut probe: impl FnMut() -> Result<Check<T>>) -> Result<T> {
+    const POLL_INTERVAL: Duration = Duration::from_millis(50);
+    let deadline = Instant::now() + timeout;
+    loop {
+        match probe()? {
+            Check::Done(value) => return Ok(value),
+            Check::NotYet(seen) if Instant::now() >= deadline => {
+                return Err(anyhow!("timed out after {timeout:?} waiting for {what}; last seen: {seen}"));
+            }
+            Check::NotYet(_) => thread::sleep(POLL_INTERVAL),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_names_of_dead_processes_with_our_prefix_are_left_over() {
+        let ours = unique_name("e2e");
+        assert!(!left_by_dead_process(&ours, "e2e"), "we are alive");
+        // Pids are below 2^22 on Linux.
+        assert!(left_by_dead_process("e2e-99999999-0-node", "e2e"));
+        assert!(!left_by_dead_process("e2e-spread-99999999-0-node", "e2e"));
+        assert!(!left_by_dead_process("other-99999999-0-node", "e2e"));
+    }
+}

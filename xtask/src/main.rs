@@ -1,1 +1,185 @@
-fn main() {}
+//! vipr's developer and CI tasks: `cargo xtask <task>` (see `cargo xtask --help`).
+mod cmd;
+mod setup;
+mod steps;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context as _, Result};
+use clap::{Parser, Subcommand};
+
+use steps::{OnFailure, Step};
+
+#[derive(Parser)]
+#[command(about = "vipr's developer and CI tasks", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what this machine lacks to build, test and demo vipr (idempotent; needs root).
+    Setup,
+    /// Build the workspace, including the eBPF object embedded in vipr.
+    Build,
+    /// Run clippy, denying warnings, on the host crates and on the eBPF crate.
+    Lint,
+    /// Everything CI checks: setup, build, lint, then the workspace tests (root: they load BPF).
+    Test,
+    /// Build vipr and run the network-namespace demo; exits with the demo's exit code.
+    Demo {
+        /// Passed on to vipr-demo (e.g. `--pause`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        demo_args: Vec<OsString>,
+    },
+}
+
+/// The steps of `cargo xtask test`, in order. A new suite is one more line here.
+const TEST_STEPS: &[Step] = &[SETUP, BUILD, HOST_CLIPPY, EBPF_CLIPPY, WORKSPACE_TESTS];
+
+const LINT_STEPS: &[Step] = &[HOST_CLIPPY, EBPF_CLIPPY];
+
+const SETUP: Step =
+    Step { name: "setup", run: |_| setup::all(setup::Mode::Install), on_failure: OnFailure::Stop };
+
+/// Before the tests, because they spawn the `vipr` binary, which `cargo test` does not build
+/// (it is another package's binary).
+const BUILD: Step = Step { name: "build", run: build_workspace, on_failure: OnFailure::Stop };
+
+const HOST_CLIPPY: Step = Step {
+    name: "clippy: host crates",
+    run: |workspace| {
+        cmd::run(workspace.cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
+    },
+    on_failure: OnFailure::Continue,
+};
+
+/// On the host the eBPF crate is an empty stub, so its kernel code is only linted when built
+/// for the BPF target, which takes nightly.
+const EBPF_CLIPPY: Step = Step {
+    name: "clippy: eBPF crate (nightly, bpfel-unknown-none)",
+    run: |workspace| {
+        cmd::run(
+            Command::new("cargo")
+                .current_dir(workspace.root.join("proxy-ebpf"))
+                .arg(format!("+{}", setup::NIGHTLY))
+                .args(["clippy", "--release", "--target", "bpfel-unknown-none"])
+                .args(["-Z", "build-std=core", "--", "-D", "warnings"]),
+        )
+    },
+    on_failure: OnFailure::Continue,
+};
+
+/// As root on the real kernel: the tests create network namespaces and load BPF programs.
+const WORKSPACE_TESTS: Step = Step {
+    name: "workspace tests",
+    // Every test binary runs even after one fails, so one CI run reports every failure.
+    run: |workspace| cmd::run_tests(workspace.cargo().args(["test", "--workspace", "--no-fail-fast"])),
+    on_failure: OnFailure::Continue,
+};
+
+/// The cargo workspace this xtask belongs to.
+struct Workspace {
+    root: PathBuf,
+}
+
+impl Workspace {
+    fn locate() -> Result<Self> {
+        let xtask_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let root =
+            xtask_dir.parent().with_context(|| format!("{} has no parent directory", xtask_dir.display()))?;
+        Ok(Self { root: root.to_path_buf() })
+    }
+
+    /// `cargo` run at the workspace root, whatever directory xtask was started from.
+    fn cargo(&self) -> Command {
+        let mut cargo = Command::new("cargo");
+        cargo.current_dir(&self.root);
+        cargo
+    }
+
+    fn target_dir(&self) -> PathBuf {
+        match std::env::var_os("CARGO_TARGET_DIR") {
+            Some(dir) if !dir.is_empty() => self.root.join(dir),
+            _ => self.root.join("target"),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.task) {
+        Ok(exit_code) => exit_code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(task: Task) -> Result<ExitCode> {
+    let workspace = Workspace::locate()?;
+    match task {
+        Task::Setup => setup::all(setup::Mode::Install)?,
+        Task::Build => build(&workspace)?,
+        Task::Lint => steps::run_all(&workspace, LINT_STEPS)?,
+        Task::Test => steps::run_all(&workspace, TEST_STEPS)?,
+        Task::Demo { demo_args } => return demo(&workspace, &demo_args),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn build(workspace: &Workspace) -> Result<()> {
+    // Only checked, not installed: installing needs root and network, which a build should
+    // not quietly reach for. A missing piece names `cargo xtask setup`.
+    setup::toolchain(setup::Mode::CheckOnly)?;
+    build_workspace(workspace)
+}
+
+fn build_workspace(workspace: &Workspace) -> Result<()> {
+    cmd::run(workspace.cargo().args(["build", "--workspace"]))
+}
+
+fn demo(workspace: &Workspace, demo_args: &[OsString]) -> Result<ExitCode> {
+    setup::all(setup::Mode::Install)?;
+    cmd::run(workspace.cargo().args(["build", "-p", "proxy-userspace", "-p", "vipr-tests"]))?;
+    let binaries = workspace.target_dir().join("debug");
+    let status = cmd::status(
+        Command::new(binaries.join("vipr-demo"))
+            .current_dir(&workspace.root)
+            .arg("--vipr")
+            .arg(binaries.join("vipr"))
+            .args(demo_args),
+    )?;
+    Ok(exit_code_of(status))
+}
+
+/// The exit code a shell would report for `status`, so callers see the demo's own result.
+fn exit_code_of(status: std::process::ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    let code = match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => 128 + signal,
+        (None, None) => 1,
+    };
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_pass_through_as_a_shell_reports_them() {
+        let exit_with = |script: &str| {
+            let status = Command::new("sh").args(["-c", script]).status().unwrap();
+            exit_code_of(status)
+        };
+        assert_eq!(exit_with("exit 0"), ExitCode::from(0));
+        assert_eq!(exit_with("exit 7"), ExitCode::from(7));
+        assert_eq!(exit_with("kill -TERM $$"), ExitCode::from(128 + 15));
+    }
+}

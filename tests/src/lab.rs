@@ -1,0 +1,225 @@
+//! A complete vipr lab: client -> node (vipr) -> backends, with a services file, a private
+//! bpffs and echo servers on every backend.
+
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::ExitStatus,
+    thread,
+    time::Duration,
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::{
+    manifest, vipr::log_tail, vipr_cleanup, wait_for, write_atomically, BpfFs, Check, ClusterIpService,
+    EchoServer, LeafSpec, Netns, PinnedMaps, Protocol, Topology, Vipr, ViprConfig, WorkDir,
+};
+
+/// How long vipr may take to program a change of the services file.
+pub const PROGRAMMING_TIMEOUT: Duration = Duration::from_secs(15);
+
+#[derive(Clone, Debug)]
+pub struct LabConfig {
+    /// Prefix of the lab's namespaces, mount point and scratch directory.
+    pub label: String,
+    pub vipr_binary: PathBuf,
+    pub client: LeafSpec,
+    /// Each backend's echo servers answer with its leaf name, on every target port of
+    /// `services`, whether or not it is an endpoint.
+    pub backends: Vec<LeafSpec>,
+    /// The initial contents of the services file.
+    pub services: Vec<ClusterIpService>,
+}
+
+/// Everything of one lab; dropping it stops vipr and removes all of it.
+#[derive(Debug)]
+pub struct Lab {
+    // Fields drop in this order: the agent first; then the servers, whose sockets would keep
+    // the namespaces alive; then the namespaces, the pins, and the scratch directory.
+    vipr: Option<Vipr>,
+    #[expect(dead_code, reason = "kept only to be dropped with the lab")]
+    servers: Vec<EchoServer>,
+    topology: Topology,
+    bpffs: BpfFs,
+    workdir: WorkDir,
+    binary: PathBuf,
+    client: LeafSpec,
+    services: Vec<ClusterIpService>,
+    services_file: PathBuf,
+    /// Logs of the agents this lab started, oldest first.
+    logs: Vec<PathBuf>,
+}
+
+impl Lab {
+    /// Builds the namespaces, mounts the bpffs, writes the services file and starts the echo
+    /// servers. vipr is not started yet: see [`Self::start_vipr`].
+    pub fn new(config: LabConfig) -> Result<Self> {
+        crate::require_root()?;
+        let workdir = WorkDir::create(&config.label)?;
+        let bpffs = BpfFs::mount(&config.label)?;
+        let mut leaves = vec![config.client.clone()];
+        leaves.extend(config.backends.iter().cloned());
+        let topology = Topology::build(&config.label, leaves)?;
+        let services_file = workdir.path().join("services.yaml");
+        write_atomically(&services_file, &manifest::render(&config.services))?;
+        let servers = config
+            .backends
+            .iter()
+            .map(|backend| {
+                let leaf = topology.leaf(&backend.name)?;
+                let listen = |protocol| listen_addrs(&config.services, protocol, backend.addr);
+                EchoServer::start(&leaf.netns, &backend.name, &listen(Protocol::Tcp), &listen(Protocol::Udp))
+                    .with_context(|| format!("cannot start the servers of {}", backend.name))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            vipr: None,
+            servers,
+            topology,
+            bpffs,
+            workdir,
+            binary: config.vipr_binary,
+            client: config.client,
+            services: config.services,
+            services_file,
+            logs: Vec::new(),
+        })
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    pub fn node(&self) -> &Netns {
+        self.topology.node()
+    }
+
+    pub fn client(&self) -> &Netns {
+        &self.topology.leaf(&self.client.name).expect("the client is a leaf").netns
+    }
+
+    pub fn client_addr(&self) -> Ipv4Addr {
+        self.client.addr
+    }
+
+    pub fn bpf_root(&self) -> &Path {
+        self.bpffs.path()
+    }
+
+    pub fn maps(&self) -> PinnedMaps {
+        PinnedMaps::new(self.bpf_root())
+    }
+
+    pub fn services_file(&self) -> &Path {
+        &self.services_file
+    }
+
+    pub fn services(&self) -> &[ClusterIpService] {
+        &self.services
+    }
+
+    /// Rewrites the services file (atomically, as a config-map update would).
+    pub fn set_services(&mut self, services: Vec<ClusterIpService>) -> Result<()> {
+        write_atomically(&self.services_file, &manifest::render(&services))?;
+        self.services = services;
+        Ok(())
+    }
+
+    pub fn vipr(&self) -> Option<&Vipr> {
+        self.vipr.as_ref()
+    }
+
+    /// Starts vipr in the node namespace on all of the node's interfaces.
+    pub fn start_vipr(&mut self) -> Result<&Vipr> {
+        if self.vipr.is_some() {
+            bail!("vipr is running already");
+        }
+        let config = ViprConfig {
+            services_file: self.services_file.clone(),
+            node_name: self.node().name().to_owned(),
+            devices: self.topology.node_interfaces(),
+            bpf_root: self.bpf_root().to_owned(),
+            verbose: true,
+        };
+        let log = self.workdir.path().join(format!("vipr-{}.log", self.logs.len() + 1));
+        let vipr = Vipr::start(&self.binary, self.node(), &config, &log)?;
+        self.logs.push(log);
+        Ok(self.vipr.insert(vipr))
+    }
+
+    /// Stops vipr with SIGTERM and returns its exit status.
+    pub fn stop_vipr(&mut self) -> Result<ExitStatus> {
+        self.vipr.take().context("vipr is not running")?.stop()
+    }
+
+    /// Runs `vipr --cleanup` on this lab's bpffs.
+    pub fn cleanup_vipr(&self) -> Result<()> {
+        vipr_cleanup(&self.binary, self.node(), self.bpf_root()).map(drop)
+    }
+
+    /// [`wait_for`] a condition on the pinned maps; fails at once if vipr, when running,
+    /// exits meanwhile.
+    pub fn wait_for<T>(
+        &mut self,
+        what: &str,
+        mut probe: impl FnMut(&PinnedMaps) -> Result<Check<T>>,
+    ) -> Result<T> {
+        let maps = self.maps();
+        let vipr = &mut self.vipr;
+        wait_for(what, PROGRAMMING_TIMEOUT, || {
+            if let Some(vipr) = vipr.as_mut() {
+                vipr.ensure_running()?;
+            }
+            probe(&maps)
+        })
+    }
+
+    /// Waits until every frontend of the current services leads to exactly its ready
+    /// endpoints.
+    pub fn wait_programmed(&mut self) -> Result<()> {
+        let expected: Vec<_> = self
+            .services
+            .iter()
+            .flat_map(|service| {
+                service.ports.iter().map(|port| (service.frontend(port), service.expected_backends(port)))
+            })
+            .collect();
+        self.wait_for("vipr to program the services file", |maps| {
+            for (frontend, backends) in &expected {
+                let programmed = match maps.frontend_backends(*frontend) {
+                    Ok(programmed) => programmed,
+                    Err(error) => return Ok(Check::NotYet(format!("{error:#}"))),
+                };
+                if programmed.as_ref() != Some(backends) {
+                    return Ok(Check::NotYet(format!("{frontend} -> {programmed:?}, want {backends:?}")));
+                }
+            }
+            Ok(Check::Done(()))
+        })
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            // The running agent prints its own log when its guard drops.
+            let running = self.vipr.as_ref().map(Vipr::log_path);
+            for log in self.logs.iter().filter(|log| Some(log.as_path()) != running) {
+                eprintln!("testbed: earlier vipr {}", log_tail(log));
+            }
+        }
+    }
+}
+
+/// The sockets a backend at `addr` listens on for `protocol`: every target port of it.
+fn listen_addrs(services: &[ClusterIpService], protocol: Protocol, addr: Ipv4Addr) -> Vec<SocketAddr> {
+    let ports: BTreeSet<u16> = services
+        .iter()
+        .flat_map(|service| &service.ports)
+        .filter(|port| port.protocol == protocol)
+        .map(|port| port.target_port)
+        .collect();
+    ports.into_iter().map(|port| SocketAddr::from((addr, port))).collect()
+}

@@ -1,0 +1,130 @@
+//! What vipr has programmed, read from its pinned maps the way an operator would: with
+//! `bpftool -j map dump`, whose "formatted" field names come from the maps' BTF.
+
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result};
+use proxy_common::pins;
+use serde::{de::DeserializeOwned, Deserialize};
+
+use crate::{cmd, Frontend, Protocol};
+
+/// The maps vipr pinned under `<bpf root>/vipr`.
+#[derive(Clone, Debug)]
+pub struct PinnedMaps {
+    dir: PathBuf,
+}
+
+/// A services-map value: which backend set a frontend uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+pub struct ServiceEntry {
+    pub backend_set: u32,
+    pub backend_count: u32,
+    pub service_id: u32,
+    pub flags: u32,
+}
+
+impl PinnedMaps {
+    pub fn new(bpf_root: &Path) -> Self {
+        Self { dir: bpf_root.join(pins::DIR) }
+    }
+
+    /// `<bpf root>/vipr`, which `vipr --cleanup` removes.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn path(&self, map: &str) -> PathBuf {
+        self.dir.join(map)
+    }
+
+    /// The services map: frontend -> backend set.
+    pub fn services(&self) -> Result<BTreeMap<Frontend, ServiceEntry>> {
+        self.dump::<ServiceKey, ServiceEntry>(pins::SERVICES4)?
+            .into_iter()
+            .map(|(key, service)| {
+                let protocol = Protocol::from_number(key.proto)
+                    .with_context(|| format!("unexpected protocol {} in {key:?}", key.proto))?;
+                let addr = SocketAddrV4::new(Ipv4Addr::from(key.addr), key.port);
+                Ok((Frontend { addr, protocol }, service))
+            })
+            .collect()
+    }
+
+    /// The backends map: (backend set, slot) -> backend.
+    pub fn backends(&self) -> Result<BTreeMap<(u32, u32), SocketAddrV4>> {
+        Ok(self
+            .dump::<BackendSlot, Backend>(pins::BACKENDS4)?
+            .into_iter()
+            .map(|(slot, backend)| {
+                ((slot.backend_set, slot.slot), SocketAddrV4::new(Ipv4Addr::from(backend.addr), backend.port))
+            })
+            .collect())
+    }
+
+    /// The backends a new connection to `frontend` can reach now, sorted; `None` if the
+    /// frontend is not programmed. A slot the agent has not filled (yet) is an error.
+    pub fn frontend_backends(&self, frontend: Frontend) -> Result<Option<Vec<SocketAddrV4>>> {
+        let Some(service) = self.services()?.get(&frontend).copied() else {
+            return Ok(None);
+        };
+        let slots = self.backends()?;
+        let mut backends = (0..service.backend_count)
+            .map(|slot| {
+                slots
+                    .get(&(service.backend_set, slot))
+                    .copied()
+                    .with_context(|| format!("{frontend} uses {service:?} but its slot {slot} is empty"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        backends.sort();
+        Ok(Some(backends))
+    }
+
+    fn dump<K: DeserializeOwned, V: DeserializeOwned>(&self, map: &str) -> Result<Vec<(K, V)>> {
+        let path = self.path(map);
+        let json = cmd::run(Command::new("bpftool").arg("-j").args(["map", "dump", "pinned"]).arg(&path))?;
+        let entries: Vec<Entry<K, V>> = serde_json::from_str(&json).with_context(|| {
+            format!("unexpected `bpftool -j map dump` output for {}: {json}", path.display())
+        })?;
+        Ok(entries.into_iter().map(|entry| (entry.formatted.key, entry.formatted.value)).collect())
+    }
+}
+
+/// One element of `bpftool -j map dump`; "key" and "value" (hex bytes) are ignored.
+#[derive(Deserialize)]
+struct Entry<K, V> {
+    formatted: Formatted<K, V>,
+}
+
+#[derive(Deserialize)]
+struct Formatted<K, V> {
+    key: K,
+    value: V,
+}
+
+// Mirrors of proxy_common's map types as bpftool prints them (padding omitted).
+
+#[derive(Debug, Deserialize)]
+struct ServiceKey {
+    addr: [u8; 4],
+    port: u16,
+    proto: u8,
+}
+
+#[derive(Deserialize)]
+struct BackendSlot {
+    backend_set: u32,
+    slot: u32,
+}
+
+#[derive(Deserialize)]
+struct Backend {
+    addr: [u8; 4],
+    port: u16,
+}

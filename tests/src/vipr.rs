@@ -1,0 +1,190 @@
+//! The vipr agent as a child process.
+
+use std::{
+    fs::File,
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, ExitStatus, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::{cmd, Netns};
+
+/// Environment variable naming the vipr binary, overriding the search next to our own.
+const VIPR_BIN: &str = "VIPR_BIN";
+/// How long vipr gets to exit after SIGTERM before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Lines of vipr's log shown when a test fails.
+const LOG_TAIL_LINES: usize = 150;
+
+/// The vipr binary: `$VIPR_BIN` if set, else `vipr` in the nearest directory above the
+/// running executable (`target/debug/deps/e2e-… -> target/debug/vipr`,
+/// `target/debug/vipr-demo -> target/debug/vipr`).
+pub fn locate_vipr() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os(VIPR_BIN) {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            bail!("{VIPR_BIN}={} is not a file", path.display());
+        }
+        return Ok(path);
+    }
+    let executable = std::env::current_exe().context("cannot find our own executable")?;
+    executable
+        .ancestors()
+        .skip(1)
+        .map(|dir| dir.join("vipr"))
+        .find(|candidate| candidate.is_file())
+        .with_context(|| {
+            format!(
+                "no vipr binary above {}: run `cargo build -p proxy-userspace` or set {VIPR_BIN}",
+                executable.display()
+            )
+        })
+}
+
+/// How to run the agent (see vipr's command-line contract).
+#[derive(Clone, Debug)]
+pub struct ViprConfig {
+    pub services_file: PathBuf,
+    pub node_name: String,
+    pub devices: Vec<String>,
+    pub bpf_root: PathBuf,
+    pub verbose: bool,
+}
+
+impl ViprConfig {
+    fn args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--proxy-mode=ebpf".to_owned(),
+            format!("--services-file={}", self.services_file.display()),
+            format!("--node-name={}", self.node_name),
+            format!("--devices={}", self.devices.join(",")),
+            format!("--bpf-root={}", self.bpf_root.display()),
+        ];
+        if self.verbose {
+            args.push("-v".to_owned());
+        }
+        args
+    }
+}
+
+/// A running vipr agent. Dropping it stops it (SIGTERM, then SIGKILL); if the thread is
+/// panicking, the tail of its log is printed, so a failed test shows what vipr said.
+#[derive(Debug)]
+pub struct Vipr {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Vipr {
+    /// Starts `binary` inside `netns`, its stdout and stderr going to the file `log`.
+    ///
+    /// vipr gets a process group of its own, so that a Ctrl-C meant for the test or demo does
+    /// not kill it under our feet, and it is sent SIGTERM if the thread that started it dies
+    /// without stopping it: start it from a thread that lives as long as the guard.
+    pub fn start(binary: &Path, netns: &Netns, config: &ViprConfig, log: &Path) -> Result<Self> {
+        let log_file = File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
+        let mut command = netns.command(binary)?;
+        command
+            .args(config.args())
+            // The log is a file, read by people: no colour escapes.
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone()?)
+            .stderr(log_file)
+            .process_group(0);
+        // SAFETY: prctl is async-signal-safe and touches no memory of ours.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().with_context(|| format!("cannot start {}", binary.display()))?;
+        Ok(Self { child, log: log.to_owned() })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// Fails, quoting the log, if vipr has exited.
+    pub fn ensure_running(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("vipr exited unexpectedly ({status}); {}", log_tail(&self.log));
+        }
+        Ok(())
+    }
+
+    /// Stops vipr with SIGTERM and returns how it exited; kills it if it takes longer than
+    /// ten seconds, which is an error.
+    pub fn stop(mut self) -> Result<ExitStatus> {
+        self.terminate()
+    }
+
+    fn terminate(&mut self) -> Result<ExitStatus> {
+        if let Some(status) = self.child.try_wait()? {
+            return Ok(status);
+        }
+        signal(&self.child, libc::SIGTERM)?;
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        self.child.kill()?;
+        let status = self.child.wait()?;
+        bail!("vipr ignored SIGTERM for {STOP_TIMEOUT:?} and was killed ({status})");
+    }
+}
+
+impl Drop for Vipr {
+    fn drop(&mut self) {
+        if let Err(error) = self.terminate() {
+            eprintln!("testbed: {error:#}");
+        }
+        if thread::panicking() {
+            eprintln!("testbed: vipr (pid {}) {}", self.pid(), log_tail(&self.log));
+        }
+    }
+}
+
+fn signal(child: &Child, signal: libc::c_int) -> Result<()> {
+    let pid = libc::pid_t::try_from(child.id())?;
+    // SAFETY: plain system call; `child` has not been reaped, so the pid is still ours.
+    if unsafe { libc::kill(pid, signal) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("cannot signal vipr");
+    }
+    Ok(())
+}
+
+/// The last lines of a log file, introduced by its path.
+pub(crate) fn log_tail(log: &Path) -> String {
+    match std::fs::read_to_string(log) {
+        Ok(text) => {
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
+            format!("log {} (last {} lines):\n{}", log.display(), tail.len(), tail.join("\n"))
+        }
+        Err(error) => format!("log {} unreadable: {error}", log.display()),
+    }
+}
+
+/// Runs `vipr --cleanup --bpf-root=<bpf_root>` inside `netns` (where the agent ran, in case
+/// detaching needs to see its devices) and returns its output.
+pub fn vipr_cleanup(binary: &Path, netns: &Netns, bpf_root: &Path) -> Result<String> {
+    let mut command = netns.command(binary)?;
+    command.arg("--cleanup").arg(format!("--bpf-root={}", bpf_root.display()));
+    cmd::run(&mut command).context("vipr --cleanup failed")
+}

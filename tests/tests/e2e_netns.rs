@@ -1,0 +1,236 @@
+//! vipr end to end on the real kernel: a client namespace reaches a ClusterIP service whose
+//! endpoints live in three backend namespaces, through a node namespace where vipr runs.
+//! Needs root and a built vipr (`cargo build -p proxy-userspace`, or VIPR_BIN).
+
+use std::{
+    collections::BTreeSet,
+    net::{Ipv4Addr, SocketAddr},
+    time::Duration,
+};
+
+use testbed::{
+    count_by_backend, exchange, exchanges, locate_vipr, tcp_exchange, Check, ClusterIpService, Endpoint,
+    Frontend, Lab, LabConfig, LeafSpec, Protocol, ServicePort, TcpSession,
+};
+
+/// Bound on every connect, request and reply.
+const TIMEOUT: Duration = Duration::from_secs(2);
+/// Connections (or datagrams) per check: with three backends chosen at random, the chance
+/// that one of them gets none of 60 is 3 * (2/3)^60, about 1e-10.
+const CONNECTIONS: usize = 60;
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const ENDPOINTS: [&str; 3] = ["b1", "b2", "b3"];
+/// Runs the same servers as the endpoints but is none: an answer from it means vipr sent a
+/// connection somewhere the service does not lead.
+const DECOY: &str = "decoy";
+
+fn backend_addr(name: &str) -> Ipv4Addr {
+    let index =
+        ENDPOINTS.iter().chain([&DECOY]).position(|candidate| *candidate == name).expect("a known backend");
+    Ipv4Addr::new(10, 20, u8::try_from(index + 1).expect("few backends"), 2)
+}
+
+/// Service `web`: TCP 80 -> 8080 ("http") and UDP 53 -> 5353 ("dns"), served by `endpoints`.
+fn web_service(endpoints: &[&str]) -> ClusterIpService {
+    let port = |name: &str, protocol, port, target_port| ServicePort {
+        name: name.to_owned(),
+        protocol,
+        port,
+        target_port,
+    };
+    ClusterIpService {
+        namespace: "default".to_owned(),
+        name: "web".to_owned(),
+        cluster_ip: VIP,
+        ports: vec![port("http", Protocol::Tcp, 80, 8080), port("dns", Protocol::Udp, 53, 5353)],
+        endpoints: endpoints.iter().map(|name| Endpoint::ready(backend_addr(name), name)).collect(),
+    }
+}
+
+fn http() -> Frontend {
+    web_service(&[]).frontend_named("http").unwrap()
+}
+
+fn dns() -> Frontend {
+    web_service(&[]).frontend_named("dns").unwrap()
+}
+
+/// A lab serving `web` from b1..b3, with vipr started and the service programmed.
+fn running_lab(label: &str) -> Lab {
+    let backends = ENDPOINTS
+        .iter()
+        .chain([&DECOY])
+        .map(|name| LeafSpec::in_own_slash24(name, backend_addr(name)).unwrap())
+        .collect();
+    let mut lab = Lab::new(LabConfig {
+        label: label.to_owned(),
+        vipr_binary: locate_vipr().unwrap(),
+        client: LeafSpec::in_own_slash24("client", CLIENT).unwrap(),
+        backends,
+        services: vec![web_service(&ENDPOINTS)],
+    })
+    .unwrap();
+    lab.start_vipr().unwrap();
+    lab.wait_programmed().unwrap();
+    lab
+}
+
+/// `count` new connections (datagrams for UDP) from the client to `frontend`, each checked
+/// to be transparent (reply from the frontend, client address preserved); returns the set
+/// of backends that answered.
+fn backends_reached(lab: &Lab, frontend: Frontend, count: usize) -> BTreeSet<String> {
+    let exchanges = lab.client().run(|| exchanges(frontend, count, TIMEOUT)).unwrap();
+    for exchange in &exchanges {
+        exchange.verify(frontend, CLIENT).unwrap();
+    }
+    let counts = count_by_backend(&exchanges);
+    eprintln!("{frontend}: {counts:?}");
+    counts.into_keys().collect()
+}
+
+fn names(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|name| (*name).to_owned()).collect()
+}
+
+/// Waits until no slot of the pinned backends map holds `name`'s address.
+fn wait_until_unmapped(lab: &mut Lab, name: &str) {
+    let addr = backend_addr(name);
+    lab.wait_for(&format!("{name} ({addr}) to leave the backends map"), |maps| {
+        Ok(match maps.backends() {
+            Ok(slots) if slots.values().all(|backend| *backend.ip() != addr) => Check::Done(()),
+            Ok(slots) => Check::NotYet(format!("{slots:?}")),
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    })
+    .unwrap();
+}
+
+/// An open connection to `http`, and the backend that answered it first.
+struct Session {
+    connection: TcpSession,
+    backend: String,
+}
+
+/// Opens `count` connections to `http` and keeps them open. Several rather than one: if vipr
+/// lost their flows, each would be balanced afresh and land elsewhere with a chance of 1/2 or
+/// more, so one of them would almost surely notice.
+fn open_sessions(lab: &Lab, count: usize) -> Vec<Session> {
+    lab.client()
+        .run(|| {
+            (0..count)
+                .map(|_| {
+                    let mut connection = TcpSession::connect(http().socket_addr(), TIMEOUT)?;
+                    let backend = connection.ask()?.backend;
+                    Ok(Session { connection, backend })
+                })
+                .collect()
+        })
+        .unwrap()
+}
+
+/// Asks every session again; each must still be answered by its first backend, which must
+/// still see the client's own address.
+fn assert_still_served(sessions: &mut [Session], moment: &str) {
+    for Session { connection, backend } in sessions {
+        let local = connection.local_addr().unwrap();
+        for _ in 0..2 {
+            let answer = connection
+                .ask()
+                .unwrap_or_else(|error| panic!("{moment}: connection from {local} broke: {error:#}"));
+            assert_eq!(&answer.backend, backend, "{moment}: connection from {local} moved");
+            assert_eq!(answer.observed_client, local, "{moment}: client address rewritten");
+        }
+    }
+}
+
+#[test]
+fn spreads_tcp_and_udp_over_all_endpoints_transparently() {
+    let lab = running_lab("e2e-spread");
+    for frontend in [http(), dns()] {
+        assert_eq!(
+            backends_reached(&lab, frontend, CONNECTIONS),
+            names(&ENDPOINTS),
+            "{frontend} must reach every endpoint and nothing else"
+        );
+    }
+}
+
+#[test]
+fn a_removed_endpoint_gets_no_new_connections() {
+    let mut lab = running_lab("e2e-remove");
+    assert_eq!(backends_reached(&lab, http(), CONNECTIONS), names(&ENDPOINTS));
+
+    // No UDP before the change: a new UDP socket may get the source port of an old one, and
+    // that would be the old flow rather than a new connection.
+    lab.set_services(vec![web_service(&["b1", "b2"])]).unwrap();
+    wait_until_unmapped(&mut lab, "b3");
+    lab.wait_programmed().unwrap();
+    for frontend in [http(), dns()] {
+        assert_eq!(
+            backends_reached(&lab, frontend, CONNECTIONS),
+            names(&["b1", "b2"]),
+            "{frontend} after b3 was removed"
+        );
+    }
+}
+
+#[test]
+fn an_established_connection_survives_endpoint_changes_and_agent_restarts() {
+    let mut lab = running_lab("e2e-restart");
+    let mut sessions = open_sessions(&lab, 12);
+    assert_still_served(&mut sessions, "right after connecting");
+
+    // Only connections to the endpoints that stay are kept open: what should happen to one
+    // whose endpoint goes away is not this test's question.
+    let removed = "b3";
+    let remaining = ["b1", "b2"];
+    sessions.retain(|session| session.backend != removed);
+    assert!(sessions.len() >= 2, "hardly any connection went to b1 or b2");
+    lab.set_services(vec![web_service(&remaining)]).unwrap();
+    wait_until_unmapped(&mut lab, removed);
+    assert_still_served(&mut sessions, "after removing b3");
+
+    let status = lab.stop_vipr().unwrap();
+    assert!(status.success(), "vipr exited with {status} on SIGTERM");
+    assert!(lab.maps().dir().is_dir(), "SIGTERM must leave the datapath pinned");
+    assert_still_served(&mut sessions, "while vipr is stopped");
+    assert_eq!(
+        backends_reached(&lab, http(), CONNECTIONS),
+        names(&remaining),
+        "new connections while vipr is stopped"
+    );
+
+    // A change made while vipr is down shows that the restarted agent took over the pins
+    // (the maps still hold the old state, so they cannot show that by themselves).
+    lab.set_services(vec![web_service(&ENDPOINTS)]).unwrap();
+    lab.start_vipr().unwrap();
+    lab.wait_programmed().unwrap();
+    assert_still_served(&mut sessions, "after restarting vipr");
+    assert_eq!(backends_reached(&lab, http(), CONNECTIONS), names(&ENDPOINTS));
+}
+
+#[test]
+fn cleanup_detaches_the_datapath_and_removes_the_pins() {
+    let mut lab = running_lab("e2e-cleanup");
+    for frontend in [http(), dns()] {
+        lab.client().run(|| exchange(frontend, TIMEOUT)).unwrap();
+    }
+
+    let status = lab.stop_vipr().unwrap();
+    assert!(status.success(), "vipr exited with {status} on SIGTERM");
+    lab.cleanup_vipr().unwrap();
+
+    let pins = lab.maps().dir().to_owned();
+    assert!(!pins.exists(), "{} survived vipr --cleanup", pins.display());
+    for frontend in [http(), dns()] {
+        if let Ok(exchange) = lab.client().run(|| exchange(frontend, TIMEOUT)) {
+            panic!("{frontend} still answers after vipr --cleanup: {exchange:?}");
+        }
+    }
+    // The network itself still works: only the service is gone.
+    let b1 = SocketAddr::from((backend_addr("b1"), 8080));
+    let direct = lab.client().run(|| tcp_exchange(b1, TIMEOUT)).unwrap();
+    assert_eq!(direct.answer.backend, "b1");
+}

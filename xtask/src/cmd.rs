@@ -1,0 +1,213 @@
+//! Running external commands so that a log shows exactly what ran, and a failure names the
+//! command that failed.
+use std::borrow::Cow;
+use std::io::{BufRead as _, BufReader, ErrorKind, Write as _};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+
+use anyhow::{bail, Context as _, Result};
+
+/// Runs `cmd` with inherited stdio; fails unless it exits successfully.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = status(cmd)?;
+    if !status.success() {
+        bail!("command failed ({}): {}", describe(status), shell_line(cmd));
+    }
+    Ok(())
+}
+
+/// Tests counted over every [`run_tests`] of this xtask run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub passed: u64,
+    pub failed: u64,
+}
+
+static TALLY: Mutex<Tally> = Mutex::new(Tally { passed: 0, failed: 0 });
+
+pub fn tally() -> Tally {
+    *TALLY.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+/// Runs a test runner like [`run`], echoing its stdout while adding up its result lines:
+/// libtest's `test result: ok. 5 passed; 1 failed; ...` and the plain `N passed, N failed`.
+pub fn run_tests(cmd: &mut Command) -> Result<()> {
+    echo(cmd);
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("could not start: {}", shell_line(cmd)))?;
+    let stdout = child.stdout.take().context("no stdout pipe")?;
+    let mut out = std::io::stdout();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading the test runner's output")?;
+        writeln!(out, "{line}")?;
+        if let Some(counts) = parse_result_line(&line) {
+            let mut tally = TALLY.lock().unwrap_or_else(|poison| poison.into_inner());
+            tally.passed += counts.passed;
+            tally.failed += counts.failed;
+        }
+    }
+    let status = child.wait().with_context(|| format!("waiting for: {}", shell_line(cmd)))?;
+    if !status.success() {
+        bail!("command failed ({}): {}", describe(status), shell_line(cmd));
+    }
+    Ok(())
+}
+
+fn parse_result_line(line: &str) -> Option<Tally> {
+    let counts = line
+        .strip_prefix("test result: ")
+        .map_or(line, |rest| rest.split_once(". ").map_or(rest, |(_, c)| c));
+    let count = |word: &str| -> Option<u64> {
+        counts.split([';', ',']).find_map(|part| part.trim().strip_suffix(word)?.trim().parse().ok())
+    };
+    Some(Tally { passed: count("passed")?, failed: count("failed")? })
+}
+
+/// Runs `cmd` with inherited stdio and returns how it exited, for callers that pass the exit
+/// code on instead of treating it as an error.
+pub fn status(cmd: &mut Command) -> Result<ExitStatus> {
+    echo(cmd);
+    cmd.status().with_context(|| format!("could not start: {}", shell_line(cmd)))
+}
+
+/// Why a [`probe`] did not succeed.
+pub enum ProbeFailure {
+    /// The program is not on PATH.
+    NotFound,
+    /// It could not start, or exited unsuccessfully: a one-line reason for the log.
+    Failed(String),
+}
+
+impl std::fmt::Display for ProbeFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProbeFailure::NotFound => f.write_str("not found"),
+            ProbeFailure::Failed(reason) => f.write_str(reason),
+        }
+    }
+}
+
+/// Runs a command whose failure is an answer rather than an error ("is this installed?").
+/// Returns its stdout on success.
+pub fn probe(cmd: &mut Command) -> std::result::Result<String, ProbeFailure> {
+    echo(cmd);
+    let output = match cmd.stdin(Stdio::null()).output() {
+        Ok(output) => output,
+        Err(err) if err.kind() == ErrorKind::NotFound => return Err(ProbeFailure::NotFound),
+        Err(err) => return Err(ProbeFailure::Failed(format!("could not start: {err}"))),
+    };
+    if output.status.success() {
+        return Ok(String::from_utf8_lossy(&output.stdout).into_owned());
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let first_line = stderr.lines().find(|line| !line.trim().is_empty()).unwrap_or("");
+    Err(ProbeFailure::Failed(format!("{}: {}", describe(output.status), first_line.trim())))
+}
+
+/// Like [`probe`], for probes whose failure is an error after all: the error names the command.
+pub fn output(cmd: &mut Command) -> Result<String> {
+    probe(cmd).map_err(|failure| anyhow::anyhow!("command failed ({failure}): {}", shell_line(cmd)))
+}
+
+/// Runs `cmd` and returns its stdout whatever its exit code, for tools that report partial
+/// answers through a failing exit code. Its stderr is discarded.
+pub fn stdout_regardless_of_status(cmd: &mut Command) -> Result<String> {
+    echo(cmd);
+    let output = cmd
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .with_context(|| format!("could not start: {}", shell_line(cmd)))?;
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn echo(cmd: &Command) {
+    eprintln!("+ {}", shell_line(cmd));
+}
+
+/// `cmd` as a line that could be pasted into a shell to replay it by hand.
+pub fn shell_line(cmd: &Command) -> String {
+    let mut words = Vec::new();
+    if let Some(dir) = cmd.get_current_dir() {
+        words.push(format!("cd {} &&", quote(&dir.to_string_lossy())));
+    }
+    let mut env_words = Vec::new();
+    let mut removed_vars = Vec::new();
+    for (name, value) in cmd.get_envs() {
+        let name = name.to_string_lossy();
+        match value {
+            Some(value) => env_words.push(format!("{name}={}", quote(&value.to_string_lossy()))),
+            None => removed_vars.push(format!("-u {name}")),
+        }
+    }
+    if !removed_vars.is_empty() {
+        words.push(format!("env {}", removed_vars.join(" ")));
+    }
+    words.extend(env_words);
+    words.push(quote(&cmd.get_program().to_string_lossy()).into_owned());
+    words.extend(cmd.get_args().map(|arg| quote(&arg.to_string_lossy()).into_owned()));
+    words.join(" ")
+}
+
+fn quote(word: &str) -> Cow<'_, str> {
+    let is_plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:,+@%".contains(c);
+    if !word.is_empty() && word.chars().all(is_plain) {
+        Cow::Borrowed(word)
+    } else {
+        Cow::Owned(format!("'{}'", word.replace('\'', r"'\''")))
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        (None, None) => status.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shell_line_quotes_only_words_a_shell_would_split_or_expand() {
+        let mut cmd = Command::new("cargo");
+        cmd.current_dir("/work dir")
+            .env("RUSTFLAGS", "-C link-arg=-Wl,-rpath,/lib")
+            .env_remove("LD_LIBRARY_PATH")
+            .args(["+nightly", "it's", "--features", "llvm-22"]);
+        assert_eq!(
+            shell_line(&cmd),
+            "cd '/work dir' && env -u LD_LIBRARY_PATH RUSTFLAGS='-C link-arg=-Wl,-rpath,/lib' \
+             cargo +nightly 'it'\\''s' --features llvm-22"
+        );
+    }
+
+    #[test]
+    fn a_failing_command_is_named_in_the_error() {
+        let err = run(Command::new("sh").args(["-c", "exit 3"])).unwrap_err();
+        assert_eq!(err.to_string(), "command failed (exit code 3): sh -c 'exit 3'");
+    }
+
+    #[test]
+    fn result_lines_of_libtest_and_plain_runners_are_counted() {
+        let tally = |passed, failed| Some(Tally { passed, failed });
+        assert_eq!(
+            parse_result_line("test result: ok. 20 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out"),
+            tally(20, 0)
+        );
+        assert_eq!(parse_result_line("test result: FAILED. 3 passed; 2 failed; 0 ignored"), tally(3, 2));
+        assert_eq!(parse_result_line("12 passed, 1 failed, 4 skipped"), tally(12, 1));
+        assert_eq!(parse_result_line("running 5 tests"), None);
+    }
+
+    #[test]
+    fn a_missing_program_is_a_probe_answer_not_an_error() {
+        let result = probe(&mut Command::new("/nonexistent/vipr-xtask-probe"));
+        assert!(matches!(result, Err(ProbeFailure::NotFound)));
+    }
+}
