@@ -13,21 +13,38 @@ pub mod pins {
     pub const DIR: &str = "vipr";
     /// Subdirectory of [`DIR`] holding the pinned TCX links, one per attached device.
     pub const LINKS_DIR: &str = "links";
-    /// Frontend (VIP, port, protocol) -> service: [`crate::ServiceKey4`] -> [`crate::Service`].
+    /// (Frontend, source class) -> service: [`crate::ServiceKey4`] -> [`crate::Service`].
     pub const SERVICES4: &str = "vipr_svc4_v1";
     /// Backend slots of a backend set: [`crate::BackendSlot`] -> [`crate::Backend4`].
     pub const BACKENDS4: &str = "vipr_back4_v1";
     /// Connection tracking and NAT state: [`crate::FlowKey4`] -> [`crate::Flow4`].
     pub const FLOWS4: &str = "vipr_flow4_v1";
+    /// The node's own addresses: `[u8; 4]` -> `u8` (unused value); sources here are
+    /// [`crate::source_class::NODE`].
+    pub const NODE_IPS4: &str = "vipr_node4_v1";
+    /// The local-traffic detector's CIDRs: LPM [`crate::Prefix4`] -> `u8`; sources inside
+    /// are [`crate::source_class::POD`].
+    pub const POD_CIDRS4: &str = "vipr_pod4_v1";
+    /// What to do with a packet to a service address no frontend matched: LPM
+    /// [`crate::Prefix4`] -> one of [`crate::unmatched`].
+    pub const UNMATCHED4: &str = "vipr_unm4_v1";
+    /// Sources admitted by a service's source ranges: LPM [`crate::SourceRange4`] -> `u8`.
+    pub const SOURCE_RANGES4: &str = "vipr_srcr4_v1";
     /// The one TC program, attached at ingress of every `--devices` interface.
     pub const TC_INGRESS_PROGRAM: &str = "vipr_tc_ingress";
 }
 
 /// Default capacities; the agent may override them when it creates the maps.
 pub mod capacity {
-    pub const SERVICES: u32 = 65_536;
+    /// One entry per frontend and source class.
+    pub const SERVICES: u32 = 196_608;
     pub const BACKENDS: u32 = 1_048_576;
-    pub const FLOWS: u32 = 262_144;
+    /// Two entries per connection.
+    pub const FLOWS: u32 = 524_288;
+    pub const NODE_IPS: u32 = 256;
+    pub const POD_CIDRS: u32 = 256;
+    pub const UNMATCHED: u32 = 65_536;
+    pub const SOURCE_RANGES: u32 = 65_536;
 }
 
 /// IP protocol numbers as carried in [`ServiceKey4::proto`] and [`FlowKey4::proto`].
@@ -37,14 +54,36 @@ pub mod proto {
     pub const SCTP: u8 = 132;
 }
 
-/// Key of the services map: one frontend of a service.
+/// Classes of packet sources; a frontend may treat each differently (traffic policies,
+/// masquerade).
+pub mod source_class {
+    /// Neither a pod nor the node: outside the cluster.
+    pub const OUTSIDE: u8 = 0;
+    /// Inside a cluster CIDR of the local-traffic detector.
+    pub const POD: u8 = 1;
+    /// One of the node's own addresses.
+    pub const NODE: u8 = 2;
+}
+
+/// Key of the services map: one frontend of a service, for one source class.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServiceKey4 {
     pub addr: [u8; 4],
     pub port: u16,
     pub proto: u8,
-    pub pad: u8,
+    /// One of [`source_class`].
+    pub source_class: u8,
+}
+
+/// Bits of [`Service::flags`].
+pub mod service_flags {
+    /// Source NAT new connections to the node's address toward the backend.
+    pub const MASQUERADE: u32 = 1;
+    /// With no backend, answer ICMP port unreachable rather than dropping silently.
+    pub const REJECT_WHEN_EMPTY: u32 = 2;
+    /// Admit only sources in the source ranges map under this `service_id`.
+    pub const SOURCE_RANGES: u32 = 4;
 }
 
 /// Value of the services map. `backend_set` names the slots in the backends map that hold
@@ -56,8 +95,9 @@ pub struct Service {
     pub backend_set: u32,
     /// Number of slots `0..backend_count` in `backend_set`; 0 means no usable endpoint.
     pub backend_count: u32,
-    /// Stable identity of the Kubernetes service port, for statistics and reverse lookups.
+    /// Stable identity of the Kubernetes service port, for statistics and source ranges.
     pub service_id: u32,
+    /// Bits of [`service_flags`].
     pub flags: u32,
 }
 
@@ -90,24 +130,57 @@ pub struct FlowKey4 {
     pub pad: [u8; 3],
 }
 
-/// What to do with the packets of a tracked flow.
-pub mod flow_kind {
-    /// Client -> VIP direction: rewrite the destination to `nat_addr:nat_port` (the backend).
-    pub const TO_BACKEND: u8 = 1;
-    /// Backend -> client direction: rewrite the source to `nat_addr:nat_port` (the VIP).
-    pub const FROM_BACKEND: u8 = 2;
+/// Bits of [`Flow4::flags`].
+pub mod flow_flags {
+    /// Rewrite the destination to `dst_addr:dst_port`.
+    pub const REWRITE_DESTINATION: u32 = 1;
+    /// Rewrite the source to `src_addr:src_port`.
+    pub const REWRITE_SOURCE: u32 = 2;
+    /// This entry is the reply direction (backend -> client) of a connection.
+    pub const REPLY: u32 = 4;
 }
 
-/// Value of the flows map. Both directions of a connection get an entry when its first
-/// packet is balanced, so every later packet costs one lookup, whichever way it travels.
+/// Value of the flows map: how to rewrite the packets of one direction of a tracked
+/// connection. Both directions get an entry when the first packet is balanced, so every later
+/// packet costs one lookup, whichever way it travels. Toward the backend the destination
+/// becomes the backend (and the source the node, when masqueraded); back from it the source
+/// becomes the frontend again (and the destination the client).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Flow4 {
-    pub nat_addr: [u8; 4],
-    pub nat_port: u16,
-    /// One of [`flow_kind`].
-    pub kind: u8,
-    pub pad: u8,
+    pub src_addr: [u8; 4],
+    pub dst_addr: [u8; 4],
+    pub src_port: u16,
+    pub dst_port: u16,
+    /// Bits of [`flow_flags`].
+    pub flags: u32,
+}
+
+/// Key of an IPv4 LPM trie: the kernel matches the first `prefix_len` bits of `addr`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Prefix4 {
+    pub prefix_len: u32,
+    pub addr: [u8; 4],
+}
+
+/// Key of the source ranges trie: `service_id` is always matched in full (its 32 bits count
+/// in `prefix_len`), then the range's prefix of `addr`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SourceRange4 {
+    pub prefix_len: u32,
+    /// Big-endian, so that it forms the leading bits of the key.
+    pub service_id: [u8; 4],
+    pub addr: [u8; 4],
+}
+
+/// Values of the unmatched-destination trie.
+pub mod unmatched {
+    /// A cluster IP on a port or protocol it does not serve: ICMP port unreachable.
+    pub const REJECT: u8 = 1;
+    /// Inside a service range but no cluster IP: drop.
+    pub const DROP: u8 = 2;
 }
 
 const _: () = {
@@ -116,7 +189,9 @@ const _: () = {
     assert!(core::mem::size_of::<BackendSlot>() == 8);
     assert!(core::mem::size_of::<Backend4>() == 8);
     assert!(core::mem::size_of::<FlowKey4>() == 16);
-    assert!(core::mem::size_of::<Flow4>() == 8);
+    assert!(core::mem::size_of::<Flow4>() == 16);
+    assert!(core::mem::size_of::<Prefix4>() == 8);
+    assert!(core::mem::size_of::<SourceRange4>() == 12);
 };
 
 #[cfg(feature = "user")]
@@ -131,4 +206,6 @@ mod user {
     unsafe impl aya::Pod for Backend4 {}
     unsafe impl aya::Pod for FlowKey4 {}
     unsafe impl aya::Pod for Flow4 {}
+    unsafe impl aya::Pod for Prefix4 {}
+    unsafe impl aya::Pod for SourceRange4 {}
 }

@@ -16,6 +16,10 @@ mod maps;
 #[cfg(target_arch = "bpf")]
 mod packet;
 #[cfg(target_arch = "bpf")]
+mod reject;
+#[cfg(target_arch = "bpf")]
+mod route;
+#[cfg(target_arch = "bpf")]
 mod tc;
 
 #[cfg(target_arch = "bpf")]

@@ -8,31 +8,55 @@
 use core::ptr::{null, NonNull};
 
 use aya_ebpf::{
-    bindings::bpf_map_type::{BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_LRU_HASH},
+    bindings::{
+        bpf_map_type::{BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH},
+        BPF_F_NO_PREALLOC, BPF_NOEXIST,
+    },
     helpers::{bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem},
 };
-use proxy_common::{capacity, pins, Backend4, BackendSlot, Flow4, FlowKey4, Service, ServiceKey4};
+use proxy_common::{
+    capacity, pins, Backend4, BackendSlot, Flow4, FlowKey4, Prefix4, Service, ServiceKey4, SourceRange4,
+};
 
 const LIBBPF_PIN_BY_NAME: usize = 1;
 const HASH: usize = BPF_MAP_TYPE_HASH as usize;
 const LRU_HASH: usize = BPF_MAP_TYPE_LRU_HASH as usize;
+const LPM_TRIE: usize = BPF_MAP_TYPE_LPM_TRIE as usize;
+/// The kernel requires it for LPM tries.
+const LPM_FLAGS: usize = BPF_F_NO_PREALLOC as usize;
 
 #[repr(C)]
-pub struct PinnedMap<K, V, const TYPE: usize, const MAX_ENTRIES: usize> {
+pub struct PinnedMap<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize = 0> {
     r#type: *const [i32; TYPE],
     key: *const K,
     value: *const V,
     max_entries: *const [i32; MAX_ENTRIES],
+    map_flags: *const [i32; FLAGS],
     pinning: *const [i32; LIBBPF_PIN_BY_NAME],
 }
 
 // SAFETY: the fields are never dereferenced; they only carry types into BTF and are replaced
 // by a map reference when the program is loaded.
-unsafe impl<K, V, const T: usize, const M: usize> Sync for PinnedMap<K, V, T, M> {}
+unsafe impl<K, V, const T: usize, const M: usize, const F: usize> Sync for PinnedMap<K, V, T, M, F> {}
 
-impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize> PinnedMap<K, V, TYPE, MAX_ENTRIES> {
+impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize>
+    PinnedMap<K, V, TYPE, MAX_ENTRIES, FLAGS>
+{
     pub const fn new() -> Self {
-        Self { r#type: null(), key: null(), value: null(), max_entries: null(), pinning: null() }
+        Self {
+            r#type: null(),
+            key: null(),
+            value: null(),
+            max_entries: null(),
+            map_flags: null(),
+            pinning: null(),
+        }
+    }
+
+    #[inline(always)]
+    pub fn contains(&self, key: &K) -> bool {
+        // SAFETY: only the null-ness of the returned pointer is used.
+        !unsafe { bpf_map_lookup_elem(self.as_ptr(), core::ptr::from_ref(key).cast()) }.is_null()
     }
 
     #[inline(always)]
@@ -53,12 +77,23 @@ impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize> PinnedMap<K, V, TYPE, MA
 
     #[inline(always)]
     pub fn insert(&self, key: &K, value: &V) -> Result<(), i64> {
+        self.update(key, value, 0)
+    }
+
+    /// Inserts only if `key` is absent: claims the key against concurrent flows.
+    #[inline(always)]
+    pub fn insert_new(&self, key: &K, value: &V) -> Result<(), i64> {
+        self.update(key, value, BPF_NOEXIST as u64)
+    }
+
+    #[inline(always)]
+    fn update(&self, key: &K, value: &V, flags: u64) -> Result<(), i64> {
         let result = unsafe {
             bpf_map_update_elem(
                 self.as_ptr(),
                 core::ptr::from_ref(key).cast(),
                 core::ptr::from_ref(value).cast(),
-                0,
+                flags,
             )
         };
         if result == 0 {
@@ -100,6 +135,10 @@ const _: () = {
     assert!(same_name("vipr_svc4_v1", pins::SERVICES4));
     assert!(same_name("vipr_back4_v1", pins::BACKENDS4));
     assert!(same_name("vipr_flow4_v1", pins::FLOWS4));
+    assert!(same_name("vipr_node4_v1", pins::NODE_IPS4));
+    assert!(same_name("vipr_pod4_v1", pins::POD_CIDRS4));
+    assert!(same_name("vipr_unm4_v1", pins::UNMATCHED4));
+    assert!(same_name("vipr_srcr4_v1", pins::SOURCE_RANGES4));
 };
 
 #[unsafe(link_section = ".maps")]
@@ -115,3 +154,27 @@ pub static BACKENDS4: PinnedMap<BackendSlot, Backend4, HASH, { capacity::BACKEND
 #[unsafe(link_section = ".maps")]
 #[unsafe(export_name = "vipr_flow4_v1")]
 pub static FLOWS4: PinnedMap<FlowKey4, Flow4, LRU_HASH, { capacity::FLOWS as usize }> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_node4_v1")]
+pub static NODE_IPS4: PinnedMap<[u8; 4], u8, HASH, { capacity::NODE_IPS as usize }> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_pod4_v1")]
+pub static POD_CIDRS4: PinnedMap<Prefix4, u8, LPM_TRIE, { capacity::POD_CIDRS as usize }, LPM_FLAGS> =
+    PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_unm4_v1")]
+pub static UNMATCHED4: PinnedMap<Prefix4, u8, LPM_TRIE, { capacity::UNMATCHED as usize }, LPM_FLAGS> =
+    PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_srcr4_v1")]
+pub static SOURCE_RANGES4: PinnedMap<
+    SourceRange4,
+    u8,
+    LPM_TRIE,
+    { capacity::SOURCE_RANGES as usize },
+    LPM_FLAGS,
+> = PinnedMap::new();

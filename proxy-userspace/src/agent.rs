@@ -1,134 +1,327 @@
-//! The agent loop: objects from a source -> desired state -> one dataplane.
+//! The agent loop: objects from a source -> desired state -> one dataplane, synced through a
+//! bounded-frequency runner ([`runner`]) as kube-proxy's, with kube-proxy's health and metrics
+//! servers beside it.
+//!
+//! Each sync translates the latest objects with the node's current addresses, so the desired
+//! state follows interface and Node changes too. While the source is unusable, the last good
+//! objects stay in force: periodic syncs re-apply them, and nothing is removed.
 use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr},
     sync::{
         atomic::{AtomicBool, Ordering},
         mpsc, Arc,
     },
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context as _};
-use tracing::{error, info, warn};
+use k8s_openapi::api::core::v1::Node;
+use tracing::{debug, error, info, warn};
 
+use self::{
+    changes::{ChangeTracker, Changes},
+    runner::{Outcome, SyncRunner},
+};
 use crate::{
-    cli::{Args, ProxyMode},
+    cli::ProxyMode,
+    config::{Settings, SourceSettings},
     dataplane::{
         ebpf::{EbpfDataplane, EbpfOptions},
-        Dataplane,
+        Dataplane, SyncReport,
     },
+    health::{service_health_checks, Moment, ProxyHealth, ServiceHealthServer},
+    host, http,
+    metrics::{ProxyMetrics, Registry},
     model::{
-        kubernetes::{desired_state, NodeContext},
+        kubernetes::{desired_state, NodeContext, NodeFacts, ProxySettings},
         DesiredState,
     },
-    source::{file, SourceEvent},
+    source::{
+        file,
+        kubernetes::{self, KubeSourceConfig},
+        Objects, SourceEvent,
+    },
 };
+
+pub mod changes;
+pub mod node;
+pub mod runner;
 
 /// How often the manifest file is checked for changes.
 const FILE_POLL_INTERVAL: Duration = Duration::from_millis(200);
-/// How often the loop wakes to notice signals and retry failed syncs.
+/// The longest the loop sleeps, so that it notices signals.
 const TICK: Duration = Duration::from_millis(100);
-const RETRY_MIN: Duration = Duration::from_millis(500);
-const RETRY_MAX: Duration = Duration::from_secs(30);
 
-pub fn run(args: &Args) -> anyhow::Result<()> {
-    if args.cleanup {
-        return EbpfDataplane::cleanup(&args.bpf_root, &args.devices);
+/// One kind of API object vipr's ServiceAccount needs access to, and how.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ApiAccess {
+    /// The API group; "" is the core group.
+    pub group: &'static str,
+    /// The resource, plural.
+    pub resource: &'static str,
+    pub verbs: &'static [&'static str],
+}
+
+/// What the API-server source watches (all Services and EndpointSlices, this node's Node by a
+/// field selector). deploy/'s ClusterRole grants exactly this plus [`RECORDED_EVENTS`]; the
+/// deployment test holds them together.
+pub const WATCHED_RESOURCES: &[ApiAccess] = &[
+    ApiAccess { group: "", resource: "services", verbs: &["list", "watch"] },
+    ApiAccess { group: "discovery.k8s.io", resource: "endpointslices", verbs: &["list", "watch"] },
+    ApiAccess { group: "", resource: "nodes", verbs: &["list", "watch"] },
+];
+
+/// Events vipr may record about the objects it serves (kube-runtime's recorder writes
+/// events.k8s.io/v1 Events: create, then patch for repeats).
+pub const RECORDED_EVENTS: &[ApiAccess] =
+    &[ApiAccess { group: "events.k8s.io", resource: "events", verbs: &["create", "patch"] }];
+
+pub fn run(settings: &Settings) -> anyhow::Result<()> {
+    if settings.cleanup {
+        return EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices);
     }
-    match args.proxy_mode {
+    match settings.proxy_mode {
         ProxyMode::Ebpf => {}
         ProxyMode::Auto => info!("proxy mode auto: choosing ebpf, the only dataplane in this build"),
         other => bail!("--proxy-mode={other:?} is not implemented yet; use --proxy-mode=ebpf"),
     }
-    let Some(services_file) = args.services_file.clone() else {
-        bail!(
-            "no source of services: pass --services-file=PATH (the API server source is not implemented yet)"
-        );
-    };
-    let devices = args.devices().context("cannot list network devices")?;
+    if !settings.ignored_config.is_empty() {
+        warn!("--config: vipr does not use these settings: {}", settings.ignored_config.join(", "));
+    }
+    let devices = node::devices(&settings.devices).context("cannot list network devices")?;
     if devices.is_empty() {
         bail!("no device to attach to: pass --devices=IF[,IF...]");
     }
-    let node = NodeContext { name: args.node_name() };
-    let mut dataplane = EbpfDataplane::start(&EbpfOptions { bpf_root: args.bpf_root.clone(), devices })?;
+    let mut dataplane = EbpfDataplane::start(&EbpfOptions { bpf_root: settings.bpf_root.clone(), devices })?;
+
+    let metrics = Arc::new(ProxyMetrics::default());
+    // Dataplane counters (per service, per backend) join here as further collectors.
+    let registry = Arc::new(Registry::default());
+    registry.register(metrics.clone());
+    let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
+    if let Some(address) = settings.healthz_bind_address {
+        http::serve_forever(address, "healthz", health.clone().handler());
+    }
+    if let Some(address) = settings.metrics_bind_address {
+        http::serve_forever(address, "metrics", registry.handler(dataplane.mode()));
+    }
+    // As kube-proxy's sync loop: healthy from the start, even if no sync ever succeeds.
+    health.updated(Moment::now());
 
     let terminate = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(signal, terminate.clone()).context("cannot install signal handlers")?;
     }
     let (events_tx, events) = mpsc::channel();
-    let (stop_watcher, stop) = mpsc::channel();
-    let watcher = std::thread::spawn(move || file::watch(services_file, FILE_POLL_INTERVAL, events_tx, stop));
+    let (stop_source, stop) = mpsc::channel();
+    let source = spawn_source(settings, events_tx, stop)?;
 
-    info!(node = node.name, mode = dataplane.mode(), "vipr running");
-    let mut syncer = Syncer::default();
+    info!(node = settings.node_name, mode = dataplane.mode(), "vipr running");
+    let mut agent = Agent::new(settings, health, metrics);
     while !terminate.load(Ordering::Relaxed) {
-        match events.recv_timeout(TICK) {
-            Ok(SourceEvent::Objects(objects)) => {
-                let translation = desired_state(&objects.services, &objects.slices, &node);
-                for rejection in objects.rejected.iter().chain(&translation.rejected) {
-                    warn!("skipping {rejection}");
-                }
-                syncer.want(translation.state);
-            }
+        let wait = agent.runner.time_until_due(Instant::now()).map_or(TICK, |until_due| until_due.min(TICK));
+        match events.recv_timeout(wait) {
+            Ok(SourceEvent::Objects(objects)) => agent.receive(objects),
             Ok(SourceEvent::Unusable(reason)) => error!("{reason}; keeping the running datapath"),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the services file watcher stopped"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the source of services stopped"),
         }
-        syncer.sync_if_due(&mut dataplane);
+        if agent.runner.is_due(Instant::now()) {
+            agent.sync(&mut dataplane);
+        }
     }
-    drop(stop_watcher);
-    let _ = watcher.join();
+    drop(stop_source);
+    let _ = source.join();
     info!("stopping; the datapath stays in place and keeps serving (vipr --cleanup removes it)");
     Ok(())
 }
 
-/// Applies the latest desired state, retrying with backoff while the dataplane reports
-/// failures. A newer state replaces an unapplied one: only the latest matters.
-#[derive(Default)]
-struct Syncer {
-    pending: Option<DesiredState>,
-    retry_at: Option<Instant>,
-    backoff: Duration,
+/// Starts the source thread: the manifests file when there is one, else the API server.
+fn spawn_source(
+    settings: &Settings,
+    events: mpsc::Sender<SourceEvent>,
+    stop: mpsc::Receiver<()>,
+) -> anyhow::Result<JoinHandle<()>> {
+    let thread = std::thread::Builder::new().name("source".to_owned());
+    let spawned = match &settings.source {
+        SourceSettings::File(path) => {
+            let path = path.clone();
+            thread.spawn(move || file::watch(path, FILE_POLL_INTERVAL, events, stop))
+        }
+        SourceSettings::Kubernetes { kubeconfig } => {
+            let config =
+                KubeSourceConfig { kubeconfig: kubeconfig.clone(), node_name: settings.node_name.clone() };
+            thread.spawn(move || kubernetes::watch(config, events, stop))
+        }
+    };
+    spawned.context("cannot start the source thread")
 }
 
-impl Syncer {
-    fn want(&mut self, state: DesiredState) {
-        self.pending = Some(state);
-        self.retry_at = None;
+/// The loop's state between events and syncs.
+struct Agent<'a> {
+    settings: &'a Settings,
+    health: Arc<ProxyHealth>,
+    metrics: Arc<ProxyMetrics>,
+    runner: SyncRunner,
+    changes: ChangeTracker,
+    /// Changes no successful sync has applied yet.
+    pending: Changes,
+    /// The latest usable objects; `None` until the source first delivers.
+    objects: Option<Objects>,
+    service_health: ServiceHealthServer,
+    /// Rejections and unsupported frontends already logged, so that periodic syncs do not
+    /// repeat them; one that goes away and comes back is logged again.
+    logged_rejections: BTreeSet<String>,
+    logged_unsupported: BTreeSet<String>,
+}
+
+impl<'a> Agent<'a> {
+    fn new(settings: &'a Settings, health: Arc<ProxyHealth>, metrics: Arc<ProxyMetrics>) -> Self {
+        Self {
+            settings,
+            runner: SyncRunner::new(settings.min_sync_period, settings.sync_period),
+            changes: ChangeTracker::new(Moment::now().wall),
+            pending: Changes::default(),
+            objects: None,
+            service_health: ServiceHealthServer::new(health.clone()),
+            health,
+            metrics,
+            logged_rejections: BTreeSet::new(),
+            logged_unsupported: BTreeSet::new(),
+        }
     }
 
-    fn sync_if_due(&mut self, dataplane: &mut dyn Dataplane) {
-        let Some(state) = &self.pending else { return };
-        if self.retry_at.is_some_and(|at| Instant::now() < at) {
-            return;
+    /// Takes a new snapshot from the source; a change queues a sync.
+    fn receive(&mut self, objects: Objects) {
+        let changes = self.changes.observe(&objects);
+        self.metrics.service_changes.add(changes.services);
+        self.metrics.endpoint_changes.add(changes.endpoint_slices);
+        self.pending.services += changes.services;
+        self.pending.endpoint_slices += changes.endpoint_slices;
+        self.metrics.service_changes_pending.set(self.pending.services as f64);
+        self.metrics.endpoint_changes_pending.set(self.pending.endpoint_slices as f64);
+        if let Some(node) = &objects.node {
+            self.health.sync_node(node);
         }
-        let started = Instant::now();
-        let complete = match dataplane.sync(state) {
+        let node_changed = self.objects.as_ref().is_none_or(|previous| previous.node != objects.node);
+        let first = self.objects.is_none();
+        self.objects = Some(objects);
+        if first || node_changed || !changes.is_empty() {
+            let now = Moment::now();
+            self.health.queued_update(now);
+            self.metrics.last_queued_timestamp.set(now.unix_seconds());
+            self.runner.request();
+        }
+    }
+
+    /// Applies the latest objects to the dataplane and records how it went.
+    fn sync(&mut self, dataplane: &mut dyn Dataplane) {
+        let Some(objects) = &self.objects else { return };
+        let started = Moment::now();
+        let node = self.node_context(objects.node.as_ref());
+        let translation = desired_state(&objects.services, &objects.slices, &node);
+        let rejections: BTreeSet<String> =
+            objects.rejected.iter().chain(&translation.rejected).map(ToString::to_string).collect();
+        for rejection in rejections.difference(&self.logged_rejections) {
+            warn!("skipping {rejection}");
+        }
+        self.metrics.rejected_objects.set(rejections.len() as f64);
+        let health_checks =
+            service_health_checks(&objects.services, &objects.slices, &self.settings.node_name);
+        self.logged_rejections = rejections;
+
+        let result = dataplane.sync(&translation.state);
+        self.metrics.sync_duration.observe_duration(started.instant.elapsed());
+        let outcome = match result {
             Ok(report) => {
-                for frontend in &report.unsupported {
-                    warn!("not programmed: {frontend}");
+                self.log_report(&report, &translation.state, started);
+                self.service_health.sync(health_check_listen_ips(&node, self.settings), &health_checks);
+                if report.is_complete() {
+                    Outcome::Succeeded
+                } else {
+                    Outcome::Failed
                 }
-                info!(
-                    frontends = state.frontends.len(),
-                    backends = state.backend_count(),
-                    took_ms = started.elapsed().as_millis() as u64,
-                    "synced: {report}"
-                );
-                report.is_complete()
             }
-            Err(error) => {
-                error!("sync failed: {error:#}");
-                false
+            Err(sync_error) => {
+                error!("sync failed: {sync_error:#}");
+                Outcome::Failed
             }
         };
-        if complete {
-            self.pending = None;
-            self.retry_at = None;
-            self.backoff = Duration::ZERO;
-        } else {
-            self.backoff = (self.backoff * 2).clamp(RETRY_MIN, RETRY_MAX);
-            warn!(retry_in_ms = self.backoff.as_millis() as u64, "sync incomplete; will retry");
-            self.retry_at = Some(Instant::now() + self.backoff);
+        self.runner.ran(started.instant, outcome);
+        match outcome {
+            Outcome::Succeeded => {
+                let done = Moment::now();
+                self.health.updated(done);
+                self.metrics.last_sync_timestamp.set(done.unix_seconds());
+                for trigger_time in self.changes.take_trigger_times() {
+                    let latency = done.wall.duration_since(trigger_time).unwrap_or_default();
+                    self.metrics.network_programming_duration.observe_duration(latency);
+                }
+                self.pending = Changes::default();
+                self.metrics.service_changes_pending.set(0.0);
+                self.metrics.endpoint_changes_pending.set(0.0);
+            }
+            Outcome::Failed => {
+                self.metrics.failed_syncs.add(1);
+                let retry = self.runner.retry_delay().unwrap_or_default();
+                warn!(retry_in_ms = retry.as_millis() as u64, "sync incomplete; will retry");
+            }
         }
+    }
+
+    fn log_report(&mut self, report: &SyncReport, state: &DesiredState, started: Moment) {
+        let unsupported: BTreeSet<String> = report.unsupported.iter().cloned().collect();
+        for frontend in unsupported.difference(&self.logged_unsupported) {
+            warn!("not programmed: {frontend}");
+        }
+        self.metrics.unsupported_frontends.set(unsupported.len() as f64);
+        self.logged_unsupported = unsupported;
+        for frontend in &report.failed {
+            warn!("failed to program {frontend}");
+        }
+        self.metrics.frontend_sync_errors.add(report.failed.len() as u64);
+        let took_ms = started.instant.elapsed().as_millis() as u64;
+        let (frontends, backends) = (state.frontends.len(), state.backend_count());
+        if report.changed > 0 || !report.failed.is_empty() {
+            info!(frontends, backends, took_ms, "synced: {report}");
+        } else {
+            debug!(frontends, backends, took_ms, "synced: nothing to change");
+        }
+    }
+
+    /// The node as the model sees it now: its name, its current addresses and the settings
+    /// that shape service semantics.
+    fn node_context(&self, node: Option<&Node>) -> NodeContext {
+        let addresses = host::interface_addresses()
+            .map(|addresses| addresses.into_iter().map(|address| address.ip).collect())
+            .unwrap_or_else(|list_error| {
+                warn!("cannot list this node's addresses: {list_error}");
+                Vec::new()
+            });
+        let facts = NodeFacts {
+            name: self.settings.node_name.clone(),
+            addresses,
+            primary_ips: node::primary_ips(node),
+        };
+        let proxy_settings = ProxySettings {
+            cluster_cidrs: self.settings.cluster_cidrs.clone(),
+            masquerade_all: self.settings.masquerade_all,
+            node_port_cidrs: node::node_port_cidrs(&self.settings.node_port_addresses, &facts),
+            // Service CIDRs come from ServiceCIDR objects, which no source delivers yet.
+            service_cidrs: Vec::new(),
+        };
+        NodeContext::resolve(&facts, &proxy_settings)
+    }
+}
+
+/// Where service health checks listen, as kube-proxy: on every address when NodePorts are
+/// served on every address, else on the NodePort addresses.
+fn health_check_listen_ips(node: &NodeContext, settings: &Settings) -> Vec<IpAddr> {
+    if node::matches_all(&settings.node_port_addresses) {
+        vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]
+    } else {
+        node.node_port_ips.iter().copied().collect()
     }
 }

@@ -1,8 +1,16 @@
-//! Command-line flags. Names and defaults follow kube-proxy's wherever kube-proxy has the
-//! same notion, so that an operator can swap vipr in without relearning them.
-use std::path::PathBuf;
+//! Command-line flags. Names, defaults and meaning follow kube-proxy's wherever kube-proxy has
+//! the same notion, so that an operator can swap vipr in without relearning them; kube-proxy
+//! flags that vipr knowingly does not implement are refused by name, with the reason (see
+//! [`UNSUPPORTED_KUBE_PROXY_FLAGS`]). [`crate::config::Settings::resolve`] turns the flags,
+//! over a `--config` file, into the settings the agent runs with.
+use std::{path::PathBuf, time::Duration};
 
-use clap::{Parser, ValueEnum};
+use clap::{error::ErrorKind, Arg, ArgAction, CommandFactory as _, FromArgMatches as _, Parser, ValueEnum};
+
+use crate::config::{
+    parse_go_duration, BindAddress, ClusterCidrs, NodePortAddress, DEFAULT_HEALTHZ_BIND_ADDRESS,
+    DEFAULT_METRICS_BIND_ADDRESS,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProxyMode {
@@ -16,12 +24,19 @@ pub enum ProxyMode {
     Ipvs,
 }
 
+/// Values that say so are kube-proxy's defaults; a flag left out keeps the `--config` file's
+/// value, or else that default.
 #[derive(Debug, Parser)]
 #[command(name = "vipr", version, about = "eBPF Kubernetes service proxy, a drop-in kube-proxy replacement")]
 pub struct Args {
-    /// Which dataplane programs the services.
-    #[arg(long, value_enum, default_value = "auto")]
-    pub proxy_mode: ProxyMode,
+    /// Which dataplane programs the services [default: auto].
+    #[arg(long, value_enum)]
+    pub proxy_mode: Option<ProxyMode>,
+
+    /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1, YAML or JSON), as
+    /// kube-proxy's; flags given on the command line override it.
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
 
     /// Standalone mode: read v1 Services and discovery.k8s.io/v1 EndpointSlices from this
     /// file of manifests (multi-document YAML or JSON) instead of the API server, and re-read
@@ -29,9 +44,14 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub services_file: Option<PathBuf>,
 
+    /// The kubeconfig file to reach the API server with (without it and without
+    /// --services-file: the in-cluster service account).
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+
     /// The name of this node, which decides which endpoints are local. Defaults to the host
     /// name.
-    #[arg(long, alias = "hostname-override", value_name = "NAME")]
+    #[arg(long, visible_alias = "hostname-override", value_name = "NAME")]
     pub node_name: Option<String>,
 
     /// Interfaces whose ingress traffic is load balanced (comma-separated). Defaults to every
@@ -46,49 +66,323 @@ pub struct Args {
 
     /// Remove everything vipr installed (programs, links, pinned maps under --bpf-root) and
     /// exit.
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub cleanup: bool,
 
+    /// The pods' CIDR (or a comma-separated IPv4,IPv6 pair): traffic from inside it is pod
+    /// traffic, the rest is masqueraded toward cluster IPs.
+    #[arg(long, alias = "cluster-cidrs", value_name = "CIDR[,CIDR]")]
+    pub cluster_cidr: Option<ClusterCidrs>,
+
+    /// SNAT all traffic sent to service cluster IPs [default: false].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub masquerade_all: Option<bool>,
+
+    /// CIDRs of the node addresses that NodePorts are served on, or the keywords `primary`
+    /// (the node's primary addresses), `all`, `localhost`; comma-separated
+    /// [default: primary].
+    #[arg(long, value_delimiter = ',', value_name = "CIDR|primary[,...]")]
+    pub nodeport_addresses: Option<Vec<NodePortAddress>>,
+
+    /// Where /healthz and /livez are served; empty disables them [default: 0.0.0.0:10256].
+    #[arg(long, value_name = "IP:PORT", value_parser = BindAddress::parser(DEFAULT_HEALTHZ_BIND_ADDRESS.port()))]
+    pub healthz_bind_address: Option<BindAddress>,
+
+    /// Where /metrics and /proxyMode are served; empty disables them
+    /// [default: 127.0.0.1:10249].
+    #[arg(long, value_name = "IP:PORT", value_parser = BindAddress::parser(DEFAULT_METRICS_BIND_ADDRESS.port()))]
+    pub metrics_bind_address: Option<BindAddress>,
+
+    /// The minimum time between two syncs of the dataplane, however fast services change (a
+    /// Go duration: 1s, 500ms, 1m30s) [default: 1s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub min_sync_period: Option<Duration>,
+
+    /// The maximum time between two syncs of the dataplane, changes or not [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub sync_period: Option<Duration>,
+
+    /// kube-proxy's log verbosity (klog): 0-2 info, 3-4 debug, 5 and more trace.
+    #[arg(long = "v", value_name = "N")]
+    pub klog_verbosity: Option<u32>,
+
     /// More log output (-v: debug, -vv: trace). RUST_LOG overrides it.
-    #[arg(short, action = clap::ArgAction::Count)]
+    #[arg(short, action = ArgAction::Count)]
     pub verbose: u8,
 }
 
+/// A kube-proxy flag that vipr recognises and refuses, and why.
+#[derive(Clone, Copy, Debug)]
+pub struct UnsupportedFlag {
+    pub name: &'static str,
+    pub reason: &'static str,
+}
+
+const IPTABLES_IPVS_MODES: &str = "it tunes kube-proxy's iptables/ipvs modes, which vipr does not implement";
+const SYNC_PERIODS: &str = "it is a deprecated per-mode period; use --sync-period / --min-sync-period";
+const CONNTRACK: &str =
+    "vipr does not tune the kernel's netfilter conntrack; its datapath tracks connections in its own BPF map";
+const LOCAL_DETECTION: &str = "vipr tells pod traffic only by --cluster-cidr";
+const API_CLIENT: &str =
+    "vipr's API client is configured only by --kubeconfig (or the in-cluster service account)";
+const NODE_IPS: &str = "vipr takes the node's addresses from its interfaces and its Node object";
+const SERVERS: &str = "use --healthz-bind-address / --metrics-bind-address";
+const LOGGING: &str = "vipr logs to stderr; use --v=N, -v, or RUST_LOG";
+
+/// Every kube-proxy flag (Linux, v1.2x-v1.3x, including removed klog flags still found in
+/// manifests) that vipr does not accept. Giving one is an error that names it: a flag that
+/// was silently ignored would leave the operator believing it took effect.
+pub const UNSUPPORTED_KUBE_PROXY_FLAGS: &[UnsupportedFlag] = &[
+    UnsupportedFlag { name: "iptables-sync-period", reason: SYNC_PERIODS },
+    UnsupportedFlag { name: "iptables-min-sync-period", reason: SYNC_PERIODS },
+    UnsupportedFlag { name: "ipvs-sync-period", reason: SYNC_PERIODS },
+    UnsupportedFlag { name: "ipvs-min-sync-period", reason: SYNC_PERIODS },
+    UnsupportedFlag { name: "iptables-masquerade-bit", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "iptables-localhost-nodeports", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "ipvs-scheduler", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "ipvs-exclude-cidrs", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "ipvs-strict-arp", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "ipvs-tcp-timeout", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "ipvs-tcpfin-timeout", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "ipvs-udp-timeout", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "ipvs-masquerade-bit", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag { name: "conntrack-max-per-core", reason: CONNTRACK },
+    UnsupportedFlag { name: "conntrack-min", reason: CONNTRACK },
+    UnsupportedFlag { name: "conntrack-tcp-timeout-established", reason: CONNTRACK },
+    UnsupportedFlag { name: "conntrack-tcp-timeout-close-wait", reason: CONNTRACK },
+    UnsupportedFlag { name: "conntrack-tcp-be-liberal", reason: CONNTRACK },
+    UnsupportedFlag { name: "conntrack-udp-timeout", reason: CONNTRACK },
+    UnsupportedFlag { name: "conntrack-udp-timeout-stream", reason: CONNTRACK },
+    UnsupportedFlag { name: "detect-local-mode", reason: LOCAL_DETECTION },
+    UnsupportedFlag { name: "pod-bridge-interface", reason: LOCAL_DETECTION },
+    UnsupportedFlag { name: "pod-interface-name-prefix", reason: LOCAL_DETECTION },
+    UnsupportedFlag { name: "master", reason: API_CLIENT },
+    UnsupportedFlag { name: "kube-api-content-type", reason: API_CLIENT },
+    UnsupportedFlag { name: "kube-api-qps", reason: API_CLIENT },
+    UnsupportedFlag { name: "kube-api-burst", reason: API_CLIENT },
+    UnsupportedFlag {
+        name: "config-sync-period",
+        reason: "vipr's watches do not resync periodically; --sync-period resyncs the dataplane",
+    },
+    UnsupportedFlag { name: "bind-address", reason: NODE_IPS },
+    UnsupportedFlag { name: "node-ip-override", reason: NODE_IPS },
+    UnsupportedFlag { name: "healthz-port", reason: SERVERS },
+    UnsupportedFlag { name: "metrics-port", reason: SERVERS },
+    UnsupportedFlag { name: "healthz-bind-addresses", reason: SERVERS },
+    UnsupportedFlag { name: "healthz-bind-port", reason: SERVERS },
+    UnsupportedFlag { name: "metrics-bind-addresses", reason: SERVERS },
+    UnsupportedFlag { name: "metrics-bind-port", reason: SERVERS },
+    UnsupportedFlag {
+        name: "bind-address-hard-fail",
+        reason: "vipr always retries a server address that is busy, as kube-proxy's default",
+    },
+    UnsupportedFlag { name: "profiling", reason: "vipr serves no /debug/pprof" },
+    UnsupportedFlag { name: "show-hidden-metrics-for-version", reason: "vipr has no hidden metrics" },
+    UnsupportedFlag { name: "feature-gates", reason: "vipr has no kube-proxy feature gates" },
+    UnsupportedFlag {
+        name: "oom-score-adj",
+        reason: "set the OOM score adjustment in the pod spec (priority class, resources)",
+    },
+    UnsupportedFlag { name: "init-only", reason: "vipr has no separate privileged initialisation step" },
+    UnsupportedFlag { name: "write-config-to", reason: "vipr does not write configuration files" },
+    UnsupportedFlag { name: "proxy-port-range", reason: "it configured kube-proxy's removed userspace mode" },
+    UnsupportedFlag { name: "udp-timeout", reason: "it configured kube-proxy's removed userspace mode" },
+    UnsupportedFlag { name: "resource-container", reason: "it was removed from kube-proxy" },
+    UnsupportedFlag { name: "vmodule", reason: LOGGING },
+    UnsupportedFlag { name: "log-flush-frequency", reason: LOGGING },
+    UnsupportedFlag { name: "logging-format", reason: LOGGING },
+    UnsupportedFlag { name: "log-text-split-stream", reason: LOGGING },
+    UnsupportedFlag { name: "log-text-info-buffer-size", reason: LOGGING },
+    UnsupportedFlag { name: "log-json-split-stream", reason: LOGGING },
+    UnsupportedFlag { name: "log-json-info-buffer-size", reason: LOGGING },
+    UnsupportedFlag { name: "add-dir-header", reason: LOGGING },
+    UnsupportedFlag { name: "alsologtostderr", reason: LOGGING },
+    UnsupportedFlag { name: "log-backtrace-at", reason: LOGGING },
+    UnsupportedFlag { name: "log-dir", reason: LOGGING },
+    UnsupportedFlag { name: "log-file", reason: LOGGING },
+    UnsupportedFlag { name: "log-file-max-size", reason: LOGGING },
+    UnsupportedFlag { name: "logtostderr", reason: LOGGING },
+    UnsupportedFlag { name: "one-output", reason: LOGGING },
+    UnsupportedFlag { name: "skip-headers", reason: LOGGING },
+    UnsupportedFlag { name: "skip-log-headers", reason: LOGGING },
+    UnsupportedFlag { name: "stderrthreshold", reason: LOGGING },
+];
+
 impl Args {
-    pub fn node_name(&self) -> String {
-        self.node_name.clone().unwrap_or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|name| name.trim().to_lowercase())
-                .unwrap_or_default()
-        })
+    /// Parses the command line, exiting with a usage error as clap does.
+    pub fn parse_kube_proxy_style() -> Self {
+        Self::try_parse_kube_proxy_style(std::env::args_os()).unwrap_or_else(|error| error.exit())
     }
 
-    /// The devices to serve: the listed ones, or every interface of this network namespace
-    /// but loopback.
-    pub fn devices(&self) -> std::io::Result<Vec<String>> {
-        if !self.devices.is_empty() {
-            return Ok(self.devices.iter().map(|d| d.trim().to_owned()).filter(|d| !d.is_empty()).collect());
+    /// Parses `argv` (program name first) as kube-proxy would: klog's `-v=N` / `-v N` mean
+    /// `--v=N`, and kube-proxy flags vipr does not support are refused by name.
+    pub fn try_parse_kube_proxy_style<I, T>(argv: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString>,
+    {
+        let mut command = Self::command().args(UNSUPPORTED_KUBE_PROXY_FLAGS.iter().map(|flag| {
+            // Hidden, and taking an optional value, so that `--flag`, `--flag=x` and
+            // `--flag x` all parse and can be reported by name.
+            Arg::new(flag.name).long(flag.name).hide(true).num_args(0..=1).action(ArgAction::Append)
+        }));
+        let matches = command.try_get_matches_from_mut(klog_verbosity_as_long_flag(argv))?;
+        let refused: Vec<String> = UNSUPPORTED_KUBE_PROXY_FLAGS
+            .iter()
+            .filter(|flag| matches.contains_id(flag.name))
+            .map(|flag| format!("--{}: {}", flag.name, flag.reason))
+            .collect();
+        if !refused.is_empty() {
+            return Err(command.error(
+                ErrorKind::UnknownArgument,
+                format!("vipr does not support these kube-proxy flags:\n  {}", refused.join("\n  ")),
+            ));
         }
-        // if_nameindex asks the kernel about the current namespace; /sys/class/net would show
-        // the namespace sysfs was mounted in, which differs after setns().
-        let list = unsafe { libc::if_nameindex() };
-        if list.is_null() {
-            return Err(std::io::Error::last_os_error());
+        Self::from_arg_matches(&matches).map_err(|error| error.format(&mut command))
+    }
+}
+
+/// Rewrites klog's `-v=N`, `-vN` and `-v N` to `--v=N`, leaving vipr's own `-v` / `-vv`
+/// counts alone. vipr takes no positional arguments, so a number after `-v` can only be its
+/// level.
+fn klog_verbosity_as_long_flag<I, T>(argv: I) -> Vec<std::ffi::OsString>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString>,
+{
+    let is_level = |text: &str| !text.is_empty() && text.bytes().all(|byte| byte.is_ascii_digit());
+    let mut rewritten: Vec<std::ffi::OsString> = Vec::new();
+    for arg in argv.into_iter().map(Into::into) {
+        let text = arg.to_str().unwrap_or_default();
+        let level = text.strip_prefix("-v").map(|rest| rest.strip_prefix('=').unwrap_or(rest));
+        if let Some(level) = level.filter(|level| is_level(level)) {
+            rewritten.push(format!("--v={level}").into());
+        } else if is_level(text) && rewritten.last().is_some_and(|previous| previous == "-v") {
+            rewritten.pop();
+            rewritten.push(format!("--v={text}").into());
+        } else {
+            rewritten.push(arg);
         }
-        let mut devices = Vec::new();
-        let mut entry = list;
-        // SAFETY: the list ends with an entry whose index is 0 and every name is a C string.
-        unsafe {
-            while (*entry).if_index != 0 {
-                let name = std::ffi::CStr::from_ptr((*entry).if_name).to_string_lossy().into_owned();
-                if name != "lo" {
-                    devices.push(name);
-                }
-                entry = entry.add(1);
-            }
-            libc::if_freenameindex(list);
+    }
+    rewritten
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_kube_proxy_style(std::iter::once("vipr").chain(argv.iter().copied()))
+    }
+
+    #[test]
+    fn the_original_flags_keep_working() {
+        let args = parse(&[
+            "--proxy-mode=ebpf",
+            "--services-file=s.yaml",
+            "--node-name=n1",
+            "--devices=eth0,eth1",
+            "--bpf-root=/tmp/bpf",
+            "-vv",
+        ])
+        .unwrap();
+        assert_eq!(args.proxy_mode, Some(ProxyMode::Ebpf));
+        assert_eq!(args.node_name.as_deref(), Some("n1"));
+        assert_eq!(args.devices, ["eth0", "eth1"]);
+        assert_eq!(args.verbose, 2);
+        assert!(!args.cleanup);
+        assert!(parse(&["--cleanup"]).unwrap().cleanup);
+        assert!(parse(&["--cleanup=true"]).unwrap().cleanup);
+        assert!(!parse(&["--cleanup=false"]).unwrap().cleanup);
+    }
+
+    #[test]
+    fn kube_proxy_flags_parse() {
+        let args = parse(&[
+            "--kubeconfig=/k",
+            "--hostname-override=node-b",
+            "--cluster-cidr=10.244.0.0/16",
+            "--masquerade-all",
+            "--nodeport-addresses=10.0.0.0/8,192.168.0.0/16",
+            "--healthz-bind-address=0.0.0.0:10256",
+            "--metrics-bind-address=0.0.0.0:10249",
+            "--min-sync-period=500ms",
+            "--sync-period=1m30s",
+            "--config=/etc/kube-proxy/config.conf",
+            "--v=2",
+        ])
+        .unwrap();
+        assert_eq!(args.node_name.as_deref(), Some("node-b"));
+        assert_eq!(args.masquerade_all, Some(true));
+        assert_eq!(args.nodeport_addresses.map(|a| a.len()), Some(2));
+        assert_eq!(args.min_sync_period, Some(Duration::from_millis(500)));
+        assert_eq!(args.sync_period, Some(Duration::from_secs(90)));
+        assert_eq!(args.klog_verbosity, Some(2));
+        assert_eq!(parse(&["--masquerade-all=false"]).unwrap().masquerade_all, Some(false));
+    }
+
+    #[test]
+    fn klog_short_verbosity_forms() {
+        for argv in [&["-v=3"][..], &["-v3"], &["-v", "3"], &["--v", "3"]] {
+            let args = parse(argv).unwrap();
+            assert_eq!((args.klog_verbosity, args.verbose), (Some(3), 0), "{argv:?}");
         }
-        devices.sort();
-        Ok(devices)
+        assert_eq!(parse(&["-v", "-v"]).unwrap().verbose, 2);
+    }
+
+    #[test]
+    fn bad_values_name_the_flag() {
+        let error = parse(&["--sync-period=30"]).unwrap_err().to_string();
+        assert!(error.contains("--sync-period") && error.contains("invalid duration"), "{error}");
+        let error = parse(&["--cluster-cidr=10.0.0.0"]).unwrap_err().to_string();
+        assert!(error.contains("--cluster-cidr"), "{error}");
+        let error = parse(&["--nodeport-addresses=eth0"]).unwrap_err().to_string();
+        assert!(error.contains("--nodeport-addresses"), "{error}");
+    }
+
+    #[test]
+    fn unsupported_kube_proxy_flags_are_refused_by_name() {
+        for argv in [
+            &["--iptables-sync-period=30s"][..],
+            &["--conntrack-max-per-core", "0"],
+            &["--bind-address-hard-fail"],
+            &["--feature-gates=A=true,B=false"],
+            &["--detect-local-mode=ClusterCIDR"],
+            &["--proxy-port-range=30000-32767"],
+            &["--oom-score-adj=-999"],
+        ] {
+            let error = parse(argv).unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::UnknownArgument);
+            let message = error.to_string();
+            let flag = argv[0].split('=').next().unwrap();
+            assert!(message.contains(&format!("{flag}:")), "{message}");
+            assert!(message.contains("vipr does not support"), "{message}");
+            assert!(!message.contains("unexpected argument"), "{message}");
+        }
+        let message = parse(&["--conntrack-min=1", "--ipvs-scheduler", "rr"]).unwrap_err().to_string();
+        assert!(message.contains("--conntrack-min") && message.contains("--ipvs-scheduler"), "{message}");
+    }
+
+    #[test]
+    fn unsupported_flags_are_unique_and_none_is_a_supported_one() {
+        let command = Args::command();
+        let mut names = std::collections::BTreeSet::new();
+        for flag in UNSUPPORTED_KUBE_PROXY_FLAGS {
+            assert!(names.insert(flag.name), "{} listed twice", flag.name);
+            assert!(
+                command.get_arguments().all(|arg| {
+                    arg.get_long() != Some(flag.name)
+                        && arg.get_all_aliases().is_none_or(|aliases| !aliases.contains(&flag.name))
+                }),
+                "{} is supported",
+                flag.name
+            );
+        }
+    }
+
+    #[test]
+    fn truly_unknown_flags_still_get_clap_s_error() {
+        let error = parse(&["--no-such-flag"]).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::UnknownArgument);
     }
 }

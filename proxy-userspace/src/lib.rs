@@ -7,6 +7,11 @@ pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DI
 
 pub mod agent;
 pub mod cli;
+pub mod config;
 pub mod dataplane;
+pub mod health;
+pub mod host;
+pub mod http;
+pub mod metrics;
 pub mod model;
 pub mod source;

@@ -1,23 +1,21 @@
 use std::io::IsTerminal as _;
 
-use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
-use vipr::cli::Args;
+use vipr::{cli::Args, config::Settings};
 
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
-    let default_level = match args.verbose {
-        0 => "info",
-        1 => "debug",
-        _ => "trace",
-    };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    vipr::health::process_start();
+    let args = Args::parse_kube_proxy_style();
+    let settings = Settings::resolve(&args);
+    // A bad --config still gets logged, at the level the flags ask for.
+    let level = settings.as_ref().map_or(vipr::config::LogLevel::Info, |settings| settings.log_level);
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level.directive()));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match vipr::agent::run(&args) {
+    match settings.and_then(|settings| vipr::agent::run(&settings)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             tracing::error!("{error:#}");

@@ -15,9 +15,11 @@
 //! as its parent dies, and the namespaces, mounts and directories it left are removed by the
 //! next run that uses the same label. All of it needs root.
 
+pub mod apiserver;
 mod bpffs;
 mod client;
 mod cmd;
+pub mod conformance;
 mod echo;
 mod lab;
 pub mod manifest;
@@ -35,6 +37,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 
+pub use apiserver::FakeApiServer;
 pub use bpffs::BpfFs;
 pub use client::{
     count_by_backend, exchange, exchanges, tcp_exchange, udp_exchange, Answer, Exchange, TcpSession,

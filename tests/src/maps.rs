@@ -43,10 +43,12 @@ impl PinnedMaps {
         self.dir.join(map)
     }
 
-    /// The services map: frontend -> backend set.
+    /// The services map as it applies to clients outside the cluster (the labs' clients are):
+    /// frontend -> backend set.
     pub fn services(&self) -> Result<BTreeMap<Frontend, ServiceEntry>> {
         self.dump::<ServiceKey, ServiceEntry>(pins::SERVICES4)?
             .into_iter()
+            .filter(|(key, _)| key.source_class == proxy_common::source_class::OUTSIDE)
             .map(|(key, service)| {
                 let protocol = Protocol::from_number(key.proto)
                     .with_context(|| format!("unexpected protocol {} in {key:?}", key.proto))?;
@@ -115,6 +117,7 @@ struct ServiceKey {
     addr: [u8; 4],
     port: u16,
     proto: u8,
+    source_class: u8,
 }
 
 #[derive(Deserialize)]

@@ -86,10 +86,16 @@ impl Vipr {
     /// not kill it under our feet, and it is sent SIGTERM if the thread that started it dies
     /// without stopping it: start it from a thread that lives as long as the guard.
     pub fn start(binary: &Path, netns: &Netns, config: &ViprConfig, log: &Path) -> Result<Self> {
+        Self::start_with_args(binary, netns, &config.args(), log)
+    }
+
+    /// [`Self::start`] with a command line of the caller's (the conformance runner passes
+    /// flags that [`ViprConfig`] does not model).
+    pub fn start_with_args(binary: &Path, netns: &Netns, args: &[String], log: &Path) -> Result<Self> {
         let log_file = File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
         let mut command = netns.command(binary)?;
         command
-            .args(config.args())
+            .args(args)
             // The log is a file, read by people: no colour escapes.
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())

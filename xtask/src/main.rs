@@ -35,6 +35,19 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         demo_args: Vec<OsString>,
     },
+    /// Build vipr and check it against kube-proxy's packet-flow cases on this kernel
+    /// (`vipr-conformance`, see docs/conformance.md); exits with the runner's exit code.
+    Conformance {
+        /// The dataplane to test: ebpf, iptables or ipvs.
+        #[arg(long, value_parser = ["ebpf", "iptables", "ipvs"])]
+        mode: String,
+        /// Case files or directories of them, e.g. tests/conformance/kube-proxy-flows.
+        #[arg(required = true, value_name = "DIR_OR_FILE")]
+        paths: Vec<PathBuf>,
+        /// Passed on to vipr-conformance (e.g. `--filter TEXT`, `--logs DIR`).
+        #[arg(last = true)]
+        runner_args: Vec<OsString>,
+    },
 }
 
 /// The steps of `cargo xtask test`, in order. A new suite is one more line here.
@@ -128,6 +141,9 @@ fn run(task: Task) -> Result<ExitCode> {
         Task::Lint => steps::run_all(&workspace, LINT_STEPS)?,
         Task::Test => steps::run_all(&workspace, TEST_STEPS)?,
         Task::Demo { demo_args } => return demo(&workspace, &demo_args),
+        Task::Conformance { mode, paths, runner_args } => {
+            return conformance(&workspace, &mode, &paths, &runner_args)
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -153,6 +169,27 @@ fn demo(workspace: &Workspace, demo_args: &[OsString]) -> Result<ExitCode> {
             .arg("--vipr")
             .arg(binaries.join("vipr"))
             .args(demo_args),
+    )?;
+    Ok(exit_code_of(status))
+}
+
+fn conformance(
+    workspace: &Workspace,
+    mode: &str,
+    paths: &[PathBuf],
+    runner_args: &[OsString],
+) -> Result<ExitCode> {
+    setup::all(setup::Mode::Install)?;
+    cmd::run(workspace.cargo().args(["build", "-p", "proxy-userspace", "-p", "vipr-tests"]))?;
+    let binaries = workspace.target_dir().join("debug");
+    // Paths are taken as given from the caller's directory, as a shell user expects.
+    let status = cmd::status(
+        Command::new(binaries.join("vipr-conformance"))
+            .arg(format!("--mode={mode}"))
+            .arg("--vipr")
+            .arg(binaries.join("vipr"))
+            .args(runner_args)
+            .args(paths),
     )?;
     Ok(exit_code_of(status))
 }

@@ -1,25 +1,131 @@
 //! Kubernetes Services and EndpointSlices -> [`DesiredState`], with kube-proxy's semantics.
 //!
+//! The rules follow kube-proxy's `CategorizeEndpoints` and its nftables proxier (where the
+//! iptables and nftables proxiers differ, vipr follows nftables; docs/conformance.md lists
+//! the differences):
+//! - cluster endpoints are the ready ones, or if there are none the serving-and-terminating
+//!   ones; local endpoints likewise among those on this node; not-serving ones never;
+//! - `internalTrafficPolicy: Local` sends cluster-IP traffic to local endpoints only;
+//!   `externalTrafficPolicy: Local` sends traffic from outside the cluster to NodePorts,
+//!   external IPs and load-balancer IPs to local endpoints only and unmasqueraded, while pods
+//!   and the node itself are short-circuited to the cluster endpoints (the node masqueraded);
+//! - no usable endpoint anywhere rejects; endpoints only elsewhere (Local policies) drop;
+//! - cluster-IP traffic is masqueraded unless the local-traffic detector says it comes from a
+//!   pod (or always with `--masquerade-all`); other frontends masquerade unless the Local
+//!   external policy applies.
+//!
 //! An object that the API server would not have accepted (bad IP, port out of range, unknown
 //! protocol, duplicate ports, ...) is rejected as a whole and reported; every other object is
-//! still applied, so one bad manifest cannot take down the services beside it.
+//! still applied, so one bad manifest cannot take down the services beside it. Objects are
+//! otherwise taken as they are, without the API server's defaulting.
 use std::{
     collections::{BTreeMap, BTreeSet, HashSet},
     fmt,
     net::IpAddr,
+    sync::Arc,
+    time::Duration,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use ipnet::IpNet;
+use k8s_openapi::{
+    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
 
-use super::{Backend, DesiredState, Frontend, FrontendEntry, Protocol, ServicePortName};
+use super::{
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, Protocol, ServicePortName,
+    SourceClassifier, Treatment, WhenEmpty,
+};
 
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
-/// The node vipr runs on; endpoint locality and traffic policies are decided against it.
+/// kube-proxy's default ClientIP affinity timeout (the API's default, 3 hours).
+const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10_800);
+
+/// The node vipr runs on and the proxy settings that shape its semantics.
 #[derive(Clone, Debug, Default)]
 pub struct NodeContext {
     pub name: String,
+    /// The local-traffic detector (`--cluster-cidr`): sources inside are pods. Empty: no
+    /// detector.
+    pub cluster_cidrs: Vec<IpNet>,
+    /// `--masquerade-all`: masquerade all cluster-IP traffic.
+    pub masquerade_all: bool,
+    /// The node's addresses (every family; loopback excluded).
+    pub node_ips: BTreeSet<IpAddr>,
+    /// The node's primary address per family; a load balancer's source ranges that contain it
+    /// also admit the load-balancer IPs as sources.
+    pub primary_ips: Vec<IpAddr>,
+    /// The addresses on which NodePorts are served (resolved from `--nodeport-addresses`).
+    pub node_port_ips: BTreeSet<IpAddr>,
+    /// Service IP ranges; addresses inside them that are no cluster IP are dropped.
+    pub service_cidrs: Vec<IpNet>,
+}
+
+/// What the agent knows about the node, before [`NodeContext::resolve`] applies the proxy
+/// settings to it.
+#[derive(Clone, Debug, Default)]
+pub struct NodeFacts {
+    pub name: String,
+    /// The node's interface addresses, in the kernel's order; loopback ones are ignored.
+    pub addresses: Vec<IpAddr>,
+    /// Primary node IPs if known (`--bind-address`, or the Node object); otherwise the first
+    /// usable address of each family.
+    pub primary_ips: Vec<IpAddr>,
+}
+
+/// The proxy settings that shape the semantics, as kube-proxy's flags.
+#[derive(Clone, Debug, Default)]
+pub struct ProxySettings {
+    pub cluster_cidrs: Vec<IpNet>,
+    pub masquerade_all: bool,
+    /// `--nodeport-addresses`; empty means the primary node IPs (kube-proxy's nftables
+    /// default).
+    pub node_port_cidrs: Vec<IpNet>,
+    pub service_cidrs: Vec<IpNet>,
+}
+
+impl NodeContext {
+    pub fn resolve(facts: &NodeFacts, settings: &ProxySettings) -> Self {
+        let node_ips: BTreeSet<IpAddr> = facts
+            .addresses
+            .iter()
+            .copied()
+            .filter(|ip| !ip.is_loopback() && !ip.is_unspecified() && !is_ipv6_link_local(ip))
+            .collect();
+        let primary_ips = if facts.primary_ips.is_empty() {
+            // The first usable address of each family, in the order the interfaces list them.
+            let first = |v4: bool| {
+                facts.addresses.iter().copied().find(|ip| node_ips.contains(ip) && ip.is_ipv4() == v4)
+            };
+            [first(true), first(false)].into_iter().flatten().collect()
+        } else {
+            facts.primary_ips.clone()
+        };
+        let node_port_ips = if settings.node_port_cidrs.is_empty() {
+            primary_ips.iter().copied().collect()
+        } else {
+            node_ips
+                .iter()
+                .copied()
+                .filter(|ip| settings.node_port_cidrs.iter().any(|cidr| cidr.contains(ip)))
+                .collect()
+        };
+        Self {
+            name: facts.name.clone(),
+            cluster_cidrs: settings.cluster_cidrs.clone(),
+            masquerade_all: settings.masquerade_all,
+            node_ips,
+            primary_ips,
+            node_port_ips,
+            service_cidrs: settings.service_cidrs.clone(),
+        }
+    }
+}
+
+fn is_ipv6_link_local(ip: &IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
 }
 
 /// An object left out of the desired state, and why.
@@ -43,23 +149,51 @@ pub struct Translation {
     pub rejected: Vec<Rejection>,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TrafficPolicy {
+    Cluster,
+    Local,
+}
+
+/// The service-wide settings every port shares.
+#[derive(Clone, Debug)]
+struct ServiceSpec {
+    cluster_ips: Vec<IpAddr>,
+    external_ips: Vec<IpAddr>,
+    load_balancer_ips: Vec<IpAddr>,
+    source_ranges: Vec<IpNet>,
+    /// Already `Cluster` where the service type makes the field meaningless.
+    external_policy: TrafficPolicy,
+    internal_policy: TrafficPolicy,
+    affinity: Option<Duration>,
+}
+
 /// One port of a service, validated.
 #[derive(Clone, Debug)]
 struct ServicePortSpec {
     name: ServicePortName,
-    cluster_ips: Vec<IpAddr>,
+    service: Arc<ServiceSpec>,
     port: u16,
+    node_port: Option<u16>,
 }
 
-/// One endpoint of a slice, validated, for one slice port.
+/// One endpoint of a slice for one slice port, validated.
 #[derive(Clone, Debug)]
 struct EndpointSpec {
-    ip: IpAddr,
-    port: u16,
+    backend: Backend,
     ready: bool,
+    serving: bool,
+    terminating: bool,
+    local: bool,
 }
 
-pub fn desired_state(services: &[Service], slices: &[EndpointSlice], _node: &NodeContext) -> Translation {
+impl EndpointSpec {
+    fn serving_and_terminating(&self) -> bool {
+        self.serving && self.terminating
+    }
+}
+
+pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &NodeContext) -> Translation {
     let mut rejected = Vec::new();
     let mut ports = Vec::new();
     for service in services {
@@ -72,7 +206,7 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], _node: &Nod
     }
     let mut endpoints: BTreeMap<ServicePortName, Vec<EndpointSpec>> = BTreeMap::new();
     for slice in slices {
-        match slice_endpoints(slice) {
+        match slice_endpoints(slice, node) {
             Ok(by_port) => {
                 for (name, found) in by_port {
                     endpoints.entry(name).or_default().extend(found);
@@ -84,14 +218,18 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], _node: &Nod
         }
     }
 
-    let mut state = DesiredState::default();
+    let mut state = DesiredState {
+        service_cidrs: node.service_cidrs.clone(),
+        sources: SourceClassifier { pod_cidrs: node.cluster_cidrs.clone(), node_ips: node.node_ips.clone() },
+        ..DesiredState::default()
+    };
     // Deterministic order, so that when two services claim one frontend the same one wins on
     // every node and every sync.
     ports.sort_by(|a, b| a.name.cmp(&b.name));
     for port in ports {
-        let backends = usable_backends(endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default());
-        for ip in &port.cluster_ips {
-            let frontend = Frontend { ip: *ip, port: port.port, protocol: port.name.protocol };
+        let endpoints = endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default();
+        state.cluster_ips.extend(port.service.cluster_ips.iter().copied());
+        for (frontend, entry) in frontends(&port, endpoints, node) {
             if let Some(owner) = state.frontends.get(&frontend) {
                 rejected.push(Rejection {
                     object: format!("Service {}/{}", port.name.namespace, port.name.name),
@@ -99,26 +237,129 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], _node: &Nod
                 });
                 continue;
             }
-            state
-                .frontends
-                .insert(frontend, FrontendEntry { service: port.name.clone(), backends: backends.clone() });
+            state.frontends.insert(frontend, entry);
         }
     }
     Translation { state, rejected }
 }
 
-/// kube-proxy uses ready endpoints; duplicates (one endpoint listed by several slices) count
-/// once.
-fn usable_backends(endpoints: &[EndpointSpec]) -> Vec<Backend> {
-    let set: BTreeSet<Backend> = endpoints
-        .iter()
-        .filter(|endpoint| endpoint.ready)
-        .map(|endpoint| Backend { ip: endpoint.ip, port: endpoint.port })
-        .collect();
-    set.into_iter().collect()
+/// Endpoint sets as kube-proxy's `CategorizeEndpoints` computes them.
+struct Categorized {
+    cluster: Arc<[Backend]>,
+    local: Arc<[Backend]>,
+    /// Some endpoint anywhere is ready, or serving and terminating.
+    any_usable: bool,
 }
 
-fn describe(kind: &str, metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+fn categorize(endpoints: &[EndpointSpec]) -> Categorized {
+    let pick = |keep: &dyn Fn(&EndpointSpec) -> bool| -> Arc<[Backend]> {
+        let set: BTreeSet<Backend> = endpoints.iter().filter(|e| keep(e)).map(|e| e.backend).collect();
+        set.into_iter().collect()
+    };
+    let ready_first = |keep: &dyn Fn(&EndpointSpec) -> bool| {
+        let ready = pick(&|e| keep(e) && e.ready);
+        if ready.is_empty() {
+            pick(&|e| keep(e) && e.serving_and_terminating())
+        } else {
+            ready
+        }
+    };
+    Categorized {
+        cluster: ready_first(&|_| true),
+        local: ready_first(&|e| e.local),
+        any_usable: endpoints.iter().any(|e| e.ready || e.serving_and_terminating()),
+    }
+}
+
+fn frontends(
+    port: &ServicePortSpec,
+    endpoints: &[EndpointSpec],
+    node: &NodeContext,
+) -> Vec<(Frontend, FrontendEntry)> {
+    let service = &port.service;
+    let endpoints = categorize(endpoints);
+    // No usable endpoint anywhere is the client's business; none allowed from here is not.
+    let when_policy_empty = if endpoints.any_usable { WhenEmpty::Drop } else { WhenEmpty::Reject };
+    let treatment = |backends: &Arc<[Backend]>, masquerade: bool| Treatment {
+        backends: backends.clone(),
+        when_empty: if backends.is_empty() { when_policy_empty } else { WhenEmpty::Reject },
+        masquerade,
+    };
+    let entry = |kind, from_pod, from_node, from_outside| FrontendEntry {
+        service: port.name.clone(),
+        kind,
+        from_pod,
+        from_node,
+        from_outside,
+        allowed_sources: Vec::new(),
+        affinity: service.affinity,
+    };
+    let frontend =
+        |ip: IpAddr, port_number: u16| Frontend { ip, port: port_number, protocol: port.name.protocol };
+
+    let internal_backends =
+        if service.internal_policy == TrafficPolicy::Local { &endpoints.local } else { &endpoints.cluster };
+    // Without a detector no source is known to be a pod, so none is masqueraded for being
+    // outside the pod network.
+    let masquerade_non_pods = node.masquerade_all || !node.cluster_cidrs.is_empty();
+    let cluster_ip_entry = entry(
+        FrontendKind::ClusterIp,
+        treatment(internal_backends, node.masquerade_all),
+        treatment(internal_backends, masquerade_non_pods),
+        treatment(internal_backends, masquerade_non_pods),
+    );
+
+    let external_entry = |kind| match service.external_policy {
+        TrafficPolicy::Cluster => {
+            let masqueraded = treatment(&endpoints.cluster, true);
+            entry(kind, masqueraded.clone(), masqueraded.clone(), masqueraded)
+        }
+        TrafficPolicy::Local => entry(
+            kind,
+            // Pods keep their address and use every endpoint: they are inside the cluster.
+            if node.cluster_cidrs.is_empty() {
+                treatment(&endpoints.local, false)
+            } else {
+                treatment(&endpoints.cluster, false)
+            },
+            // The node's own connections would otherwise leave with a node address that the
+            // endpoint could not route back through this node.
+            treatment(&endpoints.cluster, true),
+            treatment(&endpoints.local, false),
+        ),
+    };
+
+    let mut frontends: Vec<(Frontend, FrontendEntry)> =
+        service.cluster_ips.iter().map(|ip| (frontend(*ip, port.port), cluster_ip_entry.clone())).collect();
+    for ip in &service.external_ips {
+        frontends.push((frontend(*ip, port.port), external_entry(FrontendKind::ExternalIp)));
+    }
+    let allowed_sources = allowed_load_balancer_sources(service, node);
+    for ip in &service.load_balancer_ips {
+        let mut entry = external_entry(FrontendKind::LoadBalancer);
+        entry.allowed_sources = allowed_sources.clone();
+        frontends.push((frontend(*ip, port.port), entry));
+    }
+    if let Some(node_port) = port.node_port {
+        for ip in &node.node_port_ips {
+            frontends.push((frontend(*ip, node_port), external_entry(FrontendKind::NodePort)));
+        }
+    }
+    frontends
+}
+
+/// The source ranges, plus the load-balancer IPs themselves when a range admits the node: a
+/// node that reaches its own load-balancer IP (routed back locally) arrives with that IP as
+/// source.
+fn allowed_load_balancer_sources(service: &ServiceSpec, node: &NodeContext) -> Vec<IpNet> {
+    let mut allowed = service.source_ranges.clone();
+    if allowed.iter().any(|range| node.primary_ips.iter().any(|ip| range.contains(ip))) {
+        allowed.extend(service.load_balancer_ips.iter().map(|ip| IpNet::from(*ip)));
+    }
+    allowed
+}
+
+fn describe(kind: &str, metadata: &ObjectMeta) -> String {
     format!(
         "{kind} {}/{}",
         metadata.namespace.as_deref().unwrap_or("default"),
@@ -126,9 +367,7 @@ fn describe(kind: &str, metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v
     )
 }
 
-fn identity(
-    metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-) -> Result<(String, String), String> {
+fn identity(metadata: &ObjectMeta) -> Result<(String, String), String> {
     let name = metadata.name.clone().filter(|name| !name.is_empty()).ok_or("metadata.name is missing")?;
     Ok((metadata.namespace.clone().unwrap_or_else(|| "default".into()), name))
 }
@@ -145,37 +384,122 @@ fn protocol(name: Option<&str>, field: &str) -> Result<Protocol, String> {
         .ok_or_else(|| format!("{field} {:?} is not TCP, UDP or SCTP", name.unwrap_or_default()))
 }
 
-/// The ports of a service that kube-proxy would program, or why the service is unusable.
-/// Services without a cluster IP (headless, ExternalName) have none and are not an error.
-fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
-    let (namespace, name) = identity(&service.metadata)?;
+fn ip_list<'a>(addresses: impl IntoIterator<Item = &'a String>, field: &str) -> Result<Vec<IpAddr>, String> {
+    addresses
+        .into_iter()
+        .map(|address| {
+            address.trim().parse().map_err(|_| format!("{field} {address:?} is not an IP address"))
+        })
+        .collect()
+}
+
+fn policy(value: Option<&str>, field: &str) -> Result<TrafficPolicy, String> {
+    match value {
+        None | Some("Cluster") => Ok(TrafficPolicy::Cluster),
+        Some("Local") => Ok(TrafficPolicy::Local),
+        Some(other) => Err(format!("{field} {other:?} is not Cluster or Local")),
+    }
+}
+
+fn service_spec(service: &Service) -> Result<Option<ServiceSpec>, String> {
     let spec = service.spec.as_ref().ok_or("spec is missing")?;
-    if spec.type_.as_deref() == Some("ExternalName") {
-        return Ok(Vec::new());
+    let service_type = spec.type_.as_deref();
+    if service_type == Some("ExternalName") {
+        return Ok(None);
     }
     let addresses = match &spec.cluster_ips {
         Some(ips) if !ips.is_empty() => ips.clone(),
         _ => spec.cluster_ip.iter().cloned().collect(),
     };
+    // Headless services have no virtual IP to proxy.
     if addresses.iter().all(|address| address.is_empty() || address == "None") {
-        return Ok(Vec::new());
+        return Ok(None);
     }
-    let cluster_ips = addresses
+    let cluster_ips = ip_list(&addresses, "cluster IP")?;
+    let external_ips = ip_list(spec.external_ips.iter().flatten(), "spec.externalIPs entry")?;
+    // kube-proxy leaves ipMode Proxy load balancers alone: they deliver to the node with the
+    // node as destination, not to the load-balancer IP.
+    let load_balancer_ips = ip_list(
+        service
+            .status
+            .iter()
+            .filter_map(|status| status.load_balancer.as_ref())
+            .flat_map(|lb| lb.ingress.iter().flatten())
+            .filter(|ingress| ingress.ip_mode.as_deref() != Some("Proxy"))
+            .filter_map(|ingress| ingress.ip.as_ref()),
+        "status.loadBalancer.ingress ip",
+    )?;
+    let source_ranges = spec
+        .load_balancer_source_ranges
         .iter()
-        .map(|address| {
-            address.parse::<IpAddr>().map_err(|_| format!("cluster IP {address:?} is not an IP address"))
+        .flatten()
+        .map(|range| {
+            range
+                .trim()
+                .parse::<IpNet>()
+                .map_err(|_| format!("spec.loadBalancerSourceRanges entry {range:?} is not a CIDR"))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    // As kube-proxy's ExternalPolicyLocal: the field means something only for services that
+    // are reachable from outside by their type.
+    let externally_typed = matches!(service_type, Some("NodePort" | "LoadBalancer"))
+        || (service_type == Some("ClusterIP") && !external_ips.is_empty());
+    let external_policy = match policy(spec.external_traffic_policy.as_deref(), "spec.externalTrafficPolicy")?
+    {
+        TrafficPolicy::Local if externally_typed => TrafficPolicy::Local,
+        _ => TrafficPolicy::Cluster,
+    };
+    let internal_policy = policy(spec.internal_traffic_policy.as_deref(), "spec.internalTrafficPolicy")?;
+    let affinity = match spec.session_affinity.as_deref() {
+        None | Some("None") => None,
+        Some("ClientIP") => {
+            let seconds = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|config| config.client_ip.as_ref())
+                .and_then(|client_ip| client_ip.timeout_seconds);
+            Some(match seconds {
+                None => DEFAULT_AFFINITY_TIMEOUT,
+                Some(seconds) if (1..=86_400).contains(&seconds) => Duration::from_secs(seconds as u64),
+                Some(seconds) => return Err(format!("session affinity timeout {seconds}s is not 1-86400")),
+            })
+        }
+        Some(other) => return Err(format!("spec.sessionAffinity {other:?} is not None or ClientIP")),
+    };
+    Ok(Some(ServiceSpec {
+        cluster_ips,
+        external_ips,
+        load_balancer_ips,
+        source_ranges,
+        external_policy,
+        internal_policy,
+        affinity,
+    }))
+}
 
+/// The ports of a service that kube-proxy would program, or why the service is unusable.
+/// Services without a cluster IP (headless, ExternalName) have none and are not an error.
+fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
+    let (namespace, name) = identity(&service.metadata)?;
+    let Some(spec) = service_spec(service)? else {
+        return Ok(Vec::new());
+    };
+    let spec = Arc::new(spec);
     let mut seen = HashSet::new();
+    let mut names = HashSet::new();
     let mut ports = Vec::new();
-    for (index, port) in spec.ports.iter().flatten().enumerate() {
+    for (index, port) in service.spec.iter().flat_map(|spec| spec.ports.iter().flatten()).enumerate() {
         let field = format!("spec.ports[{index}]");
         let number = port_number(port.port, &format!("{field}.port"))?;
         let protocol = protocol(port.protocol.as_deref(), &format!("{field}.protocol"))?;
+        let node_port =
+            port.node_port.filter(|port| *port != 0).map(|p| port_number(p, &format!("{field}.nodePort")));
         let port_name = port.name.clone().unwrap_or_default();
         if !seen.insert((number, protocol)) {
             return Err(format!("{field}: port {number}/{protocol} is listed twice"));
+        }
+        if !names.insert((port_name.clone(), protocol)) {
+            return Err(format!("{field}: port name {port_name:?} is used twice for {protocol}"));
         }
         ports.push(ServicePortSpec {
             name: ServicePortName {
@@ -184,22 +508,19 @@ fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
                 port: port_name,
                 protocol,
             },
-            cluster_ips: cluster_ips.clone(),
+            service: spec.clone(),
             port: number,
+            node_port: node_port.transpose()?,
         });
-    }
-    let mut names = HashSet::new();
-    if let Some(duplicate) = ports.iter().find(|port| !names.insert(&port.name)) {
-        return Err(format!(
-            "port name {:?} is used twice for {}",
-            duplicate.name.port, duplicate.name.protocol
-        ));
     }
     Ok(ports)
 }
 
 /// The endpoints of a slice grouped by the service port they belong to.
-fn slice_endpoints(slice: &EndpointSlice) -> Result<Vec<(ServicePortName, Vec<EndpointSpec>)>, String> {
+fn slice_endpoints(
+    slice: &EndpointSlice,
+    node: &NodeContext,
+) -> Result<Vec<(ServicePortName, Vec<EndpointSpec>)>, String> {
     let (namespace, _) = identity(&slice.metadata)?;
     let service = slice
         .metadata
@@ -216,7 +537,7 @@ fn slice_endpoints(slice: &EndpointSlice) -> Result<Vec<(ServicePortName, Vec<En
         other => return Err(format!("addressType {other:?} is not IPv4, IPv6 or FQDN")),
     }
 
-    let mut addresses = Vec::new();
+    let mut endpoints = Vec::new();
     for (index, endpoint) in slice.endpoints.iter().enumerate() {
         let address =
             endpoint.addresses.first().ok_or_else(|| format!("endpoints[{index}] has no address"))?;
@@ -229,9 +550,16 @@ fn slice_endpoints(slice: &EndpointSlice) -> Result<Vec<(ServicePortName, Vec<En
                 slice.address_type
             ));
         }
-        // Unset conditions mean ready, as the API documents.
-        let ready = endpoint.conditions.as_ref().and_then(|conditions| conditions.ready).unwrap_or(true);
-        addresses.push((ip, ready));
+        // Unset conditions: ready, serving as ready, not terminating (the API's meaning).
+        let conditions = endpoint.conditions.as_ref();
+        let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
+        endpoints.push(EndpointSpec {
+            backend: Backend { ip, port: 0 },
+            ready,
+            serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+            terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
+            local: endpoint.node_name.as_deref() == Some(node.name.as_str()),
+        });
     }
 
     let mut by_port = Vec::new();
@@ -249,11 +577,14 @@ fn slice_endpoints(slice: &EndpointSlice) -> Result<Vec<(ServicePortName, Vec<En
             port: port.name.clone().unwrap_or_default(),
             protocol,
         };
-        let endpoints = addresses
+        let with_port = endpoints
             .iter()
-            .map(|(ip, ready)| EndpointSpec { ip: *ip, port: number, ready: *ready })
+            .map(|endpoint| EndpointSpec {
+                backend: Backend { port: number, ..endpoint.backend },
+                ..endpoint.clone()
+            })
             .collect();
-        by_port.push((name, endpoints));
+        by_port.push((name, with_port));
     }
     Ok(by_port)
 }

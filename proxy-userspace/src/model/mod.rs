@@ -1,9 +1,24 @@
-//! Desired state: what every frontend of every service should balance to.
+//! Desired state: what every frontend of every service does with a new connection.
 //!
 //! This is the only thing a dataplane sees. It is computed from Kubernetes objects by
-//! [`kubernetes::desired_state`] and knows nothing of maps, rules or kernels; each dataplane
-//! turns it into its own representation.
-use std::{collections::BTreeMap, fmt, net::IpAddr};
+//! [`kubernetes::desired_state`] with kube-proxy's semantics already applied (traffic
+//! policies, terminating endpoints, masquerade rules), and knows nothing of maps, rules or
+//! kernels; each dataplane turns it into its own representation.
+//!
+//! A dataplane classifies the source of a new connection ([`SourceClass`], from
+//! [`DesiredState::sources`]) and applies the frontend's [`Treatment`] for that class. One
+//! rule holds for every frontend and is left to the dataplane: a connection whose chosen
+//! backend is its own source (a pod reaching itself through its service, "hairpin") is
+//! masqueraded, or the pod would answer itself directly.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+    sync::Arc,
+    time::Duration,
+};
+
+use ipnet::IpNet;
 
 pub mod kubernetes;
 
@@ -82,21 +97,119 @@ impl fmt::Display for ServicePortName {
     }
 }
 
-/// What one frontend balances to. `backends` is sorted and free of duplicates, so two
-/// entries are equal exactly when a dataplane would program them identically.
+/// How a frontend is reached; it decides which traffic policy applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FrontendKind {
+    ClusterIp,
+    ExternalIp,
+    LoadBalancer,
+    NodePort,
+}
+
+/// Who opened a connection, as far as service semantics care.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SourceClass {
+    /// Inside a cluster CIDR of the local-traffic detector (`--cluster-cidr`).
+    Pod,
+    /// One of the node's own addresses.
+    Node,
+    /// Anything else.
+    Outside,
+}
+
+/// What a frontend does when a treatment has no backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WhenEmpty {
+    /// The service has no usable endpoint at all: tell the client (ICMP port unreachable,
+    /// "connection refused").
+    Reject,
+    /// Endpoints exist, but none that this traffic policy allows from here: drop silently.
+    Drop,
+}
+
+/// What happens to a new connection of one source class.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Treatment {
+    /// Chosen uniformly for each new connection; sorted, without duplicates. Shared between
+    /// treatments and frontends that use the same set.
+    pub backends: Arc<[Backend]>,
+    /// Used only when `backends` is empty.
+    pub when_empty: WhenEmpty,
+    /// Source NAT to the node's address toward the backend.
+    pub masquerade: bool,
+}
+
+/// What one frontend does.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrontendEntry {
     pub service: ServicePortName,
-    pub backends: Vec<Backend>,
+    pub kind: FrontendKind,
+    pub from_pod: Treatment,
+    pub from_node: Treatment,
+    pub from_outside: Treatment,
+    /// When not empty, connections from any other source are dropped
+    /// (`loadBalancerSourceRanges`).
+    pub allowed_sources: Vec<IpNet>,
+    /// ClientIP session affinity: a client's new connections go to the backend of its
+    /// previous one until it has been idle this long.
+    pub affinity: Option<Duration>,
+}
+
+impl FrontendEntry {
+    pub fn treatment(&self, class: SourceClass) -> &Treatment {
+        match class {
+            SourceClass::Pod => &self.from_pod,
+            SourceClass::Node => &self.from_node,
+            SourceClass::Outside => &self.from_outside,
+        }
+    }
+
+    /// Every backend some source may reach, each once.
+    pub fn all_backends(&self) -> BTreeSet<Backend> {
+        [&self.from_pod, &self.from_node, &self.from_outside]
+            .into_iter()
+            .flat_map(|treatment| treatment.backends.iter().copied())
+            .collect()
+    }
+}
+
+/// How a dataplane tells the [`SourceClass`] of a packet's source address.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceClassifier {
+    /// The local-traffic detector's CIDRs; empty when there is none, and then no source is a
+    /// pod.
+    pub pod_cidrs: Vec<IpNet>,
+    /// The node's own addresses.
+    pub node_ips: BTreeSet<IpAddr>,
+}
+
+impl SourceClassifier {
+    pub fn classify(&self, source: IpAddr) -> SourceClass {
+        if self.node_ips.contains(&source) || source.is_loopback() {
+            SourceClass::Node
+        } else if self.pod_cidrs.iter().any(|cidr| cidr.contains(&source)) {
+            SourceClass::Pod
+        } else {
+            SourceClass::Outside
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
     pub frontends: BTreeMap<Frontend, FrontendEntry>,
+    /// Addresses that are service cluster IPs: a connection to one of them on a port and
+    /// protocol no frontend serves is rejected, as kube-proxy's nftables mode does.
+    pub cluster_ips: BTreeSet<IpAddr>,
+    /// Service IP ranges: a connection to an address inside them that is no cluster IP is
+    /// dropped, as kube-proxy's nftables mode does.
+    pub service_cidrs: Vec<IpNet>,
+    pub sources: SourceClassifier,
 }
 
 impl DesiredState {
+    /// Distinct backends over all frontends, counted per frontend.
     pub fn backend_count(&self) -> usize {
-        self.frontends.values().map(|entry| entry.backends.len()).sum()
+        self.frontends.values().map(|entry| entry.all_backends().len()).sum()
     }
 }

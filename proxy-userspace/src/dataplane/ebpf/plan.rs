@@ -1,96 +1,99 @@
-//! What the maps hold, what they should hold, and the map operations between the two.
+//! What the services and backends maps hold, what they should hold, and the map operations
+//! between the two.
 //!
-//! Pure: no syscalls, so the diff is unit-tested without a kernel. The order of operations
-//! inside one [`Change`] is what keeps the datapath consistent: a new backend set is filled
-//! before the service entry switches to it, and the old set is cleared only after.
-use std::collections::{BTreeMap, BTreeSet};
+//! Pure: no syscalls, so the diff is unit-tested without a kernel. Backend sets are
+//! content-addressed: every service entry whose backends are the same list shares one set
+//! (a service's cluster-IP, NodePort and load-balancer frontends usually do, for every source
+//! class). The order of a [`Plan`] keeps the datapath consistent: sets are filled before any
+//! entry points to them, and a set is cleared only once no entry does ([`unused_sets`]).
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use proxy_common::{Backend4, BackendSlot, Service, ServiceKey4};
-
-/// One frontend as the maps hold it (or should hold it).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FrontendMaps {
-    pub service: Service,
-    /// Slot `i` of `service.backend_set` holds `backends[i]`.
-    pub backends: Vec<Backend4>,
-}
 
 /// The content of the services and backends maps, as last written (or read back at
 /// adoption).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Programmed {
-    pub frontends: BTreeMap<ServiceKey4, FrontendMaps>,
-    /// Backend sets present in the map that no service points to (left by an interrupted
-    /// sync); the next plan clears them.
-    pub orphan_sets: BTreeMap<u32, u32>,
+    pub services: BTreeMap<ServiceKey4, Service>,
+    /// Slot `i` of set `id` holds `sets[id][i]`.
+    pub sets: BTreeMap<u32, Vec<Backend4>>,
 }
 
 impl Programmed {
-    /// Rebuilds the view from map entries, e.g. after an agent restart.
+    /// Rebuilds the view from map entries, e.g. after an agent restart. A set with a missing
+    /// slot reads back shorter than its services' `backend_count`, so it matches no wanted
+    /// list and its services are moved to a fresh set.
     pub fn from_entries(
         services: impl IntoIterator<Item = (ServiceKey4, Service)>,
         slots: impl IntoIterator<Item = (BackendSlot, Backend4)>,
     ) -> Self {
-        let mut sets: BTreeMap<u32, BTreeMap<u32, Backend4>> = BTreeMap::new();
+        let mut by_set: BTreeMap<u32, BTreeMap<u32, Backend4>> = BTreeMap::new();
         for (slot, backend) in slots {
-            sets.entry(slot.backend_set).or_default().insert(slot.slot, backend);
+            by_set.entry(slot.backend_set).or_default().insert(slot.slot, backend);
         }
-        let mut frontends = BTreeMap::new();
-        for (key, service) in services {
-            let set = sets.get(&service.backend_set);
-            // A set with a missing slot reads back shorter than backend_count, so it differs
-            // from any desired set and gets rewritten.
-            let backends = (0..service.backend_count)
-                .map_while(|slot| set.and_then(|set| set.get(&slot)).copied())
-                .collect();
-            frontends.insert(key, FrontendMaps { service, backends });
-        }
-        let referenced: BTreeSet<u32> = frontends.values().map(|f| f.service.backend_set).collect();
-        let orphan_sets = sets
+        let services: BTreeMap<ServiceKey4, Service> = services.into_iter().collect();
+        let sets = by_set
             .into_iter()
-            .filter(|(set, _)| !referenced.contains(set))
-            .map(|(set, slots)| (set, slots.keys().max().map_or(0, |max| max + 1)))
+            .map(|(id, slots)| {
+                let contiguous: Vec<Backend4> = (0..).map_while(|slot| slots.get(&slot).copied()).collect();
+                let complete = contiguous.len() == slots.len()
+                    && services
+                        .values()
+                        .filter(|service| service.backend_set == id)
+                        .all(|service| service.backend_count as usize == slots.len());
+                // An incomplete set can only be garbage: keep its extent so it is cleared whole.
+                (id, if complete { contiguous } else { incomplete_marker(&slots) })
+            })
             .collect();
-        Self { frontends, orphan_sets }
+        Self { services, sets }
     }
 
-    fn sets_in_use(&self) -> BTreeSet<u32> {
-        self.frontends
-            .values()
-            .map(|f| f.service.backend_set)
-            .chain(self.orphan_sets.keys().copied())
+    fn content_index(&self) -> HashMap<&[Backend4], u32> {
+        self.sets
+            .iter()
+            .filter(|(_, backends)| backends.iter().all(|b| *b != INCOMPLETE))
+            .map(|(id, backends)| (backends.as_slice(), *id))
             .collect()
     }
 }
 
-/// What one frontend should look like: the service identity and its backends, without a
-/// backend set (that is the planner's choice).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WantedFrontend {
-    pub service_id: u32,
-    pub flags: u32,
-    pub backends: Vec<Backend4>,
+/// The set of services without backends: it has no slots, so it is never filled or cleared,
+/// and it is the same set after a restart (an empty set leaves nothing in the map to find).
+const NO_BACKENDS: u32 = 0;
+
+/// Placeholder backend marking the slots of an incomplete set: never equal to a real
+/// backend (port 0 is never programmed), so no wanted list matches the set.
+const INCOMPLETE: Backend4 = Backend4 { addr: [0; 4], port: 0, pad: u16::MAX };
+
+fn incomplete_marker(slots: &BTreeMap<u32, Backend4>) -> Vec<Backend4> {
+    let len = slots.keys().max().map_or(0, |max| *max as usize + 1);
+    vec![INCOMPLETE; len]
 }
 
-/// Map operations for one frontend, applied in this order.
+/// What one service entry should hold, without a backend set (that is the planner's
+/// choice).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Change {
-    Upsert {
-        key: ServiceKey4,
-        /// Slots to write before `service` is stored; `None` when the current set is kept.
-        fill: Option<Vec<Backend4>>,
-        service: Service,
-        /// The set `service` replaces, to clear afterwards: (set, slot count).
-        retire: Option<(u32, u32)>,
-    },
-    Remove {
-        key: ServiceKey4,
-        retire: (u32, u32),
-    },
-    ClearOrphanSet {
-        set: u32,
-        slots: u32,
-    },
+pub struct WantedService {
+    pub backends: Vec<Backend4>,
+    pub service_id: u32,
+    pub flags: u32,
+}
+
+/// Map operations, applied in field order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// New sets to write: (set id, its backends).
+    pub fills: Vec<(u32, Vec<Backend4>)>,
+    /// Service entries to add or change.
+    pub stores: Vec<(ServiceKey4, Service)>,
+    /// Service entries to delete.
+    pub deletes: Vec<ServiceKey4>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.fills.is_empty() && self.stores.is_empty() && self.deletes.is_empty()
+    }
 }
 
 /// Hands out backend set ids that no entry uses. Ids are never reused while in use, so a
@@ -102,7 +105,7 @@ pub struct SetIds {
 
 impl SetIds {
     pub fn after(programmed: &Programmed) -> Self {
-        let highest = programmed.sets_in_use().into_iter().max().unwrap_or(0);
+        let highest = programmed.sets.keys().max().copied().unwrap_or(0);
         Self { next: highest.wrapping_add(1).max(1) }
     }
 
@@ -116,215 +119,210 @@ impl SetIds {
     }
 }
 
-/// The changes that turn `programmed` into `wanted`; frontends that already match get none.
+/// The operations that turn `programmed` into `wanted`; entries that already match get none.
 pub fn plan(
     programmed: &Programmed,
-    wanted: &BTreeMap<ServiceKey4, WantedFrontend>,
+    wanted: &BTreeMap<ServiceKey4, WantedService>,
     ids: &mut SetIds,
-) -> Vec<Change> {
-    let mut in_use = programmed.sets_in_use();
-    let mut changes: Vec<Change> =
-        programmed.orphan_sets.iter().map(|(&set, &slots)| Change::ClearOrphanSet { set, slots }).collect();
+) -> Plan {
+    let mut in_use: BTreeSet<u32> = programmed.sets.keys().copied().collect();
+    let existing = programmed.content_index();
+    let mut new_sets: HashMap<&[Backend4], u32> = HashMap::new();
+    let mut plan = Plan::default();
     for (key, want) in wanted {
-        let current = programmed.frontends.get(key);
-        let same_backends = current.is_some_and(|c| c.backends == want.backends);
-        if same_backends
-            && current
-                .is_some_and(|c| c.service.service_id == want.service_id && c.service.flags == want.flags)
-        {
-            continue;
-        }
-        let backend_set = match current {
-            Some(current) if same_backends => current.service.backend_set,
-            _ => {
+        let backends = want.backends.as_slice();
+        let set = match existing.get(backends).or_else(|| new_sets.get(backends)) {
+            _ if backends.is_empty() => NO_BACKENDS,
+            Some(set) => *set,
+            None => {
                 let id = ids.allocate(&in_use);
                 in_use.insert(id);
+                new_sets.insert(backends, id);
+                plan.fills.push((id, want.backends.clone()));
                 id
             }
         };
-        changes.push(Change::Upsert {
-            key: *key,
-            fill: (!same_backends).then(|| want.backends.clone()),
-            service: Service {
-                backend_set,
-                backend_count: want.backends.len() as u32,
-                service_id: want.service_id,
-                flags: want.flags,
-            },
-            retire: current
-                .filter(|_| !same_backends)
-                .map(|c| (c.service.backend_set, c.service.backend_count)),
-        });
-    }
-    for (key, current) in &programmed.frontends {
-        if !wanted.contains_key(key) {
-            changes.push(Change::Remove {
-                key: *key,
-                retire: (current.service.backend_set, current.service.backend_count),
-            });
+        let service = Service {
+            backend_set: set,
+            backend_count: backends.len() as u32,
+            service_id: want.service_id,
+            flags: want.flags,
+        };
+        if programmed.services.get(key) != Some(&service) {
+            plan.stores.push((*key, service));
         }
     }
-    changes
+    plan.deletes = programmed.services.keys().filter(|key| !wanted.contains_key(key)).copied().collect();
+    plan
+}
+
+/// Sets no service entry points to: (set id, slot count), to clear after the entries that
+/// used them were switched or deleted.
+pub fn unused_sets(programmed: &Programmed) -> Vec<(u32, u32)> {
+    let referenced: BTreeSet<u32> = programmed.services.values().map(|s| s.backend_set).collect();
+    programmed
+        .sets
+        .iter()
+        .filter(|(id, _)| !referenced.contains(id))
+        .map(|(id, backends)| (*id, backends.len() as u32))
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn key(last: u8, port: u16) -> ServiceKey4 {
-        ServiceKey4 { addr: [10, 96, 0, last], port, proto: proxy_common::proto::TCP, pad: 0 }
+    fn key(last: u8, class: u8) -> ServiceKey4 {
+        ServiceKey4 {
+            addr: [10, 96, 0, last],
+            port: 80,
+            proto: proxy_common::proto::TCP,
+            source_class: class,
+        }
     }
 
     fn backend(last: u8) -> Backend4 {
         Backend4 { addr: [10, 0, 0, last], port: 8080, pad: 0 }
     }
 
-    fn wanted(entries: &[(ServiceKey4, u32, &[u8])]) -> BTreeMap<ServiceKey4, WantedFrontend> {
+    fn wanted(entries: &[(ServiceKey4, u32, &[u8])]) -> BTreeMap<ServiceKey4, WantedService> {
         entries
             .iter()
             .map(|(key, id, backends)| {
-                (
-                    *key,
-                    WantedFrontend {
-                        service_id: *id,
-                        flags: 0,
-                        backends: backends.iter().map(|b| backend(*b)).collect(),
-                    },
-                )
+                let backends = backends.iter().map(|b| backend(*b)).collect();
+                (*key, WantedService { service_id: *id, flags: 0, backends })
             })
             .collect()
     }
 
-    /// Applies changes to an in-memory copy of the maps, the way the real dataplane does.
-    fn apply(programmed: &Programmed, changes: &[Change]) -> Programmed {
-        let mut services: BTreeMap<ServiceKey4, Service> =
-            programmed.frontends.iter().map(|(k, f)| (*k, f.service)).collect();
-        let mut slots: BTreeMap<BackendSlot, Backend4> = BTreeMap::new();
-        for f in programmed.frontends.values() {
-            for (i, b) in f.backends.iter().enumerate() {
-                slots.insert(BackendSlot { backend_set: f.service.backend_set, slot: i as u32 }, *b);
-            }
+    /// Applies a plan to an in-memory copy of the maps the way the dataplane does, including
+    /// clearing unused sets afterwards; returns the maps read back as after a restart.
+    fn apply(programmed: &Programmed, plan: &Plan) -> Programmed {
+        let mut services = programmed.services.clone();
+        let mut sets = programmed.sets.clone();
+        for (id, backends) in &plan.fills {
+            sets.insert(*id, backends.clone());
         }
-        let clear = |slots: &mut BTreeMap<BackendSlot, Backend4>, set: u32, count: u32| {
-            for slot in 0..count {
-                slots.remove(&BackendSlot { backend_set: set, slot });
-            }
-        };
-        for change in changes {
-            match change {
-                Change::Upsert { key, fill, service, retire } => {
-                    for (i, b) in fill.iter().flatten().enumerate() {
-                        slots.insert(BackendSlot { backend_set: service.backend_set, slot: i as u32 }, *b);
-                    }
-                    services.insert(*key, *service);
-                    if let Some((set, count)) = retire {
-                        clear(&mut slots, *set, *count);
-                    }
-                }
-                Change::Remove { key, retire: (set, count) } => {
-                    services.remove(key);
-                    clear(&mut slots, *set, *count);
-                }
-                Change::ClearOrphanSet { set, slots: count } => clear(&mut slots, *set, *count),
-            }
+        for (key, service) in &plan.stores {
+            assert!(
+                service.backend_set == NO_BACKENDS || sets.contains_key(&service.backend_set),
+                "entry stored before its set was filled"
+            );
+            services.insert(*key, *service);
         }
-        Programmed::from_entries(services, slots)
+        for key in &plan.deletes {
+            services.remove(key);
+        }
+        let mut applied = Programmed { services, sets };
+        for (id, _) in unused_sets(&applied) {
+            applied.sets.remove(&id);
+        }
+        let slots = applied.sets.iter().flat_map(|(id, backends)| {
+            backends.iter().enumerate().map(|(i, b)| (BackendSlot { backend_set: *id, slot: i as u32 }, *b))
+        });
+        Programmed::from_entries(applied.services.clone(), slots.collect::<Vec<_>>())
+    }
+
+    fn converge(
+        programmed: &Programmed,
+        want: &BTreeMap<ServiceKey4, WantedService>,
+        ids: &mut SetIds,
+    ) -> Programmed {
+        apply(programmed, &plan(programmed, want, ids))
     }
 
     #[test]
-    fn new_frontend_fills_a_set_then_stores_the_service() {
+    fn identical_backend_lists_share_one_set() {
         let programmed = Programmed::default();
         let mut ids = SetIds::after(&programmed);
-        let changes = plan(&programmed, &wanted(&[(key(1, 80), 7, &[1, 2])]), &mut ids);
-        assert_eq!(
-            changes,
-            vec![Change::Upsert {
-                key: key(1, 80),
-                fill: Some(vec![backend(1), backend(2)]),
-                service: Service { backend_set: 1, backend_count: 2, service_id: 7, flags: 0 },
-                retire: None,
-            }]
-        );
+        let want = wanted(&[(key(1, 0), 7, &[1, 2]), (key(1, 1), 7, &[1, 2]), (key(2, 0), 8, &[2, 1])]);
+        let plan = plan(&programmed, &want, &mut ids);
+        assert_eq!(plan.fills, vec![(1, vec![backend(1), backend(2)]), (2, vec![backend(2), backend(1)])]);
+        assert_eq!(plan.stores.len(), 3);
+        assert_eq!(plan.stores[0].1.backend_set, plan.stores[1].1.backend_set);
     }
 
     #[test]
     fn unchanged_state_plans_nothing() {
-        let want = wanted(&[(key(1, 80), 7, &[1, 2]), (key(2, 53), 8, &[])]);
+        let want = wanted(&[(key(1, 0), 7, &[1, 2]), (key(2, 0), 8, &[])]);
         let mut ids = SetIds::after(&Programmed::default());
-        let programmed = apply(&Programmed::default(), &plan(&Programmed::default(), &want, &mut ids));
+        let programmed = converge(&Programmed::default(), &want, &mut ids);
         assert!(plan(&programmed, &want, &mut ids).is_empty());
     }
 
     #[test]
-    fn backend_change_switches_to_a_fresh_set_and_retires_the_old_one() {
+    fn backend_change_switches_to_a_fresh_set_and_the_old_one_becomes_unused() {
         let mut ids = SetIds::after(&Programmed::default());
-        let before = apply(
-            &Programmed::default(),
-            &plan(&Programmed::default(), &wanted(&[(key(1, 80), 7, &[1, 2, 3])]), &mut ids),
-        );
-        let changes = plan(&before, &wanted(&[(key(1, 80), 7, &[1, 3])]), &mut ids);
-        let [Change::Upsert { fill: Some(fill), service, retire: Some((old_set, 3)), .. }] =
-            changes.as_slice()
-        else {
-            panic!("unexpected plan {changes:?}");
-        };
+        let before = converge(&Programmed::default(), &wanted(&[(key(1, 0), 7, &[1, 2, 3])]), &mut ids);
+        let old_set = before.services[&key(1, 0)].backend_set;
+        let plan = plan(&before, &wanted(&[(key(1, 0), 7, &[1, 3])]), &mut ids);
+        let [(new_set, fill)] = plan.fills.as_slice() else { panic!("unexpected plan {plan:?}") };
+        assert_ne!(*new_set, old_set, "the live set must never be rewritten in place");
         assert_eq!(fill, &vec![backend(1), backend(3)]);
-        assert_ne!(service.backend_set, *old_set, "the live set must never be rewritten in place");
-        let after = apply(&before, &changes);
-        assert_eq!(after.frontends[&key(1, 80)].backends, vec![backend(1), backend(3)]);
-        assert!(after.orphan_sets.is_empty(), "old slots left behind: {:?}", after.orphan_sets);
+        let after = apply(&before, &plan);
+        assert_eq!(after.sets.keys().copied().collect::<Vec<_>>(), vec![*new_set]);
+    }
+
+    #[test]
+    fn a_set_still_used_by_another_entry_is_kept() {
+        let mut ids = SetIds::after(&Programmed::default());
+        let before = converge(
+            &Programmed::default(),
+            &wanted(&[(key(1, 0), 7, &[1]), (key(2, 0), 8, &[1])]),
+            &mut ids,
+        );
+        let after = converge(&before, &wanted(&[(key(1, 0), 7, &[2]), (key(2, 0), 8, &[1])]), &mut ids);
+        assert_eq!(after.sets.len(), 2);
+        assert_eq!(after.sets[&after.services[&key(2, 0)].backend_set], vec![backend(1)]);
     }
 
     #[test]
     fn identity_change_keeps_the_backend_set() {
         let mut ids = SetIds::after(&Programmed::default());
-        let before = apply(
-            &Programmed::default(),
-            &plan(&Programmed::default(), &wanted(&[(key(1, 80), 7, &[1])]), &mut ids),
-        );
-        let changes = plan(&before, &wanted(&[(key(1, 80), 9, &[1])]), &mut ids);
-        assert!(matches!(changes.as_slice(), [Change::Upsert { fill: None, retire: None, service, .. }]
-            if service.service_id == 9 && service.backend_set == before.frontends[&key(1, 80)].service.backend_set));
+        let before = converge(&Programmed::default(), &wanted(&[(key(1, 0), 7, &[1])]), &mut ids);
+        let plan = plan(&before, &wanted(&[(key(1, 0), 9, &[1])]), &mut ids);
+        assert!(plan.fills.is_empty());
+        assert_eq!(plan.stores[0].1.backend_set, before.services[&key(1, 0)].backend_set);
     }
 
     #[test]
-    fn removed_frontend_is_deleted_with_its_slots() {
+    fn removed_entries_are_deleted_and_their_sets_cleared() {
         let mut ids = SetIds::after(&Programmed::default());
-        let want = wanted(&[(key(1, 80), 7, &[1]), (key(2, 80), 8, &[2, 3])]);
-        let before = apply(&Programmed::default(), &plan(&Programmed::default(), &want, &mut ids));
-        let changes = plan(&before, &wanted(&[(key(1, 80), 7, &[1])]), &mut ids);
-        assert_eq!(changes.len(), 1);
-        let after = apply(&before, &changes);
-        assert_eq!(after.frontends.keys().collect::<Vec<_>>(), vec![&key(1, 80)]);
-        assert!(after.orphan_sets.is_empty());
+        let want = wanted(&[(key(1, 0), 7, &[1]), (key(2, 0), 8, &[2, 3])]);
+        let before = converge(&Programmed::default(), &want, &mut ids);
+        let after = converge(&before, &wanted(&[(key(1, 0), 7, &[1])]), &mut ids);
+        assert_eq!(after.services.keys().collect::<Vec<_>>(), vec![&key(1, 0)]);
+        assert_eq!(after.sets.len(), 1);
     }
 
     #[test]
-    fn adoption_reads_back_the_maps_and_clears_orphans() {
-        let services = [(key(1, 80), Service { backend_set: 5, backend_count: 2, service_id: 1, flags: 0 })];
+    fn adoption_reads_back_the_maps_and_finds_orphans() {
+        let services = [(key(1, 0), Service { backend_set: 5, backend_count: 2, service_id: 1, flags: 0 })];
         let slots = [
             (BackendSlot { backend_set: 5, slot: 0 }, backend(1)),
             (BackendSlot { backend_set: 5, slot: 1 }, backend(2)),
             (BackendSlot { backend_set: 9, slot: 0 }, backend(3)),
         ];
         let adopted = Programmed::from_entries(services, slots);
-        assert_eq!(adopted.frontends[&key(1, 80)].backends, vec![backend(1), backend(2)]);
-        assert_eq!(adopted.orphan_sets, BTreeMap::from([(9, 1)]));
+        assert_eq!(adopted.sets[&5], vec![backend(1), backend(2)]);
+        assert_eq!(unused_sets(&adopted), vec![(9, 1)]);
         let mut ids = SetIds::after(&adopted);
-        let changes = plan(&adopted, &wanted(&[(key(1, 80), 1, &[1, 2])]), &mut ids);
-        assert_eq!(changes, vec![Change::ClearOrphanSet { set: 9, slots: 1 }]);
-        // New sets never collide with adopted ones.
-        assert!(ids.allocate(&BTreeSet::new()) > 9);
+        assert!(plan(&adopted, &wanted(&[(key(1, 0), 1, &[1, 2])]), &mut ids).is_empty());
+        assert!(ids.allocate(&BTreeSet::new()) > 9, "new sets never collide with adopted ones");
     }
 
     #[test]
-    fn incomplete_adopted_set_is_rewritten() {
-        let services = [(key(1, 80), Service { backend_set: 5, backend_count: 2, service_id: 1, flags: 0 })];
-        let slots = [(BackendSlot { backend_set: 5, slot: 1 }, backend(2))];
+    fn an_incomplete_adopted_set_is_replaced_and_cleared_whole() {
+        let services = [(key(1, 0), Service { backend_set: 5, backend_count: 3, service_id: 1, flags: 0 })];
+        let slots = [(BackendSlot { backend_set: 5, slot: 2 }, backend(2))];
         let adopted = Programmed::from_entries(services, slots);
         let mut ids = SetIds::after(&adopted);
-        let changes = plan(&adopted, &wanted(&[(key(1, 80), 1, &[1, 2])]), &mut ids);
-        assert!(matches!(changes.as_slice(), [Change::Upsert { fill: Some(_), .. }]), "{changes:?}");
+        let plan = plan(&adopted, &wanted(&[(key(1, 0), 1, &[1, 2, 3])]), &mut ids);
+        assert_eq!(plan.fills.len(), 1, "{plan:?}");
+        let mut switched = adopted.clone();
+        switched.services.insert(plan.stores[0].0, plan.stores[0].1);
+        switched.sets.insert(plan.fills[0].0, plan.fills[0].1.clone());
+        assert_eq!(unused_sets(&switched), vec![(5, 3)]);
     }
 
     #[test]

@@ -4,6 +4,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::json;
 
 use super::*;
+use crate::model::{SourceClass, Treatment, WhenEmpty};
 
 fn service(name: &str, spec: serde_json::Value) -> Service {
     serde_json::from_value(json!({
@@ -25,7 +26,7 @@ fn slice(name: &str, service: &str, body: serde_json::Value) -> EndpointSlice {
 }
 
 fn translate(services: &[Service], slices: &[EndpointSlice]) -> Translation {
-    desired_state(services, slices, &NodeContext { name: "node-a".into() })
+    desired_state(services, slices, &NodeContext { name: "node-a".into(), ..NodeContext::default() })
 }
 
 fn frontend(ip: &str, port: u16, protocol: Protocol) -> Frontend {
@@ -33,7 +34,7 @@ fn frontend(ip: &str, port: u16, protocol: Protocol) -> Frontend {
 }
 
 fn backends(entry: &FrontendEntry) -> Vec<String> {
-    entry.backends.iter().map(ToString::to_string).collect()
+    entry.from_pod.backends.iter().map(ToString::to_string).collect()
 }
 
 fn web() -> Service {
@@ -97,7 +98,7 @@ fn slices_of_one_service_are_merged_and_duplicates_count_once() {
 #[test]
 fn a_service_without_endpoints_is_still_a_frontend_with_no_backends() {
     let translation = translate(&[web()], &[]);
-    assert!(translation.state.frontends.values().all(|entry| entry.backends.is_empty()));
+    assert!(translation.state.frontends.values().all(|entry| entry.all_backends().is_empty()));
     assert_eq!(translation.state.frontends.len(), 2);
 }
 
@@ -191,4 +192,114 @@ fn a_frontend_claimed_twice_goes_to_the_first_service_by_name() {
     assert_eq!(owner.name, "a-first");
     assert_eq!(translation.rejected.len(), 1);
     assert!(translation.rejected[0].reason.contains("already served by ns/a-first"));
+}
+
+fn node_a() -> NodeContext {
+    NodeContext::resolve(
+        &NodeFacts {
+            name: "node-a".into(),
+            addresses: ["127.0.0.1", "192.168.0.2", "192.168.1.2", "fe80::1", "2001:db8::1"]
+                .map(|ip| ip.parse().unwrap())
+                .to_vec(),
+            primary_ips: Vec::new(),
+        },
+        &ProxySettings { cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()], ..ProxySettings::default() },
+    )
+}
+
+#[test]
+fn node_context_defaults_node_ports_to_the_primary_address_of_each_family() {
+    let node = node_a();
+    let ips = |ips: &[&str]| ips.iter().map(|ip| ip.parse::<IpAddr>().unwrap()).collect::<Vec<_>>();
+    assert_eq!(node.primary_ips, ips(&["192.168.0.2", "2001:db8::1"]));
+    assert_eq!(node.node_port_ips.iter().copied().collect::<Vec<_>>(), ips(&["192.168.0.2", "2001:db8::1"]));
+    assert_eq!(
+        node.node_ips.iter().copied().collect::<Vec<_>>(),
+        ips(&["192.168.0.2", "192.168.1.2", "2001:db8::1"])
+    );
+    let restricted = NodeContext::resolve(
+        &NodeFacts { addresses: ips(&["192.168.0.2", "192.168.1.2"]), ..NodeFacts::default() },
+        &ProxySettings {
+            node_port_cidrs: vec!["192.168.1.0/24".parse().unwrap()],
+            ..ProxySettings::default()
+        },
+    );
+    assert_eq!(restricted.node_port_ips.iter().copied().collect::<Vec<_>>(), ips(&["192.168.1.2"]));
+}
+
+fn policy_service(external: &str, internal: &str) -> Service {
+    service(
+        "web",
+        json!({"type": "LoadBalancer", "clusterIP": "10.96.0.10", "externalTrafficPolicy": external,
+               "internalTrafficPolicy": internal,
+               "ports": [{"name": "http", "port": 80, "nodePort": 30080}]}),
+    )
+}
+
+fn endpoints(list: serde_json::Value) -> EndpointSlice {
+    slice("web-1", "web", json!({"endpoints": list, "ports": [{"name": "http", "port": 8080}]}))
+}
+
+fn addresses(treatment: &Treatment) -> Vec<String> {
+    treatment.backends.iter().map(|b| b.ip.to_string()).collect()
+}
+
+#[test]
+fn terminating_endpoints_serve_only_when_nothing_is_ready() {
+    let slices = [endpoints(json!([
+        {"addresses": ["10.1.0.1"], "conditions": {"ready": false, "serving": true, "terminating": true}},
+        {"addresses": ["10.1.0.2"], "conditions": {"ready": false, "serving": false, "terminating": true}},
+        {"addresses": ["10.1.0.3"], "conditions": {"ready": true}},
+    ]))];
+    let state = desired_state(&[policy_service("Cluster", "Cluster")], &slices, &node_a()).state;
+    assert_eq!(
+        addresses(&state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)].from_pod),
+        ["10.1.0.3"]
+    );
+
+    let slices = [endpoints(json!([
+        {"addresses": ["10.1.0.1"], "conditions": {"ready": false, "serving": true, "terminating": true}},
+        {"addresses": ["10.1.0.2"], "conditions": {"ready": false, "serving": false, "terminating": true}},
+    ]))];
+    let state = desired_state(&[policy_service("Cluster", "Cluster")], &slices, &node_a()).state;
+    assert_eq!(
+        addresses(&state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)].from_pod),
+        ["10.1.0.1"]
+    );
+}
+
+#[test]
+fn local_policies_use_local_endpoints_and_drop_when_only_remote_ones_exist() {
+    let remote_only = [endpoints(json!([{"addresses": ["10.1.0.1"], "nodeName": "node-b"}]))];
+    let state = desired_state(&[policy_service("Local", "Local")], &remote_only, &node_a()).state;
+    let cluster_ip = &state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)];
+    assert!(cluster_ip.from_pod.backends.is_empty());
+    assert_eq!(cluster_ip.from_pod.when_empty, WhenEmpty::Drop);
+    let node_port = &state.frontends[&frontend("192.168.0.2", 30080, Protocol::Tcp)];
+    assert_eq!(node_port.from_outside.when_empty, WhenEmpty::Drop);
+    assert!(!node_port.from_outside.masquerade);
+    // Pods and the node are short-circuited to every endpoint; the node masqueraded.
+    assert_eq!(addresses(&node_port.from_pod), ["10.1.0.1"]);
+    assert!(!node_port.from_pod.masquerade);
+    assert!(node_port.from_node.masquerade);
+
+    let none = desired_state(&[policy_service("Local", "Local")], &[], &node_a()).state;
+    assert_eq!(
+        none.frontends[&frontend("192.168.0.2", 30080, Protocol::Tcp)].from_outside.when_empty,
+        WhenEmpty::Reject
+    );
+}
+
+#[test]
+fn cluster_ip_traffic_is_masqueraded_unless_it_comes_from_a_pod() {
+    let slices = [endpoints(json!([{"addresses": ["10.1.0.1"]}]))];
+    let state = desired_state(&[policy_service("Cluster", "Cluster")], &slices, &node_a()).state;
+    let cluster_ip = &state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)];
+    assert!(!cluster_ip.from_pod.masquerade);
+    assert!(cluster_ip.from_node.masquerade && cluster_ip.from_outside.masquerade);
+    let node_port = &state.frontends[&frontend("192.168.0.2", 30080, Protocol::Tcp)];
+    assert!(node_port.from_pod.masquerade && node_port.from_outside.masquerade);
+    assert_eq!(state.sources.classify("10.2.3.4".parse().unwrap()), SourceClass::Pod);
+    assert_eq!(state.sources.classify("192.168.1.2".parse().unwrap()), SourceClass::Node);
+    assert_eq!(state.sources.classify("203.0.113.9".parse().unwrap()), SourceClass::Outside);
 }

@@ -1,0 +1,139 @@
+//! This node as the agent's settings, its interfaces and its Node object describe it: the
+//! devices to serve and the facts the model resolves into a `NodeContext`.
+use std::{ffi::CStr, io, net::IpAddr};
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::Node;
+
+use crate::{
+    config::NodePortAddress,
+    model::kubernetes::{NodeContext, NodeFacts, ProxySettings},
+};
+
+/// The devices to serve: the listed ones, or every interface of this network namespace but
+/// loopback.
+pub fn devices(listed: &[String]) -> io::Result<Vec<String>> {
+    if !listed.is_empty() {
+        return Ok(listed.to_vec());
+    }
+    // if_nameindex asks the kernel about the current namespace; /sys/class/net would show
+    // the namespace sysfs was mounted in, which differs after setns().
+    // SAFETY: no preconditions; the list is freed below.
+    let list = unsafe { libc::if_nameindex() };
+    if list.is_null() {
+        return Err(io::Error::last_os_error());
+    }
+    let mut devices = Vec::new();
+    let mut entry = list;
+    // SAFETY: the list ends with an entry whose index is 0 and every name is a C string.
+    unsafe {
+        while (*entry).if_index != 0 {
+            let name = CStr::from_ptr((*entry).if_name).to_string_lossy().into_owned();
+            if name != "lo" {
+                devices.push(name);
+            }
+            entry = entry.add(1);
+        }
+        libc::if_freenameindex(list);
+    }
+    devices.sort();
+    Ok(devices)
+}
+
+/// The node's primary addresses from its Node object, as kube-proxy's `GetNodeHostIPs`: the
+/// first InternalIP (else ExternalIP), and the first of the other family. Empty without a
+/// Node (the model then takes the first interface address of each family).
+pub fn primary_ips(node: Option<&Node>) -> Vec<IpAddr> {
+    let addresses = node.and_then(|node| node.status.as_ref()).and_then(|status| status.addresses.as_ref());
+    let of_type = |kind: &'static str| {
+        addresses
+            .into_iter()
+            .flatten()
+            .filter(move |address| address.type_ == kind)
+            .filter_map(|address| address.address.parse::<IpAddr>().ok())
+    };
+    let mut candidates = of_type("InternalIP").chain(of_type("ExternalIP"));
+    let Some(first) = candidates.next() else {
+        return Vec::new();
+    };
+    let other_family = candidates.find(|ip| ip.is_ipv4() != first.is_ipv4());
+    std::iter::once(first).chain(other_family).collect()
+}
+
+/// Whether `--nodeport-addresses` admits every address (`all`, or a /0), in which case
+/// kube-proxy's health-check servers listen on the unspecified address.
+pub fn matches_all(addresses: &[NodePortAddress]) -> bool {
+    addresses.iter().any(|address| match address {
+        NodePortAddress::All => true,
+        NodePortAddress::Cidr(cidr) => cidr.prefix_len() == 0,
+        NodePortAddress::Primary | NodePortAddress::Localhost => false,
+    })
+}
+
+/// `--nodeport-addresses` as the model's CIDRs: keywords become the ranges they stand for
+/// (`primary`: the primary addresses the model resolves for `facts`). Empty stays empty, which
+/// the model takes as the primary addresses (kube-proxy's nftables default).
+pub fn node_port_cidrs(addresses: &[NodePortAddress], facts: &NodeFacts) -> Vec<IpNet> {
+    let any = |text: &str| text.parse::<IpNet>().ok();
+    addresses
+        .iter()
+        .flat_map(|address| match address {
+            NodePortAddress::Cidr(cidr) => vec![*cidr],
+            NodePortAddress::All => [any("0.0.0.0/0"), any("::/0")].into_iter().flatten().collect(),
+            NodePortAddress::Localhost => {
+                [any("127.0.0.0/8"), any("::1/128")].into_iter().flatten().collect()
+            }
+            NodePortAddress::Primary => NodeContext::resolve(facts, &ProxySettings::default())
+                .primary_ips
+                .into_iter()
+                .map(IpNet::from)
+                .collect(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn primary_ips_prefer_internal_and_take_one_per_family() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n"},
+            "status": {"addresses": [
+                {"type": "Hostname", "address": "n"},
+                {"type": "ExternalIP", "address": "203.0.113.7"},
+                {"type": "InternalIP", "address": "10.0.0.7"},
+                {"type": "InternalIP", "address": "10.0.0.8"},
+                {"type": "InternalIP", "address": "fd00::7"},
+            ]}
+        }))
+        .unwrap();
+        assert_eq!(primary_ips(Some(&node)), [ip("10.0.0.7"), ip("fd00::7")]);
+        assert!(primary_ips(None).is_empty());
+    }
+
+    #[test]
+    fn node_port_keywords_become_cidrs() {
+        let facts = NodeFacts { addresses: vec![ip("10.0.0.7"), ip("192.168.1.7")], ..NodeFacts::default() };
+        let cidr = |text: &str| text.parse::<IpNet>().unwrap();
+        assert!(node_port_cidrs(&[], &facts).is_empty());
+        assert_eq!(node_port_cidrs(&[NodePortAddress::All], &facts), [cidr("0.0.0.0/0"), cidr("::/0")]);
+        assert_eq!(
+            node_port_cidrs(
+                &[NodePortAddress::Primary, NodePortAddress::Cidr(cidr("192.168.0.0/16"))],
+                &facts
+            ),
+            [cidr("10.0.0.7/32"), cidr("192.168.0.0/16")]
+        );
+        assert!(matches_all(&[NodePortAddress::Cidr(cidr("0.0.0.0/0"))]));
+        assert!(!matches_all(&[]), "empty means the primary addresses");
+        assert!(!matches_all(&[NodePortAddress::Cidr(cidr("10.0.0.0/8"))]));
+    }
+}

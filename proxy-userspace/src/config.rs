@@ -1,0 +1,845 @@
+//! vipr's resolved settings: kube-proxy's defaults, then a KubeProxyConfiguration file
+//! (`--config`), then the command line.
+//!
+//! The file is kube-proxy's own `kubeproxy.config.k8s.io/v1alpha1` KubeProxyConfiguration
+//! (YAML or JSON), so the ConfigMap a cluster already has for kube-proxy can be reused. vipr
+//! reads the settings that apply to it and names the others it was given (non-zero values) in
+//! one warning, instead of failing: kube-proxy's own tools write every field, mostly defaults.
+//!
+//! Precedence differs from kube-proxy on one point, deliberately: kube-proxy ignores most
+//! flags when `--config` is given (only `--hostname-override` and the logging flags win over
+//! the file); vipr lets every flag given on the command line override the file, so nothing an
+//! operator typed is silently dropped.
+use std::{
+    collections::BTreeSet,
+    fmt,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    str::FromStr,
+    time::Duration,
+};
+
+use anyhow::{bail, Context as _};
+use clap::ValueEnum as _;
+use ipnet::IpNet;
+use serde::Deserialize;
+
+use crate::cli::{Args, ProxyMode};
+
+/// kube-proxy's `--healthz-bind-address` default.
+pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr =
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 10256);
+/// kube-proxy's `--metrics-bind-address` default.
+pub const DEFAULT_METRICS_BIND_ADDRESS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
+/// kube-proxy's `--sync-period` default.
+pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
+/// kube-proxy's `--min-sync-period` default.
+pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
+
+/// The only KubeProxyConfiguration version vipr reads.
+pub const CONFIG_API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+pub const CONFIG_KIND: &str = "KubeProxyConfiguration";
+
+/// Where Services and EndpointSlices come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceSettings {
+    /// Standalone: a manifests file (`--services-file`).
+    File(PathBuf),
+    /// The API server, through `kubeconfig` or, when `None`, the in-cluster service account.
+    Kubernetes { kubeconfig: Option<PathBuf> },
+}
+
+/// One entry of `--nodeport-addresses`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodePortAddress {
+    /// Node addresses inside this range.
+    Cidr(IpNet),
+    /// `primary`: the Node object's primary address of each family.
+    Primary,
+    /// `localhost`: 127.0.0.0/8 and ::1.
+    Localhost,
+    /// `all`: every node address.
+    All,
+}
+
+impl FromStr for NodePortAddress {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.trim() {
+            "primary" => Ok(Self::Primary),
+            "localhost" => Ok(Self::Localhost),
+            "all" => Ok(Self::All),
+            cidr => cidr.parse().map(Self::Cidr).map_err(|_| {
+                format!("{cidr:?} is neither a CIDR (such as 10.0.0.0/8) nor one of primary, localhost, all")
+            }),
+        }
+    }
+}
+
+/// How much vipr logs. kube-proxy's klog verbosity (`--v=N`) and vipr's `-v`/`-vv` map onto
+/// it; `RUST_LOG` overrides it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    /// klog levels 0-2 are what kube-proxy logs in steady state (vipr's info), 3-4 its
+    /// per-change detail (debug), 5 and more its per-object detail (trace).
+    pub fn from_klog_verbosity(verbosity: u32) -> Self {
+        match verbosity {
+            0..=2 => Self::Info,
+            3..=4 => Self::Debug,
+            _ => Self::Trace,
+        }
+    }
+
+    /// vipr's own `-v` count.
+    pub fn from_verbose_count(count: u8) -> Self {
+        match count {
+            0 => Self::Info,
+            1 => Self::Debug,
+            _ => Self::Trace,
+        }
+    }
+
+    /// The `tracing` filter directive.
+    pub fn directive(self) -> &'static str {
+        match self {
+            Self::Info => "info",
+            Self::Debug => "debug",
+            Self::Trace => "trace",
+        }
+    }
+}
+
+/// Everything the agent needs, resolved and validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    pub proxy_mode: ProxyMode,
+    pub source: SourceSettings,
+    /// This node's name: lower-cased `--hostname-override` / `--node-name`, else the host
+    /// name.
+    pub node_name: String,
+    /// Interfaces to serve; empty means every interface but loopback.
+    pub devices: Vec<String>,
+    pub bpf_root: PathBuf,
+    pub cleanup: bool,
+    /// `/healthz` and `/livez`; `None` disables the server (an empty address, as kube-proxy).
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// `/metrics` and `/proxyMode`; `None` disables the server.
+    pub metrics_bind_address: Option<SocketAddr>,
+    /// Syncs happen at most this often, however fast objects change.
+    pub min_sync_period: Duration,
+    /// Syncs happen at least this often, even without changes; a change not synced within
+    /// twice this period makes `/healthz` unhealthy.
+    pub sync_period: Duration,
+    /// `--cluster-cidr`: the pods' ranges (one, or a dual-stack pair), which tell pod traffic
+    /// from other traffic for masquerading. Carried to the model's `NodeContext`.
+    pub cluster_cidrs: Vec<IpNet>,
+    /// `--masquerade-all`: SNAT all traffic to cluster IPs. Carried to the model's
+    /// `NodeContext`.
+    pub masquerade_all: bool,
+    /// `--nodeport-addresses`: the node addresses NodePorts and health-check node ports are
+    /// served on; empty means the node's primary addresses (kube-proxy's nftables default).
+    pub node_port_addresses: Vec<NodePortAddress>,
+    pub log_level: LogLevel,
+    /// Settings of the `--config` file that vipr does not use, as dotted paths, for the
+    /// agent to warn about once logging is up.
+    pub ignored_config: Vec<String>,
+}
+
+impl Settings {
+    /// Resolves `args` over the `--config` file, if any, over kube-proxy's defaults.
+    pub fn resolve(args: &Args) -> anyhow::Result<Self> {
+        let file = match &args.config {
+            Some(path) => KubeProxyConfiguration::load(path)?,
+            None => KubeProxyConfiguration::default(),
+        };
+        let proxy_mode = match args.proxy_mode {
+            Some(mode) => mode,
+            None => file.proxy_mode()?,
+        };
+        let mode_section = file.mode_section(proxy_mode);
+
+        let source = match &args.services_file {
+            Some(path) => SourceSettings::File(path.clone()),
+            None => SourceSettings::Kubernetes {
+                kubeconfig: args.kubeconfig.clone().or_else(|| {
+                    file.client_connection
+                        .kubeconfig
+                        .clone()
+                        .filter(|path| !path.is_empty())
+                        .map(PathBuf::from)
+                }),
+            },
+        };
+        let node_name = match args
+            .node_name
+            .as_deref()
+            .or(file.hostname_override.as_deref().filter(|name| !name.is_empty()))
+        {
+            Some(name) => {
+                let name = name.trim().to_lowercase();
+                if name.is_empty() {
+                    bail!("--hostname-override: an empty node name is invalid");
+                }
+                name
+            }
+            None => host_name(),
+        };
+
+        let bind_address = |flag: Option<BindAddress>,
+                            in_file: &Option<String>,
+                            default: SocketAddr,
+                            field| match (flag, in_file) {
+            (Some(address), _) => Ok(address.0),
+            (None, Some(text)) => {
+                parse_bind_address(text, default.port()).map_err(|error| file.invalid(field, error))
+            }
+            (None, None) => Ok(Some(default)),
+        };
+        let healthz_bind_address = bind_address(
+            args.healthz_bind_address,
+            &file.healthz_bind_address,
+            DEFAULT_HEALTHZ_BIND_ADDRESS,
+            "healthzBindAddress",
+        )?;
+        let metrics_bind_address = bind_address(
+            args.metrics_bind_address,
+            &file.metrics_bind_address,
+            DEFAULT_METRICS_BIND_ADDRESS,
+            "metricsBindAddress",
+        )?;
+
+        let file_duration = |field: &str, value: &Option<String>| -> anyhow::Result<Option<Duration>> {
+            value
+                .as_deref()
+                .map(|text| parse_go_duration(text).map_err(|error| file.invalid(field, error)))
+                .transpose()
+        };
+        let sync_period = match args.sync_period {
+            Some(period) => period,
+            None => file_duration(&format!("{}.syncPeriod", mode_section.name), mode_section.sync_period)?
+                .unwrap_or(DEFAULT_SYNC_PERIOD),
+        };
+        if sync_period.is_zero() {
+            bail!("--sync-period must be greater than 0");
+        }
+        let min_sync_period = match args.min_sync_period {
+            Some(period) => period,
+            None => {
+                file_duration(&format!("{}.minSyncPeriod", mode_section.name), mode_section.min_sync_period)?
+                    .unwrap_or(DEFAULT_MIN_SYNC_PERIOD)
+            }
+        };
+
+        let cluster_cidrs = match &args.cluster_cidr {
+            Some(cidrs) => cidrs.0.clone(),
+            None => match file.cluster_cidr.as_deref().filter(|text| !text.trim().is_empty()) {
+                Some(text) => {
+                    text.parse::<ClusterCidrs>().map_err(|error| file.invalid("clusterCIDR", error))?.0
+                }
+                None => Vec::new(),
+            },
+        };
+        let masquerade_all = args.masquerade_all.or(mode_section.masquerade_all).unwrap_or(false);
+        let node_port_addresses = match &args.nodeport_addresses {
+            Some(addresses) => addresses.clone(),
+            None => file
+                .node_port_addresses
+                .iter()
+                .flatten()
+                .map(|text| text.parse())
+                .collect::<Result<_, _>>()
+                .map_err(|error| file.invalid("nodePortAddresses", error))?,
+        };
+
+        let flag_level = [
+            (args.verbose > 0).then(|| LogLevel::from_verbose_count(args.verbose)),
+            args.klog_verbosity.map(LogLevel::from_klog_verbosity),
+        ]
+        .into_iter()
+        .flatten()
+        .max();
+        let log_level = flag_level
+            .or_else(|| file.logging.verbosity.map(LogLevel::from_klog_verbosity))
+            .unwrap_or(LogLevel::Info);
+
+        Ok(Self {
+            proxy_mode,
+            source,
+            node_name,
+            devices: args.devices.iter().map(|d| d.trim().to_owned()).filter(|d| !d.is_empty()).collect(),
+            bpf_root: args.bpf_root.clone(),
+            cleanup: args.cleanup,
+            healthz_bind_address,
+            metrics_bind_address,
+            min_sync_period,
+            sync_period,
+            cluster_cidrs,
+            masquerade_all,
+            node_port_addresses,
+            log_level,
+            ignored_config: file.ignored,
+        })
+    }
+}
+
+/// The host name, lower-cased, as kube-proxy's default node name.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_lowercase())
+        .unwrap_or_default()
+}
+
+/// The settings vipr reads from a KubeProxyConfiguration, as kube-proxy's v1alpha1 spells
+/// them. Everything is optional: an absent field keeps kube-proxy's default.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KubeProxyConfiguration {
+    #[serde(default)]
+    pub client_connection: ClientConnection,
+    pub hostname_override: Option<String>,
+    pub healthz_bind_address: Option<String>,
+    pub metrics_bind_address: Option<String>,
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub iptables: ModeSettings,
+    #[serde(default)]
+    pub ipvs: ModeSettings,
+    #[serde(default)]
+    pub nftables: ModeSettings,
+    #[serde(rename = "clusterCIDR")]
+    pub cluster_cidr: Option<String>,
+    pub node_port_addresses: Option<Vec<String>>,
+    #[serde(default)]
+    pub logging: Logging,
+    /// The file it came from, for error messages.
+    #[serde(skip)]
+    pub path: Option<PathBuf>,
+    /// Non-zero settings of the file that vipr does not use, as dotted paths.
+    #[serde(skip)]
+    pub ignored: Vec<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientConnection {
+    pub kubeconfig: Option<String>,
+}
+
+/// v1alpha1 keeps the sync periods and masquerading under the section of each proxy mode.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ModeSettings {
+    pub sync_period: Option<String>,
+    pub min_sync_period: Option<String>,
+    pub masquerade_all: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct Logging {
+    pub verbosity: Option<u32>,
+}
+
+/// A mode section and its field name in the file.
+struct ModeSection<'a> {
+    name: &'static str,
+    sync_period: &'a Option<String>,
+    min_sync_period: &'a Option<String>,
+    masquerade_all: Option<bool>,
+}
+
+impl KubeProxyConfiguration {
+    /// Reads and parses a KubeProxyConfiguration file.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--config: cannot read {}", path.display()))?;
+        let mut config = Self::parse(&text).with_context(|| format!("--config: {}", path.display()))?;
+        config.path = Some(path.to_owned());
+        Ok(config)
+    }
+
+    /// Parses a KubeProxyConfiguration document (YAML or JSON).
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        let value: serde_yaml::Value = serde_yaml::from_str(text)?;
+        let field = |name: &str| value.get(name).and_then(serde_yaml::Value::as_str).unwrap_or_default();
+        if field("apiVersion") != CONFIG_API_VERSION || field("kind") != CONFIG_KIND {
+            bail!(
+                "not a {CONFIG_KIND} of {CONFIG_API_VERSION} (apiVersion {:?}, kind {:?})",
+                field("apiVersion"),
+                field("kind")
+            );
+        }
+        let mut config: Self = serde_yaml::from_value(value.clone())?;
+        config.proxy_mode()?;
+        let used = config.used_fields();
+        let mut ignored = Vec::new();
+        non_zero_leaves(&value, "", &mut ignored);
+        ignored.retain(|path| !used.contains(path.as_str()));
+        config.ignored = ignored;
+        Ok(config)
+    }
+
+    /// An error in the value of `field`, naming the file.
+    fn invalid(&self, field: &str, error: impl fmt::Display) -> anyhow::Error {
+        match &self.path {
+            Some(path) => anyhow::anyhow!("--config {}: {field}: {error}", path.display()),
+            None => anyhow::anyhow!("--config: {field}: {error}"),
+        }
+    }
+
+    /// The file's `mode`; empty or absent means vipr's default (auto).
+    pub fn proxy_mode(&self) -> anyhow::Result<ProxyMode> {
+        match self.mode.as_deref().map(str::trim) {
+            None | Some("") => Ok(ProxyMode::Auto),
+            Some(name) => ProxyMode::from_str(name, true).map_err(|_| {
+                let known: Vec<_> = ProxyMode::value_variants()
+                    .iter()
+                    .filter_map(|mode| mode.to_possible_value())
+                    .map(|value| value.get_name().to_owned())
+                    .collect();
+                anyhow::anyhow!("mode {name:?} is not a vipr proxy mode (vipr has {})", known.join(", "))
+            }),
+        }
+    }
+
+    /// The section whose periods and masquerading apply in `mode`, as kube-proxy's v1alpha1
+    /// conversion picks it: ipvs and nftables have their own, every other mode reads
+    /// `iptables` (ipvs mode masquerades by `iptables.masqueradeAll` too).
+    fn mode_section(&self, mode: ProxyMode) -> ModeSection<'_> {
+        match mode {
+            ProxyMode::Ipvs => ModeSection {
+                name: "ipvs",
+                sync_period: &self.ipvs.sync_period,
+                min_sync_period: &self.ipvs.min_sync_period,
+                masquerade_all: self.iptables.masquerade_all,
+            },
+            ProxyMode::Auto | ProxyMode::Ebpf | ProxyMode::Iptables => ModeSection {
+                name: "iptables",
+                sync_period: &self.iptables.sync_period,
+                min_sync_period: &self.iptables.min_sync_period,
+                masquerade_all: self.iptables.masquerade_all,
+            },
+        }
+    }
+
+    /// The dotted paths of the fields vipr reads, given the file's mode.
+    fn used_fields(&self) -> BTreeSet<String> {
+        let mut used: BTreeSet<String> = [
+            "apiVersion",
+            "kind",
+            "clientConnection.kubeconfig",
+            "hostnameOverride",
+            "healthzBindAddress",
+            "metricsBindAddress",
+            "mode",
+            "clusterCIDR",
+            "nodePortAddresses",
+            "logging.verbosity",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+        let section = self.mode_section(self.proxy_mode().unwrap_or(ProxyMode::Auto)).name;
+        used.extend(["syncPeriod", "minSyncPeriod"].map(|field| format!("{section}.{field}")));
+        used.insert("iptables.masqueradeAll".to_owned());
+        used
+    }
+}
+
+/// Collects the dotted paths of the leaves of `value` that are not zero values (null, false,
+/// 0, "", "0s", empty lists and maps): the settings a file actually sets.
+fn non_zero_leaves(value: &serde_yaml::Value, path: &str, out: &mut Vec<String>) {
+    use serde_yaml::Value;
+    match value {
+        Value::Mapping(mapping) => {
+            for (key, child) in mapping {
+                let key = key.as_str().map(str::to_owned).unwrap_or_else(|| format!("{key:?}"));
+                let child_path = if path.is_empty() { key } else { format!("{path}.{key}") };
+                non_zero_leaves(child, &child_path, out);
+            }
+        }
+        Value::Null => {}
+        Value::Bool(set) => {
+            if *set {
+                out.push(path.to_owned());
+            }
+        }
+        Value::Number(number) => {
+            if number.as_f64() != Some(0.0) {
+                out.push(path.to_owned());
+            }
+        }
+        Value::String(text) => {
+            if !text.is_empty() && parse_go_duration(text) != Ok(Duration::ZERO) {
+                out.push(path.to_owned());
+            }
+        }
+        Value::Sequence(items) => {
+            if !items.is_empty() {
+                out.push(path.to_owned());
+            }
+        }
+        Value::Tagged(tagged) => non_zero_leaves(&tagged.value, path, out),
+    }
+}
+
+/// `--cluster-cidr`: one CIDR, or a comma-separated dual-stack pair.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterCidrs(pub Vec<IpNet>);
+
+impl FromStr for ClusterCidrs {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let cidrs = text
+            .split(',')
+            .map(str::trim)
+            .filter(|cidr| !cidr.is_empty())
+            .map(|cidr| {
+                cidr.parse::<IpNet>().map_err(|_| format!("{cidr:?} is not a CIDR (such as 10.244.0.0/16)"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let dual_stack_pair = |a: &IpNet, b: &IpNet| {
+            matches!((a, b), (IpNet::V4(_), IpNet::V6(_)) | (IpNet::V6(_), IpNet::V4(_)))
+        };
+        match cidrs.as_slice() {
+            [] | [_] => Ok(Self(cidrs)),
+            [a, b] if dual_stack_pair(a, b) => Ok(Self(cidrs)),
+            _ => Err("only one CIDR, or one IPv4 and one IPv6 CIDR, is allowed".to_owned()),
+        }
+    }
+}
+
+/// `--healthz-bind-address` / `--metrics-bind-address`: `IP:port`, a bare IP (default port),
+/// or empty to disable the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BindAddress(pub Option<SocketAddr>);
+
+impl BindAddress {
+    pub fn parser(
+        default_port: u16,
+    ) -> impl Fn(&str) -> Result<Self, String> + Clone + Send + Sync + 'static {
+        move |text| parse_bind_address(text, default_port).map(Self)
+    }
+}
+
+fn parse_bind_address(text: &str, default_port: u16) -> Result<Option<SocketAddr>, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(None);
+    }
+    if let Ok(address) = text.parse::<SocketAddr>() {
+        return Ok(Some(address));
+    }
+    let bare = text.strip_prefix('[').and_then(|rest| rest.strip_suffix(']')).unwrap_or(text);
+    bare.parse::<IpAddr>()
+        .map(|ip| Some(SocketAddr::new(ip, default_port)))
+        .map_err(|_| format!("{text:?} is not IP:port (such as 0.0.0.0:{default_port}), an IP, or empty"))
+}
+
+/// An error in a Go duration string, worded as Go's `time.ParseDuration`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DurationError(String);
+
+impl fmt::Display for DurationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid duration {:?} (use a Go duration such as 1s, 500ms, 1m30s or 2h)", self.0)
+    }
+}
+
+impl std::error::Error for DurationError {}
+
+/// Parses a Go duration string (`time.ParseDuration`): a sequence of decimal numbers with
+/// units ns, us (µs), ms, s, m, h, such as "300ms", "1.5h" or "2h45m"; "0" alone needs no
+/// unit. Negative durations are refused: no period vipr takes can be negative.
+pub fn parse_go_duration(text: &str) -> Result<Duration, DurationError> {
+    let error = || DurationError(text.to_owned());
+    let mut rest = text.strip_prefix('+').unwrap_or(text);
+    if rest == "0" {
+        return Ok(Duration::ZERO);
+    }
+    if rest.is_empty() {
+        return Err(error());
+    }
+    let mut nanos: u128 = 0;
+    while !rest.is_empty() {
+        let number_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(error)?;
+        let (number, after) = rest.split_at(number_len);
+        let unit_len = after.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(after.len());
+        let (unit, after) = after.split_at(unit_len);
+        let unit_nanos: u128 = match unit {
+            "ns" => 1,
+            "us" | "µs" | "μs" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            _ => return Err(error()),
+        };
+        let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+        if whole.is_empty() && fraction.is_empty() {
+            return Err(error());
+        }
+        let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| error())? };
+        let mut value = whole.checked_mul(unit_nanos).ok_or_else(error)?;
+        // Digits beyond nanosecond precision cannot matter; Go drops them too.
+        let mut scale = unit_nanos;
+        for digit in fraction.chars().take(30) {
+            scale /= 10;
+            value += u128::from(digit.to_digit(10).ok_or_else(error)?) * scale;
+        }
+        nanos = nanos.checked_add(value).ok_or_else(error)?;
+        rest = after;
+    }
+    let nanos = u64::try_from(nanos).map_err(|_| error())?;
+    Ok(Duration::from_nanos(nanos))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations() {
+        let ms = Duration::from_millis;
+        for (text, expected) in [
+            ("0", Duration::ZERO),
+            ("0s", Duration::ZERO),
+            ("1s", ms(1000)),
+            ("30s", ms(30_000)),
+            ("1m30s", ms(90_000)),
+            ("1.5h", ms(5_400_000)),
+            ("2h45m", ms(9_900_000)),
+            ("300ms", ms(300)),
+            ("+5s", ms(5000)),
+            (".5s", ms(500)),
+            ("1.s", ms(1000)),
+            ("10us", Duration::from_micros(10)),
+            ("10µs", Duration::from_micros(10)),
+            ("7ns", Duration::from_nanos(7)),
+        ] {
+            assert_eq!(parse_go_duration(text), Ok(expected), "{text}");
+        }
+        for bad in ["", "1", "s", "1x", "-1s", "1.2.3s", "1s-", ".s", "ms1"] {
+            assert!(parse_go_duration(bad).is_err(), "{bad:?} parsed");
+        }
+        assert!(parse_go_duration("1x").unwrap_err().to_string().contains("\"1x\""));
+    }
+
+    #[test]
+    fn cluster_cidrs_are_one_or_a_dual_stack_pair() {
+        assert_eq!("10.244.0.0/16".parse::<ClusterCidrs>().unwrap().0.len(), 1);
+        assert_eq!("10.244.0.0/16, fd00::/48".parse::<ClusterCidrs>().unwrap().0.len(), 2);
+        assert!("10.244.0.0/16,10.245.0.0/16".parse::<ClusterCidrs>().is_err());
+        assert!("10.244.0.0".parse::<ClusterCidrs>().is_err());
+    }
+
+    #[test]
+    fn node_port_addresses() {
+        assert_eq!("primary".parse(), Ok(NodePortAddress::Primary));
+        assert_eq!("10.0.0.0/8".parse(), Ok(NodePortAddress::Cidr("10.0.0.0/8".parse().unwrap())));
+        assert!("eth0".parse::<NodePortAddress>().is_err());
+    }
+
+    #[test]
+    fn bind_addresses() {
+        assert_eq!(parse_bind_address("0.0.0.0:10256", 1), Ok(Some("0.0.0.0:10256".parse().unwrap())));
+        assert_eq!(parse_bind_address("[::]:9", 1), Ok(Some("[::]:9".parse().unwrap())));
+        assert_eq!(parse_bind_address("127.0.0.1", 10249), Ok(Some("127.0.0.1:10249".parse().unwrap())));
+        assert_eq!(parse_bind_address("[::1]", 7), Ok(Some("[::1]:7".parse().unwrap())));
+        assert_eq!(parse_bind_address("", 7), Ok(None));
+        assert!(parse_bind_address("localhost:80", 7).is_err());
+    }
+
+    fn settings(argv: &[&str]) -> anyhow::Result<Settings> {
+        let args = Args::try_parse_kube_proxy_style(std::iter::once("vipr").chain(argv.iter().copied()))?;
+        Settings::resolve(&args)
+    }
+
+    /// A KubeProxyConfiguration file in the temp dir, removed on drop.
+    struct ConfigFile(PathBuf);
+
+    impl ConfigFile {
+        fn new(text: &str) -> Self {
+            static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let path = std::env::temp_dir().join(format!("vipr-config-test-{}-{n}.yaml", std::process::id()));
+            std::fs::write(&path, text).unwrap();
+            Self(path)
+        }
+
+        fn arg(&self) -> String {
+            format!("--config={}", self.0.display())
+        }
+    }
+
+    impl Drop for ConfigFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[test]
+    fn defaults_are_kube_proxys() {
+        let settings = settings(&["--services-file=s.yaml", "--node-name=Node-A"]).unwrap();
+        assert_eq!(settings.proxy_mode, ProxyMode::Auto);
+        assert_eq!(settings.source, SourceSettings::File("s.yaml".into()));
+        assert_eq!(settings.node_name, "node-a");
+        assert_eq!(settings.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
+        assert_eq!(settings.metrics_bind_address, Some("127.0.0.1:10249".parse().unwrap()));
+        assert_eq!(settings.sync_period, Duration::from_secs(30));
+        assert_eq!(settings.min_sync_period, Duration::from_secs(1));
+        assert!(settings.cluster_cidrs.is_empty() && !settings.masquerade_all);
+        assert!(settings.node_port_addresses.is_empty());
+        assert_eq!(settings.log_level, LogLevel::Info);
+        assert_eq!(settings.bpf_root, PathBuf::from("/sys/fs/bpf"));
+    }
+
+    #[test]
+    fn without_services_file_the_source_is_the_api_server() {
+        let with_kubeconfig = settings(&["--kubeconfig=/etc/kube.conf"]).unwrap();
+        assert_eq!(
+            with_kubeconfig.source,
+            SourceSettings::Kubernetes { kubeconfig: Some("/etc/kube.conf".into()) }
+        );
+        assert_eq!(settings(&[]).unwrap().source, SourceSettings::Kubernetes { kubeconfig: None });
+    }
+
+    const CONFIG: &str = r#"
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection:
+  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
+  qps: 0
+hostnameOverride: From-File
+healthzBindAddress: 0.0.0.0:20256
+metricsBindAddress: 0.0.0.0:20249
+mode: ebpf
+clusterCIDR: 10.244.0.0/16
+nodePortAddresses: [10.0.0.0/8]
+iptables:
+  masqueradeAll: true
+  masqueradeBit: 14
+  syncPeriod: 1m
+  minSyncPeriod: 2s
+ipvs:
+  syncPeriod: 5m
+conntrack:
+  maxPerCore: 32768
+  min: null
+oomScoreAdj: -999
+logging:
+  verbosity: 4
+"#;
+
+    #[test]
+    fn the_config_file_sets_what_no_flag_sets() {
+        let file = ConfigFile::new(CONFIG);
+        let settings = settings(&[&file.arg()]).unwrap();
+        assert_eq!(settings.proxy_mode, ProxyMode::Ebpf);
+        assert_eq!(
+            settings.source,
+            SourceSettings::Kubernetes { kubeconfig: Some("/var/lib/kube-proxy/kubeconfig.conf".into()) }
+        );
+        assert_eq!(settings.node_name, "from-file");
+        assert_eq!(settings.healthz_bind_address, Some("0.0.0.0:20256".parse().unwrap()));
+        assert_eq!(settings.metrics_bind_address, Some("0.0.0.0:20249".parse().unwrap()));
+        assert_eq!(settings.sync_period, Duration::from_secs(60));
+        assert_eq!(settings.min_sync_period, Duration::from_secs(2));
+        assert_eq!(settings.cluster_cidrs, vec!["10.244.0.0/16".parse::<IpNet>().unwrap()]);
+        assert!(settings.masquerade_all);
+        assert_eq!(settings.node_port_addresses, vec![NodePortAddress::Cidr("10.0.0.0/8".parse().unwrap())]);
+        assert_eq!(settings.log_level, LogLevel::Debug);
+        // The ipvs section does not apply in ebpf mode; zero values are not worth a warning.
+        assert_eq!(
+            settings.ignored_config,
+            ["iptables.masqueradeBit", "ipvs.syncPeriod", "conntrack.maxPerCore", "oomScoreAdj"]
+        );
+    }
+
+    #[test]
+    fn flags_override_the_config_file() {
+        let file = ConfigFile::new(CONFIG);
+        let settings = settings(&[
+            &file.arg(),
+            "--proxy-mode=ebpf",
+            "--services-file=/s.yaml",
+            "--hostname-override=from-flag",
+            "--healthz-bind-address=127.0.0.1:1",
+            "--metrics-bind-address=",
+            "--sync-period=10s",
+            "--min-sync-period=0s",
+            "--cluster-cidr=10.1.0.0/16,fd00::/64",
+            "--masquerade-all=false",
+            "--nodeport-addresses=primary",
+            "--v=0",
+        ])
+        .unwrap();
+        assert_eq!(settings.source, SourceSettings::File("/s.yaml".into()));
+        assert_eq!(settings.node_name, "from-flag");
+        assert_eq!(settings.healthz_bind_address, Some("127.0.0.1:1".parse().unwrap()));
+        assert_eq!(settings.metrics_bind_address, None);
+        assert_eq!(settings.sync_period, Duration::from_secs(10));
+        assert_eq!(settings.min_sync_period, Duration::ZERO);
+        assert_eq!(settings.cluster_cidrs.len(), 2);
+        assert!(!settings.masquerade_all);
+        assert_eq!(settings.node_port_addresses, vec![NodePortAddress::Primary]);
+        assert_eq!(settings.log_level, LogLevel::Info);
+
+        let settings = self::settings(&[&file.arg(), "--kubeconfig=/other", "--masquerade-all"]).unwrap();
+        assert_eq!(settings.source, SourceSettings::Kubernetes { kubeconfig: Some("/other".into()) });
+        assert!(settings.masquerade_all);
+    }
+
+    #[test]
+    fn json_config_files_parse_too() {
+        let file = ConfigFile::new(
+            r#"{"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+                "mode": "", "iptables": {"syncPeriod": "45s"}}"#,
+        );
+        let settings = settings(&[&file.arg()]).unwrap();
+        assert_eq!(settings.proxy_mode, ProxyMode::Auto);
+        assert_eq!(settings.sync_period, Duration::from_secs(45));
+        assert!(settings.ignored_config.is_empty(), "{:?}", settings.ignored_config);
+    }
+
+    #[test]
+    fn bad_config_files_are_refused_with_the_field() {
+        let refused = |text: &str| {
+            let file = ConfigFile::new(text);
+            format!("{:#}", settings(&[&file.arg()]).unwrap_err())
+        };
+        let header = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+        assert!(refused("kind: KubeletConfiguration\n").contains("not a KubeProxyConfiguration"));
+        assert!(refused(&format!("{header}iptables: {{syncPeriod: 5x}}\n")).contains("iptables.syncPeriod"));
+        assert!(refused(&format!("{header}clusterCIDR: 10.0.0.0\n")).contains("clusterCIDR"));
+        assert!(refused(&format!("{header}mode: nftables\n")).contains("not a vipr proxy mode"));
+        assert!(refused(&format!("{header}healthzBindAddress: nowhere\n")).contains("healthzBindAddress"));
+        assert!(refused(&format!("{header}hostnameOverride: [a\n")).contains("--config"));
+        let missing = format!("{:#}", settings(&["--config=/nonexistent/vipr.yaml"]).unwrap_err());
+        assert!(missing.contains("cannot read /nonexistent/vipr.yaml"), "{missing}");
+    }
+
+    #[test]
+    fn klog_verbosity_maps_to_log_levels() {
+        let level = |argv: &[&str]| settings(argv).unwrap().log_level;
+        assert_eq!(level(&["--v=2"]), LogLevel::Info);
+        assert_eq!(level(&["--v=4"]), LogLevel::Debug);
+        assert_eq!(level(&["--v=6"]), LogLevel::Trace);
+        assert_eq!(level(&["-v"]), LogLevel::Debug);
+        assert_eq!(level(&["-vv"]), LogLevel::Trace);
+        assert_eq!(level(&["-v", "--v=9"]), LogLevel::Trace);
+    }
+
+    #[test]
+    fn sync_period_must_be_positive_and_hostname_not_empty() {
+        assert!(settings(&["--sync-period=0s"]).is_err());
+        assert!(settings(&["--hostname-override= "]).is_err());
+    }
+}

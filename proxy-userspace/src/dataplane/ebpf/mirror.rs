@@ -1,0 +1,113 @@
+//! A BPF map together with what vipr last wrote to it, synced by difference.
+use std::collections::BTreeMap;
+
+use aya::{
+    maps::{lpm_trie, HashMap, LpmTrie, MapData, MapError},
+    Pod,
+};
+use tracing::warn;
+
+/// Insert and delete by a key vipr's planner uses; implemented for the aya map types whose
+/// keys are shaped differently.
+pub trait KeyedMap {
+    type Key: Ord + Clone;
+    type Value: Eq + Clone;
+
+    fn put(&mut self, key: &Self::Key, value: &Self::Value) -> Result<(), MapError>;
+    fn delete(&mut self, key: &Self::Key) -> Result<(), MapError>;
+    fn entries(&self) -> Vec<(Self::Key, Self::Value)>;
+}
+
+impl<K: Pod + Ord, V: Pod + Eq> KeyedMap for HashMap<MapData, K, V> {
+    type Key = K;
+    type Value = V;
+
+    fn put(&mut self, key: &K, value: &V) -> Result<(), MapError> {
+        self.insert(key, value, 0)
+    }
+
+    fn delete(&mut self, key: &K) -> Result<(), MapError> {
+        match self.remove(key) {
+            Err(MapError::KeyNotFound) => Ok(()),
+            other => other,
+        }
+    }
+
+    fn entries(&self) -> Vec<(K, V)> {
+        self.iter().filter_map(log_read_error).collect()
+    }
+}
+
+impl<const N: usize, V: Pod + Eq> KeyedMap for LpmTrie<MapData, [u8; N], V>
+where
+    [u8; N]: Pod,
+{
+    type Key = (u32, [u8; N]);
+    type Value = V;
+
+    fn put(&mut self, (prefix_len, data): &Self::Key, value: &V) -> Result<(), MapError> {
+        self.insert(&lpm_trie::Key::new(*prefix_len, *data), value, 0)
+    }
+
+    fn delete(&mut self, (prefix_len, data): &Self::Key) -> Result<(), MapError> {
+        match self.remove(&lpm_trie::Key::new(*prefix_len, *data)) {
+            Err(MapError::KeyNotFound) => Ok(()),
+            other => other,
+        }
+    }
+
+    fn entries(&self) -> Vec<(Self::Key, V)> {
+        self.iter()
+            .filter_map(log_read_error)
+            .map(|(key, value)| ((key.prefix_len(), key.data()), value))
+            .collect()
+    }
+}
+
+pub fn log_read_error<T>(entry: Result<T, MapError>) -> Option<T> {
+    entry.map_err(|error| warn!(%error, "cannot read a pinned map entry")).ok()
+}
+
+/// A map and its last written content, read back from the kernel when adopted.
+pub struct Mirrored<M: KeyedMap> {
+    pub map: M,
+    content: BTreeMap<M::Key, M::Value>,
+}
+
+impl<M: KeyedMap> Mirrored<M> {
+    pub fn adopt(map: M) -> Self {
+        let content = map.entries().into_iter().collect();
+        Self { map, content }
+    }
+
+    /// Writes what differs from `wanted`. Returns the number of entries changed and the
+    /// failures; a failed entry keeps its old value and is retried by the next sync.
+    pub fn sync(&mut self, wanted: &BTreeMap<M::Key, M::Value>) -> (usize, Vec<String>) {
+        let mut changed = 0;
+        let mut failures = Vec::new();
+        for (key, value) in wanted {
+            if self.content.get(key) == Some(value) {
+                continue;
+            }
+            match self.map.put(key, value) {
+                Ok(()) => {
+                    self.content.insert(key.clone(), value.clone());
+                    changed += 1;
+                }
+                Err(error) => failures.push(error.to_string()),
+            }
+        }
+        let stale: Vec<M::Key> =
+            self.content.keys().filter(|key| !wanted.contains_key(key)).cloned().collect();
+        for key in stale {
+            match self.map.delete(&key) {
+                Ok(()) => {
+                    self.content.remove(&key);
+                    changed += 1;
+                }
+                Err(error) => failures.push(error.to_string()),
+            }
+        }
+        (changed, failures)
+    }
+}

@@ -1,0 +1,534 @@
+//! Prometheus metrics, under kube-proxy's names where kube-proxy has the metric, so that its
+//! dashboards and alerts keep working, plus vipr's own (`vipr_*`).
+//!
+//! [`Registry`] encodes every registered [`Collector`] in the Prometheus text format (0.0.4)
+//! on `/metrics`. [`ProxyMetrics`] is the agent's own collector; other parts register theirs
+//! with [`Registry::register`] — this is where the dataplane's per-service and per-backend
+//! packet/byte counters plug in: a collector that reads the datapath's counters when
+//! scraped and returns them as [`MetricFamily`]s.
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, PoisonError, RwLock,
+    },
+    time::Duration,
+};
+
+use crate::http::{Handler, Reply};
+
+/// Content type of the Prometheus text exposition format.
+pub const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl MetricKind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Counter => "counter",
+            Self::Gauge => "gauge",
+            Self::Histogram => "histogram",
+        }
+    }
+}
+
+/// One value of a family, for one set of labels.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SampleValue {
+    Number(f64),
+    /// Cumulative counts per upper bound (without `+Inf`, which is `count`).
+    Histogram {
+        buckets: Vec<(f64, u64)>,
+        sum: f64,
+        count: u64,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub labels: Vec<(String, String)>,
+    pub value: SampleValue,
+}
+
+/// A metric name with its help, type and samples: what a [`Collector`] returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MetricFamily {
+    pub name: String,
+    pub help: String,
+    pub kind: MetricKind,
+    pub samples: Vec<Sample>,
+}
+
+impl MetricFamily {
+    /// A family with one unlabelled counter or gauge value.
+    pub fn single(name: &str, help: &str, kind: MetricKind, value: f64) -> Self {
+        Self {
+            name: name.to_owned(),
+            help: help.to_owned(),
+            kind,
+            samples: vec![Sample { labels: Vec::new(), value: SampleValue::Number(value) }],
+        }
+    }
+}
+
+/// Something that reports metric families when `/metrics` is scraped.
+pub trait Collector: Send + Sync {
+    fn collect(&self) -> Vec<MetricFamily>;
+}
+
+/// Every collector `/metrics` reports.
+#[derive(Default)]
+pub struct Registry {
+    collectors: RwLock<Vec<Arc<dyn Collector>>>,
+}
+
+impl Registry {
+    pub fn register(&self, collector: Arc<dyn Collector>) {
+        self.collectors.write().unwrap_or_else(PoisonError::into_inner).push(collector);
+    }
+
+    /// All families in the Prometheus text format.
+    pub fn encode(&self) -> String {
+        let collectors = self.collectors.read().unwrap_or_else(PoisonError::into_inner).clone();
+        let mut text = String::new();
+        for family in collectors.iter().flat_map(|collector| collector.collect()) {
+            encode_family(&family, &mut text);
+        }
+        text
+    }
+
+    /// The metrics server's routes: `/metrics`, `/proxyMode` (the running dataplane's mode,
+    /// as kube-proxy answers it) and `/healthz` (a plain liveness ping, as kube-proxy's
+    /// metrics server has one).
+    pub fn handler(self: Arc<Self>, proxy_mode: &'static str) -> Handler {
+        Arc::new(move |path| match path {
+            "/metrics" => Reply::new(200, TEXT_FORMAT, self.encode()),
+            "/proxyMode" => Reply::new(200, Reply::TEXT, proxy_mode),
+            "/healthz" => Reply::new(200, Reply::TEXT, "ok"),
+            _ => Reply::not_found(),
+        })
+    }
+}
+
+fn encode_family(family: &MetricFamily, out: &mut String) {
+    let help = family.help.replace('\\', r"\\").replace('\n', r"\n");
+    let _ = writeln!(out, "# HELP {} {help}", family.name);
+    let _ = writeln!(out, "# TYPE {} {}", family.name, family.kind.name());
+    for sample in &family.samples {
+        match &sample.value {
+            SampleValue::Number(value) => {
+                let _ = writeln!(out, "{}{} {}", family.name, labels(&sample.labels, None), number(*value));
+            }
+            SampleValue::Histogram { buckets, sum, count } => {
+                for (bound, cumulative) in buckets {
+                    let le = Some(number(*bound));
+                    let _ =
+                        writeln!(out, "{}_bucket{} {cumulative}", family.name, labels(&sample.labels, le));
+                }
+                let inf = Some("+Inf".to_owned());
+                let _ = writeln!(out, "{}_bucket{} {count}", family.name, labels(&sample.labels, inf));
+                let _ = writeln!(out, "{}_sum{} {}", family.name, labels(&sample.labels, None), number(*sum));
+                let _ = writeln!(out, "{}_count{} {count}", family.name, labels(&sample.labels, None));
+            }
+        }
+    }
+}
+
+fn labels(labels: &[(String, String)], le: Option<String>) -> String {
+    let pairs: Vec<String> = labels
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.clone()))
+        .chain(le.map(|le| ("le", le)))
+        .map(|(name, value)| {
+            let value = value.replace('\\', r"\\").replace('"', "\\\"").replace('\n', r"\n");
+            format!("{name}=\"{value}\"")
+        })
+        .collect();
+    if pairs.is_empty() {
+        String::new()
+    } else {
+        format!("{{{}}}", pairs.join(","))
+    }
+}
+
+fn number(value: f64) -> String {
+    if value.is_nan() {
+        "NaN".to_owned()
+    } else if value.is_infinite() {
+        if value > 0.0 { "+Inf" } else { "-Inf" }.to_owned()
+    } else {
+        value.to_string()
+    }
+}
+
+/// A monotonically increasing count.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A value that goes up and down.
+#[derive(Debug, Default)]
+pub struct Gauge(AtomicU64);
+
+impl Gauge {
+    pub fn set(&self, value: f64) {
+        self.0.store(value.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+}
+
+/// Counters told apart by one label (such as the HTTP status `code`).
+#[derive(Debug)]
+pub struct LabeledCounter {
+    label: &'static str,
+    values: Mutex<BTreeMap<String, u64>>,
+}
+
+impl LabeledCounter {
+    pub fn new(label: &'static str) -> Self {
+        Self { label, values: Mutex::default() }
+    }
+
+    pub fn inc(&self, value: &str) {
+        *self.values.lock().unwrap_or_else(PoisonError::into_inner).entry(value.to_owned()).or_default() += 1;
+    }
+
+    fn samples(&self) -> Vec<Sample> {
+        self.values
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(value, count)| Sample {
+                labels: vec![(self.label.to_owned(), value.clone())],
+                value: SampleValue::Number(*count as f64),
+            })
+            .collect()
+    }
+}
+
+/// A distribution of observations over fixed buckets.
+#[derive(Debug)]
+pub struct Histogram {
+    upper_bounds: Vec<f64>,
+    state: Mutex<HistogramState>,
+}
+
+#[derive(Debug, Default)]
+struct HistogramState {
+    /// Observations per bucket (not cumulative), one more than bounds for `+Inf`.
+    counts: Vec<u64>,
+    sum: f64,
+}
+
+impl Histogram {
+    pub fn new(upper_bounds: Vec<f64>) -> Self {
+        let counts = vec![0; upper_bounds.len() + 1];
+        Self { upper_bounds, state: Mutex::new(HistogramState { counts, sum: 0.0 }) }
+    }
+
+    pub fn observe(&self, value: f64) {
+        let bucket =
+            self.upper_bounds.iter().position(|bound| value <= *bound).unwrap_or(self.upper_bounds.len());
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.counts[bucket] += 1;
+        state.sum += value;
+    }
+
+    pub fn observe_duration(&self, duration: Duration) {
+        self.observe(duration.as_secs_f64());
+    }
+
+    fn sample(&self) -> Sample {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cumulative = 0;
+        let buckets = self
+            .upper_bounds
+            .iter()
+            .zip(&state.counts)
+            .map(|(bound, count)| {
+                cumulative += count;
+                (*bound, cumulative)
+            })
+            .collect();
+        let count = state.counts.iter().sum();
+        Sample { labels: Vec::new(), value: SampleValue::Histogram { buckets, sum: state.sum, count } }
+    }
+}
+
+/// Prometheus' `ExponentialBuckets(start, factor, count)`.
+pub fn exponential_buckets(start: f64, factor: f64, count: usize) -> Vec<f64> {
+    std::iter::successors(Some(start), |bound| Some(bound * factor)).take(count).collect()
+}
+
+/// Prometheus' `LinearBuckets(start, width, count)`.
+pub fn linear_buckets(start: f64, width: f64, count: usize) -> Vec<f64> {
+    (0..count).map(|i| start + width * i as f64).collect()
+}
+
+/// The agent's metrics. Fields are updated by the agent and the health servers; everything
+/// under a kube-proxy name has kube-proxy's meaning and buckets.
+#[derive(Debug)]
+pub struct ProxyMetrics {
+    /// Duration of every sync of the dataplane, successful or not.
+    pub sync_duration: Histogram,
+    /// From the change of an EndpointSlice (its `endpoints.kubernetes.io/last-change-trigger-time`)
+    /// to the sync that programmed it.
+    pub network_programming_duration: Histogram,
+    /// When the dataplane last synced successfully.
+    pub last_sync_timestamp: Gauge,
+    /// When a sync was last asked for by a change.
+    pub last_queued_timestamp: Gauge,
+    pub service_changes: Counter,
+    pub endpoint_changes: Counter,
+    pub service_changes_pending: Gauge,
+    pub endpoint_changes_pending: Gauge,
+    /// `/healthz` answers by status code.
+    pub healthz_answers: LabeledCounter,
+    /// `/livez` answers by status code.
+    pub livez_answers: LabeledCounter,
+    /// Objects currently left out because they are invalid.
+    pub rejected_objects: Gauge,
+    /// Frontends the dataplane cannot program (such as IPv6 ones in the eBPF dataplane).
+    pub unsupported_frontends: Gauge,
+    /// Syncs that did not apply the whole desired state (they are retried with backoff).
+    pub failed_syncs: Counter,
+    /// Frontends whose programming failed, over all syncs.
+    pub frontend_sync_errors: Counter,
+}
+
+impl Default for ProxyMetrics {
+    fn default() -> Self {
+        // kube-proxy's buckets, including the leading 0 its MergeBuckets puts first.
+        let mut programming_buckets = vec![0.0];
+        programming_buckets.extend(linear_buckets(0.25, 0.25, 2));
+        programming_buckets.extend(linear_buckets(1.0, 1.0, 59));
+        programming_buckets.extend(linear_buckets(60.0, 5.0, 12));
+        programming_buckets.extend(linear_buckets(120.0, 30.0, 7));
+        Self {
+            sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            network_programming_duration: Histogram::new(programming_buckets),
+            last_sync_timestamp: Gauge::default(),
+            last_queued_timestamp: Gauge::default(),
+            service_changes: Counter::default(),
+            endpoint_changes: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            endpoint_changes_pending: Gauge::default(),
+            healthz_answers: LabeledCounter::new("code"),
+            livez_answers: LabeledCounter::new("code"),
+            rejected_objects: Gauge::default(),
+            unsupported_frontends: Gauge::default(),
+            failed_syncs: Counter::default(),
+            frontend_sync_errors: Counter::default(),
+        }
+    }
+}
+
+impl Collector for ProxyMetrics {
+    fn collect(&self) -> Vec<MetricFamily> {
+        use MetricKind::{Counter, Gauge, Histogram};
+        let histogram = |name: &str, help: &str, histogram: &self::Histogram| MetricFamily {
+            name: name.to_owned(),
+            help: help.to_owned(),
+            kind: Histogram,
+            samples: vec![histogram.sample()],
+        };
+        let labeled = |name: &str, help: &str, counter: &LabeledCounter| MetricFamily {
+            name: name.to_owned(),
+            help: help.to_owned(),
+            kind: Counter,
+            samples: counter.samples(),
+        };
+        vec![
+            histogram(
+                "kubeproxy_sync_proxy_rules_duration_seconds",
+                "[ALPHA] SyncProxyRules latency in seconds",
+                &self.sync_duration,
+            ),
+            histogram(
+                "kubeproxy_network_programming_duration_seconds",
+                "[ALPHA] In Cluster Network Programming Latency in seconds",
+                &self.network_programming_duration,
+            ),
+            MetricFamily::single(
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                "[ALPHA] The last time proxy rules were successfully synced",
+                Gauge,
+                self.last_sync_timestamp.get(),
+            ),
+            MetricFamily::single(
+                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                "[ALPHA] The last time a sync of proxy rules was queued",
+                Gauge,
+                self.last_queued_timestamp.get(),
+            ),
+            MetricFamily::single(
+                "kubeproxy_sync_proxy_rules_service_changes_total",
+                "[ALPHA] Cumulative proxy rules Service changes",
+                Counter,
+                self.service_changes.get() as f64,
+            ),
+            MetricFamily::single(
+                "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+                "[ALPHA] Cumulative proxy rules Endpoint changes",
+                Counter,
+                self.endpoint_changes.get() as f64,
+            ),
+            MetricFamily::single(
+                "kubeproxy_sync_proxy_rules_service_changes_pending",
+                "[ALPHA] Pending proxy rules Service changes",
+                Gauge,
+                self.service_changes_pending.get(),
+            ),
+            MetricFamily::single(
+                "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+                "[ALPHA] Pending proxy rules Endpoint changes",
+                Gauge,
+                self.endpoint_changes_pending.get(),
+            ),
+            labeled(
+                "kubeproxy_proxy_healthz_total",
+                "[ALPHA] Cumulative proxy healthz HTTP status",
+                &self.healthz_answers,
+            ),
+            labeled(
+                "kubeproxy_proxy_livez_total",
+                "[ALPHA] Cumulative proxy livez HTTP status",
+                &self.livez_answers,
+            ),
+            MetricFamily::single(
+                "vipr_rejected_objects",
+                "Services and EndpointSlices currently left out because they are invalid",
+                Gauge,
+                self.rejected_objects.get(),
+            ),
+            MetricFamily::single(
+                "vipr_unsupported_frontends",
+                "Service frontends the running dataplane cannot program",
+                Gauge,
+                self.unsupported_frontends.get(),
+            ),
+            MetricFamily::single(
+                "vipr_sync_failures_total",
+                "Syncs that did not apply the whole desired state; each is retried with backoff",
+                Counter,
+                self.failed_syncs.get() as f64,
+            ),
+            MetricFamily::single(
+                "vipr_sync_frontend_errors_total",
+                "Frontends whose programming failed, counted per sync",
+                Counter,
+                self.frontend_sync_errors.get() as f64,
+            ),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kube_proxy_buckets() {
+        let sync = exponential_buckets(0.001, 2.0, 15);
+        assert_eq!(sync.first(), Some(&0.001));
+        assert_eq!(number(sync[14]), "16.384");
+        let metrics = ProxyMetrics::default();
+        let SampleValue::Histogram { buckets, .. } = metrics.network_programming_duration.sample().value
+        else {
+            panic!("not a histogram")
+        };
+        let bounds: Vec<f64> = buckets.iter().map(|(bound, _)| *bound).collect();
+        assert_eq!(&bounds[..5], [0.0, 0.25, 0.5, 1.0, 2.0]);
+        assert_eq!(bounds.len(), 1 + 2 + 59 + 12 + 7);
+        assert_eq!(bounds.last(), Some(&300.0));
+    }
+
+    #[test]
+    fn histograms_encode_cumulative_buckets() {
+        let histogram = Histogram::new(vec![0.1, 1.0]);
+        for value in [0.05, 0.5, 0.7, 3.0] {
+            histogram.observe(value);
+        }
+        let family = MetricFamily {
+            name: "h".into(),
+            help: "a \"help\"\nline".into(),
+            kind: MetricKind::Histogram,
+            samples: vec![histogram.sample()],
+        };
+        let mut text = String::new();
+        encode_family(&family, &mut text);
+        assert_eq!(
+            text,
+            "# HELP h a \"help\"\\nline\n# TYPE h histogram\nh_bucket{le=\"0.1\"} 1\nh_bucket{le=\"1\"} 3\n\
+             h_bucket{le=\"+Inf\"} 4\nh_sum 4.25\nh_count 4\n"
+        );
+    }
+
+    #[test]
+    fn labels_are_escaped() {
+        let counter = LabeledCounter::new("code");
+        counter.inc("200");
+        counter.inc("200");
+        counter.inc("a\"b");
+        let family = MetricFamily {
+            name: "c".into(),
+            help: "h".into(),
+            kind: MetricKind::Counter,
+            samples: counter.samples(),
+        };
+        let mut text = String::new();
+        encode_family(&family, &mut text);
+        assert!(text.contains("c{code=\"200\"} 2\n"), "{text}");
+        assert!(text.contains("c{code=\"a\\\"b\"} 1\n"), "{text}");
+    }
+
+    struct Extra;
+
+    impl Collector for Extra {
+        fn collect(&self) -> Vec<MetricFamily> {
+            vec![MetricFamily::single("vipr_backend_packets_total", "Packets", MetricKind::Counter, 7.0)]
+        }
+    }
+
+    #[test]
+    fn registered_collectors_are_all_exported() {
+        let registry = Arc::new(Registry::default());
+        let metrics = Arc::new(ProxyMetrics::default());
+        metrics.service_changes.add(3);
+        metrics.last_sync_timestamp.set(1_700_000_000.5);
+        registry.register(metrics);
+        registry.register(Arc::new(Extra));
+        let handler = registry.handler("ebpf");
+        let reply = handler("/metrics");
+        assert_eq!((reply.status, reply.content_type), (200, TEXT_FORMAT));
+        for line in [
+            "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 0",
+            "kubeproxy_sync_proxy_rules_service_changes_total 3",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds 1700000000.5",
+            "vipr_backend_packets_total 7",
+        ] {
+            assert!(reply.body.lines().any(|l| l == line), "no {line:?} in\n{}", reply.body);
+        }
+        assert_eq!(handler("/proxyMode").body, "ebpf");
+        assert_eq!(handler("/nope").status, 404);
+    }
+}

@@ -1,0 +1,370 @@
+//! The API-server source: kube-rs watchers with reflector stores on all Services, all
+//! EndpointSlices and this node's Node, delivered as complete snapshots.
+//!
+//! The contract is the file source's: [`watch`] runs on its own thread until `stop` fires or
+//! the receiving side is dropped, sends a complete [`Objects`] snapshot whenever the stores
+//! change, and sends [`SourceEvent::Unusable`] when the API server cannot be reached (the agent
+//! then keeps its datapath).
+//!
+//! - No snapshot is sent before all three initial lists have completed: a partial view would
+//!   make the agent delete the services it has not seen yet.
+//! - The kube-rs watcher resumes from its resourceVersion after a disconnect and relists after
+//!   410 Gone; the reflector swaps a relisted store in at once. A snapshot is therefore always
+//!   one complete view, never an empty one mid-relist, and a relist of unchanged objects gives
+//!   the same snapshot as before, so the dataplane diff is empty.
+//! - Objects that do not decode are kept out of the snapshot and reported in
+//!   [`Objects::rejected`] (see [`decoded`]).
+//! - Bursts of changes are coalesced into at most one snapshot per [`MIN_SNAPSHOT_INTERVAL`].
+use std::{
+    collections::HashSet,
+    error::Error as _,
+    fmt::{self, Debug},
+    path::PathBuf,
+    pin::pin,
+    sync::mpsc::{Receiver, Sender, TryRecvError},
+    time::Duration,
+};
+
+use futures::{future, stream, Stream, StreamExt};
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    Metadata, Resource,
+};
+use kube::{
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        reflector::{self, Store},
+        watcher,
+        watcher::DefaultBackoff,
+        WatchStreamExt,
+    },
+    Api, Client,
+};
+use serde::de::DeserializeOwned;
+use tokio::time::Instant;
+use tracing::{debug, info};
+
+use self::decoded::Decoded;
+use super::{Objects, SourceEvent};
+use crate::model::kubernetes::Rejection;
+
+mod decoded;
+
+/// At most one snapshot per this interval; the agent batches further.
+pub const MIN_SNAPSHOT_INTERVAL: Duration = Duration::from_millis(100);
+/// How often the loop checks `stop` and sends a snapshot held back by the interval.
+const TICK: Duration = Duration::from_millis(25);
+
+#[derive(Clone, Debug)]
+pub struct KubeSourceConfig {
+    /// The kubeconfig file to use; `None` means the in-cluster service account.
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name: its Node object is watched and delivered in [`Objects::node`].
+    pub node_name: String,
+}
+
+/// Watches the API server and sends a snapshot each time the watched objects change, until
+/// `stop` fires or the receiving side of `events` is dropped.
+pub fn watch(config: KubeSourceConfig, events: Sender<SourceEvent>, stop: Receiver<()>) {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            let _ =
+                events.send(SourceEvent::Unusable(format!("cannot start the API client runtime: {error}")));
+            return;
+        }
+    };
+    let mut source = Source { events, stop, in_outage: false };
+    runtime.block_on(source.run(config));
+}
+
+/// Which watch a report comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Collection {
+    Services,
+    EndpointSlices,
+    Node,
+}
+
+impl Collection {
+    const ALL: [Self; 3] = [Self::Services, Self::EndpointSlices, Self::Node];
+}
+
+impl fmt::Display for Collection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Services => "services",
+            Self::EndpointSlices => "endpointslices",
+            Self::Node => "node",
+        })
+    }
+}
+
+/// What one watch did to its store.
+struct Progress {
+    collection: Collection,
+    step: Step,
+}
+
+enum Step {
+    /// Objects of a relist arrived; the store keeps its old content until the list completes.
+    Buffered,
+    /// An object was added, changed or deleted.
+    Changed,
+    /// A complete list replaced the store.
+    Listed,
+    /// The watch failed; the watcher retries it after a backoff, and the store is unchanged.
+    Failed(watcher::Error),
+}
+
+struct Source {
+    events: Sender<SourceEvent>,
+    stop: Receiver<()>,
+    /// The API server could not be reached and no watch has received anything since. An outage
+    /// is reported when it starts, not again at every retry of every watch. (A watch that
+    /// resumes without news shows nothing; the outage ends with the next event of any watch.)
+    in_outage: bool,
+}
+
+impl Source {
+    async fn run(&mut self, config: KubeSourceConfig) {
+        if let Some(client) = self.connect(&config).await {
+            self.watch_stores(client, &config.node_name).await;
+        }
+    }
+
+    /// Builds the API client, retrying with backoff while its configuration cannot be loaded
+    /// (a kubeconfig not written yet, a service account token not mounted yet). `None` once
+    /// stopped.
+    async fn connect(&mut self, config: &KubeSourceConfig) -> Option<Client> {
+        let mut backoff = DefaultBackoff::default();
+        loop {
+            match client(config).await {
+                Ok(client) => return Some(client),
+                Err(problem) => {
+                    if !self.report_outage(problem) {
+                        return None;
+                    }
+                }
+            }
+            let delay = backoff.next().unwrap_or(Duration::from_secs(30));
+            if !self.sleep_unless_stopped(delay).await {
+                return None;
+            }
+        }
+    }
+
+    async fn watch_stores(&mut self, client: Client, node_name: &str) {
+        let everything = watcher::Config::default();
+        let (services, services_progress) =
+            reflect(Api::all(client.clone()), everything.clone(), Collection::Services);
+        let (slices, slices_progress) =
+            reflect(Api::all(client.clone()), everything, Collection::EndpointSlices);
+        let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+        let (nodes, node_progress) = reflect(Api::all(client), this_node, Collection::Node);
+        let stores = Stores { services, slices, nodes, node_name: node_name.to_owned() };
+        let mut progress =
+            pin!(stream::select(services_progress, stream::select(slices_progress, node_progress)));
+
+        let mut listed = HashSet::new();
+        let mut changed = false;
+        let mut last_snapshot: Option<Instant> = None;
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                Some(Progress { collection, step }) = progress.next() => match step {
+                    Step::Buffered => self.succeeded(collection),
+                    Step::Changed => {
+                        self.succeeded(collection);
+                        changed = true;
+                    }
+                    Step::Listed => {
+                        self.succeeded(collection);
+                        listed.insert(collection);
+                        changed = true;
+                    }
+                    Step::Failed(error) => {
+                        if !self.failed(collection, &error) {
+                            return;
+                        }
+                    }
+                },
+                _ = tick.tick() => {
+                    if self.stop_requested() {
+                        return;
+                    }
+                }
+            }
+            let complete = Collection::ALL.iter().all(|collection| listed.contains(collection));
+            let due = last_snapshot.is_none_or(|at| at.elapsed() >= MIN_SNAPSHOT_INTERVAL);
+            if changed && complete && due {
+                if self.events.send(SourceEvent::Objects(stores.snapshot())).is_err() {
+                    return;
+                }
+                changed = false;
+                last_snapshot = Some(Instant::now());
+            }
+        }
+    }
+
+    /// Reports a watch failure as an outage, unless it is a normal expiry; false once nobody
+    /// listens any more.
+    fn failed(&mut self, collection: Collection, error: &watcher::Error) -> bool {
+        if let watcher::Error::WatchError(status) = error {
+            if status.code == 410 {
+                // The normal end of a watch that fell too far behind: the watcher relists.
+                debug!(%collection, "watch expired (410 Gone); relisting");
+                return true;
+            }
+        }
+        self.report_outage(format!("API server: {collection} watch: {}", describe_error(error)))
+    }
+
+    /// Sends `problem` if it starts an outage; false once nobody listens any more.
+    fn report_outage(&mut self, problem: String) -> bool {
+        debug!("{problem}");
+        if self.in_outage {
+            return true;
+        }
+        self.in_outage = true;
+        self.events.send(SourceEvent::Unusable(problem)).is_ok()
+    }
+
+    fn succeeded(&mut self, collection: Collection) {
+        if self.in_outage {
+            info!(%collection, "receiving from the API server again");
+            self.in_outage = false;
+        }
+    }
+
+    fn stop_requested(&self) -> bool {
+        !matches!(self.stop.try_recv(), Err(TryRecvError::Empty))
+    }
+
+    /// Sleeps for `duration`, noticing `stop` within a tick; false when stopped.
+    async fn sleep_unless_stopped(&self, duration: Duration) -> bool {
+        let deadline = Instant::now() + duration;
+        while Instant::now() < deadline {
+            if self.stop_requested() {
+                return false;
+            }
+            tokio::time::sleep(TICK.min(deadline - Instant::now())).await;
+        }
+        !self.stop_requested()
+    }
+}
+
+/// In-cluster configuration by default, as kube-proxy; the given kubeconfig otherwise.
+async fn client(config: &KubeSourceConfig) -> Result<Client, String> {
+    let client_config = match &config.kubeconfig {
+        None => {
+            kube::Config::incluster().map_err(|error| format!("in-cluster API configuration: {error}"))?
+        }
+        Some(path) => {
+            let problem = |error: &dyn std::error::Error| format!("kubeconfig {}: {error}", path.display());
+            let kubeconfig = Kubeconfig::read_from(path).map_err(|error| problem(&error))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .map_err(|error| problem(&error))?
+        }
+    };
+    Client::try_from(client_config).map_err(|error| format!("cannot create the API client: {error}"))
+}
+
+/// A reflector store of `K` fed by a watcher that retries with kube's default backoff, and
+/// the stream of what it does. Objects are decoded one by one ([`Decoded`]).
+fn reflect<K>(
+    api: Api<Decoded<K>>,
+    config: watcher::Config,
+    collection: Collection,
+) -> (Store<Decoded<K>>, impl Stream<Item = Progress>)
+where
+    K: Resource + Metadata<Ty = ObjectMeta> + DeserializeOwned + Clone + Debug + Send + Sync + 'static,
+{
+    let (store, writer) = reflector::store();
+    let progress = watcher(api, config).default_backoff().reflect(writer).filter_map(move |event| {
+        future::ready(
+            match event {
+                // A relist starts; nothing was received yet.
+                Ok(watcher::Event::Init) => None,
+                Ok(watcher::Event::InitApply(_)) => Some(Step::Buffered),
+                Ok(watcher::Event::InitDone) => Some(Step::Listed),
+                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => Some(Step::Changed),
+                Err(error) => Some(Step::Failed(error)),
+            }
+            .map(|step| Progress { collection, step }),
+        )
+    });
+    (store, progress)
+}
+
+struct Stores {
+    services: Store<Decoded<Service>>,
+    slices: Store<Decoded<EndpointSlice>>,
+    nodes: Store<Decoded<Node>>,
+    node_name: String,
+}
+
+impl Stores {
+    fn snapshot(&self) -> Objects {
+        let mut rejected = Vec::new();
+        let services = usable(&self.services, &mut rejected);
+        let slices = usable(&self.slices, &mut rejected);
+        let node = usable(&self.nodes, &mut rejected)
+            .into_iter()
+            .find(|node| node.metadata.name.as_ref() == Some(&self.node_name));
+        Objects { services, slices, node, rejected }
+    }
+}
+
+/// The objects of `store` that decoded, in namespace/name order so that equal stores give equal
+/// snapshots; the others are added to `rejected`.
+fn usable<K>(store: &Store<Decoded<K>>, rejected: &mut Vec<Rejection>) -> Vec<K>
+where
+    K: Resource + Metadata<Ty = ObjectMeta> + Clone + 'static,
+{
+    let mut objects = store.state();
+    objects.sort_by(|a, b| {
+        let key = |object: &Decoded<K>| (object.metadata().namespace.clone(), object.metadata().name.clone());
+        key(a).cmp(&key(b))
+    });
+    let mut usable = Vec::with_capacity(objects.len());
+    for object in objects {
+        match object.as_ref() {
+            Decoded::Valid(object) => usable.push(object.clone()),
+            Decoded::Invalid { metadata, reason } => {
+                rejected.push(Rejection { object: describe::<K>(metadata), reason: reason.clone() })
+            }
+        }
+    }
+    usable
+}
+
+/// `Kind namespace/name`, or `Kind name` for cluster-scoped objects.
+fn describe<K: Resource>(metadata: &ObjectMeta) -> String {
+    let name = metadata.name.as_deref().filter(|name| !name.is_empty()).unwrap_or("<unnamed>");
+    match &metadata.namespace {
+        Some(namespace) => format!("{} {namespace}/{name}", K::KIND),
+        None => format!("{} {name}", K::KIND),
+    }
+}
+
+/// The error and its causes, which kube's errors often leave out of their own message (the
+/// "connection refused" under "client error (Connect)").
+fn describe_error(error: &watcher::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(error) = cause {
+        let message = error.to_string();
+        if !text.contains(&message) {
+            text = format!("{text}: {message}");
+        }
+        cause = error.source();
+    }
+    text
+}

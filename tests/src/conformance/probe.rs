@@ -1,0 +1,293 @@
+//! Checking one flow on the wire, from a socket in the source's namespace (call these from
+//! inside [`crate::Netns::run`]).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io::{BufRead, BufReader, ErrorKind, Write},
+    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
+    os::fd::AsRawFd,
+    time::Duration,
+};
+
+use socket2::{Domain, Socket, Type};
+
+use super::{
+    case::{Protocol, Verdict},
+    model::Outcome,
+};
+use crate::Answer;
+
+/// How long a connection that should work may take.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_millis(1500);
+/// How long a REJECT may take to arrive.
+pub const REJECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a DROP is waited for: no answer in this time is a drop.
+pub const DROP_TIMEOUT: Duration = Duration::from_secs(1);
+/// New connections per DNAT flow: at least this many...
+pub const DNAT_MIN_CONNECTIONS: usize = 12;
+/// ...and at most this many while some listed endpoint has not been chosen yet.
+pub const DNAT_MAX_CONNECTIONS: usize = 30;
+/// Attempts for REJECT and PASS flows (each from a new source port).
+const REPEATS: usize = 2;
+
+/// What one new connection (TCP) or one datagram and its reply (UDP) came to.
+#[derive(Debug)]
+pub enum Attempt {
+    Answered {
+        answer: Answer,
+        client: SocketAddr,
+        replied_from: SocketAddr,
+    },
+    /// TCP reset or ICMP port unreachable.
+    Refused,
+    TimedOut,
+    /// Anything else: another ICMP error, a connection that broke, a garbled answer.
+    Failed(String),
+}
+
+impl Attempt {
+    fn describe(&self) -> String {
+        match self {
+            Self::Answered { answer, .. } => format!("answered by {}", answer.backend),
+            Self::Refused => "refused".to_owned(),
+            Self::TimedOut => "no answer".to_owned(),
+            Self::Failed(error) => error.clone(),
+        }
+    }
+}
+
+fn classify(error: &std::io::Error) -> Attempt {
+    match error.kind() {
+        ErrorKind::ConnectionRefused | ErrorKind::ConnectionReset => Attempt::Refused,
+        ErrorKind::TimedOut | ErrorKind::WouldBlock => Attempt::TimedOut,
+        _ => Attempt::Failed(error.to_string()),
+    }
+}
+
+/// One new connection from `source` (any port) to `dest`, asking who answers.
+pub fn attempt(protocol: Protocol, source: IpAddr, dest: SocketAddr, timeout: Duration) -> Attempt {
+    match protocol {
+        Protocol::TCP => tcp_attempt(source, dest, timeout),
+        Protocol::UDP => udp_attempt(source, dest, timeout),
+        Protocol::SCTP => Attempt::Failed("SCTP is not supported by this kernel".to_owned()),
+    }
+}
+
+fn tcp_attempt(source: IpAddr, dest: SocketAddr, timeout: Duration) -> Attempt {
+    let socket = match Socket::new(Domain::for_address(dest), Type::STREAM, Some(socket2::Protocol::TCP)) {
+        Ok(socket) => socket,
+        Err(error) => return Attempt::Failed(format!("cannot open a socket: {error}")),
+    };
+    if let Err(error) = socket.bind(&SocketAddr::new(source, 0).into()) {
+        return Attempt::Failed(format!("cannot bind {source}: {error}"));
+    }
+    if let Err(error) = socket.connect_timeout(&dest.into(), timeout) {
+        return classify(&error);
+    }
+    let stream: TcpStream = socket.into();
+    let exchange = || -> std::io::Result<(Answer, SocketAddr, SocketAddr)> {
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        stream.set_nodelay(true)?;
+        let (client, peer) = (stream.local_addr()?, stream.peer_addr()?);
+        (&stream).write_all(b"who are you?\n")?;
+        let mut line = String::new();
+        if BufReader::new(&stream).read_line(&mut line)? == 0 {
+            return Err(std::io::Error::new(ErrorKind::UnexpectedEof, "closed without an answer"));
+        }
+        let answer = line
+            .parse()
+            .map_err(|error| std::io::Error::new(ErrorKind::InvalidData, format!("{error:#}")))?;
+        Ok((answer, client, peer))
+    };
+    match exchange() {
+        Ok((answer, client, replied_from)) => Attempt::Answered { answer, client, replied_from },
+        Err(error) => Attempt::Failed(format!("connected, then: {error}")),
+    }
+}
+
+/// An unconnected socket, so that a reply from an unexpected address is seen rather than
+/// filtered, with IP_RECVERR, so that ICMP errors are reported all the same.
+fn udp_attempt(source: IpAddr, dest: SocketAddr, timeout: Duration) -> Attempt {
+    let socket = match UdpSocket::bind(SocketAddr::new(source, 0)) {
+        Ok(socket) => socket,
+        Err(error) => return Attempt::Failed(format!("cannot bind {source}: {error}")),
+    };
+    let (level, option) = if dest.is_ipv4() {
+        (libc::IPPROTO_IP, libc::IP_RECVERR)
+    } else {
+        (libc::IPPROTO_IPV6, libc::IPV6_RECVERR)
+    };
+    let on: libc::c_int = 1;
+    // SAFETY: `on` is a valid c_int for the duration of the call and its size is passed.
+    let set = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            level,
+            option,
+            (&raw const on).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if set != 0 {
+        return Attempt::Failed(format!("cannot set RECVERR: {}", std::io::Error::last_os_error()));
+    }
+    if let Err(error) = socket.set_read_timeout(Some(timeout)) {
+        return Attempt::Failed(error.to_string());
+    }
+    let client = match socket.local_addr() {
+        Ok(client) => client,
+        Err(error) => return Attempt::Failed(error.to_string()),
+    };
+    if let Err(error) = socket.send_to(b"who are you?", dest) {
+        return classify(&error);
+    }
+    let mut reply = [0u8; 1500];
+    match socket.recv_from(&mut reply) {
+        Ok((len, replied_from)) => match std::str::from_utf8(&reply[..len])
+            .map_err(|e| e.to_string())
+            .and_then(|text| text.parse::<Answer>().map_err(|e| format!("{e:#}")))
+        {
+            Ok(answer) => Attempt::Answered { answer, client, replied_from },
+            Err(error) => Attempt::Failed(format!("garbled answer from {replied_from}: {error}")),
+        },
+        Err(error) => classify(&error),
+    }
+}
+
+/// Everything a flow check needs besides the sockets.
+#[derive(Clone, Debug)]
+pub struct FlowCheck {
+    pub protocol: Protocol,
+    pub source: IpAddr,
+    pub dest: SocketAddr,
+    pub expect: Outcome,
+    /// The target service has ClientIP session affinity: every connection goes to one
+    /// endpoint, so not every endpoint can be hit from one client.
+    pub affinity: bool,
+    /// The node's addresses: what a masqueraded connection may come from.
+    pub node_addresses: BTreeSet<IpAddr>,
+    /// Who answers at the destination when nothing intercepts the packet.
+    pub listener_at_dest: Option<String>,
+}
+
+/// Checks one flow; `Err` says why it failed.
+pub fn check(flow: &FlowCheck) -> Result<String, String> {
+    match flow.expect.verdict {
+        Verdict::DNAT => check_dnat(flow),
+        Verdict::REJECT => check_reject(flow),
+        Verdict::DROP => check_drop(flow),
+        Verdict::PASS | Verdict::ACCEPT => check_pass(flow),
+    }
+}
+
+fn endpoint_list(endpoints: &BTreeSet<SocketAddr>) -> String {
+    endpoints.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+fn check_dnat(flow: &FlowCheck) -> Result<String, String> {
+    let expected = &flow.expect.endpoints;
+    let mut hits: BTreeMap<SocketAddr, usize> = BTreeMap::new();
+    // A pod reaching its own service with other endpoints besides itself: upstream reports
+    // masquerade for the flow because of the branch to itself; the other branches are not
+    // determined by the expectation.
+    let hairpin_flow = expected.iter().any(|endpoint| endpoint.ip() == flow.source);
+    let mut connections = 0;
+    while connections < DNAT_MAX_CONNECTIONS {
+        let attempt = attempt(flow.protocol, flow.source, flow.dest, ANSWER_TIMEOUT);
+        let Attempt::Answered { answer, client, replied_from } = attempt else {
+            return Err(format!("connection {}: {}", connections + 1, attempt.describe()));
+        };
+        connections += 1;
+        let Ok(backend) = answer.backend.parse::<SocketAddr>() else {
+            return Err(format!("not DNATed: answered by {}", answer.backend));
+        };
+        if !expected.contains(&backend) {
+            return Err(format!("DNATed to {backend}, not one of [{}]", endpoint_list(expected)));
+        }
+        if replied_from != flow.dest {
+            return Err(format!("the reply from {backend} came from {replied_from}, not {}", flow.dest));
+        }
+        let observed = answer.observed_client;
+        let to_itself = backend.ip() == flow.source;
+        if to_itself || (flow.expect.masquerade && !hairpin_flow) {
+            if !flow.node_addresses.contains(&observed.ip()) {
+                return Err(format!("not masqueraded: {backend} saw the client as {observed}"));
+            }
+        } else if !flow.expect.masquerade && observed != client {
+            let how = if flow.node_addresses.contains(&observed.ip()) { "masqueraded: " } else { "" };
+            return Err(format!("{how}{backend} saw the client as {observed}, not {client}"));
+        }
+        *hits.entry(backend).or_default() += 1;
+        let covered = flow.affinity || hits.len() == expected.len();
+        if connections >= DNAT_MIN_CONNECTIONS && covered {
+            break;
+        }
+    }
+    let spread =
+        hits.iter().map(|(backend, count)| format!("{backend}×{count}")).collect::<Vec<_>>().join(" ");
+    if flow.affinity {
+        if hits.len() != 1 {
+            return Err(format!("session affinity broken: {spread}"));
+        }
+    } else if hits.len() != expected.len() {
+        let missed: BTreeSet<_> = expected.iter().filter(|endpoint| !hits.contains_key(endpoint)).collect();
+        let missed = missed.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+        return Err(format!("{missed} never chosen in {connections} connections ({spread})"));
+    }
+    Ok(format!("{connections} connections: {spread}"))
+}
+
+fn check_reject(flow: &FlowCheck) -> Result<String, String> {
+    for _ in 0..REPEATS {
+        match attempt(flow.protocol, flow.source, flow.dest, REJECT_TIMEOUT) {
+            Attempt::Refused => {}
+            Attempt::TimedOut => {
+                return Err(format!("no answer within {REJECT_TIMEOUT:?}: dropped, not rejected"))
+            }
+            other => return Err(format!("not rejected: {}", other.describe())),
+        }
+    }
+    Ok("refused".to_owned())
+}
+
+fn check_drop(flow: &FlowCheck) -> Result<String, String> {
+    match attempt(flow.protocol, flow.source, flow.dest, DROP_TIMEOUT) {
+        Attempt::TimedOut => Ok(format!("no answer within {DROP_TIMEOUT:?}")),
+        other => Err(format!("not dropped: {}", other.describe())),
+    }
+}
+
+fn check_pass(flow: &FlowCheck) -> Result<String, String> {
+    let Some(listener) = &flow.listener_at_dest else {
+        return Err(format!("testbed: no socket listens on {}", flow.dest));
+    };
+    for _ in 0..REPEATS {
+        match attempt(flow.protocol, flow.source, flow.dest, ANSWER_TIMEOUT) {
+            Attempt::Answered { answer, client, replied_from } => {
+                if answer.backend != *listener {
+                    return Err(format!("intercepted: answered by {} instead of {listener}", answer.backend));
+                }
+                if answer.observed_client != client || replied_from != flow.dest {
+                    return Err(format!(
+                        "rewritten: {listener} saw {} (client {client}), reply from {replied_from}",
+                        answer.observed_client
+                    ));
+                }
+            }
+            other => return Err(format!("did not reach {listener}: {}", other.describe())),
+        }
+    }
+    Ok(format!("reached {listener} unchanged"))
+}
+
+/// Before vipr runs: what ordinary routing does with a flow that must be DROPped. If that is
+/// silence too, a drop cannot be observed.
+pub fn drop_control(flow: &FlowCheck) -> Result<(), String> {
+    match attempt(flow.protocol, flow.source, flow.dest, DROP_TIMEOUT) {
+        Attempt::TimedOut => {
+            Err("testbed: even without vipr this packet gets no answer, so a drop cannot be seen".into())
+        }
+        _ => Ok(()),
+    }
+}

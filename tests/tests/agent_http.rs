@@ -1,0 +1,409 @@
+//! kube-proxy's HTTP endpoints, answered by the real vipr binary running in a network-namespace
+//! lab and asked with real HTTP requests, as a kubelet probe, Prometheus or a cloud load
+//! balancer would: `/healthz` and `/livez` on 10256, `/metrics` and `/proxyMode` on 10249, and
+//! a service's health-check node port. Needs root and a built vipr (`cargo build -p
+//! proxy-userspace`, or VIPR_BIN).
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
+    time::{Duration, Instant, SystemTime},
+};
+
+use anyhow::{bail, Context as _, Result};
+use aya::maps::{HashMap, Map, MapData, MapInfo};
+use proxy_common::{pins, proto, Service, ServiceKey4};
+use serde_json::Value;
+use testbed::{
+    locate_vipr, manifest, wait_for, write_atomically, Check, ClusterIpService, Endpoint, Lab, LabConfig,
+    LeafSpec, Netns, Protocol, ServicePort, Vipr,
+};
+
+/// vipr's default `--healthz-bind-address` (0.0.0.0:10256), seen from inside the node.
+const HEALTHZ: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10256);
+/// vipr's default `--metrics-bind-address`.
+const METRICS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
+/// Bound on connecting and on a whole request.
+const TIMEOUT: Duration = Duration::from_secs(5);
+/// How long vipr may take to notice and answer a change.
+const SETTLE: Duration = Duration::from_secs(20);
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
+const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 20, 1, 2);
+const OTHER_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 20, 2, 2);
+
+fn service(name: &str, last_octet: u8, endpoints: &[Ipv4Addr]) -> ClusterIpService {
+    ClusterIpService {
+        namespace: "default".to_owned(),
+        name: name.to_owned(),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, last_octet),
+        ports: vec![ServicePort {
+            name: "http".to_owned(),
+            protocol: Protocol::Tcp,
+            port: 80,
+            target_port: 8080,
+        }],
+        endpoints: endpoints.iter().map(|addr| Endpoint::ready(*addr, "pod")).collect(),
+    }
+}
+
+fn web(endpoints: &[Ipv4Addr]) -> ClusterIpService {
+    service("web", 10, endpoints)
+}
+
+fn lab(label: &str) -> Lab {
+    Lab::new(LabConfig {
+        label: label.to_owned(),
+        vipr_binary: locate_vipr().unwrap(),
+        client: LeafSpec::in_own_slash24("client", CLIENT).unwrap(),
+        backends: vec![
+            LeafSpec::in_own_slash24("b1", BACKEND).unwrap(),
+            LeafSpec::in_own_slash24("b2", OTHER_BACKEND).unwrap(),
+        ],
+        services: vec![web(&[BACKEND, OTHER_BACKEND])],
+    })
+    .unwrap()
+}
+
+/// Starts vipr in the lab's node with kube-proxy flags of the test's choosing besides the
+/// lab's own (the lab's `start_vipr` passes a fixed set).
+fn start_vipr(lab: &Lab, flags: &[&str]) -> Vipr {
+    let mut args = vec![
+        "--proxy-mode=ebpf".to_owned(),
+        format!("--services-file={}", lab.services_file().display()),
+        format!("--hostname-override={}", lab.node().name()),
+        format!("--devices={}", lab.topology().node_interfaces().join(",")),
+        format!("--bpf-root={}", lab.bpf_root().display()),
+        "--v=4".to_owned(),
+    ];
+    args.extend(flags.iter().map(|flag| (*flag).to_owned()));
+    let log = lab.services_file().with_file_name("vipr.log");
+    Vipr::start_with_args(&locate_vipr().unwrap(), lab.node(), &args, &log).unwrap()
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    content_type: String,
+    body: String,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|error| panic!("{error}: {:?}", self.body))
+    }
+
+    /// The value of the unlabelled sample `name` (or `name{labels}`) in a Prometheus text body.
+    fn metric(&self, name: &str) -> Option<f64> {
+        self.body.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+    }
+}
+
+/// `GET path` on `address`, connecting from inside `netns`.
+fn get(netns: &Netns, address: SocketAddr, path: &str) -> Result<Answer> {
+    let mut stream = netns.run(|| Ok(TcpStream::connect_timeout(&address, TIMEOUT)?))?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    // HTTP/1.0: the server closes after answering and never chunks the body.
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw)?;
+    let (head, body) = raw.split_once("\r\n\r\n").with_context(|| format!("no header end in {raw:?}"))?;
+    let status =
+        head.split(' ').nth(1).and_then(|code| code.parse().ok()).with_context(|| format!("{head:?}"))?;
+    let content_type = head
+        .lines()
+        .find_map(|line| {
+            let (field, value) = line.split_once(':')?;
+            field.eq_ignore_ascii_case("content-type").then(|| value.trim().to_owned())
+        })
+        .unwrap_or_default();
+    Ok(Answer { status, content_type, body: body.to_owned() })
+}
+
+/// Polls `GET path` until `done` accepts the answer.
+fn wait_for_answer(
+    agent: &mut Vipr,
+    netns: &Netns,
+    address: SocketAddr,
+    path: &str,
+    what: &str,
+    done: impl Fn(&Answer) -> bool,
+) -> Answer {
+    wait_for(what, SETTLE, || {
+        agent.ensure_running()?;
+        Ok(match get(netns, address, path) {
+            Ok(answer) if done(&answer) => Check::Done(answer),
+            Ok(answer) => Check::NotYet(format!("{answer:?}")),
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    })
+    .unwrap()
+}
+
+/// A time as Go's `time.Time.String()` prints it, which kube-proxy's health answers carry.
+fn is_go_time(text: &str) -> bool {
+    let parts: Vec<&str> = text.split(' ').collect();
+    matches!(parts.as_slice(), [date, time, "+0000", "UTC", monotonic]
+        if date.len() == 10 && time.len() >= 8 && monotonic.starts_with("m=+"))
+}
+
+/// Seconds since the epoch of a time in Go's `time.Time.String()` format.
+fn go_time_seconds(value: &Value) -> f64 {
+    let text = value.as_str().unwrap_or_default();
+    let wall = text.split(" UTC").next().unwrap_or_default();
+    let time = jiff::Timestamp::strptime("%Y-%m-%d %H:%M:%S%.f %z", wall)
+        .unwrap_or_else(|error| panic!("{text:?} is no Go time: {error}"));
+    time.as_millisecond() as f64 / 1000.0
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+#[test]
+fn health_metrics_and_proxy_mode_answer_as_kube_proxy_does() {
+    let mut lab = lab("http-answers");
+    let started = unix_now();
+    let mut agent = start_vipr(&lab, &[]);
+    lab.wait_programmed().unwrap();
+    let node = lab.node();
+    let healthz =
+        wait_for_answer(&mut agent, node, HEALTHZ, "/healthz", "/healthz", |answer| answer.status == 200);
+    assert_eq!(healthz.content_type, "application/json");
+    let body = healthz.json();
+    assert_eq!(body.as_object().unwrap().len(), 3, "{body}");
+    assert_eq!(body["nodeEligible"], true);
+    // Healthy: lastUpdated is reported as the current time, as kube-proxy does.
+    assert_eq!(body["lastUpdated"], body["currentTime"]);
+    assert!(is_go_time(body["currentTime"].as_str().unwrap()), "{body}");
+
+    let livez = get(node, HEALTHZ, "/livez").unwrap();
+    assert_eq!(livez.status, 200);
+    let body = livez.json();
+    assert_eq!(body.as_object().unwrap().keys().collect::<Vec<_>>(), ["currentTime", "lastUpdated"]);
+
+    let mode = get(node, METRICS, "/proxyMode").unwrap();
+    assert_eq!((mode.status, mode.body.as_str()), (200, "ebpf"));
+
+    let metrics = get(node, METRICS, "/metrics").unwrap();
+    assert_eq!(metrics.status, 200);
+    assert!(metrics.content_type.starts_with("text/plain; version=0.0.4"), "{}", metrics.content_type);
+    for family in [
+        "kubeproxy_sync_proxy_rules_duration_seconds",
+        "kubeproxy_network_programming_duration_seconds",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_sync_proxy_rules_service_changes_total",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+        "vipr_rejected_objects",
+        "vipr_sync_failures_total",
+        "vipr_sync_frontend_errors_total",
+    ] {
+        assert!(metrics.body.contains(&format!("# TYPE {family} ")), "no {family} in\n{}", metrics.body);
+    }
+    assert!(metrics.metric("kubeproxy_sync_proxy_rules_duration_seconds_count").unwrap() >= 1.0);
+    let last_sync = metrics.metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds").unwrap();
+    assert!(
+        (started..=unix_now()).contains(&last_sync),
+        "last sync at {last_sync}, test started at {started}"
+    );
+    assert_eq!(metrics.metric("kubeproxy_sync_proxy_rules_service_changes_total"), Some(1.0));
+    assert_eq!(metrics.metric("kubeproxy_sync_proxy_rules_endpoint_changes_total"), Some(1.0));
+    assert_eq!(metrics.metric("vipr_rejected_objects"), Some(0.0));
+    assert_eq!(metrics.metric("vipr_sync_failures_total"), Some(0.0));
+    assert!(metrics.metric("kubeproxy_proxy_healthz_total{code=\"200\"}").unwrap() >= 1.0);
+
+    // One endpoint goes: one EndpointSlice change, no Service change, one more sync.
+    let syncs = metrics.metric("kubeproxy_sync_proxy_rules_duration_seconds_count").unwrap();
+    lab.set_services(vec![web(&[BACKEND])]).unwrap();
+    lab.wait_programmed().unwrap();
+    let node = lab.node();
+    let metrics =
+        wait_for_answer(&mut agent, node, METRICS, "/metrics", "the endpoint change to be counted", |m| {
+            m.metric("kubeproxy_sync_proxy_rules_endpoint_changes_total") == Some(2.0)
+                && m.metric("kubeproxy_sync_proxy_rules_endpoint_changes_pending") == Some(0.0)
+        });
+    assert_eq!(metrics.metric("kubeproxy_sync_proxy_rules_service_changes_total"), Some(1.0));
+    assert!(metrics.metric("kubeproxy_sync_proxy_rules_duration_seconds_count").unwrap() > syncs);
+
+    // The metrics server listens on the node's loopback only, as kube-proxy's default.
+    let outside = SocketAddr::from((Ipv4Addr::new(10, 10, 0, 1), METRICS.port()));
+    assert!(get(lab.client(), outside, "/metrics").is_err(), "metrics reachable from outside the node");
+}
+
+/// vipr's services map filled to capacity with entries for addresses nobody uses, as on a
+/// node with more frontends than the map holds: the kernel then refuses every new frontend
+/// (E2BIG) while existing ones keep working. Not a test hook: it is the real failure an
+/// operator would meet, and vipr cannot tell it from one.
+struct FullServicesMap {
+    map: HashMap<MapData, ServiceKey4, Service>,
+    filler: Vec<ServiceKey4>,
+}
+
+impl FullServicesMap {
+    fn fill(lab: &Lab) -> Result<Self> {
+        let path = lab.maps().path(pins::SERVICES4);
+        let capacity = MapInfo::from_pin(&path)?.max_entries();
+        let mut map: HashMap<MapData, ServiceKey4, Service> =
+            HashMap::try_from(Map::HashMap(MapData::from_pin(&path)?))?;
+        let used = map.keys().count() as u32;
+        // 198.18.0.0/15 is reserved for benchmarks: no service of the test lives there.
+        let filler: Vec<ServiceKey4> = (0..capacity - used)
+            .map(|n| ServiceKey4 {
+                addr: [198, 18, (n >> 16) as u8, (n >> 8) as u8],
+                port: 1 + (n & 0xff) as u16,
+                proto: proto::TCP,
+                ..ServiceKey4::default()
+            })
+            .collect();
+        for key in &filler {
+            map.insert(key, Service::default(), 0).context("cannot fill the services map")?;
+        }
+        let overflow =
+            ServiceKey4 { addr: [198, 19, 255, 255], port: 1, proto: proto::TCP, ..ServiceKey4::default() };
+        if map.insert(overflow, Service::default(), 0).is_ok() {
+            bail!("the services map took more than its {capacity} entries");
+        }
+        Ok(Self { map, filler })
+    }
+
+    fn drain(mut self) -> Result<()> {
+        for key in &self.filler {
+            self.map.remove(key)?;
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn healthz_turns_unhealthy_while_a_change_cannot_be_programmed_and_healthy_after() {
+    let mut lab = lab("http-stall");
+    // kube-proxy's timeout is twice the sync period: 4 s here.
+    let mut agent = start_vipr(&lab, &["--sync-period=2s"]);
+    lab.wait_programmed().unwrap();
+    wait_for_answer(&mut agent, lab.node(), HEALTHZ, "/healthz", "/healthz", |answer| answer.status == 200);
+    assert_eq!(get(lab.node(), HEALTHZ, "/livez").unwrap().status, 200);
+
+    let full = FullServicesMap::fill(&lab).unwrap();
+    let changed = Instant::now();
+    lab.set_services(vec![web(&[BACKEND, OTHER_BACKEND]), service("api", 11, &[BACKEND])]).unwrap();
+    let node = lab.node();
+    std::thread::sleep(Duration::from_millis(1000));
+    let pending = get(node, HEALTHZ, "/healthz").unwrap();
+    assert_eq!(pending.status, 200, "a change pending for less than the timeout is not unhealthy yet");
+
+    let stalled =
+        wait_for_answer(&mut agent, node, HEALTHZ, "/healthz", "/healthz to turn 503", |a| a.status == 503);
+    let waited = changed.elapsed();
+    assert!(waited >= Duration::from_millis(3500), "unhealthy after {waited:?}, before the 4 s timeout");
+    let body = stalled.json();
+    assert_eq!(body["nodeEligible"], true);
+    // Unhealthy: lastUpdated is the last successful sync, from before the change.
+    let since_last_sync = go_time_seconds(&body["currentTime"]) - go_time_seconds(&body["lastUpdated"]);
+    assert!(since_last_sync >= 3.5, "{body}");
+    assert_eq!(get(node, HEALTHZ, "/livez").unwrap().status, 503);
+    let metrics = get(node, METRICS, "/metrics").unwrap();
+    assert!(metrics.metric("vipr_sync_failures_total").unwrap() >= 1.0, "{}", metrics.body);
+    assert!(metrics.metric("kubeproxy_sync_proxy_rules_service_changes_pending").unwrap() >= 1.0);
+    assert!(metrics.metric("kubeproxy_proxy_healthz_total{code=\"503\"}").unwrap() >= 1.0);
+
+    // Room again: the next retry programs the change and the proxy is healthy.
+    full.drain().unwrap();
+    lab.wait_programmed().unwrap();
+    wait_for_answer(&mut agent, lab.node(), HEALTHZ, "/healthz", "/healthz to recover", |answer| {
+        answer.status == 200
+    });
+    assert_eq!(get(lab.node(), HEALTHZ, "/livez").unwrap().status, 200);
+}
+
+/// An RFC 3339 time, as the EndpointSlice controller writes its trigger-time annotation.
+fn rfc3339(time: SystemTime) -> String {
+    jiff::Timestamp::try_from(time).unwrap().to_string()
+}
+
+/// A LoadBalancer service with `externalTrafficPolicy: Local` and a health-check node port,
+/// whose slice lists `local` on this node (ready or not) and another endpoint elsewhere.
+fn local_load_balancer(lab: &Lab, local_ready: bool) -> String {
+    let node = lab.node().name();
+    let trigger_time = rfc3339(SystemTime::now());
+    format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: lb, namespace: default}}
+spec:
+  type: LoadBalancer
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 31999
+  clusterIP: 10.96.0.20
+  clusterIPs: [10.96.0.20]
+  ports: [{{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: 31080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: lb-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: lb}}
+  annotations: {{endpoints.kubernetes.io/last-change-trigger-time: \"{trigger_time}\"}}
+addressType: IPv4
+ports: [{{name: http, protocol: TCP, port: 8080}}]
+endpoints:
+- addresses: [{BACKEND}]
+  nodeName: {node}
+  conditions: {{ready: {local_ready}}}
+- addresses: [{OTHER_BACKEND}]
+  nodeName: elsewhere
+  conditions: {{ready: true}}
+"
+    )
+}
+
+#[test]
+fn health_check_node_port_answers_with_the_local_endpoints() {
+    let mut lab = lab("http-hcnp");
+    let mut agent = start_vipr(&lab, &["--nodeport-addresses=10.10.0.0/24"]);
+    lab.wait_programmed().unwrap();
+    let services = |local_ready| {
+        format!("{}---\n{}", manifest::render(lab.services()), local_load_balancer(&lab, local_ready))
+    };
+    write_atomically(lab.services_file(), &services(true)).unwrap();
+
+    // Asked as a cloud load balancer would: on the node's address, from outside the node.
+    // (Health checks listen on the --nodeport-addresses, the client link's here.)
+    let health_check = SocketAddr::from((Ipv4Addr::new(10, 10, 0, 1), 31999));
+    let client = lab.client();
+    let healthy = wait_for_answer(&mut agent, client, health_check, "/", "the health check to pass", |a| {
+        a.status == 200
+    });
+    assert_eq!(healthy.content_type, "application/json");
+    assert_eq!(
+        healthy.json(),
+        serde_json::json!({
+            "service": {"namespace": "default", "name": "lb"},
+            "localEndpoints": 1,
+            "serviceProxyHealthy": true
+        })
+    );
+    let metrics = get(lab.node(), METRICS, "/metrics").unwrap();
+    assert!(
+        metrics.metric("kubeproxy_network_programming_duration_seconds_count").unwrap() >= 1.0,
+        "the slice's trigger time was not measured:\n{}",
+        metrics.body
+    );
+
+    write_atomically(lab.services_file(), &services(false)).unwrap();
+    let failing = wait_for_answer(&mut agent, client, health_check, "/", "the health check to fail", |a| {
+        a.status == 503
+    });
+    assert_eq!(failing.json()["localEndpoints"], 0);
+
+    write_atomically(lab.services_file(), &manifest::render(lab.services())).unwrap();
+    wait_for("the health check port to close", SETTLE, || {
+        agent.ensure_running()?;
+        Ok(match get(client, health_check, "/") {
+            Err(_) => Check::Done(()),
+            Ok(answer) => Check::NotYet(format!("{answer:?}")),
+        })
+    })
+    .unwrap();
+}
