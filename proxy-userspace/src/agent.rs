@@ -309,8 +309,8 @@ impl<'a> Agent<'a> {
             cluster_cidrs: self.settings.cluster_cidrs.clone(),
             masquerade_all: self.settings.masquerade_all,
             node_port_cidrs: node::node_port_cidrs(&self.settings.node_port_addresses, &facts),
-            // Service CIDRs come from ServiceCIDR objects, which no source delivers yet.
-            service_cidrs: Vec::new(),
+            // kube-proxy takes them from ServiceCIDR objects, which no source delivers yet.
+            service_cidrs: self.settings.service_cidrs.clone(),
         };
         NodeContext::resolve(&facts, &proxy_settings)
     }

@@ -8,7 +8,7 @@ use std::{path::PathBuf, time::Duration};
 use clap::{error::ErrorKind, Arg, ArgAction, CommandFactory as _, FromArgMatches as _, Parser, ValueEnum};
 
 use crate::config::{
-    parse_go_duration, BindAddress, ClusterCidrs, NodePortAddress, DEFAULT_HEALTHZ_BIND_ADDRESS,
+    parse_go_duration, BindAddress, CidrPair, NodePortAddress, DEFAULT_HEALTHZ_BIND_ADDRESS,
     DEFAULT_METRICS_BIND_ADDRESS,
 };
 
@@ -72,7 +72,13 @@ pub struct Args {
     /// The pods' CIDR (or a comma-separated IPv4,IPv6 pair): traffic from inside it is pod
     /// traffic, the rest is masqueraded toward cluster IPs.
     #[arg(long, alias = "cluster-cidrs", value_name = "CIDR[,CIDR]")]
-    pub cluster_cidr: Option<ClusterCidrs>,
+    pub cluster_cidr: Option<CidrPair>,
+
+    /// The service IP range (or a comma-separated IPv4,IPv6 pair): a connection to an address
+    /// inside it that is no service's cluster IP is dropped, as kube-proxy's nftables mode
+    /// does with the ranges of the cluster's ServiceCIDR objects.
+    #[arg(long, value_name = "CIDR[,CIDR]")]
+    pub service_cluster_ip_range: Option<CidrPair>,
 
     /// SNAT all traffic sent to service cluster IPs [default: false].
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]

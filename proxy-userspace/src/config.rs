@@ -140,6 +140,8 @@ pub struct Settings {
     /// `--cluster-cidr`: the pods' ranges (one, or a dual-stack pair), which tell pod traffic
     /// from other traffic for masquerading. Carried to the model's `NodeContext`.
     pub cluster_cidrs: Vec<IpNet>,
+    /// `--service-cluster-ip-range`: addresses inside that are no cluster IP are dropped.
+    pub service_cidrs: Vec<IpNet>,
     /// `--masquerade-all`: SNAT all traffic to cluster IPs. Carried to the model's
     /// `NodeContext`.
     pub masquerade_all: bool,
@@ -240,12 +242,12 @@ impl Settings {
         let cluster_cidrs = match &args.cluster_cidr {
             Some(cidrs) => cidrs.0.clone(),
             None => match file.cluster_cidr.as_deref().filter(|text| !text.trim().is_empty()) {
-                Some(text) => {
-                    text.parse::<ClusterCidrs>().map_err(|error| file.invalid("clusterCIDR", error))?.0
-                }
+                Some(text) => text.parse::<CidrPair>().map_err(|error| file.invalid("clusterCIDR", error))?.0,
                 None => Vec::new(),
             },
         };
+        let service_cidrs =
+            args.service_cluster_ip_range.as_ref().map(|cidrs| cidrs.0.clone()).unwrap_or_default();
         let masquerade_all = args.masquerade_all.or(mode_section.masquerade_all).unwrap_or(false);
         let node_port_addresses = match &args.nodeport_addresses {
             Some(addresses) => addresses.clone(),
@@ -281,6 +283,7 @@ impl Settings {
             min_sync_period,
             sync_period,
             cluster_cidrs,
+            service_cidrs,
             masquerade_all,
             node_port_addresses,
             log_level,
@@ -489,11 +492,12 @@ fn non_zero_leaves(value: &serde_yaml::Value, path: &str, out: &mut Vec<String>)
     }
 }
 
-/// `--cluster-cidr`: one CIDR, or a comma-separated dual-stack pair.
+/// `--cluster-cidr`, `--service-cluster-ip-range`: one CIDR, or a comma-separated dual-stack
+/// pair.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClusterCidrs(pub Vec<IpNet>);
+pub struct CidrPair(pub Vec<IpNet>);
 
-impl FromStr for ClusterCidrs {
+impl FromStr for CidrPair {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
@@ -634,10 +638,10 @@ mod tests {
 
     #[test]
     fn cluster_cidrs_are_one_or_a_dual_stack_pair() {
-        assert_eq!("10.244.0.0/16".parse::<ClusterCidrs>().unwrap().0.len(), 1);
-        assert_eq!("10.244.0.0/16, fd00::/48".parse::<ClusterCidrs>().unwrap().0.len(), 2);
-        assert!("10.244.0.0/16,10.245.0.0/16".parse::<ClusterCidrs>().is_err());
-        assert!("10.244.0.0".parse::<ClusterCidrs>().is_err());
+        assert_eq!("10.244.0.0/16".parse::<CidrPair>().unwrap().0.len(), 1);
+        assert_eq!("10.244.0.0/16, fd00::/48".parse::<CidrPair>().unwrap().0.len(), 2);
+        assert!("10.244.0.0/16,10.245.0.0/16".parse::<CidrPair>().is_err());
+        assert!("10.244.0.0".parse::<CidrPair>().is_err());
     }
 
     #[test]
