@@ -53,6 +53,8 @@ pub mod runner;
 const FILE_POLL_INTERVAL: Duration = Duration::from_millis(200);
 /// The longest the loop sleeps, so that it notices signals.
 const TICK: Duration = Duration::from_millis(100);
+/// How often the node's interfaces are listed when vipr serves all of them (no --devices).
+const DEVICE_POLL_INTERVAL: Duration = Duration::from_secs(1);
 
 /// One kind of API object vipr's ServiceAccount needs access to, and how.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +122,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
 
     info!(node = settings.node_name, mode = dataplane.mode(), "vipr running");
     let mut agent = Agent::new(settings, health, metrics);
+    let mut devices_checked = Instant::now();
     while !terminate.load(Ordering::Relaxed) {
         let wait = agent.runner.time_until_due(Instant::now()).map_or(TICK, |until_due| until_due.min(TICK));
         match events.recv_timeout(wait) {
@@ -130,6 +133,18 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         }
         if agent.runner.is_due(Instant::now()) {
             agent.sync(&mut dataplane);
+        }
+        if settings.devices.is_empty() && devices_checked.elapsed() >= DEVICE_POLL_INTERVAL {
+            // New pods bring new veths; their traffic must be balanced from their first packet.
+            devices_checked = Instant::now();
+            match node::devices(&[]) {
+                Ok(devices) => {
+                    if let Err(error) = dataplane.serve_devices(&devices) {
+                        warn!("cannot follow the node's devices: {error:#}");
+                    }
+                }
+                Err(error) => warn!("cannot list network devices: {error}"),
+            }
         }
     }
     drop(stop_source);

@@ -131,15 +131,30 @@ impl Lab {
         self.vipr.as_ref()
     }
 
-    /// Starts vipr in the node namespace on all of the node's interfaces.
+    /// Starts vipr in the node namespace on all of the node's interfaces, listed by name.
     pub fn start_vipr(&mut self) -> Result<&Vipr> {
+        self.start_vipr_on(self.topology.node_interfaces())
+    }
+
+    /// Starts vipr in the node namespace without `--devices`: it serves every interface,
+    /// including those created later.
+    pub fn start_vipr_on_all_devices(&mut self) -> Result<&Vipr> {
+        self.start_vipr_on(Vec::new())
+    }
+
+    /// Connects one more leaf to the node, e.g. a pod that appears while vipr runs.
+    pub fn add_leaf(&mut self, spec: LeafSpec) -> Result<&Netns> {
+        Ok(&self.topology.add_leaf(spec)?.netns)
+    }
+
+    fn start_vipr_on(&mut self, devices: Vec<String>) -> Result<&Vipr> {
         if self.vipr.is_some() {
             bail!("vipr is running already");
         }
         let config = ViprConfig {
             services_file: self.services_file.clone(),
             node_name: self.node().name().to_owned(),
-            devices: self.topology.node_interfaces(),
+            devices,
             bpf_root: self.bpf_root().to_owned(),
             verbose: true,
         };

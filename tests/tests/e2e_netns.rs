@@ -59,22 +59,26 @@ fn dns() -> Frontend {
 
 /// A lab serving `web` from b1..b3, with vipr started and the service programmed.
 fn running_lab(label: &str) -> Lab {
+    let mut lab = lab(label);
+    lab.start_vipr().unwrap();
+    lab.wait_programmed().unwrap();
+    lab
+}
+
+fn lab(label: &str) -> Lab {
     let backends = ENDPOINTS
         .iter()
         .chain([&DECOY])
         .map(|name| LeafSpec::in_own_slash24(name, backend_addr(name)).unwrap())
         .collect();
-    let mut lab = Lab::new(LabConfig {
+    Lab::new(LabConfig {
         label: label.to_owned(),
         vipr_binary: locate_vipr().unwrap(),
         client: LeafSpec::in_own_slash24("client", CLIENT).unwrap(),
         backends,
         services: vec![web_service(&ENDPOINTS)],
     })
-    .unwrap();
-    lab.start_vipr().unwrap();
-    lab.wait_programmed().unwrap();
-    lab
+    .unwrap()
 }
 
 /// `count` new connections (datagrams for UDP) from the client to `frontend`, each checked
@@ -233,4 +237,27 @@ fn cleanup_detaches_the_datapath_and_removes_the_pins() {
     let b1 = SocketAddr::from((backend_addr("b1"), 8080));
     let direct = lab.client().run(|| tcp_exchange(b1, TIMEOUT)).unwrap();
     assert_eq!(direct.answer.backend, "b1");
+}
+
+#[test]
+fn without_devices_an_interface_created_later_is_served_too() {
+    let mut lab = lab("e2e-devices");
+    lab.start_vipr_on_all_devices().unwrap();
+    lab.wait_programmed().unwrap();
+    // A pod that starts after vipr: its first connections must already be balanced.
+    let late_client = Ipv4Addr::new(10, 30, 0, 2);
+    let late = lab.add_leaf(LeafSpec::in_own_slash24("late", late_client).unwrap()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let exchange = loop {
+        match late.run(|| tcp_exchange(http().socket_addr(), TIMEOUT)) {
+            Ok(exchange) => break exchange,
+            Err(error) if std::time::Instant::now() < deadline => {
+                eprintln!("not served yet: {error:#}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(error) => panic!("the new interface was never served: {error:#}"),
+        }
+    };
+    exchange.verify(http(), late_client).unwrap();
+    assert!(ENDPOINTS.contains(&exchange.answer.backend.as_str()), "{exchange:?}");
 }

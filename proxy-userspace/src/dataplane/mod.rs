@@ -44,4 +44,10 @@ pub trait Dataplane {
     /// implements now. An error means nothing could be applied; partial failures are in the
     /// report.
     fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport>;
+
+    /// The node's interfaces changed (a pod's veth came or went): serve exactly `devices`
+    /// from now on. Dataplanes that do not attach to devices ignore it.
+    fn serve_devices(&mut self, _devices: &[String]) -> anyhow::Result<()> {
+        Ok(())
+    }
 }

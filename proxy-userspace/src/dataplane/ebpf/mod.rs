@@ -39,9 +39,10 @@ pub struct EbpfOptions {
 }
 
 pub struct EbpfDataplane {
-    // Holds the loaded program; the pinned links keep it attached either way, but keeping it
-    // avoids reloading on every sync.
-    _ebpf: Ebpf,
+    /// Holds the loaded program, to attach it to devices that appear later.
+    ebpf: Ebpf,
+    pin_dir: PinDir,
+    devices: Vec<String>,
     services: HashMap<MapData, ServiceKey4, Service>,
     backends: HashMap<MapData, BackendSlot, Backend4>,
     programmed: Programmed,
@@ -94,7 +95,9 @@ impl EbpfDataplane {
             pod_cidrs: Mirrored::adopt(take_map(&mut ebpf, pins::POD_CIDRS4)?),
             unmatched: Mirrored::adopt(take_map(&mut ebpf, pins::UNMATCHED4)?),
             source_ranges: Mirrored::adopt(take_map(&mut ebpf, pins::SOURCE_RANGES4)?),
-            _ebpf: ebpf,
+            ebpf,
+            pin_dir,
+            devices: options.devices.clone(),
             services,
             backends,
             set_ids: SetIds::after(&programmed),
@@ -189,6 +192,36 @@ impl EbpfDataplane {
 impl Dataplane for EbpfDataplane {
     fn mode(&self) -> &'static str {
         "ebpf"
+    }
+
+    fn serve_devices(&mut self, devices: &[String]) -> anyhow::Result<()> {
+        if devices == self.devices {
+            return Ok(());
+        }
+        let program: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(pins::TC_INGRESS_PROGRAM)
+            .ok_or_else(|| anyhow!("program {} is missing", pins::TC_INGRESS_PROGRAM))?
+            .try_into()?;
+        let mut served = Vec::with_capacity(devices.len());
+        for device in devices {
+            if self.devices.contains(device) {
+                served.push(device.clone());
+                continue;
+            }
+            // A device can vanish again before we get to it; a failed one is retried with the
+            // next listing.
+            match attach::attach(program, device, &self.pin_dir.link(device)) {
+                Ok(attachment) => {
+                    info!(device, ?attachment, "attached at ingress of a new device");
+                    served.push(device.clone());
+                }
+                Err(error) => warn!(device, "cannot attach to a new device: {error:#}"),
+            }
+        }
+        attach::detach_stale_links(&self.pin_dir, &served)?;
+        self.devices = served;
+        Ok(())
     }
 
     fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
