@@ -96,7 +96,11 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     if devices.is_empty() {
         bail!("no device to attach to: pass --devices=IF[,IF...]");
     }
-    let mut dataplane = EbpfDataplane::start(&EbpfOptions { bpf_root: settings.bpf_root.clone(), devices })?;
+    let mut dataplane = EbpfDataplane::start(&EbpfOptions {
+        bpf_root: settings.bpf_root.clone(),
+        devices,
+        map_sizes: settings.bpf_map_sizes,
+    })?;
 
     let metrics = Arc::new(ProxyMetrics::default());
     // Dataplane counters (per service, per backend) join here as further collectors.

@@ -64,6 +64,21 @@ pub struct Args {
     #[arg(long, value_name = "DIR", default_value = "/sys/fs/bpf")]
     pub bpf_root: PathBuf,
 
+    /// Capacity of the services map: entries are frontends × 3 source classes
+    /// [default: 196608]. A pinned map keeps its size until `--cleanup`.
+    #[arg(long, value_name = "ENTRIES")]
+    pub bpf_services_max: Option<u32>,
+
+    /// Capacity of the backends map: the slots of all distinct backend sets
+    /// [default: 1048576].
+    #[arg(long, value_name = "ENTRIES")]
+    pub bpf_backends_max: Option<u32>,
+
+    /// Capacity of the connection-tracking map, two entries per connection; the least
+    /// recently used connections are forgotten first when it is full [default: 524288].
+    #[arg(long, value_name = "ENTRIES")]
+    pub bpf_flows_max: Option<u32>,
+
     /// Remove everything vipr installed (programs, links, pinned maps under --bpf-root) and
     /// exit.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", action = ArgAction::Set)]

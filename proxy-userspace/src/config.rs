@@ -127,6 +127,7 @@ pub struct Settings {
     /// Interfaces to serve; empty means every interface but loopback.
     pub devices: Vec<String>,
     pub bpf_root: PathBuf,
+    pub bpf_map_sizes: BpfMapSizes,
     pub cleanup: bool,
     /// `/healthz` and `/livez`; `None` disables the server (an empty address, as kube-proxy).
     pub healthz_bind_address: Option<SocketAddr>,
@@ -277,6 +278,7 @@ impl Settings {
             node_name,
             devices: args.devices.iter().map(|d| d.trim().to_owned()).filter(|d| !d.is_empty()).collect(),
             bpf_root: args.bpf_root.clone(),
+            bpf_map_sizes: BpfMapSizes::resolve(args)?,
             cleanup: args.cleanup,
             healthz_bind_address,
             metrics_bind_address,
@@ -288,6 +290,37 @@ impl Settings {
             node_port_addresses,
             log_level,
             ignored_config: file.ignored,
+        })
+    }
+}
+
+/// Capacities of the eBPF dataplane's largest maps (`--bpf-*-max`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BpfMapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub flows: u32,
+}
+
+impl Default for BpfMapSizes {
+    fn default() -> Self {
+        use proxy_common::capacity;
+        Self { services: capacity::SERVICES, backends: capacity::BACKENDS, flows: capacity::FLOWS }
+    }
+}
+
+impl BpfMapSizes {
+    fn resolve(args: &Args) -> anyhow::Result<Self> {
+        let defaults = Self::default();
+        let size = |flag: &str, value: Option<u32>, default: u32| match value {
+            Some(0) => bail!("--{flag} must be greater than 0"),
+            Some(value) => Ok(value),
+            None => Ok(default),
+        };
+        Ok(Self {
+            services: size("bpf-services-max", args.bpf_services_max, defaults.services)?,
+            backends: size("bpf-backends-max", args.bpf_backends_max, defaults.backends)?,
+            flows: size("bpf-flows-max", args.bpf_flows_max, defaults.flows)?,
         })
     }
 }
@@ -607,7 +640,22 @@ pub fn parse_go_duration(text: &str) -> Result<Duration, DurationError> {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser as _;
+
     use super::*;
+
+    #[test]
+    fn bpf_map_sizes_default_to_the_compiled_capacities_and_refuse_zero() {
+        let resolve = |flags: &[&str]| {
+            let args = Args::try_parse_from([&["vipr", "--services-file=/dev/null"], flags].concat()).unwrap();
+            Settings::resolve(&args).map(|settings| settings.bpf_map_sizes)
+        };
+        assert_eq!(resolve(&[]).unwrap(), BpfMapSizes::default());
+        let sizes = resolve(&["--bpf-services-max=1024", "--bpf-flows-max=4096"]).unwrap();
+        assert_eq!((sizes.services, sizes.backends, sizes.flows), (1024, BpfMapSizes::default().backends, 4096));
+        let error = resolve(&["--bpf-backends-max=0"]).unwrap_err().to_string();
+        assert!(error.contains("--bpf-backends-max"), "{error}");
+    }
 
     #[test]
     fn go_durations() {

@@ -21,6 +21,7 @@ use self::{
     plan::{plan, unused_sets, Programmed, SetIds},
 };
 use super::{Dataplane, SyncReport};
+use crate::config::BpfMapSizes;
 use crate::model::DesiredState;
 
 mod attach;
@@ -36,6 +37,7 @@ pub use pin_dir::PinDir;
 pub struct EbpfOptions {
     pub bpf_root: PathBuf,
     pub devices: Vec<String>,
+    pub map_sizes: BpfMapSizes,
 }
 
 pub struct EbpfDataplane {
@@ -52,18 +54,33 @@ pub struct EbpfDataplane {
     pod_cidrs: Mirrored<LpmTrie<MapData, [u8; 4], u8>>,
     unmatched: Mirrored<LpmTrie<MapData, [u8; 4], u8>>,
     source_ranges: Mirrored<LpmTrie<MapData, [u8; 8], u8>>,
+    /// The socket-level load balancer's settings; `None` when it is not attached.
+    host_traffic: Option<HostTraffic>,
 }
 
 impl EbpfDataplane {
     /// Loads the program, reusing pinned maps, attaches it to every device, and reads back
     /// what the maps already hold.
     pub fn start(options: &EbpfOptions) -> anyhow::Result<Self> {
+        Self::start_with(options, &HostTrafficOptions::default())
+    }
+
+    /// [`Self::start`], with the socket-level load balancer of the node's own traffic attached
+    /// where `host` says.
+    pub fn start_with(options: &EbpfOptions, host: &HostTrafficOptions) -> anyhow::Result<Self> {
         let pin_dir = PinDir::new(&options.bpf_root);
         pin_dir.create(&options.bpf_root)?;
-        let mut ebpf = EbpfLoader::new()
-            .default_map_pin_directory(pin_dir.path())
-            .load(crate::EBPF_OBJECT)
-            .context("cannot load vipr's eBPF object (is this a kernel with BPF and BTF?)")?;
+        let sizes = options.map_sizes;
+        let wanted_sizes =
+            [(pins::SERVICES4, sizes.services), (pins::BACKENDS4, sizes.backends), (pins::FLOWS4, sizes.flows)];
+        let mut loader = EbpfLoader::new();
+        loader.default_map_pin_directory(pin_dir.path());
+        for (map, size) in wanted_sizes {
+            loader.map_max_entries(map, size);
+        }
+        let mut ebpf =
+            loader.load(crate::EBPF_OBJECT).context("cannot load vipr's eBPF object (is this a kernel with BPF and BTF?)")?;
+        warn_about_kept_sizes(&ebpf, &wanted_sizes);
 
         let program: &mut SchedClassifier = ebpf
             .program_mut(pins::TC_INGRESS_PROGRAM)
@@ -76,6 +93,7 @@ impl EbpfDataplane {
             info!(device, ?attachment, "attached at ingress");
         }
         attach::detach_stale_links(&pin_dir, &options.devices)?;
+        let host_traffic = HostTraffic::start(&mut ebpf, &pin_dir, host)?;
 
         let services: HashMap<MapData, ServiceKey4, Service> = take_map(&mut ebpf, pins::SERVICES4)?;
         let backends: HashMap<MapData, BackendSlot, Backend4> = take_map(&mut ebpf, pins::BACKENDS4)?;
@@ -103,6 +121,7 @@ impl EbpfDataplane {
             set_ids: SetIds::after(&programmed),
             service_ids,
             programmed,
+            host_traffic,
         })
     }
 
@@ -227,6 +246,9 @@ impl Dataplane for EbpfDataplane {
     fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
         let wanted = encode(state, &mut self.service_ids);
         let mut report = SyncReport { unsupported: wanted.unsupported.clone(), ..SyncReport::default() };
+        if let Some(host_traffic) = &mut self.host_traffic {
+            host_traffic.refresh();
+        }
         // Classification and filtering maps first: a new service entry must never be matched
         // with the previous state's source classes or ranges.
         for (name, (changed, failures)) in [
@@ -250,4 +272,214 @@ fn take_map<M: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
 ) -> anyhow::Result<M> {
     let map = ebpf.take_map(name).ok_or_else(|| anyhow!("map {name} is missing from the object"))?;
     M::try_from(map).with_context(|| format!("map {name} does not have the expected layout"))
+}
+
+/// A pinned map is reused as it is, so a new size only takes effect on a fresh datapath.
+fn warn_about_kept_sizes(ebpf: &Ebpf, wanted: &[(&str, u32)]) {
+    for (name, size) in wanted {
+        let pinned = ebpf.map(name).and_then(|map| aya::maps::MapData::info(map_data(map)?).ok());
+        if let Some(info) = pinned.filter(|info| info.max_entries() != *size) {
+            warn!(
+                map = name,
+                kept = info.max_entries(),
+                requested = size,
+                "the pinned map keeps its size; `vipr --cleanup` and a restart apply the new one"
+            );
+        }
+    }
+}
+
+fn map_data(map: &aya::maps::Map) -> Option<&MapData> {
+    match map {
+        aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) => Some(data),
+        _ => None,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Socket-level load balancing of the node's own traffic (proxy-ebpf/src/sock.rs): cgroup
+// sock_addr programs on the cgroup v2 root, acting only on sockets of this agent's network
+// namespace. See docs/ARCHITECTURE.md, "Traffic from the node itself".
+
+/// Where the socket-level load balancer attaches (vipr's `--cgroup-root`).
+#[derive(Clone, Debug, Default)]
+pub struct HostTrafficOptions {
+    /// The cgroup v2 directory whose processes' sockets are balanced (its descendants'
+    /// included). `None`: the root of the cgroup2 mount in /proc/self/mounts.
+    pub cgroup_root: Option<PathBuf>,
+}
+
+/// The attached hooks' settings map, kept to follow the node's default source address.
+struct HostTraffic {
+    config_map: aya::maps::Array<MapData, proxy_common::SockConfig>,
+    config: proxy_common::SockConfig,
+}
+
+impl HostTraffic {
+    /// Writes the settings (this namespace's cookie first: until then the programs act on no
+    /// socket), loads the four programs and attaches them to the cgroup root, adopting the
+    /// links an earlier agent pinned. Without a cgroup v2 hierarchy the node's own traffic is
+    /// not balanced, which is logged, and any earlier hooks are detached.
+    fn start(ebpf: &mut Ebpf, pin_dir: &PinDir, options: &HostTrafficOptions) -> anyhow::Result<Option<Self>> {
+        use proxy_common::sock;
+
+        let cgroup_root = match &options.cgroup_root {
+            Some(root) => root.clone(),
+            None => match cgroup2_mount().context("cannot read /proc/self/mounts")? {
+                Some(root) => root,
+                None => {
+                    warn!(
+                        "no cgroup2 file system is mounted: connections from the node itself to services are \
+                         not balanced (mount one, or pass --cgroup-root)"
+                    );
+                    attach::detach_stale_cgroup_links(pin_dir, &[])?;
+                    return Ok(None);
+                }
+            },
+        };
+        let mut config_map: aya::maps::Array<MapData, proxy_common::SockConfig> = take_map(ebpf, sock::CONFIG)?;
+        let config = proxy_common::SockConfig {
+            netns_cookie: netns_cookie().context("cannot read this network namespace's cookie (SO_NETNS_COOKIE)")?,
+            default_source4: default_source4(),
+            pad: 0,
+        };
+        config_map.set(0, config, 0).with_context(|| format!("cannot write {}", sock::CONFIG))?;
+        for hook in sock::HOOKS {
+            let program: &mut aya::programs::CgroupSockAddr = ebpf
+                .program_mut(hook.program)
+                .ok_or_else(|| anyhow!("program {} is missing from the object", hook.program))?
+                .try_into()?;
+            program.load().with_context(|| format!("the kernel refused vipr's program {}", hook.program))?;
+            let attachment = attach::attach_cgroup(program, &cgroup_root, &pin_dir.link(hook.link))
+                .with_context(|| format!("cannot attach {} to cgroup {}", hook.program, cgroup_root.display()))?;
+            info!(hook = hook.link, cgroup = %cgroup_root.display(), ?attachment, "attached");
+        }
+        attach::detach_stale_cgroup_links(pin_dir, &sock::HOOKS.map(|hook| hook.link))?;
+        info!(
+            netns_cookie = config.netns_cookie,
+            default_source = %std::net::Ipv4Addr::from(config.default_source4),
+            "balancing the node's own connections at the socket level"
+        );
+        Ok(Some(Self { config_map, config }))
+    }
+
+    /// Follows the node's default source address (for source ranges of unbound sockets).
+    fn refresh(&mut self) {
+        let default_source4 = default_source4();
+        if default_source4 == self.config.default_source4 {
+            return;
+        }
+        let config = proxy_common::SockConfig { default_source4, ..self.config };
+        match self.config_map.set(0, config, 0) {
+            Ok(()) => {
+                info!(default_source = %std::net::Ipv4Addr::from(default_source4), "the node's default source changed");
+                self.config = config;
+            }
+            Err(error) => warn!(%error, "cannot update the socket load balancer's settings"),
+        }
+    }
+}
+
+/// The first cgroup2 mount point in /proc/self/mounts.
+fn cgroup2_mount() -> std::io::Result<Option<PathBuf>> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    Ok(cgroup2_mount_in(&mounts))
+}
+
+fn cgroup2_mount_in(mounts: &str) -> Option<PathBuf> {
+    mounts.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (_source, target, fstype) = (fields.next()?, fields.next()?, fields.next()?);
+        (fstype == "cgroup2").then(|| PathBuf::from(unescape_mount_path(target)))
+    })
+}
+
+/// /proc/mounts writes space, tab, newline and backslash in paths as octal escapes.
+fn unescape_mount_path(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes.get(i + 1..i + 4).filter(|digits| digits.iter().all(|d| (b'0'..=b'7').contains(d)));
+        match (bytes[i], octal) {
+            (b'\\', Some(digits)) => {
+                out.push(digits.iter().fold(0u8, |value, digit| value.wrapping_mul(8) + (digit - b'0')));
+                i += 4;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The cookie of the agent's network namespace: what the programs compare each socket's
+/// namespace with.
+fn netns_cookie() -> std::io::Result<u64> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+
+    // SAFETY: plain system call; the descriptor is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a new descriptor nothing else owns.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `cookie` and `len` are valid for writes of the sizes given.
+    let result = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            std::ptr::from_mut(&mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if result != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
+/// The source address the kernel picks toward the default route (a UDP connect sends
+/// nothing), or 0.0.0.0 without one.
+fn default_source4() -> [u8; 4] {
+    let source = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, 0)).and_then(|socket| {
+        socket.connect((std::net::Ipv4Addr::new(8, 8, 8, 8), 53))?;
+        socket.local_addr()
+    });
+    match source {
+        Ok(std::net::SocketAddr::V4(source)) => source.ip().octets(),
+        Ok(_) => [0; 4],
+        Err(error) => {
+            debug!(%error, "no IPv4 default route: unbound sockets meet source ranges as 0.0.0.0");
+            [0; 4]
+        }
+    }
+}
+
+#[cfg(test)]
+mod host_traffic_tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_cgroup2_mount() {
+        let mounts = "tmpfs /sys/fs/cgroup tmpfs rw 0 0\n\
+                      cgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n\
+                      cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0\n";
+        assert_eq!(cgroup2_mount_in(mounts), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(cgroup2_mount_in("cgroup2 /a\\040b cgroup2 rw 0 0"), Some(PathBuf::from("/a b")));
+        assert_eq!(cgroup2_mount_in("proc /proc proc rw 0 0"), None);
+    }
+
+    #[test]
+    fn reads_this_namespace_cookie() {
+        let cookie = netns_cookie().unwrap();
+        assert_ne!(cookie, 0);
+        assert_eq!(netns_cookie().unwrap(), cookie);
+    }
 }
