@@ -261,3 +261,58 @@ fn without_devices_an_interface_created_later_is_served_too() {
     exchange.verify(http(), late_client).unwrap();
     assert!(ENDPOINTS.contains(&exchange.answer.backend.as_str()), "{exchange:?}");
 }
+
+/// Sends from `socket` to `frontend` and returns the name of the backend that answered.
+fn ask_over(socket: &std::net::UdpSocket, frontend: Frontend) -> anyhow::Result<String> {
+    socket.send_to(b"who are you?", frontend.socket_addr())?;
+    let mut reply = [0u8; 1500];
+    let (len, _) = socket.recv_from(&mut reply)?;
+    Ok(std::str::from_utf8(&reply[..len])?.parse::<testbed::Answer>()?.backend)
+}
+
+#[test]
+fn connections_of_an_endpoint_that_is_gone_are_broken_off_and_udp_moves_on() {
+    let mut lab = running_lab("e2e-gone");
+    // Connections (TCP sessions, UDP sockets with their source port) until some lead to b3.
+    let mut sessions = open_sessions(&lab, 12);
+    while !sessions.iter().any(|session| session.backend == "b3") {
+        assert!(sessions.len() < 120, "no connection ever reached b3");
+        sessions.extend(open_sessions(&lab, 12));
+    }
+    let udp_to_b3 = lab
+        .client()
+        .run(|| {
+            for _ in 0..120 {
+                let socket = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+                socket.set_read_timeout(Some(TIMEOUT))?;
+                if ask_over(&socket, dns())? == "b3" {
+                    return Ok(socket);
+                }
+            }
+            anyhow::bail!("no UDP flow ever reached b3")
+        })
+        .unwrap();
+
+    lab.set_services(vec![web_service(&["b1", "b2"])]).unwrap();
+    wait_until_unmapped(&mut lab, "b3");
+
+    // b3 still runs its servers, so only vipr forgetting its flows can change the answers.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let moved_to = loop {
+        let backend = ask_over(&udp_to_b3, dns()).unwrap();
+        if backend != "b3" {
+            break backend;
+        }
+        assert!(std::time::Instant::now() < deadline, "the UDP flow still reaches b3, which is gone");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!("the UDP flow moved from b3 to {moved_to}");
+    let (mut gone, mut kept): (Vec<Session>, Vec<Session>) =
+        sessions.into_iter().partition(|session| session.backend == "b3");
+    for Session { connection, .. } in &mut gone {
+        let asked = std::time::Instant::now();
+        let error = connection.ask().expect_err("a connection to b3 still works after b3 is gone");
+        assert!(asked.elapsed() < TIMEOUT, "broken off only by a timeout ({error:#}), not actively");
+    }
+    assert_still_served(&mut kept, "after b3 was removed");
+}

@@ -229,6 +229,7 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &Node
     for port in ports {
         let endpoints = endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default();
         state.cluster_ips.extend(port.service.cluster_ips.iter().copied());
+        state.listed_endpoints.extend(endpoints.iter().map(|endpoint| endpoint.backend));
         for (frontend, entry) in frontends(&port, endpoints, node) {
             if let Some(owner) = state.frontends.get(&frontend) {
                 rejected.push(Rejection {

@@ -204,6 +204,11 @@ pub struct DesiredState {
     /// Service IP ranges: a connection to an address inside them that is no cluster IP is
     /// dropped, as kube-proxy's nftables mode does.
     pub service_cidrs: Vec<IpNet>,
+    /// Every endpoint the EndpointSlices still list, whatever its conditions. Connections to
+    /// a terminating endpoint run on until they close (graceful termination); connections to
+    /// an endpoint that is no longer listed at all are to be broken off actively, so their
+    /// clients learn of it at once instead of timing out.
+    pub listed_endpoints: BTreeSet<Backend>,
     pub sources: SourceClassifier,
 }
 

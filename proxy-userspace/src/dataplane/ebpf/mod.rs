@@ -29,6 +29,7 @@ mod encode;
 mod mirror;
 mod pin_dir;
 pub mod plan;
+mod reaper;
 
 pub use attach::Attachment;
 pub use pin_dir::PinDir;
@@ -45,6 +46,9 @@ pub struct EbpfDataplane {
     ebpf: Ebpf,
     pin_dir: PinDir,
     devices: Vec<String>,
+    reaper: reaper::Reaper,
+    /// No sync has run since the agent started.
+    first_sync: bool,
     services: HashMap<MapData, ServiceKey4, Service>,
     backends: HashMap<MapData, BackendSlot, Backend4>,
     programmed: Programmed,
@@ -113,6 +117,8 @@ impl EbpfDataplane {
             pod_cidrs: Mirrored::adopt(take_map(&mut ebpf, pins::POD_CIDRS4)?),
             unmatched: Mirrored::adopt(take_map(&mut ebpf, pins::UNMATCHED4)?),
             source_ranges: Mirrored::adopt(take_map(&mut ebpf, pins::SOURCE_RANGES4)?),
+            reaper: reaper::Reaper::start(pin_dir.path().join(pins::FLOWS4)),
+            first_sync: true,
             ebpf,
             pin_dir,
             devices: options.devices.clone(),
@@ -260,7 +266,13 @@ impl Dataplane for EbpfDataplane {
             report.changed += changed;
             report.failed.extend(failures.into_iter().map(|failure| format!("{name}: {failure}")));
         }
+        self.reaper.keep(&state.listed_endpoints);
         self.sync_services(&wanted.services, &mut report);
+        self.reaper.keep_only(&state.listed_endpoints);
+        if std::mem::take(&mut self.first_sync) {
+            // Endpoints may have gone while no agent ran.
+            self.reaper.request_scan();
+        }
         debug!(%report, "ebpf sync");
         Ok(report)
     }
