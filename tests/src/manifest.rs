@@ -1,24 +1,33 @@
 //! The services file vipr reads: ClusterIP Services and their EndpointSlices.
 //!
 //! [`render`] writes the multi-document YAML that kubectl would show for a
-//! [`ClusterIpService`]; [`parse`] reads such a file back (the demo takes its topology from
-//! one). Only what the testbed needs is modelled: IPv4 ClusterIP services, one target port per
-//! service port, endpoints with a readiness condition.
+//! [`ClusterIpService`]; [`parse`] reads such a file back with vipr's own parser (the demo
+//! takes its topology from one). Only what the testbed needs is modelled: IPv4 ClusterIP
+//! services, one target port per service port, endpoints with a readiness condition.
 
 use std::{
-    collections::BTreeMap,
-    fmt::{self, Write as _},
+    collections::{BTreeMap, BTreeSet},
+    fmt,
     net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    path::Path,
 };
 
-use anyhow::{bail, Context, Result};
-use serde::Deserialize;
+use anyhow::{bail, ensure, Context, Result};
+use vipr::{model::kubernetes::SERVICE_NAME_LABEL, source::file::parse_manifests};
 
-/// The label that ties an EndpointSlice to its Service.
-const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// The Kubernetes API types of the services file, under names that do not clash with the
+/// testbed's own `ServicePort` and `Endpoint`.
+mod k8s {
+    pub use k8s_openapi::{
+        api::{
+            core::v1::{ObjectReference, Service, ServicePort, ServiceSpec},
+            discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+        },
+        apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
+    };
+}
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
-#[serde(rename_all = "UPPERCASE")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Protocol {
     Tcp,
     Udp,
@@ -35,6 +44,15 @@ impl Protocol {
 
     pub fn from_number(number: u8) -> Option<Self> {
         [Self::Tcp, Self::Udp].into_iter().find(|protocol| protocol.number() == number)
+    }
+
+    /// The protocol of a Service or EndpointSlice port; Kubernetes reads an absent one as TCP.
+    fn of_port(protocol: Option<&str>) -> Result<Self> {
+        match protocol.unwrap_or("TCP") {
+            "TCP" => Ok(Self::Tcp),
+            "UDP" => Ok(Self::Udp),
+            other => bail!("protocol {other} is not supported"),
+        }
     }
 }
 
@@ -125,217 +143,173 @@ impl ClusterIpService {
         backends
     }
 
-    fn render_into(&self, yaml: &mut String) -> fmt::Result {
-        let Self { namespace, name, cluster_ip, .. } = self;
-        write!(
-            yaml,
-            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {namespace}\n\
-             spec:\n  type: ClusterIP\n  clusterIP: {cluster_ip}\n  clusterIPs:\n  - {cluster_ip}\n  ports:\n"
-        )?;
-        for port in &self.ports {
-            let ServicePort { name, protocol, port, target_port } = port;
-            write!(
-                yaml,
-                "  - name: {name}\n    protocol: {protocol}\n    port: {port}\n    targetPort: {target_port}\n"
-            )?;
-        }
-        write!(
-            yaml,
-            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-slice\n  \
-             namespace: {namespace}\n  labels:\n    {SERVICE_NAME_LABEL}: {name}\naddressType: IPv4\nports:\n"
-        )?;
-        for port in &self.ports {
-            write!(
-                yaml,
-                "- name: {}\n  protocol: {}\n  port: {}\n",
-                port.name, port.protocol, port.target_port
-            )?;
-        }
-        yaml.push_str(if self.endpoints.is_empty() { "endpoints: []\n" } else { "endpoints:\n" });
-        for endpoint in &self.endpoints {
-            write!(
-                yaml,
-                "- addresses:\n  - {}\n  conditions:\n    ready: {}\n",
-                endpoint.addr, endpoint.ready
-            )?;
-            if let Some(pod) = &endpoint.pod {
-                write!(yaml, "  targetRef:\n    kind: Pod\n    name: {pod}\n    namespace: {namespace}\n")?;
-            }
-        }
-        Ok(())
+    /// The Service and its EndpointSlice, as kubectl would show them.
+    fn objects(&self) -> (k8s::Service, k8s::EndpointSlice) {
+        let metadata = |name: String, labels| k8s::ObjectMeta {
+            name: Some(name),
+            namespace: Some(self.namespace.clone()),
+            labels,
+            ..Default::default()
+        };
+        let cluster_ip = self.cluster_ip.to_string();
+        let service = k8s::Service {
+            metadata: metadata(self.name.clone(), None),
+            spec: Some(k8s::ServiceSpec {
+                type_: Some("ClusterIP".to_owned()),
+                cluster_ip: Some(cluster_ip.clone()),
+                cluster_ips: Some(vec![cluster_ip]),
+                ports: Some(
+                    self.ports
+                        .iter()
+                        .map(|port| k8s::ServicePort {
+                            name: Some(port.name.clone()),
+                            protocol: Some(port.protocol.to_string()),
+                            port: port.port.into(),
+                            target_port: Some(k8s::IntOrString::Int(port.target_port.into())),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            status: None,
+        };
+        let slice = k8s::EndpointSlice {
+            metadata: metadata(
+                format!("{}-slice", self.name),
+                Some(BTreeMap::from([(SERVICE_NAME_LABEL.to_owned(), self.name.clone())])),
+            ),
+            address_type: "IPv4".to_owned(),
+            ports: Some(
+                self.ports
+                    .iter()
+                    .map(|port| k8s::EndpointPort {
+                        name: Some(port.name.clone()),
+                        protocol: Some(port.protocol.to_string()),
+                        port: Some(port.target_port.into()),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            endpoints: self
+                .endpoints
+                .iter()
+                .map(|endpoint| k8s::Endpoint {
+                    addresses: vec![endpoint.addr.to_string()],
+                    conditions: Some(k8s::EndpointConditions {
+                        ready: Some(endpoint.ready),
+                        ..Default::default()
+                    }),
+                    target_ref: endpoint.pod.as_ref().map(|pod| k8s::ObjectReference {
+                        kind: Some("Pod".to_owned()),
+                        name: Some(pod.clone()),
+                        namespace: Some(self.namespace.clone()),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .collect(),
+        };
+        (service, slice)
     }
 }
 
 /// The services file for `services`: each Service followed by its EndpointSlice.
 pub fn render(services: &[ClusterIpService]) -> String {
-    let mut yaml = String::new();
-    for service in services {
-        if !yaml.is_empty() {
-            yaml.push_str("---\n");
-        }
-        service.render_into(&mut yaml).expect("writing to a String cannot fail");
-    }
-    yaml
+    let documents: Vec<String> = services
+        .iter()
+        .flat_map(|service| {
+            let (service, slice) = service.objects();
+            [serde_yaml::to_string(&service), serde_yaml::to_string(&slice)]
+        })
+        .collect::<Result<_, _>>()
+        .expect("Services and EndpointSlices serialize");
+    documents.join("---\n")
 }
 
-/// Reads a services file: ClusterIP Services, joined with the EndpointSlices labelled with
-/// their name; other kinds of document are ignored.
+/// Reads a services file with vipr's own parser: ClusterIP Services, joined with the
+/// EndpointSlices labelled with their name; other kinds of object are ignored. Objects vipr
+/// would reject, and what the testbed cannot represent (IPv6, protocols other than TCP and
+/// UDP, slice ports without a number), are errors.
 pub fn parse(yaml: &str) -> Result<Vec<ClusterIpService>> {
-    let mut services = Vec::new();
-    let mut slices = Vec::new();
-    for document in serde_yaml::Deserializer::from_str(yaml) {
-        let value = serde_yaml::Value::deserialize(document).context("invalid YAML")?;
-        match value.get("kind").and_then(|kind| kind.as_str()) {
-            Some("Service") => {
-                services.push(serde_yaml::from_value::<k8s::Service>(value).context("invalid Service")?)
-            }
-            Some("EndpointSlice") => slices
-                .push(serde_yaml::from_value::<k8s::EndpointSlice>(value).context("invalid EndpointSlice")?),
-            _ => {}
-        }
+    let objects = parse_manifests(Path::new("services file"), yaml)?;
+    if !objects.rejected.is_empty() {
+        let rejected: Vec<String> = objects.rejected.iter().map(ToString::to_string).collect();
+        bail!("{}", rejected.join("; "));
     }
-    services
-        .into_iter()
-        // Headless services (clusterIP None) have no VIP to balance.
-        .filter(|service| matches!(service.spec.cluster_ip.as_deref(), Some(ip) if ip != "None"))
-        .map(|service| join(service, &slices))
+    objects
+        .services
+        .iter()
+        .filter_map(|service| {
+            // Headless services (clusterIP None) have no VIP to balance.
+            let cluster_ip = service.spec.as_ref()?.cluster_ip.as_deref().filter(|&ip| ip != "None")?;
+            Some(join(service, cluster_ip, &objects.slices))
+        })
         .collect()
 }
 
-fn join(service: k8s::Service, slices: &[k8s::EndpointSlice]) -> Result<ClusterIpService> {
-    let k8s::Metadata { name, namespace, .. } = service.metadata;
+fn namespace_of(metadata: &k8s::ObjectMeta) -> &str {
+    metadata.namespace.as_deref().unwrap_or("default")
+}
+
+fn port_number(port: i32) -> Result<u16> {
+    u16::try_from(port).with_context(|| format!("port {port} is out of range"))
+}
+
+fn join(service: &k8s::Service, cluster_ip: &str, slices: &[k8s::EndpointSlice]) -> Result<ClusterIpService> {
+    let name = service.metadata.name.clone().context("a Service has no name")?;
+    let namespace = namespace_of(&service.metadata).to_owned();
+    let cluster_ip: Ipv4Addr =
+        cluster_ip.parse().with_context(|| format!("service {name}: clusterIP {cluster_ip} is not IPv4"))?;
     let slices: Vec<_> = slices
         .iter()
         .filter(|slice| {
-            slice.metadata.namespace == namespace
-                && slice.metadata.labels.get(SERVICE_NAME_LABEL) == Some(&name)
+            namespace_of(&slice.metadata) == namespace
+                && slice.metadata.labels.as_ref().and_then(|labels| labels.get(SERVICE_NAME_LABEL))
+                    == Some(&name)
         })
         .collect();
-    let cluster_ip = service.spec.cluster_ip.unwrap_or_default();
-    let cluster_ip: Ipv4Addr =
-        cluster_ip.parse().with_context(|| format!("service {name}: clusterIP {cluster_ip} is not IPv4"))?;
     let ports = service
         .spec
-        .ports
-        .into_iter()
+        .iter()
+        .flat_map(|spec| spec.ports.iter().flatten())
         .map(|port| {
-            let target_ports: Vec<u16> = slices
-                .iter()
-                .flat_map(|slice| &slice.ports)
-                .filter(|slice_port| slice_port.name == port.name && slice_port.protocol == port.protocol)
-                .map(|slice_port| slice_port.port)
-                .collect();
-            let Some(&target_port) = target_ports.first() else {
-                bail!("service {name}: no EndpointSlice port matches port {:?}", port.name);
-            };
-            if target_ports.iter().any(|&other| other != target_port) {
-                bail!("service {name}: EndpointSlices disagree on port {:?}", port.name);
+            let port_name = port.name.clone().unwrap_or_default();
+            let protocol = Protocol::of_port(port.protocol.as_deref())?;
+            let mut target_ports = BTreeSet::new();
+            for slice_port in slices.iter().flat_map(|slice| slice.ports.iter().flatten()) {
+                if slice_port.name.as_deref().unwrap_or_default() == port_name
+                    && Protocol::of_port(slice_port.protocol.as_deref()).ok() == Some(protocol)
+                {
+                    let number = slice_port.port.with_context(|| {
+                        format!("service {name}: EndpointSlice port {port_name:?} has no number")
+                    })?;
+                    target_ports.insert(port_number(number)?);
+                }
             }
-            Ok(ServicePort { name: port.name, protocol: port.protocol, port: port.port, target_port })
+            ensure!(target_ports.len() <= 1, "service {name}: EndpointSlices disagree on port {port_name:?}");
+            let target_port = target_ports.pop_first().with_context(|| {
+                format!("service {name}: no EndpointSlice port matches port {port_name:?}")
+            })?;
+            Ok(ServicePort { name: port_name, protocol, port: port_number(port.port)?, target_port })
         })
         .collect::<Result<_>>()?;
     let endpoints = slices
         .iter()
         .flat_map(|slice| &slice.endpoints)
         .flat_map(|endpoint| {
+            // Kubernetes reads an absent readiness as ready.
+            let ready = endpoint.conditions.as_ref().and_then(|conditions| conditions.ready).unwrap_or(true);
             endpoint.addresses.iter().map(move |addr| {
                 Ok(Endpoint {
                     addr: addr.parse().with_context(|| format!("endpoint address {addr} is not IPv4"))?,
-                    // Kubernetes reads an absent readiness as ready.
-                    ready: endpoint.conditions.ready.unwrap_or(true),
-                    pod: endpoint.target_ref.as_ref().map(|target| target.name.clone()),
+                    ready,
+                    pod: endpoint.target_ref.as_ref().and_then(|target| target.name.clone()),
                 })
             })
         })
         .collect::<Result<_>>()?;
     Ok(ClusterIpService { namespace, name, cluster_ip, ports, endpoints })
-}
-
-/// The parts of the Kubernetes objects that [`parse`] reads.
-mod k8s {
-    use std::collections::BTreeMap;
-
-    use serde::Deserialize;
-
-    use super::Protocol;
-
-    #[derive(Deserialize)]
-    pub struct Metadata {
-        pub name: String,
-        #[serde(default = "default_namespace")]
-        pub namespace: String,
-        #[serde(default)]
-        pub labels: BTreeMap<String, String>,
-    }
-
-    fn default_namespace() -> String {
-        "default".to_owned()
-    }
-
-    fn tcp() -> Protocol {
-        Protocol::Tcp
-    }
-
-    #[derive(Deserialize)]
-    pub struct Service {
-        pub metadata: Metadata,
-        pub spec: ServiceSpec,
-    }
-
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    pub struct ServiceSpec {
-        #[serde(rename = "clusterIP")]
-        pub cluster_ip: Option<String>,
-        #[serde(default)]
-        pub ports: Vec<ServicePort>,
-    }
-
-    #[derive(Deserialize)]
-    pub struct ServicePort {
-        #[serde(default)]
-        pub name: String,
-        #[serde(default = "tcp")]
-        pub protocol: Protocol,
-        pub port: u16,
-    }
-
-    #[derive(Deserialize)]
-    pub struct EndpointSlice {
-        pub metadata: Metadata,
-        #[serde(default)]
-        pub ports: Vec<SlicePort>,
-        #[serde(default)]
-        pub endpoints: Vec<Endpoint>,
-    }
-
-    #[derive(Deserialize)]
-    pub struct SlicePort {
-        #[serde(default)]
-        pub name: String,
-        #[serde(default = "tcp")]
-        pub protocol: Protocol,
-        pub port: u16,
-    }
-
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    pub struct Endpoint {
-        pub addresses: Vec<String>,
-        #[serde(default)]
-        pub conditions: Conditions,
-        pub target_ref: Option<TargetRef>,
-    }
-
-    #[derive(Default, Deserialize)]
-    pub struct Conditions {
-        pub ready: Option<bool>,
-    }
-
-    #[derive(Deserialize)]
-    pub struct TargetRef {
-        pub name: String,
-    }
 }
 
 /// Backends of `services` grouped by endpoint address, for building one namespace per
@@ -373,12 +347,37 @@ mod tests {
 
     #[test]
     fn parse_reads_back_what_render_writes() {
-        let mut other = web();
-        other.name = "empty".to_owned();
-        other.cluster_ip = Ipv4Addr::new(10, 96, 0, 11);
-        other.endpoints.clear();
-        let services = vec![web(), other];
+        let mut empty = web();
+        empty.name = "empty".to_owned();
+        empty.cluster_ip = Ipv4Addr::new(10, 96, 0, 11);
+        empty.endpoints.clear();
+        // Names that YAML reads as null, a boolean and a number unless they are quoted.
+        let mut plain_words = web();
+        plain_words.namespace = "null".to_owned();
+        plain_words.name = "true".to_owned();
+        plain_words.cluster_ip = Ipv4Addr::new(10, 96, 0, 12);
+        plain_words.endpoints = vec![Endpoint::ready(Ipv4Addr::new(10, 1, 0, 4), "123")];
+        let services = vec![web(), empty, plain_words];
         assert_eq!(parse(&render(&services)).unwrap(), services);
+    }
+
+    #[test]
+    fn parse_refuses_what_it_cannot_represent() {
+        let yaml = render(&[web()]);
+        for (from, to, error) in [
+            ("clusterIP: 10.96.0.10", "clusterIP: fd00::10", "clusterIP fd00::10 is not IPv4"),
+            ("- 10.1.0.2", "- fd00::2", "endpoint address fd00::2 is not IPv4"),
+            ("protocol: UDP", "protocol: SCTP", "protocol SCTP is not supported"),
+            ("- name: dns\n  port: 5353", "- name: domain\n  port: 5353", "no EndpointSlice port matches"),
+            // What vipr's parser rejects.
+            ("port: 53\n", "port: fifty-three\n", "Service shop/web"),
+        ] {
+            assert!(yaml.contains(from), "{from:?} is not in\n{yaml}");
+            let message = format!("{:#}", parse(&yaml.replace(from, to)).unwrap_err());
+            assert!(message.contains(error), "{from:?} -> {to:?}: {message}");
+        }
+        // Headless services have no VIP: they are left out, not refused.
+        assert_eq!(parse(&yaml.replace("10.96.0.10", "None")).unwrap(), vec![]);
     }
 
     #[test]

@@ -14,18 +14,22 @@
 mod frame;
 #[path = "fixtures/harness.rs"]
 mod harness;
+#[path = "fixtures/table.rs"]
+mod table;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use frame::{
-    arp_request_frame, checksum, compare_frames, ep, hex, ipv6_tcp_frame, ones_sum, parse_ipv4, Ep,
-    L4Checksum, Packet, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP, IP_DF, IP_MF,
+    arp_request_frame, checksum, compare_frames, ep, hex, input_and_output, ipv6_tcp_frame, max_ip_options,
+    ones_sum, parse_ipv4, Ep, L4Checksum, Packet, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP, IP_DF, IP_MF,
+    ROUTER_ALERT,
 };
 use harness::{
     describe_flows, is_einval, nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use proxy_common::{pins, Flow4, FlowKey4};
+use table::{run_table, Outcome};
 
 // ---------------------------------------------------------------------------------------------
 // The standard world: two frontends on one VIP, one frontend without endpoints.
@@ -79,9 +83,7 @@ fn check(h: &Harness, input: &[u8], verdict: u32, expect: Expect<'_>) -> Result<
         );
     }
     let (got, out) = h.run(input)?;
-    let observed = || {
-        format!("input ({} bytes):{}\n  output ({} bytes):{}", input.len(), hex(input), out.len(), hex(&out))
-    };
+    let observed = || input_and_output(input, &out);
     ensure!(
         got == verdict,
         "verdict: expected {}, got {}\n  {}",
@@ -139,11 +141,6 @@ enum Output {
     /// Then the fixture is reported as skipped, not passed.
     UnchangedIfKernelAccepts,
     Rewritten(Vec<u8>),
-}
-
-enum Outcome {
-    Passed,
-    Skipped(&'static str),
 }
 
 struct Fixture {
@@ -219,15 +216,6 @@ fn udp_with_zero_checksum_after_nat() -> (Packet, Packet) {
     let input = out.clone().to(DNS);
     (input, out)
 }
-
-/// The nine-word IPv4 option block used for IHL 15: 39 NOPs and an end-of-list.
-fn max_ip_options() -> Vec<u8> {
-    let mut options = vec![1u8; 39];
-    options.push(0);
-    options
-}
-
-const ROUTER_ALERT: [u8; 4] = [0x94, 0x04, 0x00, 0x00];
 
 fn fixtures() -> Vec<Fixture> {
     let (zero_in, zero_out) = udp_with_zero_checksum_after_nat();
@@ -468,29 +456,7 @@ fn run_fixture(fixture: &Fixture) -> Result<Outcome> {
 
 #[test]
 fn fixture_table() {
-    let fixtures = fixtures();
-    let mut names = HashSet::new();
-    for fixture in &fixtures {
-        assert!(names.insert(fixture.name), "duplicate fixture name {}", fixture.name);
-    }
-    let mut failures = Vec::new();
-    for fixture in &fixtures {
-        match run_fixture(fixture) {
-            Ok(Outcome::Passed) => println!("PASS {}", fixture.name),
-            Ok(Outcome::Skipped(why)) => println!("SKIP {}: {why}", fixture.name),
-            Err(err) => {
-                println!("FAIL {}: {err:#}", fixture.name);
-                failures.push(format!("--- {}: {err:#}", fixture.name));
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {} fixtures failed:\n{}",
-        failures.len(),
-        fixtures.len(),
-        failures.join("\n")
-    );
+    run_table(&fixtures(), |fixture| fixture.name, run_fixture);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -28,17 +28,19 @@ mod frame;
 #[allow(dead_code)]
 #[path = "fixtures/harness.rs"]
 mod harness;
-
-use std::collections::HashSet;
+#[allow(dead_code)]
+#[path = "fixtures/table.rs"]
+mod table;
 
 use anyhow::{bail, ensure, Context as _, Result};
 use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};
 use frame::{
-    checksum, ep, fold, hex, ones_sum, Ep, Packet, ETH_HLEN, ETH_P_IP, IPPROTO_ICMP, IPPROTO_TCP,
-    IPPROTO_UDP, L4,
+    checksum, ep, fold, hex, input_and_output, max_ip_options, ones_sum, Ep, Packet, ETH_HLEN, ETH_P_IP,
+    IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, L4, ROUTER_ALERT,
 };
 use harness::{describe_flows, nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT};
 use proxy_common::{pins, service_flags, source_class, unmatched, Service, ServiceKey4};
+use table::{run_table, Outcome};
 
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
 const TC_ACT_REDIRECT: u32 = 7;
@@ -56,8 +58,6 @@ const SILENT_TCP: Ep = ep(EMPTY_VIP, 8000);
 /// A port the cluster IP does not serve: the unmatched map says REJECT for the address.
 const UNSERVED_TCP: Ep = ep(EMPTY_VIP, 9999);
 const UNSERVED_UDP: Ep = ep(EMPTY_VIP, 9999);
-
-const ROUTER_ALERT: [u8; 4] = [0x94, 0x04, 0x00, 0x00];
 
 fn world(h: &mut Harness) -> Result<()> {
     h.add_service(EMPTY_TCP, IPPROTO_TCP, 1, &[])?;
@@ -265,12 +265,6 @@ fn syn(from: Ep, to: Ep) -> Packet {
     tcp_with_flags(from, to, 0x02)
 }
 
-fn max_ip_options() -> Vec<u8> {
-    let mut options = vec![1u8; 39];
-    options.push(0);
-    options
-}
-
 fn fixtures() -> Vec<Fixture> {
     let mut tcp_truncated = Packet::tcp(CLIENT, EMPTY_TCP).build();
     tcp_truncated.truncate(ETH_HLEN + 20 + 18);
@@ -306,15 +300,7 @@ fn run_fixture(fixture: &Fixture) -> Result<()> {
     let mut h = Harness::new()?;
     world(&mut h).context("setup")?;
     let (verdict, out) = h.run(&fixture.input)?;
-    let observed = || {
-        format!(
-            "input ({} bytes):{}\n  output ({} bytes):{}",
-            fixture.input.len(),
-            hex(&fixture.input),
-            out.len(),
-            hex(&out)
-        )
-    };
+    let observed = || input_and_output(&fixture.input, &out);
     ensure!(
         verdict == TC_ACT_REDIRECT,
         "verdict: expected TC_ACT_REDIRECT (7), got {}\n  {}",
@@ -340,28 +326,7 @@ fn run_fixture(fixture: &Fixture) -> Result<()> {
 
 #[test]
 fn reject_fixture_table() {
-    let fixtures = fixtures();
-    let mut names = HashSet::new();
-    for fixture in &fixtures {
-        assert!(names.insert(fixture.name), "duplicate fixture name {}", fixture.name);
-    }
-    let mut failures = Vec::new();
-    for fixture in &fixtures {
-        match run_fixture(fixture) {
-            Ok(()) => println!("PASS {}", fixture.name),
-            Err(err) => {
-                println!("FAIL {}: {err:#}", fixture.name);
-                failures.push(format!("--- {}: {err:#}", fixture.name));
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {} fixtures failed:\n{}",
-        failures.len(),
-        fixtures.len(),
-        failures.join("\n")
-    );
+    run_table(&fixtures(), |fixture| fixture.name, |fixture| run_fixture(fixture).map(|()| Outcome::Passed));
 }
 
 /// A frontend with endpoints on the same address is balanced as before, a frontend without
