@@ -30,6 +30,14 @@ pub mod pins {
     pub const UNMATCHED4: &str = "vipr_unm4_v1";
     /// Sources admitted by a service's source ranges: LPM [`crate::SourceRange4`] -> `u8`.
     pub const SOURCE_RANGES4: &str = "vipr_srcr4_v1";
+    /// The IPv6 maps, the same as their IPv4 namesakes with the `*6` types.
+    pub const SERVICES6: &str = "vipr_svc6_v1";
+    pub const BACKENDS6: &str = "vipr_back6_v1";
+    pub const FLOWS6: &str = "vipr_flow6_v1";
+    pub const NODE_IPS6: &str = "vipr_node6_v1";
+    pub const POD_CIDRS6: &str = "vipr_pod6_v1";
+    pub const UNMATCHED6: &str = "vipr_unm6_v1";
+    pub const SOURCE_RANGES6: &str = "vipr_srcr6_v1";
     /// The one TC program, attached at ingress of every `--devices` interface.
     pub const TC_INGRESS_PROGRAM: &str = "vipr_tc_ingress";
 }
@@ -208,4 +216,176 @@ mod user {
     unsafe impl aya::Pod for Flow4 {}
     unsafe impl aya::Pod for Prefix4 {}
     unsafe impl aya::Pod for SourceRange4 {}
+}
+
+// ---------------------------------------------------------------------------------------------
+// Socket-level load balancing of the node's own traffic (proxy-ebpf/src/sock.rs): cgroup
+// sock_addr programs rewrite the address a node process connects or sends to, before any packet
+// exists. Kept apart from the TC datapath's items above.
+
+/// Names, pins and capacities of the socket-level load balancer.
+pub mod sock {
+    /// Settings written by the agent: `u32` 0 -> [`crate::SockConfig`] (an array of one).
+    pub const CONFIG: &str = "vipr_skcfg_v1";
+    /// What each socket was really sent to: [`crate::SockRevKey4`] -> [`crate::SockFrontend4`]
+    /// (LRU), so recvmsg and getpeername can show the frontend again.
+    pub const REVERSE4: &str = "vipr_skrev4_v1";
+    /// Sockets with a live translation; an evicted entry only makes the peer show as the
+    /// backend.
+    pub const REVERSE4_CAPACITY: u32 = 262_144;
+
+    /// One cgroup hook: the program's name in the object, and the name of its pinned link
+    /// under [`crate::pins::LINKS_DIR`].
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Hook {
+        pub program: &'static str,
+        pub link: &'static str,
+    }
+
+    /// TCP connect and connected UDP: the frontend becomes a backend.
+    pub const CONNECT4: Hook = Hook { program: "vipr_connect4", link: "cgroup-connect4" };
+    /// Unconnected UDP: each datagram's destination.
+    pub const SENDMSG4: Hook = Hook { program: "vipr_sendmsg4", link: "cgroup-sendmsg4" };
+    /// UDP receive: the backend as source becomes the frontend again.
+    pub const RECVMSG4: Hook = Hook { program: "vipr_recvmsg4", link: "cgroup-recvmsg4" };
+    /// getpeername: the backend as peer becomes the frontend again.
+    pub const GETPEERNAME4: Hook = Hook { program: "vipr_getpeer4", link: "cgroup-getpeer4" };
+    /// Every hook, in the order they are attached (the reverse path first, so that no socket
+    /// is translated before its answers can be translated back).
+    pub const HOOKS: [Hook; 4] = [RECVMSG4, GETPEERNAME4, SENDMSG4, CONNECT4];
+}
+
+/// Value of the [`sock::CONFIG`] map. cgroup hooks run for the sockets of every network
+/// namespace, so the programs act only on sockets whose namespace cookie is `netns_cookie`,
+/// the agent's own; 0 (not yet written) means no socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockConfig {
+    pub netns_cookie: u64,
+    /// The source the node uses toward its default route: what source ranges are checked
+    /// against for a socket that is not bound to an address. `[0; 4]` if unknown.
+    pub default_source4: [u8; 4],
+    pub pad: u32,
+}
+
+/// Key of the [`sock::REVERSE4`] map: one socket (its cookie) and the backend it was sent to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevKey4 {
+    pub cookie: u64,
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub pad: u16,
+}
+
+/// Value of the [`sock::REVERSE4`] map: the frontend the socket asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockFrontend4 {
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub pad: u16,
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<SockConfig>() == 16);
+    assert!(core::mem::size_of::<SockRevKey4>() == 16);
+    assert!(core::mem::size_of::<SockFrontend4>() == 8);
+};
+
+#[cfg(feature = "user")]
+mod sock_user {
+    use super::*;
+
+    // SAFETY: repr(C), Copy, no implicit padding (size asserts above).
+    unsafe impl aya::Pod for SockConfig {}
+    unsafe impl aya::Pod for SockRevKey4 {}
+    unsafe impl aya::Pod for SockFrontend4 {}
+}
+
+// ---------------------------------------------------------------------------------------------
+// IPv6: the same maps with 16-byte addresses. Field names and meanings are those of the IPv4
+// types above, so the kernel code is written once for both families (proxy-ebpf/src/family.rs).
+// `Service`, `BackendSlot`, the flags and the source classes are shared.
+
+/// [`ServiceKey4`] for an IPv6 frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey6 {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub proto: u8,
+    pub source_class: u8,
+}
+
+/// [`Backend4`] for an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Backend6 {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub pad: u16,
+}
+
+/// [`FlowKey4`] for an IPv6 connection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey6 {
+    pub src_addr: [u8; 16],
+    pub dst_addr: [u8; 16],
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+/// [`Flow4`] for an IPv6 connection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Flow6 {
+    pub src_addr: [u8; 16],
+    pub dst_addr: [u8; 16],
+    pub src_port: u16,
+    pub dst_port: u16,
+    /// Bits of [`flow_flags`].
+    pub flags: u32,
+}
+
+/// [`Prefix4`] for IPv6 tries.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Prefix6 {
+    pub prefix_len: u32,
+    pub addr: [u8; 16],
+}
+
+/// [`SourceRange4`] for IPv6 sources: `prefix_len` counts the 32 bits of `service_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SourceRange6 {
+    pub prefix_len: u32,
+    pub service_id: [u8; 4],
+    pub addr: [u8; 16],
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<ServiceKey6>() == 20);
+    assert!(core::mem::size_of::<Backend6>() == 20);
+    assert!(core::mem::size_of::<FlowKey6>() == 40);
+    assert!(core::mem::size_of::<Flow6>() == 40);
+    assert!(core::mem::size_of::<Prefix6>() == 20);
+    assert!(core::mem::size_of::<SourceRange6>() == 24);
+};
+
+#[cfg(feature = "user")]
+mod user6 {
+    use super::*;
+
+    // SAFETY: repr(C), Copy, no implicit padding (size asserts above).
+    unsafe impl aya::Pod for ServiceKey6 {}
+    unsafe impl aya::Pod for Backend6 {}
+    unsafe impl aya::Pod for FlowKey6 {}
+    unsafe impl aya::Pod for Flow6 {}
+    unsafe impl aya::Pod for Prefix6 {}
+    unsafe impl aya::Pod for SourceRange6 {}
 }

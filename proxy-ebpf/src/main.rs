@@ -12,6 +12,8 @@
 fn main() {}
 
 #[cfg(target_arch = "bpf")]
+mod family;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod packet;
@@ -19,6 +21,9 @@ mod packet;
 mod reject;
 #[cfg(target_arch = "bpf")]
 mod route;
+/// cgroup sock_addr programs: socket-level load balancing of the node's own traffic.
+#[cfg(target_arch = "bpf")]
+mod sock;
 #[cfg(target_arch = "bpf")]
 mod tc;
 

@@ -178,3 +178,109 @@ pub static SOURCE_RANGES4: PinnedMap<
     { capacity::SOURCE_RANGES as usize },
     LPM_FLAGS,
 > = PinnedMap::new();
+
+// ---------------------------------------------------------------------------------------------
+// Socket-level load balancing (sock.rs): the agent's settings and the reverse translation.
+
+const ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_ARRAY as usize;
+
+const _: () = {
+    assert!(same_name("vipr_skcfg_v1", proxy_common::sock::CONFIG));
+    assert!(same_name("vipr_skrev4_v1", proxy_common::sock::REVERSE4));
+};
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_skcfg_v1")]
+pub static SOCK_CONFIG: PinnedMap<u32, proxy_common::SockConfig, ARRAY, 1> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_skrev4_v1")]
+pub static SOCK_REVERSE4: PinnedMap<
+    proxy_common::SockRevKey4,
+    proxy_common::SockFrontend4,
+    LRU_HASH,
+    { proxy_common::sock::REVERSE4_CAPACITY as usize },
+> = PinnedMap::new();
+
+// ---------------------------------------------------------------------------------------------
+// IPv6: the same maps as the IPv4 ones above, with the `*6` key and value types. The services
+// and backends maps are not preallocated: only the agent writes them, so an allocation never
+// happens on the packet path, and a node without IPv6 services does not set aside the ~120 MiB
+// their capacities would take. The flows map cannot do the same (LRU maps are always
+// preallocated).
+
+/// Only for maps that programs never write.
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+
+const _: () = {
+    assert!(same_name("vipr_svc6_v1", pins::SERVICES6));
+    assert!(same_name("vipr_back6_v1", pins::BACKENDS6));
+    assert!(same_name("vipr_flow6_v1", pins::FLOWS6));
+    assert!(same_name("vipr_node6_v1", pins::NODE_IPS6));
+    assert!(same_name("vipr_pod6_v1", pins::POD_CIDRS6));
+    assert!(same_name("vipr_unm6_v1", pins::UNMATCHED6));
+    assert!(same_name("vipr_srcr6_v1", pins::SOURCE_RANGES6));
+};
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_svc6_v1")]
+pub static SERVICES6: PinnedMap<
+    proxy_common::ServiceKey6,
+    Service,
+    HASH,
+    { capacity::SERVICES as usize },
+    NO_PREALLOC,
+> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_back6_v1")]
+pub static BACKENDS6: PinnedMap<
+    BackendSlot,
+    proxy_common::Backend6,
+    HASH,
+    { capacity::BACKENDS as usize },
+    NO_PREALLOC,
+> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_flow6_v1")]
+pub static FLOWS6: PinnedMap<
+    proxy_common::FlowKey6,
+    proxy_common::Flow6,
+    LRU_HASH,
+    { capacity::FLOWS as usize },
+> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_node6_v1")]
+pub static NODE_IPS6: PinnedMap<[u8; 16], u8, HASH, { capacity::NODE_IPS as usize }> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_pod6_v1")]
+pub static POD_CIDRS6: PinnedMap<
+    proxy_common::Prefix6,
+    u8,
+    LPM_TRIE,
+    { capacity::POD_CIDRS as usize },
+    LPM_FLAGS,
+> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_unm6_v1")]
+pub static UNMATCHED6: PinnedMap<
+    proxy_common::Prefix6,
+    u8,
+    LPM_TRIE,
+    { capacity::UNMATCHED as usize },
+    LPM_FLAGS,
+> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_srcr6_v1")]
+pub static SOURCE_RANGES6: PinnedMap<
+    proxy_common::SourceRange6,
+    u8,
+    LPM_TRIE,
+    { capacity::SOURCE_RANGES as usize },
+    LPM_FLAGS,
+> = PinnedMap::new();

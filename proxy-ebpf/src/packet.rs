@@ -1,4 +1,4 @@
-//! Ethernet/IPv4/TCP/UDP parsing with direct packet access, and address rewriting with the
+//! Ethernet/IPv4/IPv6/TCP/UDP parsing with direct packet access, and address rewriting with the
 //! kernel's checksum helpers.
 //!
 //! Direct access costs a bounds check per header instead of a helper call per field. The
@@ -6,46 +6,82 @@
 //! packets are CHECKSUM_PARTIAL and their L4 checksum field holds only the pseudo-header seed,
 //! which the helpers (with BPF_F_PSEUDO_HDR) update correctly and a hand-written RFC 1624
 //! update would corrupt.
+//!
+//! What is left untouched (the caller returns `TC_ACT_UNSPEC`): other ethertypes and
+//! protocols, truncated headers, IPv4 fragments, and IPv6 packets whose next header is not
+//! TCP or UDP. That last rule covers every IPv6 extension header (hop-by-hop, routing,
+//! fragment, destination options, AH, ESP): such packets are passed to the stack as they are,
+//! so IPv6 fragments are never balanced either. Kubernetes service traffic does not carry
+//! extension headers; walking them would cost a bounded loop per packet for nothing. A UDP/IPv6
+//! datagram with checksum 0 is left alone too: IPv6 forbids it (RFC 8200 8.1), the receiving
+//! stack drops it, and rewriting it could only keep the invalid 0.
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::bpf_csum_diff,
     programs::TcContext,
 };
-use proxy_common::{proto, FlowKey4};
+use proxy_common::proto;
 
+use crate::family::Family;
+
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
 const IPV4_MIN_HLEN: usize = 20;
 const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
-const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
-const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
+pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
+pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
+const IPV6_HLEN: usize = 40;
+pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
+pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 const TCP_CSUM_OFF: usize = 16;
 const UDP_CSUM_OFF: usize = 6;
+/// `bpf_l4_csum_replace`: the checksum belongs to IPv6, so a CHECKSUM_COMPLETE skb's `csum`
+/// is not adjusted for a pseudo-header change (IPv6 has no header checksum to balance it).
+/// Linux 6.16 and later; older kernels refuse the flag with EINVAL.
+const BPF_F_IPV6: u64 = 1 << 7;
+const EINVAL: i64 = -22;
 
-/// The fields of an IPv4 TCP/UDP packet that load balancing needs.
-pub struct Ipv4L4 {
-    pub flow: FlowKey4,
+/// A connection's addresses, ports and protocol as the packet carries them, for either family.
+#[derive(Clone, Copy)]
+pub struct Tuple<A> {
+    pub src: A,
+    pub dst: A,
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub proto: u8,
+}
+
+/// The fields of a TCP/UDP packet that load balancing needs.
+pub struct Packet<A> {
+    pub flow: Tuple<A>,
     /// Offset of the TCP/UDP header from the start of the frame.
     pub l4_offset: usize,
 }
 
 #[inline(always)]
-fn bytes_at<const N: usize>(ctx: &TcContext, offset: usize) -> Option<*mut [u8; N]> {
+fn field<T>(ctx: &TcContext, offset: usize) -> Option<*mut T> {
     let start = ctx.data();
-    if start + offset + N > ctx.data_end() {
+    if start + offset + size_of::<T>() > ctx.data_end() {
         return None;
     }
-    Some((start + offset) as *mut [u8; N])
+    Some((start + offset) as *mut T)
 }
 
-/// Parses an unfragmented IPv4 TCP or UDP packet; anything else (other ethertypes and
-/// protocols, fragments, truncated headers) is `None` and left untouched by the caller.
 #[inline(always)]
-pub fn parse_ipv4_l4(ctx: &TcContext) -> Option<Ipv4L4> {
-    let ethertype = unsafe { *bytes_at::<2>(ctx, 12)? };
-    if u16::from_be_bytes(ethertype) != ETH_P_IP {
-        return None;
-    }
+fn bytes_at<const N: usize>(ctx: &TcContext, offset: usize) -> Option<*mut [u8; N]> {
+    field::<[u8; N]>(ctx, offset)
+}
+
+#[inline(always)]
+pub fn ethertype(ctx: &TcContext) -> Option<u16> {
+    Some(u16::from_be_bytes(unsafe { *bytes_at::<2>(ctx, 12)? }))
+}
+
+/// Parses an unfragmented IPv4 TCP or UDP packet whose ethertype the caller has checked.
+#[inline(always)]
+pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
     let ip = unsafe { *bytes_at::<IPV4_MIN_HLEN>(ctx, ETH_HLEN)? };
     if ip[0] >> 4 != 4 {
         return None;
@@ -58,25 +94,50 @@ pub fn parse_ipv4_l4(ctx: &TcContext) -> Option<Ipv4L4> {
     if u16::from_be_bytes([ip[6], ip[7]]) & IP_MF_AND_OFFSET != 0 {
         return None;
     }
-    let protocol = ip[9];
+    let src = [ip[12], ip[13], ip[14], ip[15]];
+    let dst = [ip[16], ip[17], ip[18], ip[19]];
+    transport(ctx, ETH_HLEN + header_len, ip[9], src, dst)
+}
+
+/// Parses an IPv6 packet whose next header is TCP or UDP, the ethertype checked by the caller.
+#[inline(always)]
+pub fn parse_ipv6(ctx: &TcContext) -> Option<Packet<[u8; 16]>> {
+    let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
+    let (version, next_header) = unsafe { ((*ip)[0] >> 4, (*ip)[6]) };
+    if version != 6 {
+        return None;
+    }
+    let src = unsafe { *bytes_at::<16>(ctx, IPV6_SADDR_OFF)? };
+    let dst = unsafe { *bytes_at::<16>(ctx, IPV6_DADDR_OFF)? };
+    let packet = transport(ctx, ETH_HLEN + IPV6_HLEN, next_header, src, dst)?;
+    if packet.flow.proto == proto::UDP {
+        let csum = unsafe { *bytes_at::<2>(ctx, l4_csum_offset(packet.l4_offset, proto::UDP))? };
+        if csum == [0, 0] {
+            return None;
+        }
+    }
+    Some(packet)
+}
+
+/// The TCP/UDP part of parsing, shared by both families: the ports, and the checksum field
+/// present too, or the rewrite could not fix it.
+#[inline(always)]
+fn transport<A>(ctx: &TcContext, l4_offset: usize, protocol: u8, src: A, dst: A) -> Option<Packet<A>> {
     if protocol != proto::TCP && protocol != proto::UDP {
         return None;
     }
-    let l4_offset = ETH_HLEN + header_len;
     let ports = unsafe { *bytes_at::<4>(ctx, l4_offset)? };
-    // The checksum field must be inside the packet too, or the rewrite could not fix it.
     let csum_end = l4_csum_offset(l4_offset, protocol) + 2;
     if ctx.data() + csum_end > ctx.data_end() {
         return None;
     }
-    Some(Ipv4L4 {
-        flow: FlowKey4 {
-            src_addr: [ip[12], ip[13], ip[14], ip[15]],
-            dst_addr: [ip[16], ip[17], ip[18], ip[19]],
+    Some(Packet {
+        flow: Tuple {
+            src,
+            dst,
             src_port: u16::from_be_bytes([ports[0], ports[1]]),
             dst_port: u16::from_be_bytes([ports[2], ports[3]]),
             proto: protocol,
-            pad: [0; 3],
         },
         l4_offset,
     })
@@ -94,31 +155,76 @@ pub enum Side {
     Destination,
 }
 
-/// Rewrites the source or destination address and port of a packet parsed by
-/// [`parse_ipv4_l4`], keeping the IPv4 and TCP/UDP checksums right.
+/// The checksum side of an IPv4 address change `old` -> `new`: the header checksum, and the L4
+/// checksum at `l4_csum` (the address is part of the pseudo header). `mangled` is
+/// `BPF_F_MARK_MANGLED_0` for UDP, else 0.
 #[inline(always)]
-pub fn rewrite(ctx: &TcContext, packet: &Ipv4L4, side: Side, addr: [u8; 4], port: u16) -> Result<(), i64> {
+pub fn ipv4_address_checksums(
+    ctx: &TcContext,
+    l4_csum: usize,
+    old: [u8; 4],
+    new: [u8; 4],
+    mangled: u64,
+) -> Result<(), i64> {
+    // Checksum helpers take the changed words exactly as they lie in the packet.
+    let (old, new) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
+    ctx.l3_csum_replace(IPV4_CSUM_OFF, old, new, 4)?;
+    ctx.l4_csum_replace(l4_csum, old, new, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
+}
+
+/// The checksum side of an IPv6 address change: IPv6 has no header checksum, and the 16-byte
+/// change reaches the L4 checksum as one ones' complement difference from `bpf_csum_diff`,
+/// applied by `bpf_l4_csum_replace` in its by-difference form (size 0), which updates a
+/// CHECKSUM_PARTIAL seed as the 4-byte form does for IPv4.
+#[inline(always)]
+pub fn ipv6_address_checksums(
+    ctx: &TcContext,
+    l4_csum: usize,
+    old: [u8; 16],
+    new: [u8; 16],
+    mangled: u64,
+) -> Result<(), i64> {
+    let mut old: [u32; 4] = unsafe { core::mem::transmute(old) };
+    let mut new: [u32; 4] = unsafe { core::mem::transmute(new) };
+    let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
+    if diff < 0 {
+        return Err(diff);
+    }
+    // The helper's sum is 32 bits wide.
+    let diff = diff as u32 as u64;
+    let flags = BPF_F_PSEUDO_HDR as u64 | mangled;
+    match ctx.l4_csum_replace(l4_csum, 0, diff, flags | BPF_F_IPV6) {
+        Err(EINVAL) => ctx.l4_csum_replace(l4_csum, 0, diff, flags),
+        done => done,
+    }
+}
+
+/// Rewrites the source or destination address and port of a parsed packet, keeping the IP and
+/// TCP/UDP checksums right.
+#[inline(always)]
+pub fn rewrite<A: Family>(
+    ctx: &TcContext,
+    packet: &Packet<A>,
+    side: Side,
+    addr: A,
+    port: u16,
+) -> Result<(), i64> {
     let (addr_offset, port_offset, old_addr, old_port) = match side {
-        Side::Source => (IPV4_SADDR_OFF, packet.l4_offset, packet.flow.src_addr, packet.flow.src_port),
-        Side::Destination => {
-            (IPV4_DADDR_OFF, packet.l4_offset + 2, packet.flow.dst_addr, packet.flow.dst_port)
-        }
+        Side::Source => (A::SADDR_OFF, packet.l4_offset, packet.flow.src, packet.flow.src_port),
+        Side::Destination => (A::DADDR_OFF, packet.l4_offset + 2, packet.flow.dst, packet.flow.dst_port),
     };
-    let addr_field = bytes_at::<4>(ctx, addr_offset).ok_or(-1i64)?;
+    let addr_field = field::<A>(ctx, addr_offset).ok_or(-1i64)?;
     let port_field = bytes_at::<2>(ctx, port_offset).ok_or(-1i64)?;
     unsafe {
         *addr_field = addr;
         *port_field = port.to_be_bytes();
     }
-    // Checksum helpers take the changed words exactly as they lie in the packet.
-    let (old_addr, new_addr) = (u32::from_ne_bytes(old_addr) as u64, u32::from_ne_bytes(addr) as u64);
     let (old_port, new_port) =
         (u16::from_ne_bytes(old_port.to_be_bytes()) as u64, u16::from_ne_bytes(port.to_be_bytes()) as u64);
-    // A UDP checksum of 0 means "none" and must stay 0.
+    // A UDP checksum of 0 means "none" (IPv4) and must stay 0; a computed 0 is sent as 0xffff.
     let mangled = if packet.flow.proto == proto::UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
     let l4_csum = l4_csum_offset(packet.l4_offset, packet.flow.proto);
-    ctx.l3_csum_replace(IPV4_CSUM_OFF, old_addr, new_addr, 4)?;
-    ctx.l4_csum_replace(l4_csum, old_addr, new_addr, BPF_F_PSEUDO_HDR as u64 | mangled | 4)?;
+    A::address_checksums(ctx, l4_csum, old_addr, addr, mangled)?;
     ctx.l4_csum_replace(l4_csum, old_port, new_port, mangled | 2)?;
     Ok(())
 }

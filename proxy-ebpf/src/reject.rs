@@ -119,8 +119,6 @@ pub fn reject_ipv4(ctx: &TcContext, l4_offset: usize) -> i32 {
 /// type 1 code 4 from the original destination, hop limit 64, traffic class and flow label 0,
 /// quoting the original IPv6 header and the same L4 bytes; the ICMPv6 checksum covers the
 /// pseudo header.
-// Nothing parses IPv6 yet; the datapath calls this once IPv6 services exist.
-#[allow(dead_code)]
 #[inline(always)]
 pub fn reject_ipv6(ctx: &TcContext, l4_offset: usize) -> i32 {
     match ipv6_unreachable(ctx, l4_offset) {

@@ -28,7 +28,9 @@ use crate::{
     cli::ProxyMode,
     config::{Settings, SourceSettings},
     dataplane::{
-        ebpf::{EbpfDataplane, EbpfOptions},
+        ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions},
+        iptables::{IptablesDataplane, IptablesOptions},
+        ipvs::{self as ipvs_dataplane, IpvsDataplane, IpvsOptions},
         Dataplane, SyncReport,
     },
     health::{service_health_checks, Moment, ProxyHealth, ServiceHealthServer},
@@ -82,25 +84,41 @@ pub const RECORDED_EVENTS: &[ApiAccess] =
 
 pub fn run(settings: &Settings) -> anyhow::Result<()> {
     if settings.cleanup {
-        return EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices);
-    }
-    match settings.proxy_mode {
-        ProxyMode::Ebpf => {}
-        ProxyMode::Auto => info!("proxy mode auto: choosing ebpf, the only dataplane in this build"),
-        other => bail!("--proxy-mode={other:?} is not implemented yet; use --proxy-mode=ebpf"),
+        // Every mode's state, so that switching modes (or from kube-proxy) leaves nothing behind.
+        let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices);
+        let iptables = IptablesDataplane::cleanup();
+        let ipvs = IpvsDataplane::cleanup(&settings.ipvs.exclude_cidrs);
+        let errors: Vec<String> = [ebpf, iptables, ipvs]
+            .into_iter()
+            .filter_map(Result::err)
+            .map(|error| format!("{error:#}"))
+            .collect();
+        return if errors.is_empty() { Ok(()) } else { Err(anyhow::anyhow!(errors.join("; "))) };
     }
     if !settings.ignored_config.is_empty() {
         warn!("--config: vipr does not use these settings: {}", settings.ignored_config.join(", "));
     }
-    let devices = node::devices(&settings.devices).context("cannot list network devices")?;
-    if devices.is_empty() {
-        bail!("no device to attach to: pass --devices=IF[,IF...]");
-    }
-    let mut dataplane = EbpfDataplane::start(&EbpfOptions {
-        bpf_root: settings.bpf_root.clone(),
-        devices,
-        map_sizes: settings.bpf_map_sizes,
-    })?;
+    let mut dataplane: Box<dyn Dataplane> = match settings.proxy_mode {
+        ProxyMode::Iptables => Box::new(IptablesDataplane::start(&IptablesOptions::default())?),
+        ProxyMode::Ebpf | ProxyMode::Auto => {
+            if settings.proxy_mode == ProxyMode::Auto {
+                info!("proxy mode auto: choosing ebpf");
+            }
+            let devices = node::devices(&settings.devices).context("cannot list network devices")?;
+            if devices.is_empty() {
+                bail!("no device to attach to: pass --devices=IF[,IF...]");
+            }
+            Box::new(EbpfDataplane::start_with(
+                &EbpfOptions {
+                    bpf_root: settings.bpf_root.clone(),
+                    devices,
+                    map_sizes: settings.bpf_map_sizes,
+                },
+                &HostTrafficOptions { cgroup_root: settings.cgroup_root.clone() },
+            )?)
+        }
+        ProxyMode::Ipvs => Box::new(IpvsDataplane::start(ipvs_options(settings))?),
+    };
 
     let metrics = Arc::new(ProxyMetrics::default());
     // Dataplane counters (per service, per backend) join here as further collectors.
@@ -136,7 +154,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
             Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the source of services stopped"),
         }
         if agent.runner.is_due(Instant::now()) {
-            agent.sync(&mut dataplane);
+            agent.sync(dataplane.as_mut());
         }
         if settings.devices.is_empty() && devices_checked.elapsed() >= DEVICE_POLL_INTERVAL {
             // New pods bring new veths; their traffic must be balanced from their first packet.
@@ -313,8 +331,16 @@ impl<'a> Agent<'a> {
     /// The node as the model sees it now: its name, its current addresses and the settings
     /// that shape service semantics.
     fn node_context(&self, node: Option<&Node>) -> NodeContext {
+        // Service addresses that the IPVS dataplane binds to its dummy interface are not the
+        // node's (kube-proxy leaves them out too).
         let addresses = host::interface_addresses()
-            .map(|addresses| addresses.into_iter().map(|address| address.ip).collect())
+            .map(|addresses| {
+                addresses
+                    .into_iter()
+                    .filter(|address| address.interface != ipvs_dataplane::link::DUMMY_INTERFACE)
+                    .map(|address| address.ip)
+                    .collect()
+            })
             .unwrap_or_else(|list_error| {
                 warn!("cannot list this node's addresses: {list_error}");
                 Vec::new()
@@ -327,7 +353,7 @@ impl<'a> Agent<'a> {
         let proxy_settings = ProxySettings {
             cluster_cidrs: self.settings.cluster_cidrs.clone(),
             masquerade_all: self.settings.masquerade_all,
-            node_port_cidrs: node::node_port_cidrs(&self.settings.node_port_addresses, &facts),
+            node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings), &facts),
             // kube-proxy takes them from ServiceCIDR objects, which no source delivers yet.
             service_cidrs: self.settings.service_cidrs.clone(),
         };
@@ -338,9 +364,38 @@ impl<'a> Agent<'a> {
 /// Where service health checks listen, as kube-proxy: on every address when NodePorts are
 /// served on every address, else on the NodePort addresses.
 fn health_check_listen_ips(node: &NodeContext, settings: &Settings) -> Vec<IpAddr> {
-    if node::matches_all(&settings.node_port_addresses) {
+    if node::matches_all(&node_port_addresses(settings)) {
         vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]
     } else {
         node.node_port_ips.iter().copied().collect()
+    }
+}
+
+/// `--nodeport-addresses` as the mode reads it: empty means the primary node IPs (kube-proxy's
+/// nftables default), except in iptables and ipvs modes, where it means every node address as
+/// in kube-proxy's iptables and ipvs modes (the iptables conformance cases expect NodePorts on
+/// secondary addresses).
+fn node_port_addresses(settings: &Settings) -> Vec<crate::config::NodePortAddress> {
+    let every_address_by_default = matches!(settings.proxy_mode, ProxyMode::Iptables | ProxyMode::Ipvs);
+    if every_address_by_default && settings.node_port_addresses.is_empty() {
+        vec![crate::config::NodePortAddress::All]
+    } else {
+        settings.node_port_addresses.clone()
+    }
+}
+
+/// The IPVS dataplane's options from kube-proxy's `--ipvs-*` settings.
+fn ipvs_options(settings: &Settings) -> IpvsOptions {
+    let seconds = |duration: Duration| u32::try_from(duration.as_secs()).unwrap_or(u32::MAX);
+    IpvsOptions {
+        scheduler: settings.ipvs.scheduler.clone(),
+        timeouts: ipvs_dataplane::client::Timeouts {
+            tcp: seconds(settings.ipvs.tcp_timeout),
+            tcp_fin: seconds(settings.ipvs.tcp_fin_timeout),
+            udp: seconds(settings.ipvs.udp_timeout),
+        },
+        strict_arp: settings.ipvs.strict_arp,
+        exclude_cidrs: settings.ipvs.exclude_cidrs.clone(),
+        masquerade_all: settings.masquerade_all,
     }
 }

@@ -6,6 +6,7 @@
 use std::{path::PathBuf, time::Duration};
 
 use clap::{error::ErrorKind, Arg, ArgAction, CommandFactory as _, FromArgMatches as _, Parser, ValueEnum};
+use ipnet::IpNet;
 
 use crate::config::{
     parse_go_duration, BindAddress, CidrPair, NodePortAddress, DEFAULT_HEALTHZ_BIND_ADDRESS,
@@ -63,6 +64,11 @@ pub struct Args {
     /// a bpffs at DIR when there is none.
     #[arg(long, value_name = "DIR", default_value = "/sys/fs/bpf")]
     pub bpf_root: PathBuf,
+
+    /// The cgroup v2 directory whose processes' connections to services are balanced at the
+    /// socket level (eBPF mode; descendants included) [default: the cgroup2 mount point].
+    #[arg(long, value_name = "DIR")]
+    pub cgroup_root: Option<PathBuf>,
 
     /// Capacity of the services map: entries are frontends × 3 source classes
     /// [default: 196608]. A pinned map keeps its size until `--cleanup`.
@@ -123,6 +129,35 @@ pub struct Args {
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub sync_period: Option<Duration>,
 
+    /// The IPVS scheduler of every virtual service (--proxy-mode=ipvs): rr (round robin), wrr,
+    /// lc, wlc, sh (source hashing), sed, nq [default: rr].
+    #[arg(long, value_name = "NAME", value_parser = crate::dataplane::ipvs::SCHEDULERS)]
+    pub ipvs_scheduler: Option<String>,
+
+    /// IPVS's timeout of idle TCP connections (a Go duration; 0 keeps the kernel's)
+    /// [default: 0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub ipvs_tcp_timeout: Option<Duration>,
+
+    /// IPVS's timeout of TCP connections after a FIN (0 keeps the kernel's) [default: 0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub ipvs_tcpfin_timeout: Option<Duration>,
+
+    /// IPVS's timeout of UDP flows (0 keeps the kernel's) [default: 0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub ipvs_udp_timeout: Option<Duration>,
+
+    /// Answer ARP only for addresses of the interface asked on (arp_ignore=1,
+    /// arp_announce=2), so the service addresses on kube-ipvs0 are never announced
+    /// [default: false].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub ipvs_strict_arp: Option<bool>,
+
+    /// IPVS virtual services inside these CIDRs (comma-separated) are not vipr's: it never
+    /// removes them.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR...]")]
+    pub ipvs_exclude_cidrs: Option<Vec<IpNet>>,
+
     /// kube-proxy's log verbosity (klog): 0-2 info, 3-4 debug, 5 and more trace.
     #[arg(long = "v", value_name = "N")]
     pub klog_verbosity: Option<u32>,
@@ -160,13 +195,10 @@ pub const UNSUPPORTED_KUBE_PROXY_FLAGS: &[UnsupportedFlag] = &[
     UnsupportedFlag { name: "ipvs-min-sync-period", reason: SYNC_PERIODS },
     UnsupportedFlag { name: "iptables-masquerade-bit", reason: IPTABLES_IPVS_MODES },
     UnsupportedFlag { name: "iptables-localhost-nodeports", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag { name: "ipvs-scheduler", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag { name: "ipvs-exclude-cidrs", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag { name: "ipvs-strict-arp", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag { name: "ipvs-tcp-timeout", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag { name: "ipvs-tcpfin-timeout", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag { name: "ipvs-udp-timeout", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag { name: "ipvs-masquerade-bit", reason: IPTABLES_IPVS_MODES },
+    UnsupportedFlag {
+        name: "ipvs-masquerade-bit",
+        reason: "vipr's ipvs mode marks packets to masquerade with kube-proxy's default bit (0x4000)",
+    },
     UnsupportedFlag { name: "conntrack-max-per-core", reason: CONNTRACK },
     UnsupportedFlag { name: "conntrack-min", reason: CONNTRACK },
     UnsupportedFlag { name: "conntrack-tcp-timeout-established", reason: CONNTRACK },
@@ -343,6 +375,30 @@ mod tests {
     }
 
     #[test]
+    fn kube_proxy_ipvs_flags_parse() {
+        let args = parse(&[
+            "--proxy-mode=ipvs",
+            "--ipvs-scheduler=wlc",
+            "--ipvs-tcp-timeout=15m",
+            "--ipvs-tcpfin-timeout=2m",
+            "--ipvs-udp-timeout=5m",
+            "--ipvs-strict-arp",
+            "--ipvs-exclude-cidrs=10.0.0.0/8,fd00::/64",
+        ])
+        .unwrap();
+        assert_eq!(args.proxy_mode, Some(ProxyMode::Ipvs));
+        assert_eq!(args.ipvs_scheduler.as_deref(), Some("wlc"));
+        assert_eq!(args.ipvs_tcp_timeout, Some(Duration::from_secs(900)));
+        assert_eq!(args.ipvs_tcpfin_timeout, Some(Duration::from_secs(120)));
+        assert_eq!(args.ipvs_udp_timeout, Some(Duration::from_secs(300)));
+        assert_eq!(args.ipvs_strict_arp, Some(true));
+        assert_eq!(args.ipvs_exclude_cidrs.map(|cidrs| cidrs.len()), Some(2));
+        let error = parse(&["--ipvs-scheduler=mh"]).unwrap_err().to_string();
+        assert!(error.contains("--ipvs-scheduler") && error.contains("rr"), "{error}");
+        assert!(parse(&["--ipvs-exclude-cidrs=10.0.0.1"]).is_err());
+    }
+
+    #[test]
     fn klog_short_verbosity_forms() {
         for argv in [&["-v=3"][..], &["-v3"], &["-v", "3"], &["--v", "3"]] {
             let args = parse(argv).unwrap();
@@ -380,8 +436,11 @@ mod tests {
             assert!(message.contains("vipr does not support"), "{message}");
             assert!(!message.contains("unexpected argument"), "{message}");
         }
-        let message = parse(&["--conntrack-min=1", "--ipvs-scheduler", "rr"]).unwrap_err().to_string();
-        assert!(message.contains("--conntrack-min") && message.contains("--ipvs-scheduler"), "{message}");
+        let message = parse(&["--conntrack-min=1", "--ipvs-masquerade-bit", "14"]).unwrap_err().to_string();
+        assert!(
+            message.contains("--conntrack-min") && message.contains("--ipvs-masquerade-bit"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -127,6 +127,8 @@ pub struct Settings {
     /// Interfaces to serve; empty means every interface but loopback.
     pub devices: Vec<String>,
     pub bpf_root: PathBuf,
+    /// `--cgroup-root`; `None`: the cgroup2 mount point.
+    pub cgroup_root: Option<PathBuf>,
     pub bpf_map_sizes: BpfMapSizes,
     pub cleanup: bool,
     /// `/healthz` and `/livez`; `None` disables the server (an empty address, as kube-proxy).
@@ -150,6 +152,9 @@ pub struct Settings {
     /// served on; empty means the node's primary addresses (kube-proxy's nftables default).
     pub node_port_addresses: Vec<NodePortAddress>,
     pub log_level: LogLevel,
+    /// kube-proxy's IPVS settings (`--ipvs-*`, the file's `ipvs` section), for
+    /// `--proxy-mode=ipvs`.
+    pub ipvs: IpvsSettings,
     /// Settings of the `--config` file that vipr does not use, as dotted paths, for the
     /// agent to warn about once logging is up.
     pub ignored_config: Vec<String>,
@@ -272,12 +277,15 @@ impl Settings {
             .or_else(|| file.logging.verbosity.map(LogLevel::from_klog_verbosity))
             .unwrap_or(LogLevel::Info);
 
+        let ipvs = IpvsSettings::resolve(args, &file)?;
+
         Ok(Self {
             proxy_mode,
             source,
             node_name,
             devices: args.devices.iter().map(|d| d.trim().to_owned()).filter(|d| !d.is_empty()).collect(),
             bpf_root: args.bpf_root.clone(),
+            cgroup_root: args.cgroup_root.clone(),
             bpf_map_sizes: BpfMapSizes::resolve(args)?,
             cleanup: args.cleanup,
             healthz_bind_address,
@@ -289,6 +297,7 @@ impl Settings {
             masquerade_all,
             node_port_addresses,
             log_level,
+            ipvs,
             ignored_config: file.ignored,
         })
     }
@@ -325,6 +334,73 @@ impl BpfMapSizes {
     }
 }
 
+/// kube-proxy's IPVS settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IpvsSettings {
+    /// One of `crate::dataplane::ipvs::SCHEDULERS`.
+    pub scheduler: String,
+    /// IPVS connection timeouts; zero keeps the kernel's.
+    pub tcp_timeout: Duration,
+    pub tcp_fin_timeout: Duration,
+    pub udp_timeout: Duration,
+    pub strict_arp: bool,
+    /// Virtual services inside these ranges are left alone.
+    pub exclude_cidrs: Vec<IpNet>,
+}
+
+impl IpvsSettings {
+    fn resolve(args: &Args, file: &KubeProxyConfiguration) -> anyhow::Result<Self> {
+        use crate::dataplane::ipvs::{DEFAULT_SCHEDULER, SCHEDULERS};
+        let section = &file.ipvs;
+        let scheduler = match &args.ipvs_scheduler {
+            Some(scheduler) => scheduler.clone(),
+            None => match section.scheduler.as_deref().map(str::trim).filter(|name| !name.is_empty()) {
+                Some(name) if SCHEDULERS.contains(&name) => name.to_owned(),
+                Some(name) => {
+                    return Err(file.invalid(
+                        "ipvs.scheduler",
+                        format!("{name:?} is not one of {}", SCHEDULERS.join(", ")),
+                    ))
+                }
+                None => DEFAULT_SCHEDULER.to_owned(),
+            },
+        };
+        let timeout =
+            |flag: Option<Duration>, field: &str, value: &Option<String>| -> anyhow::Result<Duration> {
+                match (flag, value.as_deref()) {
+                    (Some(timeout), _) => Ok(timeout),
+                    (None, Some(text)) => parse_go_duration(text).map_err(|error| file.invalid(field, error)),
+                    (None, None) => Ok(Duration::ZERO),
+                }
+            };
+        let exclude_cidrs = match &args.ipvs_exclude_cidrs {
+            Some(cidrs) => cidrs.clone(),
+            None => section
+                .exclude_cidrs
+                .iter()
+                .flatten()
+                .map(|text| {
+                    text.trim()
+                        .parse::<IpNet>()
+                        .map_err(|_| file.invalid("ipvs.excludeCIDRs", format!("{text:?} is not a CIDR")))
+                })
+                .collect::<anyhow::Result<_>>()?,
+        };
+        Ok(Self {
+            scheduler,
+            tcp_timeout: timeout(args.ipvs_tcp_timeout, "ipvs.tcpTimeout", &section.tcp_timeout)?,
+            tcp_fin_timeout: timeout(
+                args.ipvs_tcpfin_timeout,
+                "ipvs.tcpFinTimeout",
+                &section.tcp_fin_timeout,
+            )?,
+            udp_timeout: timeout(args.ipvs_udp_timeout, "ipvs.udpTimeout", &section.udp_timeout)?,
+            strict_arp: args.ipvs_strict_arp.or(section.strict_arp).unwrap_or(false),
+            exclude_cidrs,
+        })
+    }
+}
+
 /// The host name, lower-cased, as kube-proxy's default node name.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -346,7 +422,7 @@ pub struct KubeProxyConfiguration {
     #[serde(default)]
     pub iptables: ModeSettings,
     #[serde(default)]
-    pub ipvs: ModeSettings,
+    pub ipvs: IpvsSection,
     #[serde(default)]
     pub nftables: ModeSettings,
     #[serde(rename = "clusterCIDR")]
@@ -375,6 +451,22 @@ pub struct ModeSettings {
     pub sync_period: Option<String>,
     pub min_sync_period: Option<String>,
     pub masquerade_all: Option<bool>,
+}
+
+/// The `ipvs` section: the mode's periods, and kube-proxy's IPVS settings.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct IpvsSection {
+    #[serde(flatten)]
+    pub mode: ModeSettings,
+    pub scheduler: Option<String>,
+    #[serde(rename = "excludeCIDRs")]
+    pub exclude_cidrs: Option<Vec<String>>,
+    #[serde(rename = "strictARP")]
+    pub strict_arp: Option<bool>,
+    pub tcp_timeout: Option<String>,
+    pub tcp_fin_timeout: Option<String>,
+    pub udp_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -451,8 +543,8 @@ impl KubeProxyConfiguration {
         match mode {
             ProxyMode::Ipvs => ModeSection {
                 name: "ipvs",
-                sync_period: &self.ipvs.sync_period,
-                min_sync_period: &self.ipvs.min_sync_period,
+                sync_period: &self.ipvs.mode.sync_period,
+                min_sync_period: &self.ipvs.mode.min_sync_period,
                 masquerade_all: self.iptables.masquerade_all,
             },
             ProxyMode::Auto | ProxyMode::Ebpf | ProxyMode::Iptables => ModeSection {
@@ -481,8 +573,15 @@ impl KubeProxyConfiguration {
         .into_iter()
         .map(str::to_owned)
         .collect();
-        let section = self.mode_section(self.proxy_mode().unwrap_or(ProxyMode::Auto)).name;
+        let mode = self.proxy_mode().unwrap_or(ProxyMode::Auto);
+        let section = self.mode_section(mode).name;
         used.extend(["syncPeriod", "minSyncPeriod"].map(|field| format!("{section}.{field}")));
+        if mode == ProxyMode::Ipvs {
+            used.extend(
+                ["scheduler", "excludeCIDRs", "strictARP", "tcpTimeout", "tcpFinTimeout", "udpTimeout"]
+                    .map(|field| format!("ipvs.{field}")),
+            );
+        }
         used.insert("iptables.masqueradeAll".to_owned());
         used
     }
@@ -647,12 +746,16 @@ mod tests {
     #[test]
     fn bpf_map_sizes_default_to_the_compiled_capacities_and_refuse_zero() {
         let resolve = |flags: &[&str]| {
-            let args = Args::try_parse_from([&["vipr", "--services-file=/dev/null"], flags].concat()).unwrap();
+            let args =
+                Args::try_parse_from([&["vipr", "--services-file=/dev/null"], flags].concat()).unwrap();
             Settings::resolve(&args).map(|settings| settings.bpf_map_sizes)
         };
         assert_eq!(resolve(&[]).unwrap(), BpfMapSizes::default());
         let sizes = resolve(&["--bpf-services-max=1024", "--bpf-flows-max=4096"]).unwrap();
-        assert_eq!((sizes.services, sizes.backends, sizes.flows), (1024, BpfMapSizes::default().backends, 4096));
+        assert_eq!(
+            (sizes.services, sizes.backends, sizes.flows),
+            (1024, BpfMapSizes::default().backends, 4096)
+        );
         let error = resolve(&["--bpf-backends-max=0"]).unwrap_err().to_string();
         assert!(error.contains("--bpf-backends-max"), "{error}");
     }
@@ -847,6 +950,43 @@ logging:
         let settings = self::settings(&[&file.arg(), "--kubeconfig=/other", "--masquerade-all"]).unwrap();
         assert_eq!(settings.source, SourceSettings::Kubernetes { kubeconfig: Some("/other".into()) });
         assert!(settings.masquerade_all);
+    }
+
+    #[test]
+    fn ipvs_settings_come_from_flags_over_the_file() {
+        let file = ConfigFile::new(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: ipvs\n\
+             ipvs:\n  syncPeriod: 20s\n  scheduler: sh\n  strictARP: true\n  tcpTimeout: 15m\n  \
+             excludeCIDRs: [10.0.0.0/8]\n",
+        );
+        let settings = settings(&[&file.arg()]).unwrap();
+        assert_eq!(settings.proxy_mode, ProxyMode::Ipvs);
+        assert_eq!(settings.sync_period, Duration::from_secs(20));
+        assert!(settings.ignored_config.is_empty(), "{:?}", settings.ignored_config);
+        assert_eq!(
+            settings.ipvs,
+            IpvsSettings {
+                scheduler: "sh".into(),
+                tcp_timeout: Duration::from_secs(900),
+                tcp_fin_timeout: Duration::ZERO,
+                udp_timeout: Duration::ZERO,
+                strict_arp: true,
+                exclude_cidrs: vec!["10.0.0.0/8".parse().unwrap()],
+            }
+        );
+        let flags = self::settings(&[
+            &file.arg(),
+            "--ipvs-scheduler=rr",
+            "--ipvs-strict-arp=false",
+            "--ipvs-exclude-cidrs=fd00::/64",
+        ])
+        .unwrap();
+        assert_eq!((flags.ipvs.scheduler.as_str(), flags.ipvs.strict_arp), ("rr", false));
+        assert_eq!(flags.ipvs.exclude_cidrs, vec!["fd00::/64".parse::<IpNet>().unwrap()]);
+        let defaults = self::settings(&[]).unwrap().ipvs;
+        assert_eq!((defaults.scheduler.as_str(), defaults.tcp_timeout), ("rr", Duration::ZERO));
+        let bad = ConfigFile::new("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nipvs: {scheduler: fancy}\n");
+        assert!(format!("{:#}", self::settings(&[&bad.arg()]).unwrap_err()).contains("ipvs.scheduler"));
     }
 
     #[test]

@@ -121,7 +121,11 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, name: &str, stop: &Atom
                 line.clear();
             }
             Ok(_) => {}
-            Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
             Err(_) => return,
         }
     }
@@ -136,7 +140,11 @@ fn serve_udp(socket: &UdpSocket, name: &str, stop: &AtomicBool) {
                     eprintln!("testbed: {name}: cannot answer {peer}: {error}");
                 }
             }
-            Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
             Err(error) => {
                 eprintln!("testbed: {name}: udp receive failed: {error}");
                 return;

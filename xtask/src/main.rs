@@ -1,7 +1,9 @@
 //! vipr's developer and CI tasks: `cargo xtask <task>` (see `cargo xtask --help`).
+mod bench;
 mod cmd;
 mod setup;
 mod steps;
+mod uml;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -47,6 +49,23 @@ enum Task {
         /// Passed on to vipr-conformance (e.g. `--filter TEXT`, `--logs DIR`).
         #[arg(last = true)]
         runner_args: Vec<OsString>,
+    },
+    /// Run benchmark suites (needs root): `datapath`, `control-plane` or `all`. A full run
+    /// rewrites docs/benchmarks.md and its plots in docs/bench/; `--quick` is a short smoke run
+    /// into target/bench-quick/.
+    Bench(bench::BenchArgs),
+    /// Run a command as root inside a User-Mode Linux guest (a 6.1 kernel with IPVS, booted as
+    /// a process, with this machine's / as its root); exits with the command's exit code.
+    Uml {
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 1024)]
+        memory: u32,
+        /// Kill the guest after this many seconds.
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
+        /// The command and its arguments, e.g. `cargo xtask uml -- ipvsadm -Ln`.
+        #[arg(required = true, last = true)]
+        command: Vec<OsString>,
     },
 }
 
@@ -144,6 +163,8 @@ fn run(task: Task) -> Result<ExitCode> {
         Task::Conformance { mode, paths, runner_args } => {
             return conformance(&workspace, &mode, &paths, &runner_args)
         }
+        Task::Bench(args) => return bench::run(&workspace, &args),
+        Task::Uml { memory, timeout, command } => return run_in_uml(&workspace, memory, timeout, &command),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -192,6 +213,18 @@ fn conformance(
             .args(paths),
     )?;
     Ok(exit_code_of(status))
+}
+
+fn run_in_uml(workspace: &Workspace, memory_mb: u32, timeout: u64, command: &[OsString]) -> Result<ExitCode> {
+    setup::all(setup::Mode::Install)?;
+    let options = uml::Options {
+        memory_mb,
+        timeout: std::time::Duration::from_secs(timeout),
+        run_base: Some(workspace.target_dir().join("uml")),
+        ..uml::Options::default()
+    };
+    let outcome = uml::run(command, &options)?;
+    Ok(ExitCode::from(u8::try_from(outcome.code).unwrap_or(1)))
 }
 
 /// The exit code a shell would report for `status`, so callers see the demo's own result.

@@ -11,10 +11,23 @@ use crate::cmd::{self, ProbeFailure};
 
 /// Debian packages the tests and the demo shell out to: network namespaces and links
 /// (iproute2), the netfilter baselines vipr is compared with (iptables, ipset, conntrack),
-/// inspecting loaded programs and maps (bpftool), traffic (tcpdump, socat), and process and
-/// sysctl tools (procps, kmod).
-const DEBIAN_PACKAGES: &[&str] =
-    &["bpftool", "iptables", "ipset", "iproute2", "conntrack", "tcpdump", "socat", "procps", "kmod"];
+/// inspecting loaded programs and maps (bpftool), traffic (tcpdump, socat), process and
+/// sysctl tools (procps, kmod), and a User-Mode Linux kernel with IPVS for the ipvs mode's
+/// tests (user-mode-linux, see uml.rs).
+const DEBIAN_PACKAGES: &[&str] = &[
+    "bpftool",
+    "iptables",
+    "ipset",
+    "iproute2",
+    "conntrack",
+    "tcpdump",
+    "socat",
+    "procps",
+    "kmod",
+    "user-mode-linux",
+    // The benchmark plots' font.
+    "fonts-dejavu-core",
+];
 
 /// The eBPF crate needs nightly for `-Z build-std=core`; this is the toolchain whose libLLVM
 /// bpf-linker is built against, so both always agree on the LLVM version.

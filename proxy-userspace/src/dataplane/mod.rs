@@ -4,6 +4,8 @@ use std::fmt;
 use crate::model::DesiredState;
 
 pub mod ebpf;
+pub mod iptables;
+pub mod ipvs;
 
 /// What a sync did. Frontends a dataplane cannot express are skipped and reported, never
 /// fatal.

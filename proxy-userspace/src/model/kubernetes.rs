@@ -272,13 +272,29 @@ fn categorize(endpoints: &[EndpointSpec]) -> Categorized {
     }
 }
 
+/// A dual-stack service is two services to kube-proxy, one per family (each family has its
+/// own proxier): endpoints, the local-traffic detector, source ranges and the DROP/REJECT
+/// choice are all judged within the frontend's family.
 fn frontends(
     port: &ServicePortSpec,
     endpoints: &[EndpointSpec],
     node: &NodeContext,
 ) -> Vec<(Frontend, FrontendEntry)> {
+    [true, false].into_iter().flat_map(|ipv4| family_frontends(port, endpoints, node, ipv4)).collect()
+}
+
+fn family_frontends(
+    port: &ServicePortSpec,
+    endpoints: &[EndpointSpec],
+    node: &NodeContext,
+    ipv4: bool,
+) -> Vec<(Frontend, FrontendEntry)> {
+    let in_family = |ip: &IpAddr| ip.is_ipv4() == ipv4;
     let service = &port.service;
-    let endpoints = categorize(endpoints);
+    let endpoints: Vec<EndpointSpec> =
+        endpoints.iter().filter(|e| in_family(&e.backend.ip)).cloned().collect();
+    let endpoints = categorize(&endpoints);
+    let has_detector = node.cluster_cidrs.iter().any(|cidr| in_family(&cidr.addr()));
     // No usable endpoint anywhere is the client's business; none allowed from here is not.
     let when_policy_empty = if endpoints.any_usable { WhenEmpty::Drop } else { WhenEmpty::Reject };
     let treatment = |backends: &Arc<[Backend]>, masquerade: bool| Treatment {
@@ -302,7 +318,7 @@ fn frontends(
         if service.internal_policy == TrafficPolicy::Local { &endpoints.local } else { &endpoints.cluster };
     // Without a detector no source is known to be a pod, so none is masqueraded for being
     // outside the pod network.
-    let masquerade_non_pods = node.masquerade_all || !node.cluster_cidrs.is_empty();
+    let masquerade_non_pods = node.masquerade_all || has_detector;
     let cluster_ip_entry = entry(
         FrontendKind::ClusterIp,
         treatment(internal_backends, node.masquerade_all),
@@ -318,7 +334,7 @@ fn frontends(
         TrafficPolicy::Local => entry(
             kind,
             // Pods keep their address and use every endpoint: they are inside the cluster.
-            if node.cluster_cidrs.is_empty() {
+            if !has_detector {
                 treatment(&endpoints.local, false)
             } else {
                 treatment(&endpoints.cluster, false)
@@ -330,19 +346,23 @@ fn frontends(
         ),
     };
 
-    let mut frontends: Vec<(Frontend, FrontendEntry)> =
-        service.cluster_ips.iter().map(|ip| (frontend(*ip, port.port), cluster_ip_entry.clone())).collect();
-    for ip in &service.external_ips {
+    let mut frontends: Vec<(Frontend, FrontendEntry)> = service
+        .cluster_ips
+        .iter()
+        .filter(|ip| in_family(ip))
+        .map(|ip| (frontend(*ip, port.port), cluster_ip_entry.clone()))
+        .collect();
+    for ip in service.external_ips.iter().filter(|ip| in_family(ip)) {
         frontends.push((frontend(*ip, port.port), external_entry(FrontendKind::ExternalIp)));
     }
-    let allowed_sources = allowed_load_balancer_sources(service, node);
-    for ip in &service.load_balancer_ips {
+    let allowed_sources = allowed_load_balancer_sources(service, node, ipv4);
+    for ip in service.load_balancer_ips.iter().filter(|ip| in_family(ip)) {
         let mut entry = external_entry(FrontendKind::LoadBalancer);
         entry.allowed_sources = allowed_sources.clone();
         frontends.push((frontend(*ip, port.port), entry));
     }
     if let Some(node_port) = port.node_port {
-        for ip in &node.node_port_ips {
+        for ip in node.node_port_ips.iter().filter(|ip| in_family(ip)) {
             frontends.push((frontend(*ip, node_port), external_entry(FrontendKind::NodePort)));
         }
     }
@@ -352,10 +372,13 @@ fn frontends(
 /// The source ranges, plus the load-balancer IPs themselves when a range admits the node: a
 /// node that reaches its own load-balancer IP (routed back locally) arrives with that IP as
 /// source.
-fn allowed_load_balancer_sources(service: &ServiceSpec, node: &NodeContext) -> Vec<IpNet> {
-    let mut allowed = service.source_ranges.clone();
+fn allowed_load_balancer_sources(service: &ServiceSpec, node: &NodeContext, ipv4: bool) -> Vec<IpNet> {
+    let mut allowed: Vec<IpNet> =
+        service.source_ranges.iter().filter(|range| range.addr().is_ipv4() == ipv4).copied().collect();
     if allowed.iter().any(|range| node.primary_ips.iter().any(|ip| range.contains(ip))) {
-        allowed.extend(service.load_balancer_ips.iter().map(|ip| IpNet::from(*ip)));
+        allowed.extend(
+            service.load_balancer_ips.iter().filter(|ip| ip.is_ipv4() == ipv4).map(|ip| IpNet::from(*ip)),
+        );
     }
     allowed
 }

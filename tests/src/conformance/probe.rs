@@ -19,8 +19,11 @@ use crate::Answer;
 
 /// How long a connection that should work may take.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_millis(1500);
-/// How long a REJECT may take to arrive.
-pub const REJECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a REJECT may take to arrive. Over a second: an IPv6 TCP client that gets the
+/// ICMPv6 error while connect() still holds its socket only counts it as a soft error
+/// (TcpExtLockDroppedIcmps) and is refused on the SYN retransmission a second later; Linux's
+/// own ip6tables REJECT behaves the same.
+pub const REJECT_TIMEOUT: Duration = Duration::from_millis(2500);
 /// How long a DROP is waited for: no answer in this time is a drop.
 pub const DROP_TIMEOUT: Duration = Duration::from_secs(1);
 /// New connections per DNAT flow: at least this many...

@@ -19,6 +19,7 @@ use super::{
     case::{case_files, Case, CaseFile, Flow, IpFamily, Node, Protocol, Stage, Verdict},
     differences::{expectation, KnownDifference},
     flags::{vipr_args, Mode},
+    ipvs::{ipvs_difference_of, IpvsDifference},
     lab::{CaseLab, LabPlan, LeafPlan, Place, Side},
     model::Outcome,
     objects,
@@ -109,13 +110,30 @@ struct Job<'a> {
     flow: &'a Flow,
     expect: Outcome,
     known: Option<&'static KnownDifference>,
+    /// In ipvs mode: where it does what kube-proxy's IPVS mode does.
+    ipvs: Option<&'static IpvsDifference>,
     skip: Option<String>,
+}
+
+impl Job<'_> {
+    /// Where the outcome checked is not the recorded one: whose outcome it is (nftables,
+    /// ipvs), what the file records, and why.
+    fn difference(&self) -> Option<(&'static str, Verdict, &'static str)> {
+        match (self.ipvs, self.known) {
+            (Some(ipvs), _) => Some(("ipvs", ipvs.recorded, ipvs.why)),
+            (None, Some(known)) => Some(("nftables", known.recorded, known.why)),
+            (None, None) => None,
+        }
+    }
 }
 
 /// Runs every case of `paths`, printing one line per flow as results come; returns the
 /// counts. Cases run one after the other, each on a fresh lab.
 pub fn run(paths: &[PathBuf], options: &Options) -> Result<Summary> {
     crate::require_root()?;
+    if super::ipvs::needs_guest(options.mode) {
+        return super::ipvs::run_in_guest(paths, options);
+    }
     let mut summary = Summary::default();
     let mut report = |result: FlowResult| {
         summary.add(&result);
@@ -139,8 +157,12 @@ pub fn run(paths: &[PathBuf], options: &Options) -> Result<Summary> {
 }
 
 fn machine_skip(mode: Mode, flow: &Flow) -> Option<String> {
-    if mode == Mode::Ipvs && !Path::new("/proc/net/ip_vs").exists() {
-        return Some("this kernel has no IPVS (CONFIG_IP_VS is not set)".to_owned());
+    if mode == Mode::Ipvs && !super::ipvs::host_has_ipvs() {
+        return Some(
+            "this kernel has no IPVS (CONFIG_IP_VS is not set), and no User-Mode Linux kernel is installed \
+             to run the cases in (`cargo xtask setup` installs one)"
+                .to_owned(),
+        );
     }
     if flow.protocol == Protocol::SCTP && !sctp_supported() {
         return Some(
@@ -178,22 +200,27 @@ fn run_case(
             if options.filter.as_ref().is_some_and(|filter| !line.contains(filter.as_str())) {
                 continue;
             }
-            let (expect, known) = expectation(file, case, stage, flow)?;
-            jobs.push(Job {
-                stage: stage_index,
-                flow,
-                expect,
-                known,
-                skip: machine_skip(options.mode, flow),
-            });
+            let (mut expect, known) = expectation(file, case, stage, flow)?;
+            let mut skip = machine_skip(options.mode, flow);
+            let ipvs =
+                (options.mode == Mode::Ipvs).then(|| ipvs_difference_of(file, case, stage, flow)).flatten();
+            if let Some(ipvs) = ipvs {
+                match ipvs.outcome(flow)? {
+                    Some(outcome) => expect = outcome,
+                    None => {
+                        skip = skip.or_else(|| Some("not reproducible on this lab in ipvs mode".to_owned()))
+                    }
+                }
+            }
+            jobs.push(Job { stage: stage_index, flow, expect, known, ipvs, skip });
         }
     }
     if jobs.is_empty() {
         return Ok(());
     }
     let result = |job: &Job, status, reason: String| {
-        let verdict = match job.known {
-            Some(known) => format!("{}(nftables;file:{})", job.expect.verdict, known.recorded),
+        let verdict = match job.difference() {
+            Some((whose, recorded, _)) => format!("{}({whose};file:{recorded})", job.expect.verdict),
             None => job.expect.verdict.to_string(),
         };
         FlowResult {
@@ -209,8 +236,8 @@ fn run_case(
     };
     let skip_reason = |job: &Job| {
         let skip = job.skip.clone().unwrap_or_default();
-        match job.known {
-            Some(known) => format!("{skip} [{}]", known.why),
+        match job.difference() {
+            Some((_, _, why)) => format!("{skip} [{why}]"),
             None => skip,
         }
     };
@@ -523,8 +550,8 @@ fn check_stage(
                         Ok(Err(reason)) => (Status::Fail, reason),
                         Err(error) => (Status::Fail, format!("testbed: {error:#}")),
                     };
-                    if let Some(known) = job.known {
-                        reported.1 = format!("{} [{}]", reported.1, known.why);
+                    if let Some((_, _, why)) = job.difference() {
+                        reported.1 = format!("{} [{why}]", reported.1);
                     }
                     reported
                 })

@@ -1,12 +1,18 @@
-//! Attaching the TC program to devices so that it stays attached without the agent.
-use std::{io, path::Path};
+//! Attaching the TC program to devices, and the socket-level load balancer's programs to the
+//! cgroup root, so that they stay attached without the agent.
+use std::{
+    fs::File,
+    io,
+    os::{fd::AsFd as _, unix::fs::MetadataExt as _},
+    path::Path,
+};
 
 use anyhow::Context as _;
 use aya::{
     programs::{
         links::{FdLink, LinkError, PinnedLink},
         tc::{self, SchedClassifierLink, TcAttachOptions},
-        LinkOrder, SchedClassifier, TcAttachType,
+        CgroupAttachMode, CgroupSockAddr, LinkOrder, SchedClassifier, TcAttachType,
     },
     sys::SyscallError,
 };
@@ -91,7 +97,8 @@ pub fn detach_stale_links(pin_dir: &PinDir, devices: &[String]) -> anyhow::Resul
     for entry in std::fs::read_dir(pin_dir.links())? {
         let path = entry?.path();
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        if devices.contains(&name) {
+        // The cgroup hooks' links live here too; their own code keeps them (see below).
+        if devices.contains(&name) || is_cgroup_link(&path) {
             continue;
         }
         match PinnedLink::from_pin(&path) {
@@ -101,4 +108,191 @@ pub fn detach_stale_links(pin_dir: &PinDir, devices: &[String]) -> anyhow::Resul
         info!(device = name, "detached from a device no longer in --devices");
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// cgroup hooks of the socket-level load balancer (node traffic). Each program is attached to
+// the cgroup v2 root through a BPF link (links on a cgroup always allow several programs, so
+// other tools' programs and other vipr instances' stay), pinned as
+// `<bpf-root>/vipr/links/cgroup-<hook>`, and adopted and updated across restarts like the TCX
+// links.
+
+/// How a cgroup hook was attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CgroupAttachment {
+    /// The link an earlier agent pinned now runs this program (swapped atomically).
+    Updated,
+    /// A new link, pinned.
+    Attached,
+}
+
+/// Attaches `program` to the cgroup at `cgroup` through a link pinned at `link_pin`. A link
+/// pinned by an earlier agent on the same cgroup is updated in place (`BPF_LINK_UPDATE`: no
+/// system call sees the hook missing); one on another cgroup (`--cgroup-root` changed) or whose
+/// cgroup is gone is replaced.
+pub fn attach_cgroup(
+    program: &mut CgroupSockAddr,
+    cgroup: &Path,
+    link_pin: &Path,
+) -> anyhow::Result<CgroupAttachment> {
+    let cgroup_dir =
+        File::open(cgroup).with_context(|| format!("cannot open cgroup {}", cgroup.display()))?;
+    // A cgroup v2 directory's inode number is the cgroup id the kernel reports for links.
+    let cgroup_id = cgroup_dir.metadata()?.ino();
+    match bpf_sys::open_pinned(link_pin) {
+        Ok(link) => {
+            match bpf_sys::cgroup_link_target(link.as_fd()) {
+                Ok(Some(target)) if target == cgroup_id => {
+                    match bpf_sys::link_update(link.as_fd(), program.fd()?.as_fd()) {
+                        Ok(()) => return Ok(CgroupAttachment::Updated),
+                        Err(error) => {
+                            warn!(pin = %link_pin.display(), %error, "the pinned link cannot be updated; attaching anew")
+                        }
+                    }
+                }
+                Ok(target) => {
+                    info!(pin = %link_pin.display(), ?target, cgroup_id, "the pinned link is on another cgroup; replacing it")
+                }
+                Err(error) => warn!(pin = %link_pin.display(), %error, "not a readable link; replacing it"),
+            }
+            drop(link);
+            std::fs::remove_file(link_pin)
+                .with_context(|| format!("cannot remove {}", link_pin.display()))?;
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error).with_context(|| format!("cannot open {}", link_pin.display())),
+    }
+    // Mode Single means no flags: the kernel refuses any on a link, and a link never excludes
+    // other programs.
+    let id = program
+        .attach(&cgroup_dir, CgroupAttachMode::Single)
+        .with_context(|| format!("cannot attach to cgroup {}", cgroup.display()))?;
+    let link: FdLink = program.take_link(id)?.try_into()?;
+    link.pin(link_pin).with_context(|| format!("cannot pin the link at {}", link_pin.display()))?;
+    Ok(CgroupAttachment::Attached)
+}
+
+/// Detaches cgroup links pinned under `links/` other than `keep` (hooks of an earlier version,
+/// or all of them when host traffic is not balanced any more).
+pub fn detach_stale_cgroup_links(pin_dir: &PinDir, keep: &[&str]) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(pin_dir.links())? {
+        let path = entry?.path();
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if keep.contains(&name.as_str()) || !is_cgroup_link(&path) {
+            continue;
+        }
+        std::fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+        info!(link = name, "detached a cgroup hook that is no longer used");
+    }
+    Ok(())
+}
+
+/// Whether `pin` is a pinned link on a cgroup.
+fn is_cgroup_link(pin: &Path) -> bool {
+    bpf_sys::open_pinned(pin)
+        .and_then(|link| bpf_sys::cgroup_link_target(link.as_fd()))
+        .is_ok_and(|target| target.is_some())
+}
+
+/// The few bpf(2) commands aya 0.14 does not offer for cgroup links: opening a pin as a plain
+/// descriptor, reading a link's cgroup, and swapping a link's program.
+mod bpf_sys {
+    use std::{
+        ffi::CString,
+        io,
+        os::{
+            fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+            unix::ffi::OsStrExt as _,
+        },
+        path::Path,
+    };
+
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    const BPF_LINK_UPDATE: libc::c_long = 29;
+    const BPF_LINK_TYPE_CGROUP: u32 = 3;
+
+    fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
+        // SAFETY: `attr` is a bpf_attr prefix for `cmd`, valid for its size; the kernel zero-fills
+        // the rest of the union.
+        let result =
+            unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), std::mem::size_of::<T>()) };
+        if result < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(result)
+        }
+    }
+
+    #[repr(C)]
+    #[derive(Default)]
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        pad: u32,
+    }
+
+    /// A descriptor of the object pinned at `path`.
+    pub fn open_pinned(path: &Path) -> io::Result<OwnedFd> {
+        let path = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+        let mut attr = ObjGet { pathname: path.as_ptr() as u64, ..ObjGet::default() };
+        let fd = bpf(BPF_OBJ_GET, &mut attr)?;
+        // SAFETY: the kernel returned a new descriptor that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    }
+
+    #[repr(C)]
+    #[derive(Default)]
+    struct InfoByFd {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+
+    /// The start of `struct bpf_link_info` with its `cgroup` member.
+    #[repr(C)]
+    #[derive(Default)]
+    struct LinkInfo {
+        link_type: u32,
+        id: u32,
+        prog_id: u32,
+        pad: u32,
+        cgroup_id: u64,
+        attach_type: u32,
+        rest: [u32; 9],
+    }
+
+    /// `Some(cgroup id)` (0 if its cgroup is gone) for a cgroup link, `None` for another link;
+    /// an error for a descriptor that is no link.
+    pub fn cgroup_link_target(link: BorrowedFd<'_>) -> io::Result<Option<u64>> {
+        let mut info = LinkInfo::default();
+        let mut attr = InfoByFd {
+            bpf_fd: link.as_raw_fd() as u32,
+            info_len: std::mem::size_of::<LinkInfo>() as u32,
+            info: std::ptr::from_mut(&mut info) as u64,
+        };
+        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+        Ok((info.link_type == BPF_LINK_TYPE_CGROUP).then_some(info.cgroup_id))
+    }
+
+    #[repr(C)]
+    struct LinkUpdate {
+        link_fd: u32,
+        new_prog_fd: u32,
+        flags: u32,
+        old_prog_fd: u32,
+    }
+
+    /// Makes `link` run `program` instead of its current one, atomically.
+    pub fn link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<()> {
+        let mut attr = LinkUpdate {
+            link_fd: link.as_raw_fd() as u32,
+            new_prog_fd: program.as_raw_fd() as u32,
+            flags: 0,
+            old_prog_fd: 0,
+        };
+        bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+    }
 }

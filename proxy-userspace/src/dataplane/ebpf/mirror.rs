@@ -38,11 +38,8 @@ impl<K: Pod + Ord, V: Pod + Eq> KeyedMap for HashMap<MapData, K, V> {
     }
 }
 
-impl<const N: usize, V: Pod + Eq> KeyedMap for LpmTrie<MapData, [u8; N], V>
-where
-    [u8; N]: Pod,
-{
-    type Key = (u32, [u8; N]);
+impl<K: Pod + Ord, V: Pod + Eq> KeyedMap for LpmTrie<MapData, K, V> {
+    type Key = (u32, K);
     type Value = V;
 
     fn put(&mut self, (prefix_len, data): &Self::Key, value: &V) -> Result<(), MapError> {

@@ -7,18 +7,14 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Context as _};
-use aya::{
-    maps::{HashMap, LpmTrie, MapData},
-    programs::SchedClassifier,
-    Ebpf, EbpfLoader,
-};
-use proxy_common::{pins, Backend4, BackendSlot, Service, ServiceKey4};
+use aya::{maps::MapData, programs::SchedClassifier, Ebpf, EbpfLoader};
+use proxy_common::pins;
 use tracing::{debug, info, warn};
 
 use self::{
     encode::{encode, ServiceIds},
-    mirror::{log_read_error, Mirrored},
-    plan::{plan, unused_sets, Programmed, SetIds},
+    family::{Family, V4, V6},
+    family_maps::FamilyMaps,
 };
 use super::{Dataplane, SyncReport};
 use crate::config::BpfMapSizes;
@@ -26,6 +22,8 @@ use crate::model::DesiredState;
 
 mod attach;
 mod encode;
+mod family;
+mod family_maps;
 mod mirror;
 mod pin_dir;
 pub mod plan;
@@ -49,15 +47,10 @@ pub struct EbpfDataplane {
     reaper: reaper::Reaper,
     /// No sync has run since the agent started.
     first_sync: bool,
-    services: HashMap<MapData, ServiceKey4, Service>,
-    backends: HashMap<MapData, BackendSlot, Backend4>,
-    programmed: Programmed,
-    set_ids: SetIds,
     service_ids: ServiceIds,
-    node_ips: Mirrored<HashMap<MapData, [u8; 4], u8>>,
-    pod_cidrs: Mirrored<LpmTrie<MapData, [u8; 4], u8>>,
-    unmatched: Mirrored<LpmTrie<MapData, [u8; 4], u8>>,
-    source_ranges: Mirrored<LpmTrie<MapData, [u8; 8], u8>>,
+    /// Each family's services, backends and classification maps.
+    v4: FamilyMaps<V4>,
+    v6: FamilyMaps<V6>,
     /// The socket-level load balancer's settings; `None` when it is not attached.
     host_traffic: Option<HostTraffic>,
 }
@@ -75,16 +68,20 @@ impl EbpfDataplane {
         let pin_dir = PinDir::new(&options.bpf_root);
         pin_dir.create(&options.bpf_root)?;
         let sizes = options.map_sizes;
-        let wanted_sizes =
-            [(pins::SERVICES4, sizes.services), (pins::BACKENDS4, sizes.backends), (pins::FLOWS4, sizes.flows)];
+        // The sizes apply to both families' maps.
+        let wanted_sizes = [V4::MAPS, V6::MAPS].map(|maps| {
+            [(maps.services, sizes.services), (maps.backends, sizes.backends), (maps.flows, sizes.flows)]
+        });
+        let wanted_sizes = wanted_sizes.as_flattened();
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir.path());
-        for (map, size) in wanted_sizes {
+        for &(map, size) in wanted_sizes {
             loader.map_max_entries(map, size);
         }
-        let mut ebpf =
-            loader.load(crate::EBPF_OBJECT).context("cannot load vipr's eBPF object (is this a kernel with BPF and BTF?)")?;
-        warn_about_kept_sizes(&ebpf, &wanted_sizes);
+        let mut ebpf = loader
+            .load(crate::EBPF_OBJECT)
+            .context("cannot load vipr's eBPF object (is this a kernel with BPF and BTF?)")?;
+        warn_about_kept_sizes(&ebpf, wanted_sizes);
 
         let program: &mut SchedClassifier = ebpf
             .program_mut(pins::TC_INGRESS_PROGRAM)
@@ -99,34 +96,21 @@ impl EbpfDataplane {
         attach::detach_stale_links(&pin_dir, &options.devices)?;
         let host_traffic = HostTraffic::start(&mut ebpf, &pin_dir, host)?;
 
-        let services: HashMap<MapData, ServiceKey4, Service> = take_map(&mut ebpf, pins::SERVICES4)?;
-        let backends: HashMap<MapData, BackendSlot, Backend4> = take_map(&mut ebpf, pins::BACKENDS4)?;
-        let programmed = Programmed::from_entries(
-            services.iter().filter_map(log_read_error),
-            backends.iter().filter_map(log_read_error),
-        );
         let mut service_ids = ServiceIds::default();
-        for (key, service) in &programmed.services {
-            service_ids.adopt(key, service.service_id);
-        }
-        if !programmed.services.is_empty() {
-            info!(entries = programmed.services.len(), "adopted the pinned datapath");
-        }
+        let v4 = FamilyMaps::adopt(&mut ebpf, &mut service_ids)?;
+        let v6 = FamilyMaps::adopt(&mut ebpf, &mut service_ids)?;
         Ok(Self {
-            node_ips: Mirrored::adopt(take_map(&mut ebpf, pins::NODE_IPS4)?),
-            pod_cidrs: Mirrored::adopt(take_map(&mut ebpf, pins::POD_CIDRS4)?),
-            unmatched: Mirrored::adopt(take_map(&mut ebpf, pins::UNMATCHED4)?),
-            source_ranges: Mirrored::adopt(take_map(&mut ebpf, pins::SOURCE_RANGES4)?),
-            reaper: reaper::Reaper::start(pin_dir.path().join(pins::FLOWS4)),
+            v4,
+            v6,
+            reaper: reaper::Reaper::start(
+                pin_dir.path().join(pins::FLOWS4),
+                pin_dir.path().join(pins::FLOWS6),
+            ),
             first_sync: true,
             ebpf,
             pin_dir,
             devices: options.devices.clone(),
-            services,
-            backends,
-            set_ids: SetIds::after(&programmed),
             service_ids,
-            programmed,
             host_traffic,
         })
     }
@@ -139,78 +123,6 @@ impl EbpfDataplane {
         }
         PinDir::new(bpf_root).remove_all()?;
         Ok(())
-    }
-
-    fn fill_set(&mut self, set: u32, backends: &[Backend4]) -> anyhow::Result<()> {
-        for (slot, backend) in backends.iter().enumerate() {
-            let slot = BackendSlot { backend_set: set, slot: slot as u32 };
-            self.backends
-                .insert(slot, backend, 0)
-                .context("cannot store a backend slot (is the backends map full?)")?;
-        }
-        Ok(())
-    }
-
-    /// Best effort: a slot that cannot be deleted is harmless (no service points to it) and
-    /// is found again as unused when the agent restarts.
-    fn clear_set(&mut self, set: u32, slots: u32) {
-        for slot in 0..slots {
-            if let Err(error) =
-                mirror::KeyedMap::delete(&mut self.backends, &BackendSlot { backend_set: set, slot })
-            {
-                warn!(set, slot, %error, "cannot delete a retired backend slot");
-            }
-        }
-        self.programmed.sets.remove(&set);
-    }
-
-    /// Services and backends: fill new sets, switch entries, delete entries, clear sets no
-    /// entry uses any more.
-    fn sync_services(
-        &mut self,
-        wanted: &std::collections::BTreeMap<ServiceKey4, plan::WantedService>,
-        report: &mut SyncReport,
-    ) {
-        let plan = plan(&self.programmed, wanted, &mut self.set_ids);
-        let mut failed_sets = Vec::new();
-        for (set, backends) in &plan.fills {
-            match self.fill_set(*set, backends) {
-                Ok(()) => {
-                    self.programmed.sets.insert(*set, backends.clone());
-                }
-                Err(error) => {
-                    report.failed.push(format!("backend set of {} backends: {error:#}", backends.len()));
-                    // Not recorded as programmed: the slots written so far are cleared now.
-                    self.clear_set(*set, backends.len() as u32);
-                    failed_sets.push(*set);
-                }
-            }
-        }
-        for (key, service) in &plan.stores {
-            if failed_sets.contains(&service.backend_set) {
-                // The entry keeps its old value, which still points to a complete set.
-                continue;
-            }
-            match self.services.insert(key, service, 0) {
-                Ok(()) => {
-                    self.programmed.services.insert(*key, *service);
-                    report.changed += 1;
-                }
-                Err(error) => report.failed.push(format!("service entry {key:?}: {error}")),
-            }
-        }
-        for key in &plan.deletes {
-            match mirror::KeyedMap::delete(&mut self.services, key) {
-                Ok(()) => {
-                    self.programmed.services.remove(key);
-                    report.changed += 1;
-                }
-                Err(error) => report.failed.push(format!("deleting service entry {key:?}: {error}")),
-            }
-        }
-        for (set, slots) in unused_sets(&self.programmed) {
-            self.clear_set(set, slots);
-        }
     }
 }
 
@@ -257,17 +169,11 @@ impl Dataplane for EbpfDataplane {
         }
         // Classification and filtering maps first: a new service entry must never be matched
         // with the previous state's source classes or ranges.
-        for (name, (changed, failures)) in [
-            ("node addresses", self.node_ips.sync(&wanted.node_ips)),
-            ("pod CIDRs", self.pod_cidrs.sync(&wanted.pod_cidrs)),
-            ("source ranges", self.source_ranges.sync(&wanted.source_ranges)),
-            ("unmatched destinations", self.unmatched.sync(&wanted.unmatched)),
-        ] {
-            report.changed += changed;
-            report.failed.extend(failures.into_iter().map(|failure| format!("{name}: {failure}")));
-        }
+        self.v4.sync_classifiers(&wanted.v4, &mut report);
+        self.v6.sync_classifiers(&wanted.v6, &mut report);
         self.reaper.keep(&state.listed_endpoints);
-        self.sync_services(&wanted.services, &mut report);
+        self.v4.sync_services(&wanted.v4, &mut report);
+        self.v6.sync_services(&wanted.v6, &mut report);
         self.reaper.keep_only(&state.listed_endpoints);
         if std::mem::take(&mut self.first_sync) {
             // Endpoints may have gone while no agent ran.
@@ -330,9 +236,15 @@ struct HostTraffic {
 impl HostTraffic {
     /// Writes the settings (this namespace's cookie first: until then the programs act on no
     /// socket), loads the four programs and attaches them to the cgroup root, adopting the
-    /// links an earlier agent pinned. Without a cgroup v2 hierarchy the node's own traffic is
-    /// not balanced, which is logged, and any earlier hooks are detached.
-    fn start(ebpf: &mut Ebpf, pin_dir: &PinDir, options: &HostTrafficOptions) -> anyhow::Result<Option<Self>> {
+    /// links an earlier agent pinned. Without a cgroup v2 hierarchy, or on a kernel that refuses
+    /// the programs (they need 5.18: `bpf_set_retval`), the node's own traffic is not balanced:
+    /// that is logged, any earlier hooks are detached, and the TC datapath serves on. Only a
+    /// `--cgroup-root` given explicitly that cannot be used is an error.
+    fn start(
+        ebpf: &mut Ebpf,
+        pin_dir: &PinDir,
+        options: &HostTrafficOptions,
+    ) -> anyhow::Result<Option<Self>> {
         use proxy_common::sock;
 
         let cgroup_root = match &options.cgroup_root {
@@ -349,23 +261,28 @@ impl HostTraffic {
                 }
             },
         };
-        let mut config_map: aya::maps::Array<MapData, proxy_common::SockConfig> = take_map(ebpf, sock::CONFIG)?;
-        let config = proxy_common::SockConfig {
-            netns_cookie: netns_cookie().context("cannot read this network namespace's cookie (SO_NETNS_COOKIE)")?,
-            default_source4: default_source4(),
-            pad: 0,
+        let mut config_map: aya::maps::Array<MapData, proxy_common::SockConfig> =
+            take_map(ebpf, sock::CONFIG)?;
+        let attached = netns_cookie()
+            .context("cannot read this network namespace's cookie (SO_NETNS_COOKIE)")
+            .and_then(|netns_cookie| {
+                let config =
+                    proxy_common::SockConfig { netns_cookie, default_source4: default_source4(), pad: 0 };
+                config_map.set(0, config, 0).with_context(|| format!("cannot write {}", sock::CONFIG))?;
+                Self::attach(ebpf, pin_dir, &cgroup_root)?;
+                Ok(config)
+            });
+        let config = match attached {
+            Ok(config) => config,
+            Err(error) if options.cgroup_root.is_none() => {
+                tracing::error!("connections from the node itself to services are not balanced: {error:#}");
+                // The hooks go on or off together: reverse translations without forward ones,
+                // or the other way round, would break connections.
+                attach::detach_stale_cgroup_links(pin_dir, &[])?;
+                return Ok(None);
+            }
+            Err(error) => return Err(error),
         };
-        config_map.set(0, config, 0).with_context(|| format!("cannot write {}", sock::CONFIG))?;
-        for hook in sock::HOOKS {
-            let program: &mut aya::programs::CgroupSockAddr = ebpf
-                .program_mut(hook.program)
-                .ok_or_else(|| anyhow!("program {} is missing from the object", hook.program))?
-                .try_into()?;
-            program.load().with_context(|| format!("the kernel refused vipr's program {}", hook.program))?;
-            let attachment = attach::attach_cgroup(program, &cgroup_root, &pin_dir.link(hook.link))
-                .with_context(|| format!("cannot attach {} to cgroup {}", hook.program, cgroup_root.display()))?;
-            info!(hook = hook.link, cgroup = %cgroup_root.display(), ?attachment, "attached");
-        }
         attach::detach_stale_cgroup_links(pin_dir, &sock::HOOKS.map(|hook| hook.link))?;
         info!(
             netns_cookie = config.netns_cookie,
@@ -373,6 +290,23 @@ impl HostTraffic {
             "balancing the node's own connections at the socket level"
         );
         Ok(Some(Self { config_map, config }))
+    }
+
+    /// Loads every hook's program and attaches it to `cgroup_root`, the reverse path first.
+    fn attach(ebpf: &mut Ebpf, pin_dir: &PinDir, cgroup_root: &Path) -> anyhow::Result<()> {
+        for hook in proxy_common::sock::HOOKS {
+            let program: &mut aya::programs::CgroupSockAddr = ebpf
+                .program_mut(hook.program)
+                .ok_or_else(|| anyhow!("program {} is missing from the object", hook.program))?
+                .try_into()?;
+            program.load().with_context(|| format!("the kernel refused vipr's program {}", hook.program))?;
+            let attachment = attach::attach_cgroup(program, cgroup_root, &pin_dir.link(hook.link))
+                .with_context(|| {
+                    format!("cannot attach {} to cgroup {}", hook.program, cgroup_root.display())
+                })?;
+            info!(hook = hook.link, cgroup = %cgroup_root.display(), ?attachment, "attached");
+        }
+        Ok(())
     }
 
     /// Follows the node's default source address (for source ranges of unbound sockets).

@@ -6,52 +6,63 @@
 //! (a service's cluster-IP, NodePort and load-balancer frontends usually do, for every source
 //! class). The order of a [`Plan`] keeps the datapath consistent: sets are filled before any
 //! entry points to them, and a set is cleared only once no entry does ([`unused_sets`]).
+//!
+//! Generic over the address family: each family's services and backends maps are planned on
+//! their own, with their own backend set ids.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use proxy_common::{Backend4, BackendSlot, Service, ServiceKey4};
+use proxy_common::{BackendSlot, Service};
 
-/// The content of the services and backends maps, as last written (or read back at
+use super::family::Family;
+
+/// The content of one family's services and backends maps, as last written (or read back at
 /// adoption).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Programmed {
-    pub services: BTreeMap<ServiceKey4, Service>,
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Programmed<F: Family> {
+    pub services: BTreeMap<F::ServiceKey, Service>,
     /// Slot `i` of set `id` holds `sets[id][i]`.
-    pub sets: BTreeMap<u32, Vec<Backend4>>,
+    pub sets: BTreeMap<u32, Vec<F::Backend>>,
 }
 
-impl Programmed {
+impl<F: Family> Default for Programmed<F> {
+    fn default() -> Self {
+        Self { services: BTreeMap::new(), sets: BTreeMap::new() }
+    }
+}
+
+impl<F: Family> Programmed<F> {
     /// Rebuilds the view from map entries, e.g. after an agent restart. A set with a missing
     /// slot reads back shorter than its services' `backend_count`, so it matches no wanted
     /// list and its services are moved to a fresh set.
     pub fn from_entries(
-        services: impl IntoIterator<Item = (ServiceKey4, Service)>,
-        slots: impl IntoIterator<Item = (BackendSlot, Backend4)>,
+        services: impl IntoIterator<Item = (F::ServiceKey, Service)>,
+        slots: impl IntoIterator<Item = (BackendSlot, F::Backend)>,
     ) -> Self {
-        let mut by_set: BTreeMap<u32, BTreeMap<u32, Backend4>> = BTreeMap::new();
+        let mut by_set: BTreeMap<u32, BTreeMap<u32, F::Backend>> = BTreeMap::new();
         for (slot, backend) in slots {
             by_set.entry(slot.backend_set).or_default().insert(slot.slot, backend);
         }
-        let services: BTreeMap<ServiceKey4, Service> = services.into_iter().collect();
+        let services: BTreeMap<F::ServiceKey, Service> = services.into_iter().collect();
         let sets = by_set
             .into_iter()
             .map(|(id, slots)| {
-                let contiguous: Vec<Backend4> = (0..).map_while(|slot| slots.get(&slot).copied()).collect();
+                let contiguous: Vec<F::Backend> = (0..).map_while(|slot| slots.get(&slot).copied()).collect();
                 let complete = contiguous.len() == slots.len()
                     && services
                         .values()
                         .filter(|service| service.backend_set == id)
                         .all(|service| service.backend_count as usize == slots.len());
                 // An incomplete set can only be garbage: keep its extent so it is cleared whole.
-                (id, if complete { contiguous } else { incomplete_marker(&slots) })
+                (id, if complete { contiguous } else { incomplete_marker::<F>(&slots) })
             })
             .collect();
         Self { services, sets }
     }
 
-    fn content_index(&self) -> HashMap<&[Backend4], u32> {
+    fn content_index(&self) -> HashMap<&[F::Backend], u32> {
         self.sets
             .iter()
-            .filter(|(_, backends)| backends.iter().all(|b| *b != INCOMPLETE))
+            .filter(|(_, backends)| backends.iter().all(|b| *b != F::INCOMPLETE))
             .map(|(id, backends)| (backends.as_slice(), *id))
             .collect()
     }
@@ -61,36 +72,40 @@ impl Programmed {
 /// and it is the same set after a restart (an empty set leaves nothing in the map to find).
 const NO_BACKENDS: u32 = 0;
 
-/// Placeholder backend marking the slots of an incomplete set: never equal to a real
-/// backend (port 0 is never programmed), so no wanted list matches the set.
-const INCOMPLETE: Backend4 = Backend4 { addr: [0; 4], port: 0, pad: u16::MAX };
-
-fn incomplete_marker(slots: &BTreeMap<u32, Backend4>) -> Vec<Backend4> {
+/// The slots of an incomplete set, as [`Family::INCOMPLETE`] placeholders: no wanted list
+/// matches the set.
+fn incomplete_marker<F: Family>(slots: &BTreeMap<u32, F::Backend>) -> Vec<F::Backend> {
     let len = slots.keys().max().map_or(0, |max| *max as usize + 1);
-    vec![INCOMPLETE; len]
+    vec![F::INCOMPLETE; len]
 }
 
 /// What one service entry should hold, without a backend set (that is the planner's
 /// choice).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WantedService {
-    pub backends: Vec<Backend4>,
+pub struct WantedService<F: Family> {
+    pub backends: Vec<F::Backend>,
     pub service_id: u32,
     pub flags: u32,
 }
 
 /// Map operations, applied in field order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Plan {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan<F: Family> {
     /// New sets to write: (set id, its backends).
-    pub fills: Vec<(u32, Vec<Backend4>)>,
+    pub fills: Vec<(u32, Vec<F::Backend>)>,
     /// Service entries to add or change.
-    pub stores: Vec<(ServiceKey4, Service)>,
+    pub stores: Vec<(F::ServiceKey, Service)>,
     /// Service entries to delete.
-    pub deletes: Vec<ServiceKey4>,
+    pub deletes: Vec<F::ServiceKey>,
 }
 
-impl Plan {
+impl<F: Family> Default for Plan<F> {
+    fn default() -> Self {
+        Self { fills: Vec::new(), stores: Vec::new(), deletes: Vec::new() }
+    }
+}
+
+impl<F: Family> Plan<F> {
     pub fn is_empty(&self) -> bool {
         self.fills.is_empty() && self.stores.is_empty() && self.deletes.is_empty()
     }
@@ -104,7 +119,7 @@ pub struct SetIds {
 }
 
 impl SetIds {
-    pub fn after(programmed: &Programmed) -> Self {
+    pub fn after<F: Family>(programmed: &Programmed<F>) -> Self {
         let highest = programmed.sets.keys().max().copied().unwrap_or(0);
         Self { next: highest.wrapping_add(1).max(1) }
     }
@@ -120,14 +135,14 @@ impl SetIds {
 }
 
 /// The operations that turn `programmed` into `wanted`; entries that already match get none.
-pub fn plan(
-    programmed: &Programmed,
-    wanted: &BTreeMap<ServiceKey4, WantedService>,
+pub fn plan<F: Family>(
+    programmed: &Programmed<F>,
+    wanted: &BTreeMap<F::ServiceKey, WantedService<F>>,
     ids: &mut SetIds,
-) -> Plan {
+) -> Plan<F> {
     let mut in_use: BTreeSet<u32> = programmed.sets.keys().copied().collect();
     let existing = programmed.content_index();
-    let mut new_sets: HashMap<&[Backend4], u32> = HashMap::new();
+    let mut new_sets: HashMap<&[F::Backend], u32> = HashMap::new();
     let mut plan = Plan::default();
     for (key, want) in wanted {
         let backends = want.backends.as_slice();
@@ -158,7 +173,7 @@ pub fn plan(
 
 /// Sets no service entry points to: (set id, slot count), to clear after the entries that
 /// used them were switched or deleted.
-pub fn unused_sets(programmed: &Programmed) -> Vec<(u32, u32)> {
+pub fn unused_sets<F: Family>(programmed: &Programmed<F>) -> Vec<(u32, u32)> {
     let referenced: BTreeSet<u32> = programmed.services.values().map(|s| s.backend_set).collect();
     programmed
         .sets
@@ -170,7 +185,14 @@ pub fn unused_sets(programmed: &Programmed) -> Vec<(u32, u32)> {
 
 #[cfg(test)]
 mod tests {
+    use proxy_common::{Backend4, ServiceKey4};
+
     use super::*;
+    use crate::dataplane::ebpf::family::{V4, V6};
+
+    type Programmed = super::Programmed<V4>;
+    type Plan = super::Plan<V4>;
+    type WantedService = super::WantedService<V4>;
 
     fn key(last: u8, class: u8) -> ServiceKey4 {
         ServiceKey4 {
@@ -331,5 +353,40 @@ mod tests {
         let in_use = BTreeSet::from([1]);
         assert_eq!(ids.allocate(&in_use), u32::MAX);
         assert_eq!(ids.allocate(&in_use), 2);
+    }
+
+    /// The same planner on IPv6 keys and backends: an incomplete adopted set is marked with
+    /// the IPv6 placeholder and replaced by one fresh set that both source classes share.
+    #[test]
+    fn ipv6_maps_are_planned_alike() {
+        use proxy_common::{Backend6, ServiceKey6};
+
+        use crate::dataplane::ebpf::family::Family as _;
+
+        let key = |class| ServiceKey6 {
+            addr: [0xfd, 0, 0, 0x10, 0, 0x96, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10],
+            port: 80,
+            proto: proxy_common::proto::TCP,
+            source_class: class,
+        };
+        let backend = |last| Backend6 {
+            addr: [0xfd, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, last],
+            port: 8080,
+            pad: 0,
+        };
+        let services = [(key(0), Service { backend_set: 5, backend_count: 2, service_id: 1, flags: 0 })];
+        let adopted = super::Programmed::<V6>::from_entries(
+            services,
+            [(BackendSlot { backend_set: 5, slot: 1 }, backend(2))],
+        );
+        assert_eq!(adopted.sets[&5], vec![V6::INCOMPLETE; 2]);
+        let mut ids = SetIds::after(&adopted);
+        let wanted_service =
+            super::WantedService::<V6> { backends: vec![backend(1), backend(2)], service_id: 1, flags: 0 };
+        let want = BTreeMap::from([(key(0), wanted_service.clone()), (key(1), wanted_service)]);
+        let plan = plan(&adopted, &want, &mut ids);
+        assert_eq!(plan.fills, vec![(6, vec![backend(1), backend(2)])]);
+        assert!(plan.stores.iter().all(|(_, service)| service.backend_set == 6), "{plan:?}");
+        assert_eq!(plan.stores.len(), 2);
     }
 }

@@ -12,8 +12,8 @@
 //! path.
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr},
-    path::PathBuf,
+    net::IpAddr,
+    path::{Path, PathBuf},
     sync::{
         mpsc::{self, Receiver, Sender},
         Arc, Mutex,
@@ -21,8 +21,11 @@ use std::{
     thread::JoinHandle,
 };
 
-use aya::maps::{HashMap, Map, MapData};
-use proxy_common::{flow_flags, Flow4, FlowKey4};
+use aya::{
+    maps::{HashMap, Map, MapData},
+    Pod,
+};
+use proxy_common::{flow_flags, Flow4, Flow6, FlowKey4, FlowKey6};
 use tracing::{debug, info, warn};
 
 use crate::model::Backend;
@@ -39,15 +42,17 @@ pub struct Reaper {
 }
 
 impl Reaper {
-    /// Starts the scanning thread on the pinned flows map at `flows_pin`.
-    pub fn start(flows_pin: PathBuf) -> Self {
+    /// Starts the scanning thread on the pinned IPv4 and IPv6 flows maps.
+    pub fn start(flows4_pin: PathBuf, flows6_pin: PathBuf) -> Self {
         let listed = Listed::default();
         let (scan, requests) = mpsc::channel();
         let shared = listed.clone();
         let thread = std::thread::Builder::new()
             .name("flow-reaper".into())
-            .spawn(move || scan_on_request(&flows_pin, &shared, &requests))
-            .map_err(|error| warn!(%error, "cannot start the flow reaper; gone endpoints keep their connections"))
+            .spawn(move || scan_on_request(&flows4_pin, &flows6_pin, &shared, &requests))
+            .map_err(
+                |error| warn!(%error, "cannot start the flow reaper; gone endpoints keep their connections"),
+            )
             .ok();
         Self { listed, scan: Some(scan), thread }
     }
@@ -92,44 +97,72 @@ fn lock(listed: &Listed) -> std::sync::MutexGuard<'_, BTreeSet<Backend>> {
     listed.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn scan_on_request(flows_pin: &PathBuf, listed: &Listed, requests: &Receiver<()>) {
+fn scan_on_request(flows4_pin: &Path, flows6_pin: &Path, listed: &Listed, requests: &Receiver<()>) {
     while requests.recv().is_ok() {
         // Requests that queued up during a scan are served by the next one.
         while requests.try_recv().is_ok() {}
-        match reap(flows_pin, listed) {
-            Ok(0) => debug!("no connection to a gone endpoint"),
-            Ok(reaped) => info!(entries = reaped, "broke off connections to endpoints that are gone"),
-            Err(error) => warn!("cannot scan the flows map: {error:#}"),
+        for (family, reaped) in
+            [("IPv4", reap::<Flow4>(flows4_pin, listed)), ("IPv6", reap::<Flow6>(flows6_pin, listed))]
+        {
+            match reaped {
+                Ok(0) => debug!(family, "no connection to a gone endpoint"),
+                Ok(reaped) => {
+                    info!(family, entries = reaped, "broke off connections to endpoints that are gone")
+                }
+                Err(error) => warn!(family, "cannot scan the flows map: {error:#}"),
+            }
         }
     }
 }
 
-fn reap(flows_pin: &PathBuf, listed: &Listed) -> anyhow::Result<usize> {
+/// A flows-map value of one family, with its key type.
+trait TrackedFlow: Pod {
+    type Key: Pod;
+
+    /// The backend a flow entry leads to (forward) or comes from (reply).
+    fn backend(key: &Self::Key, flow: &Self) -> Backend;
+}
+
+macro_rules! tracked_flow {
+    ($flow:ty, $key:ty) => {
+        impl TrackedFlow for $flow {
+            type Key = $key;
+
+            fn backend(key: &$key, flow: &$flow) -> Backend {
+                let (addr, port) = if flow.flags & flow_flags::REPLY != 0 {
+                    (key.src_addr, key.src_port)
+                } else {
+                    (flow.dst_addr, flow.dst_port)
+                };
+                Backend { ip: IpAddr::from(addr), port }
+            }
+        }
+    };
+}
+
+tracked_flow!(Flow4, FlowKey4);
+tracked_flow!(Flow6, FlowKey6);
+
+fn reap<F: TrackedFlow>(flows_pin: &Path, listed: &Listed) -> anyhow::Result<usize> {
     let map = MapData::from_pin(flows_pin)?;
-    let mut flows: HashMap<MapData, FlowKey4, Flow4> = HashMap::try_from(Map::LruHashMap(map))?;
+    let mut flows: HashMap<MapData, F::Key, F> = HashMap::try_from(Map::LruHashMap(map))?;
+    let is_gone = |key: &F::Key, flow: &F| !lock(listed).contains(&F::backend(key, flow));
     // Collected first: deleting while iterating would restart the kernel's key walk.
-    let gone: Vec<FlowKey4> = flows
+    let gone: Vec<F::Key> = flows
         .iter()
         .filter_map(Result::ok)
-        .filter(|(key, flow)| !lock(listed).contains(&backend_of(key, flow)))
+        .filter(|(key, flow)| is_gone(key, flow))
         .map(|(key, _)| key)
         .collect();
     let mut reaped = 0;
     for key in &gone {
         // Re-checked: the sync may have listed the backend again meanwhile.
-        let still_gone = flows.get(key, 0).is_ok_and(|flow| !lock(listed).contains(&backend_of(key, &flow)));
+        let still_gone = flows.get(key, 0).is_ok_and(|flow| is_gone(key, &flow));
         if still_gone && flows.remove(key).is_ok() {
             reaped += 1;
         }
     }
     Ok(reaped)
-}
-
-/// The backend a flow entry leads to (forward) or comes from (reply).
-fn backend_of(key: &FlowKey4, flow: &Flow4) -> Backend {
-    let (addr, port) =
-        if flow.flags & flow_flags::REPLY != 0 { (key.src_addr, key.src_port) } else { (flow.dst_addr, flow.dst_port) };
-    Backend { ip: IpAddr::V4(Ipv4Addr::from(addr)), port }
 }
 
 #[cfg(test)]
@@ -169,7 +202,7 @@ mod tests {
             dst_port: 0,
             flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
         };
-        assert_eq!(backend_of(&forward_key, &forward), backend);
-        assert_eq!(backend_of(&reply_key, &reply), backend);
+        assert_eq!(Flow4::backend(&forward_key, &forward), backend);
+        assert_eq!(Flow4::backend(&reply_key, &reply), backend);
     }
 }

@@ -303,3 +303,24 @@ fn cluster_ip_traffic_is_masqueraded_unless_it_comes_from_a_pod() {
     assert_eq!(state.sources.classify("192.168.1.2".parse().unwrap()), SourceClass::Node);
     assert_eq!(state.sources.classify("203.0.113.9".parse().unwrap()), SourceClass::Outside);
 }
+
+#[test]
+fn each_family_is_judged_on_its_own_endpoints_and_detector() {
+    let dual = service(
+        "web",
+        json!({"clusterIPs": ["10.96.0.10", "fd00::10"], "internalTrafficPolicy": "Local", "ports": [{"name": "http", "port": 80}]}),
+    );
+    let v4_remote = slice(
+        "web-v4",
+        "web",
+        json!({"endpoints": [{"addresses": ["10.1.0.1"], "nodeName": "node-b"}], "ports": [{"name": "http", "port": 8080}]}),
+    );
+    // node_a() has an IPv4 detector only.
+    let state = desired_state(&[dual], &[v4_remote], &node_a()).state;
+    let v4 = &state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)];
+    let v6 = &state.frontends[&frontend("fd00::10", 80, Protocol::Tcp)];
+    assert_eq!(v4.from_pod.when_empty, WhenEmpty::Drop, "IPv4 endpoints exist, only elsewhere");
+    assert_eq!(v6.from_pod.when_empty, WhenEmpty::Reject, "no IPv6 endpoint at all");
+    assert!(v4.from_outside.masquerade, "IPv4 has a detector");
+    assert!(!v6.from_outside.masquerade, "IPv6 has none");
+}

@@ -1,0 +1,308 @@
+//! IPv4 and IPv6 behind one trait, so that the datapath (tc.rs, route.rs) is written once.
+//!
+//! An address type is its family: [`Ipv4`] is `[u8; 4]`, [`Ipv6`] is `[u8; 16]`, the network
+//! order bytes the maps store. What differs between the families is gathered here: header
+//! parsing and the checksum side of a rewrite (packet.rs), the FIB lookup's address fields, the
+//! ICMP error (reject.rs), and which maps hold the family's state. The map glue is one macro
+//! for both families, because proxy-common's IPv4 and IPv6 map types have the same fields.
+use aya_ebpf::{bindings::bpf_fib_lookup, programs::TcContext};
+use proxy_common::{
+    BackendSlot, Flow4, Flow6, FlowKey4, FlowKey6, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6,
+    SourceRange4, SourceRange6,
+};
+
+use crate::{
+    maps::{
+        BACKENDS4, BACKENDS6, FLOWS4, FLOWS6, NODE_IPS4, NODE_IPS6, POD_CIDRS4, POD_CIDRS6, SERVICES4,
+        SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6, UNMATCHED4, UNMATCHED6,
+    },
+    packet::{
+        ipv4_address_checksums, ipv6_address_checksums, parse_ipv4, parse_ipv6, Packet, Tuple,
+        IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF,
+    },
+    reject::{reject_ipv4, reject_ipv6},
+};
+
+pub type Ipv4 = [u8; 4];
+pub type Ipv6 = [u8; 16];
+
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
+
+/// How to rewrite one direction of a tracked connection: proxy-common's `Flow4`/`Flow6`.
+#[derive(Clone, Copy)]
+pub struct Nat<A> {
+    pub src: A,
+    pub src_port: u16,
+    pub dst: A,
+    pub dst_port: u16,
+    /// Bits of `proxy_common::flow_flags`.
+    pub flags: u32,
+}
+
+/// An address and a port: where a backend listens.
+#[derive(Clone, Copy)]
+pub struct Endpoint<A> {
+    pub addr: A,
+    pub port: u16,
+}
+
+/// An address family, implemented by its address type.
+pub trait Family: Maps + Copy {
+    /// The all-zero address, for the unused fields of flow entries.
+    const UNSPECIFIED: Self;
+    /// Offsets of the source and destination address from the start of the frame.
+    const SADDR_OFF: usize;
+    const DADDR_OFF: usize;
+
+    /// Equality without the `bcmp` call `==` may become for arrays, which BPF cannot make.
+    fn is(&self, other: &Self) -> bool;
+    /// Parses a TCP/UDP packet of this family (the ethertype already checked).
+    fn parse(ctx: &TcContext) -> Option<Packet<Self>>;
+    /// See [`ipv4_address_checksums`] and [`ipv6_address_checksums`].
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: usize,
+        old: Self,
+        new: Self,
+        mangled: u64,
+    ) -> Result<(), i64>;
+    /// Answers the packet with this family's ICMP port unreachable; the program's verdict.
+    fn reject(ctx: &TcContext, packet: &Packet<Self>) -> i32;
+    /// Sets the family and destination of a FIB lookup.
+    fn fib_destination(params: &mut bpf_fib_lookup, destination: Self);
+    /// The source address a successful `BPF_FIB_LOOKUP_SRC` lookup chose.
+    fn fib_source(params: &bpf_fib_lookup) -> Self;
+}
+
+/// The maps of one family (`vipr_*4_v1` or `vipr_*6_v1`), in the datapath's terms.
+pub trait Maps: Sized {
+    fn flow(key: &Tuple<Self>) -> Option<Nat<Self>>;
+    /// Stores a flow entry; a failure only costs a fresh balancing decision later.
+    fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
+    /// Stores a flow entry only if `key` is absent: claims it against concurrent flows.
+    fn claim(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
+    /// The services entry of the packet's destination, for one source class.
+    fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service>;
+    fn backend(slot: &BackendSlot) -> Option<Endpoint<Self>>;
+    fn is_node(addr: &Self) -> bool;
+    fn in_pod_cidr(addr: &Self) -> bool;
+    /// What the unmatched-destination trie says of `addr` (`proxy_common::unmatched`).
+    fn unmatched(addr: &Self) -> Option<u8>;
+    fn in_source_ranges(service_id: u32, source: &Self) -> bool;
+}
+
+impl Family for Ipv4 {
+    const UNSPECIFIED: Self = [0; 4];
+    const SADDR_OFF: usize = IPV4_SADDR_OFF;
+    const DADDR_OFF: usize = IPV4_DADDR_OFF;
+
+    #[inline(always)]
+    fn is(&self, other: &Self) -> bool {
+        u32::from_ne_bytes(*self) == u32::from_ne_bytes(*other)
+    }
+
+    #[inline(always)]
+    fn parse(ctx: &TcContext) -> Option<Packet<Self>> {
+        parse_ipv4(ctx)
+    }
+
+    #[inline(always)]
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: usize,
+        old: Self,
+        new: Self,
+        mangled: u64,
+    ) -> Result<(), i64> {
+        ipv4_address_checksums(ctx, l4_csum, old, new, mangled)
+    }
+
+    #[inline(always)]
+    fn reject(ctx: &TcContext, packet: &Packet<Self>) -> i32 {
+        reject_ipv4(ctx, packet.l4_offset)
+    }
+
+    #[inline(always)]
+    fn fib_destination(params: &mut bpf_fib_lookup, destination: Self) {
+        params.family = AF_INET;
+        params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(destination);
+    }
+
+    #[inline(always)]
+    fn fib_source(params: &bpf_fib_lookup) -> Self {
+        // SAFETY: with BPF_FIB_LOOKUP_SRC a successful lookup fills ipv4_src.
+        unsafe { params.__bindgen_anon_3.ipv4_src }.to_ne_bytes()
+    }
+}
+
+impl Family for Ipv6 {
+    const UNSPECIFIED: Self = [0; 16];
+    const SADDR_OFF: usize = IPV6_SADDR_OFF;
+    const DADDR_OFF: usize = IPV6_DADDR_OFF;
+
+    #[inline(always)]
+    fn is(&self, other: &Self) -> bool {
+        u128::from_ne_bytes(*self) == u128::from_ne_bytes(*other)
+    }
+
+    #[inline(always)]
+    fn parse(ctx: &TcContext) -> Option<Packet<Self>> {
+        parse_ipv6(ctx)
+    }
+
+    #[inline(always)]
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: usize,
+        old: Self,
+        new: Self,
+        mangled: u64,
+    ) -> Result<(), i64> {
+        ipv6_address_checksums(ctx, l4_csum, old, new, mangled)
+    }
+
+    #[inline(always)]
+    fn reject(ctx: &TcContext, packet: &Packet<Self>) -> i32 {
+        reject_ipv6(ctx, packet.l4_offset)
+    }
+
+    #[inline(always)]
+    fn fib_destination(params: &mut bpf_fib_lookup, destination: Self) {
+        params.family = AF_INET6;
+        // SAFETY: [u8; 16] and [u32; 4] have the same size; the words keep the byte order.
+        params.__bindgen_anon_4.ipv6_dst = unsafe { core::mem::transmute::<Self, [u32; 4]>(destination) };
+    }
+
+    #[inline(always)]
+    fn fib_source(params: &bpf_fib_lookup) -> Self {
+        // SAFETY: with BPF_FIB_LOOKUP_SRC a successful lookup fills ipv6_src.
+        unsafe { core::mem::transmute::<[u32; 4], Self>(params.__bindgen_anon_3.ipv6_src) }
+    }
+}
+
+/// Implements [`Maps`] for one family: its address type and bit count, and its maps and their
+/// key and value types, which have the same fields in both families.
+macro_rules! family_maps {
+    (
+        $addr:ty, $bits:literal,
+        flows: $flows:ident($flow_key:ident -> $flow:ident),
+        services: $services:ident($service_key:ident),
+        backends: $backends:ident,
+        node_ips: $node_ips:ident,
+        pod_cidrs: $pod_cidrs:ident($prefix:ident),
+        unmatched: $unmatched:ident,
+        source_ranges: $source_ranges:ident($source_range:ident),
+    ) => {
+        impl From<&Tuple<$addr>> for $flow_key {
+            #[inline(always)]
+            fn from(key: &Tuple<$addr>) -> Self {
+                Self {
+                    src_addr: key.src,
+                    dst_addr: key.dst,
+                    src_port: key.src_port,
+                    dst_port: key.dst_port,
+                    proto: key.proto,
+                    pad: [0; 3],
+                }
+            }
+        }
+
+        impl From<&Nat<$addr>> for $flow {
+            #[inline(always)]
+            fn from(nat: &Nat<$addr>) -> Self {
+                Self {
+                    src_addr: nat.src,
+                    dst_addr: nat.dst,
+                    src_port: nat.src_port,
+                    dst_port: nat.dst_port,
+                    flags: nat.flags,
+                }
+            }
+        }
+
+        impl Maps for $addr {
+            #[inline(always)]
+            fn flow(key: &Tuple<Self>) -> Option<Nat<Self>> {
+                $flows.get(&key.into()).map(|flow: $flow| Nat {
+                    src: flow.src_addr,
+                    src_port: flow.src_port,
+                    dst: flow.dst_addr,
+                    dst_port: flow.dst_port,
+                    flags: flow.flags,
+                })
+            }
+
+            #[inline(always)]
+            fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64> {
+                $flows.insert(&key.into(), &nat.into())
+            }
+
+            #[inline(always)]
+            fn claim(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64> {
+                $flows.insert_new(&key.into(), &nat.into())
+            }
+
+            #[inline(always)]
+            fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service> {
+                $services.get(&$service_key {
+                    addr: packet.dst,
+                    port: packet.dst_port,
+                    proto: packet.proto,
+                    source_class,
+                })
+            }
+
+            #[inline(always)]
+            fn backend(slot: &BackendSlot) -> Option<Endpoint<Self>> {
+                $backends.get(slot).map(|backend| Endpoint { addr: backend.addr, port: backend.port })
+            }
+
+            #[inline(always)]
+            fn is_node(addr: &Self) -> bool {
+                $node_ips.contains(addr)
+            }
+
+            #[inline(always)]
+            fn in_pod_cidr(addr: &Self) -> bool {
+                $pod_cidrs.contains(&$prefix { prefix_len: $bits, addr: *addr })
+            }
+
+            #[inline(always)]
+            fn unmatched(addr: &Self) -> Option<u8> {
+                $unmatched.get(&$prefix { prefix_len: $bits, addr: *addr })
+            }
+
+            #[inline(always)]
+            fn in_source_ranges(service_id: u32, source: &Self) -> bool {
+                $source_ranges.contains(&$source_range {
+                    prefix_len: 32 + $bits,
+                    service_id: service_id.to_be_bytes(),
+                    addr: *source,
+                })
+            }
+        }
+    };
+}
+
+family_maps!(
+    Ipv4, 32,
+    flows: FLOWS4(FlowKey4 -> Flow4),
+    services: SERVICES4(ServiceKey4),
+    backends: BACKENDS4,
+    node_ips: NODE_IPS4,
+    pod_cidrs: POD_CIDRS4(Prefix4),
+    unmatched: UNMATCHED4,
+    source_ranges: SOURCE_RANGES4(SourceRange4),
+);
+
+family_maps!(
+    Ipv6, 128,
+    flows: FLOWS6(FlowKey6 -> Flow6),
+    services: SERVICES6(ServiceKey6),
+    backends: BACKENDS6,
+    node_ips: NODE_IPS6,
+    pod_cidrs: POD_CIDRS6(Prefix6),
+    unmatched: UNMATCHED6,
+    source_ranges: SOURCE_RANGES6(SourceRange6),
+);

@@ -1,0 +1,362 @@
+//! Deleting stale UDP conntrack entries over ctnetlink (`NETLINK_NETFILTER`, the interface the
+//! `conntrack` tool uses), without the tool.
+//!
+//! A UDP "connection" lives in conntrack as long as datagrams keep coming, and its NAT was
+//! decided by its first packet: a client that keeps sending to a service keeps reaching an
+//! endpoint that is gone, or keeps being routed past a service that has since appeared. As
+//! kube-proxy does, after rules change vipr deletes the entries whose original destination is a
+//! UDP frontend and whose reply source is no longer one of that frontend's endpoints (for a
+//! frontend that is gone: every entry to it).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io,
+    mem::size_of,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+};
+
+const NETLINK_NETFILTER: libc::c_int = 12;
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_GET: u16 = 1;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_DUMP: u16 = 0x300;
+const NLA_F_NESTED: u16 = 0x8000;
+const NLA_TYPE_MASK: u16 = 0x3fff;
+
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_ZONE: u16 = 18;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+
+pub const IPPROTO_UDP: u8 = 17;
+
+/// The address and port of one direction's tuple.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tuple {
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
+    pub protocol: u8,
+}
+
+/// One conntrack entry, with what is needed to delete it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub original: Tuple,
+    pub reply: Tuple,
+    /// The original tuple attribute as the kernel sent it (its payload), to name the entry
+    /// when deleting.
+    original_raw: Vec<u8>,
+    zone: Option<[u8; 2]>,
+}
+
+/// For each UDP frontend to clean, the reply sources (endpoints) that may stay; an entry to a
+/// frontend whose reply source is not among them is deleted.
+pub type Keep = BTreeMap<SocketAddr, BTreeSet<SocketAddr>>;
+
+/// Deletes the UDP entries of `keep`'s frontends whose reply source is not kept. Returns how
+/// many were deleted.
+pub fn delete_stale_udp(keep: &Keep) -> io::Result<usize> {
+    let mut deleted = 0;
+    let socket = Socket::open()?;
+    for family in [libc::AF_INET, libc::AF_INET6] {
+        if !keep.keys().any(|frontend| frontend.is_ipv4() == (family == libc::AF_INET)) {
+            continue;
+        }
+        for entry in socket.dump(family as u8)? {
+            if is_stale(&entry, keep) {
+                match socket.delete(family as u8, &entry) {
+                    Ok(()) => deleted += 1,
+                    // Gone meanwhile (timed out, or deleted by someone else).
+                    Err(error) if error.raw_os_error() == Some(libc::ENOENT) => {}
+                    Err(error) => return Err(error),
+                }
+            }
+        }
+    }
+    Ok(deleted)
+}
+
+pub fn is_stale(entry: &Entry, keep: &Keep) -> bool {
+    entry.original.protocol == IPPROTO_UDP
+        && keep.get(&entry.original.dst).is_some_and(|endpoints| !endpoints.contains(&entry.reply.src))
+}
+
+struct Socket {
+    fd: OwnedFd,
+    seq: std::cell::Cell<u32>,
+}
+
+impl Socket {
+    fn open() -> io::Result<Self> {
+        // SAFETY: plain system calls; the descriptor is owned from here on.
+        let fd =
+            unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: sockaddr_nl is plain data; zero is a valid value.
+        let mut address: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        address.nl_family = libc::AF_NETLINK as u16;
+        // SAFETY: the address is a valid sockaddr_nl of the given size.
+        let bound = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                std::ptr::from_ref(&address).cast(),
+                size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+            )
+        };
+        if bound < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { fd, seq: std::cell::Cell::new(1) })
+    }
+
+    fn send(&self, message_type: u16, flags: u16, family: u8, attributes: &[u8]) -> io::Result<u32> {
+        let seq = self.seq.get();
+        self.seq.set(seq.wrapping_add(1));
+        let length = 16 + 4 + attributes.len();
+        let mut message = Vec::with_capacity(length);
+        message.extend_from_slice(&(length as u32).to_ne_bytes());
+        message.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | message_type).to_ne_bytes());
+        message.extend_from_slice(&flags.to_ne_bytes());
+        message.extend_from_slice(&seq.to_ne_bytes());
+        message.extend_from_slice(&0u32.to_ne_bytes());
+        // nfgenmsg: family, version 0, resource id 0 (big endian).
+        message.extend_from_slice(&[family, 0, 0, 0]);
+        message.extend_from_slice(attributes);
+        // SAFETY: the buffer is valid for its length.
+        let sent = unsafe { libc::send(self.fd.as_raw_fd(), message.as_ptr().cast(), message.len(), 0) };
+        if sent < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(seq)
+    }
+
+    /// Reads messages of request `seq` until its end (DONE, or the ACK/error of a non-dump
+    /// request), handing each data message's payload (after the nfgenmsg) to `each`.
+    fn receive(&self, seq: u32, dump: bool, mut each: impl FnMut(&[u8])) -> io::Result<()> {
+        let mut buffer = vec![0u8; 1 << 16];
+        loop {
+            // SAFETY: the buffer is valid for its length.
+            let received =
+                unsafe { libc::recv(self.fd.as_raw_fd(), buffer.as_mut_ptr().cast(), buffer.len(), 0) };
+            if received < 0 {
+                let error = io::Error::last_os_error();
+                if error.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(error);
+            }
+            let mut data = &buffer[..received as usize];
+            while data.len() >= 16 {
+                let length = u32::from_ne_bytes(data[0..4].try_into().expect("4 bytes")) as usize;
+                let kind = u16::from_ne_bytes(data[4..6].try_into().expect("2 bytes"));
+                let message_seq = u32::from_ne_bytes(data[8..12].try_into().expect("4 bytes"));
+                if length < 16 || length > data.len() {
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, "truncated netlink message"));
+                }
+                let payload = &data[16..length];
+                data = &data[align(length).min(data.len())..];
+                if message_seq != seq {
+                    continue;
+                }
+                match kind {
+                    NLMSG_DONE => return Ok(()),
+                    NLMSG_ERROR => {
+                        let code = payload
+                            .get(0..4)
+                            .map(|bytes| i32::from_ne_bytes(bytes.try_into().expect("4 bytes")))
+                            .unwrap_or(0);
+                        if code != 0 {
+                            return Err(io::Error::from_raw_os_error(-code));
+                        }
+                        if !dump {
+                            return Ok(());
+                        }
+                    }
+                    _ => {
+                        if payload.len() >= 4 {
+                            each(&payload[4..]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn dump(&self, family: u8) -> io::Result<Vec<Entry>> {
+        let seq = self.send(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, family, &[])?;
+        let mut entries = Vec::new();
+        self.receive(seq, true, |attributes| {
+            if let Some(entry) = parse_entry(attributes) {
+                entries.push(entry);
+            }
+        })?;
+        Ok(entries)
+    }
+
+    fn delete(&self, family: u8, entry: &Entry) -> io::Result<()> {
+        let mut attributes = Vec::new();
+        put_attribute(&mut attributes, CTA_TUPLE_ORIG | NLA_F_NESTED, &entry.original_raw);
+        if let Some(zone) = entry.zone {
+            put_attribute(&mut attributes, CTA_ZONE, &zone);
+        }
+        let seq = self.send(IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, family, &attributes)?;
+        self.receive(seq, false, |_| {})
+    }
+}
+
+fn align(length: usize) -> usize {
+    (length + 3) & !3
+}
+
+fn put_attribute(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
+    out.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
+    out.extend_from_slice(&kind.to_ne_bytes());
+    out.extend_from_slice(payload);
+    out.resize(align(out.len()), 0);
+}
+
+/// Netlink attributes: (type without flags, payload).
+fn attributes(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        if data.len() < 4 {
+            return None;
+        }
+        let length = u16::from_ne_bytes([data[0], data[1]]) as usize;
+        let kind = u16::from_ne_bytes([data[2], data[3]]) & NLA_TYPE_MASK;
+        if length < 4 || length > data.len() {
+            return None;
+        }
+        let payload = &data[4..length];
+        data = &data[align(length).min(data.len())..];
+        Some((kind, payload))
+    })
+}
+
+pub fn parse_entry(data: &[u8]) -> Option<Entry> {
+    let (mut original, mut reply, mut original_raw, mut zone) = (None, None, None, None);
+    for (kind, payload) in attributes(data) {
+        match kind {
+            CTA_TUPLE_ORIG => {
+                original = parse_tuple(payload);
+                original_raw = Some(payload.to_vec());
+            }
+            CTA_TUPLE_REPLY => reply = parse_tuple(payload),
+            CTA_ZONE if payload.len() >= 2 => zone = Some([payload[0], payload[1]]),
+            _ => {}
+        }
+    }
+    Some(Entry { original: original?, reply: reply?, original_raw: original_raw?, zone })
+}
+
+fn parse_tuple(data: &[u8]) -> Option<Tuple> {
+    let (mut src, mut dst, mut protocol, mut sport, mut dport) = (None, None, None, 0, 0);
+    for (kind, payload) in attributes(data) {
+        match kind {
+            CTA_TUPLE_IP => {
+                for (kind, address) in attributes(payload) {
+                    let ip = match (kind, address.len()) {
+                        (CTA_IP_V4_SRC | CTA_IP_V4_DST, 4) => {
+                            IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(address).ok()?))
+                        }
+                        (CTA_IP_V6_SRC | CTA_IP_V6_DST, 16) => {
+                            IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(address).ok()?))
+                        }
+                        _ => continue,
+                    };
+                    if matches!(kind, CTA_IP_V4_SRC | CTA_IP_V6_SRC) {
+                        src = Some(ip);
+                    } else {
+                        dst = Some(ip);
+                    }
+                }
+            }
+            CTA_TUPLE_PROTO => {
+                for (kind, value) in attributes(payload) {
+                    match (kind, value.len()) {
+                        (CTA_PROTO_NUM, 1) => protocol = Some(value[0]),
+                        (CTA_PROTO_SRC_PORT, 2) => sport = u16::from_be_bytes([value[0], value[1]]),
+                        (CTA_PROTO_DST_PORT, 2) => dport = u16::from_be_bytes([value[0], value[1]]),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Some(Tuple { src: SocketAddr::new(src?, sport), dst: SocketAddr::new(dst?, dport), protocol: protocol? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nested(kind: u16, parts: &[Vec<u8>]) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_attribute(&mut out, kind | NLA_F_NESTED, &parts.concat());
+        out
+    }
+
+    fn attribute(kind: u16, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_attribute(&mut out, kind, payload);
+        out
+    }
+
+    fn tuple(kind: u16, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Vec<u8> {
+        nested(
+            kind,
+            &[
+                nested(CTA_TUPLE_IP, &[attribute(CTA_IP_V4_SRC, &src), attribute(CTA_IP_V4_DST, &dst)]),
+                nested(
+                    CTA_TUPLE_PROTO,
+                    &[
+                        attribute(CTA_PROTO_NUM, &[IPPROTO_UDP]),
+                        attribute(CTA_PROTO_SRC_PORT, &sport.to_be_bytes()),
+                        attribute(CTA_PROTO_DST_PORT, &dport.to_be_bytes()),
+                    ],
+                ),
+            ],
+        )
+    }
+
+    #[test]
+    fn entries_are_parsed_and_judged_by_frontend_and_reply_source() {
+        // Client 10.0.0.2:5000 -> service 172.30.0.42:53, DNATed to 10.180.0.1:5353.
+        let message = [
+            tuple(CTA_TUPLE_ORIG, [10, 0, 0, 2], [172, 30, 0, 42], 5000, 53),
+            tuple(CTA_TUPLE_REPLY, [10, 180, 0, 1], [10, 0, 0, 2], 5353, 5000),
+            attribute(CTA_ZONE, &[0, 0]),
+        ]
+        .concat();
+        let entry = parse_entry(&message).unwrap();
+        assert_eq!(entry.original.dst, "172.30.0.42:53".parse().unwrap());
+        assert_eq!(entry.reply.src, "10.180.0.1:5353".parse().unwrap());
+        assert_eq!(entry.original.protocol, IPPROTO_UDP);
+        assert_eq!(entry.zone, Some([0, 0]));
+
+        let frontend: SocketAddr = "172.30.0.42:53".parse().unwrap();
+        let keep = |endpoints: &[&str]| -> Keep {
+            [(frontend, endpoints.iter().map(|e| e.parse().unwrap()).collect())].into_iter().collect()
+        };
+        assert!(!is_stale(&entry, &keep(&["10.180.0.1:5353"])));
+        assert!(is_stale(&entry, &keep(&["10.180.0.2:5353"])), "the endpoint was removed");
+        assert!(is_stale(&entry, &keep(&[])), "the frontend is gone");
+        assert!(!is_stale(&entry, &Keep::new()), "another frontend's entries are left alone");
+    }
+}

@@ -1,0 +1,477 @@
+//! The iptables dataplane (`--proxy-mode=iptables`): the desired state as kube-proxy's
+//! iptables rules (`ruleset` has the chain structure), for kernels where vipr's eBPF
+//! datapath cannot run. It loads no BPF.
+//!
+//! Every sync is one `iptables-restore --noflush` transaction per IP family (`iptables`,
+//! `ip6tables`), so the kernel switches from the old rules to the new at once. The first sync,
+//! one after a failure and one every [`IptablesOptions::full_sync_period`] are full: they read
+//! `iptables-save`, write all of vipr's chains, delete stale service chains (vipr's or
+//! kube-proxy's) and insert the jumps from the built-in chains that are missing. Every other
+//! sync is partial, as kube-proxy's: only the chains whose rules differ from what the last
+//! successful sync wrote, and the deletion of chains no longer wanted; nothing at all when
+//! nothing changed. After the rules, UDP conntrack entries that lead to removed endpoints are
+//! deleted over netlink (`conntrack`).
+//!
+//! The system's iptables variant (legacy x_tables or nf_tables) is detected from
+//! `iptables --version` and used, since rules of one variant are invisible to the other.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::SocketAddr,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Context as _};
+use tracing::{debug, info, warn};
+
+pub use self::{
+    ruleset::{Family, RuleOptions, Ruleset, TableName},
+    tools::{Tools, Variant},
+};
+use super::{Dataplane, SyncReport};
+use crate::model::{DesiredState, Frontend, FrontendEntry, Protocol};
+
+pub mod conntrack;
+pub mod names;
+pub mod restore;
+pub mod ruleset;
+pub mod tools;
+
+/// kube-proxy's `FullSyncPeriod`.
+pub const FULL_SYNC_PERIOD: Duration = Duration::from_secs(3600);
+
+#[derive(Clone, Debug)]
+pub struct IptablesOptions {
+    /// Use this variant's programs (`iptables-legacy-restore`, `iptables-nft-restore`)
+    /// rather than the system's `iptables-restore`.
+    pub variant: Option<Variant>,
+    /// A full sync at least this often, even when partial syncs succeed.
+    pub full_sync_period: Duration,
+    /// Delete stale UDP conntrack entries after syncs.
+    pub conntrack_cleanup: bool,
+}
+
+impl Default for IptablesOptions {
+    fn default() -> Self {
+        Self { variant: None, full_sync_period: FULL_SYNC_PERIOD, conntrack_cleanup: true }
+    }
+}
+
+/// What one family's restore did in a sync.
+#[derive(Clone, Debug)]
+pub struct Restore {
+    pub family: Family,
+    /// The `iptables-restore --noflush` input.
+    pub input: String,
+    pub written: Vec<(TableName, String)>,
+    pub deleted: Vec<(TableName, String)>,
+    pub took: Duration,
+}
+
+/// What the last sync did, for tests, benchmarks and debugging.
+#[derive(Clone, Debug, Default)]
+pub struct SyncStats {
+    pub full: bool,
+    /// One per family that had something to write.
+    pub restores: Vec<Restore>,
+    /// UDP conntrack entries deleted.
+    pub conntrack_deleted: usize,
+}
+
+pub struct IptablesDataplane {
+    tools: Tools,
+    options: IptablesOptions,
+    rule_options: RuleOptions,
+    families: Vec<Family>,
+    /// What the last successful restore of each family made the kernel hold.
+    programmed: BTreeMap<Family, Ruleset>,
+    need_full_sync: bool,
+    last_full_sync: Option<Instant>,
+    /// The frontends of the last complete sync, to count changes and find stale conntrack.
+    applied: BTreeMap<Frontend, FrontendEntry>,
+    /// IPv6 failures already warned about when there is nothing IPv6 to program.
+    warned_ipv6: bool,
+    last: SyncStats,
+}
+
+impl IptablesDataplane {
+    /// Finds the iptables programs and the system facts the rules depend on. Nothing is
+    /// written until the first sync.
+    pub fn start(options: &IptablesOptions) -> anyhow::Result<Self> {
+        let tools = Tools::detect(options.variant)?;
+        let (major, minor, patch) = tools.version;
+        info!(
+            variant = tools.variant.name(),
+            version = format!("{major}.{minor}.{patch}"),
+            "iptables dataplane: using the {} variant of iptables{}",
+            tools.variant,
+            if options.variant.is_some() { " (as asked)" } else { " (the system's)" }
+        );
+        let conntrack_tcp_liberal =
+            std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
+                .is_ok_and(|value| value.trim() != "0");
+        let mut families = vec![Family::Ipv4];
+        if Path::new("/proc/thread-self/net/if_inet6").exists() {
+            families.push(Family::Ipv6);
+        } else {
+            info!("IPv6 is disabled on this node: no ip6tables rules");
+        }
+        Ok(Self {
+            rule_options: RuleOptions { conntrack_tcp_liberal, random_fully: tools.has_random_fully() },
+            tools,
+            options: options.clone(),
+            families,
+            programmed: BTreeMap::new(),
+            need_full_sync: true,
+            last_full_sync: None,
+            applied: BTreeMap::new(),
+            warned_ipv6: false,
+            last: SyncStats::default(),
+        })
+    }
+
+    pub fn variant(&self) -> Variant {
+        self.tools.variant
+    }
+
+    pub fn tools(&self) -> &Tools {
+        &self.tools
+    }
+
+    /// What the last call of [`Dataplane::sync`] did.
+    pub fn last_sync(&self) -> &SyncStats {
+        &self.last
+    }
+
+    /// Forces the next sync to be full.
+    pub fn request_full_sync(&mut self) {
+        self.need_full_sync = true;
+    }
+
+    /// Removes vipr's and kube-proxy's iptables chains, and the jumps to them, from both
+    /// families, in the system's variant and in the other one if it holds rules. Rules and
+    /// chains of anyone else stay.
+    pub fn cleanup() -> anyhow::Result<()> {
+        let mut variants = Vec::new();
+        match Tools::detect(None) {
+            Ok(tools) => variants.push(tools),
+            Err(error) => {
+                info!("no iptables cleanup: {error:#}");
+                return Ok(());
+            }
+        }
+        let system = variants[0].variant;
+        let other = match system {
+            Variant::Legacy => Variant::Nft,
+            Variant::Nft => Variant::Legacy,
+        };
+        // Legacy tables exist only once something loaded them; don't make them appear. (The
+        // calling thread's namespace: /proc/net would be the process's.)
+        let other_in_use = other == Variant::Nft
+            || ["/proc/thread-self/net/ip_tables_names", "/proc/thread-self/net/ip6_tables_names"]
+                .iter()
+                .any(|path| std::fs::read_to_string(path).is_ok_and(|names| !names.trim().is_empty()));
+        if other_in_use {
+            if let Ok(tools) = Tools::detect(Some(other)) {
+                variants.push(tools);
+            }
+        }
+        let mut errors = Vec::new();
+        for tools in &variants {
+            for family in Family::ALL {
+                if family == Family::Ipv6 && !Path::new("/proc/thread-self/net/if_inet6").exists() {
+                    continue;
+                }
+                if let Err(error) = cleanup_family(tools, family) {
+                    errors.push(format!("{} ({}): {error:#}", family.command(), tools.variant));
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(anyhow!("iptables cleanup incomplete: {}", errors.join("; ")))
+        }
+    }
+
+    /// One family: generate, plan, restore. Returns what was restored (None: nothing to do).
+    fn sync_family(
+        &mut self,
+        state: &DesiredState,
+        family: Family,
+        full: bool,
+    ) -> anyhow::Result<Option<Restore>> {
+        let wanted = ruleset::generate(state, family, self.rule_options);
+        let plan = match self.programmed.get(&family) {
+            Some(previous) if !full => restore::partial(previous, &wanted),
+            _ => {
+                let saved = self.tools.save(family)?;
+                restore::full(&restore::parse_save(&saved), &wanted)
+            }
+        };
+        if plan.is_empty() {
+            return Ok(None);
+        }
+        let input = plan.render();
+        let written = plan.written().into_iter().map(|(table, chain)| (table, chain.to_owned())).collect();
+        let deleted = plan.deleted().into_iter().map(|(table, chain)| (table, chain.to_owned())).collect();
+        // Not programmed any more until the restore succeeds: a failed one leaves the kernel
+        // in an unknown state as far as the next partial sync is concerned.
+        self.programmed.remove(&family);
+        let took = self.tools.restore(family, &input)?;
+        self.programmed.insert(family, wanted);
+        Ok(Some(Restore { family, input, written, deleted, took }))
+    }
+
+    fn has_family(state: &DesiredState, family: Family) -> bool {
+        state.frontends.keys().any(|frontend| Family::of(frontend.ip) == family)
+            || state.service_cidrs.iter().any(|cidr| Family::of_net(cidr) == family)
+    }
+}
+
+impl Dataplane for IptablesDataplane {
+    fn mode(&self) -> &'static str {
+        "iptables"
+    }
+
+    fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
+        let started = Instant::now();
+        let full = self.need_full_sync
+            || self.last_full_sync.is_none_or(|last| last.elapsed() >= self.options.full_sync_period);
+        let mut stats = SyncStats { full, ..SyncStats::default() };
+        let mut report = SyncReport::default();
+        let mut errors = Vec::new();
+        for family in self.families.clone() {
+            match self.sync_family(state, family, full) {
+                Ok(Some(restore)) => stats.restores.push(restore),
+                Ok(None) => {}
+                Err(error) if family == Family::Ipv6 && !Self::has_family(state, family) => {
+                    // Nothing IPv6 is wanted; a node whose ip6tables does not work still serves.
+                    if !self.warned_ipv6 {
+                        warn!("ip6tables rules not programmed (no IPv6 service needs them): {error:#}");
+                        self.warned_ipv6 = true;
+                    }
+                }
+                Err(error) => errors.push((family, error)),
+            }
+        }
+        let complete = errors.is_empty();
+        if complete {
+            self.need_full_sync = false;
+            if full {
+                self.last_full_sync = Some(Instant::now());
+            }
+        } else {
+            self.need_full_sync = true;
+        }
+        if errors.len() == self.families.len() {
+            let (_, error) = errors.swap_remove(0);
+            self.last = stats;
+            return Err(error.context("cannot program the iptables rules"));
+        }
+        for (family, error) in &errors {
+            report.failed.push(format!("{} rules: {error:#}", family.command()));
+        }
+        for (frontend, entry) in &state.frontends {
+            if !self.families.contains(&Family::of(frontend.ip)) {
+                report
+                    .unsupported
+                    .push(format!("{frontend} ({}): IPv6 is disabled on this node", entry.service));
+            }
+        }
+
+        let failed_families: BTreeSet<Family> = errors.iter().map(|(family, _)| *family).collect();
+        let settled = |frontend: &Frontend| !failed_families.contains(&Family::of(frontend.ip));
+        report.changed = changed_frontends(&self.applied, &state.frontends, &settled);
+        if self.options.conntrack_cleanup {
+            let keep = stale_udp(&self.applied, &state.frontends, &settled);
+            if !keep.is_empty() {
+                match conntrack::delete_stale_udp(&keep) {
+                    Ok(deleted) => {
+                        stats.conntrack_deleted = deleted;
+                        if deleted > 0 {
+                            debug!(deleted, "deleted stale UDP conntrack entries");
+                        }
+                    }
+                    Err(error) => warn!("cannot delete stale UDP conntrack entries: {error}"),
+                }
+            }
+        }
+        // Frontends of families that failed keep their old value, so that their changes are
+        // counted (and their conntrack cleaned) when they are finally programmed.
+        let mut applied: BTreeMap<Frontend, FrontendEntry> = state
+            .frontends
+            .iter()
+            .filter(|(frontend, _)| settled(frontend))
+            .map(|(f, e)| (*f, e.clone()))
+            .collect();
+        applied.extend(
+            self.applied.iter().filter(|(frontend, _)| !settled(frontend)).map(|(f, e)| (*f, e.clone())),
+        );
+        self.applied = applied;
+
+        let written: usize = stats.restores.iter().map(|restore| restore.written.len()).sum();
+        let deleted: usize = stats.restores.iter().map(|restore| restore.deleted.len()).sum();
+        let restore_ms: Vec<u128> = stats.restores.iter().map(|restore| restore.took.as_millis()).collect();
+        debug!(
+            full,
+            chains_written = written,
+            chains_deleted = deleted,
+            ?restore_ms,
+            took_ms = started.elapsed().as_millis() as u64,
+            "iptables sync"
+        );
+        self.last = stats;
+        Ok(report)
+    }
+}
+
+/// Frontends added, removed, or whose entry changed (among those `settled` says were
+/// programmed).
+fn changed_frontends(
+    before: &BTreeMap<Frontend, FrontendEntry>,
+    after: &BTreeMap<Frontend, FrontendEntry>,
+    settled: &dyn Fn(&Frontend) -> bool,
+) -> usize {
+    let keys: BTreeSet<&Frontend> = before.keys().chain(after.keys()).collect();
+    keys.into_iter()
+        .filter(|frontend| settled(frontend) && before.get(*frontend) != after.get(*frontend))
+        .count()
+}
+
+/// The UDP frontends whose conntrack entries may be stale, with the endpoints their entries
+/// may keep: frontends that lost endpoints, that have endpoints now and had none (or did not
+/// exist: until now their packets were routed past the service), and frontends that are gone
+/// (no entry may stay).
+fn stale_udp(
+    before: &BTreeMap<Frontend, FrontendEntry>,
+    after: &BTreeMap<Frontend, FrontendEntry>,
+    settled: &dyn Fn(&Frontend) -> bool,
+) -> conntrack::Keep {
+    let endpoints = |entry: &FrontendEntry| -> BTreeSet<SocketAddr> {
+        entry.all_backends().into_iter().map(|backend| SocketAddr::new(backend.ip, backend.port)).collect()
+    };
+    let udp = |frontend: &Frontend| frontend.protocol == Protocol::Udp && settled(frontend);
+    let mut keep = conntrack::Keep::new();
+    for (frontend, entry) in after.iter().filter(|(frontend, _)| udp(frontend)) {
+        let now = endpoints(entry);
+        let stale = match before.get(frontend) {
+            Some(previous) => {
+                let then = endpoints(previous);
+                !then.is_subset(&now) || (then.is_empty() && !now.is_empty())
+            }
+            None => !now.is_empty(),
+        };
+        if stale {
+            keep.insert(SocketAddr::new(frontend.ip, frontend.port), now);
+        }
+    }
+    for frontend in before.keys().filter(|frontend| udp(frontend) && !after.contains_key(*frontend)) {
+        keep.insert(SocketAddr::new(frontend.ip, frontend.port), BTreeSet::new());
+    }
+    keep
+}
+
+fn cleanup_family(tools: &Tools, family: Family) -> anyhow::Result<()> {
+    let saved = tools.save(family)?;
+    let plans = restore::cleanup(&restore::parse_save(&saved));
+    if plans.is_empty() {
+        return Ok(());
+    }
+    let chains: usize = plans.values().map(|plan| plan.delete.len()).sum();
+    tools
+        .restore(family, &restore::render_cleanup(&plans))
+        .with_context(|| format!("cannot remove {chains} chains"))?;
+    info!(
+        family = family.command(),
+        variant = tools.variant.name(),
+        chains,
+        "removed the iptables chains of vipr and kube-proxy"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::model::{Backend, FrontendKind, ServicePortName, Treatment, WhenEmpty};
+
+    fn entry(backends: &[&str]) -> FrontendEntry {
+        let backends: Arc<[Backend]> = backends
+            .iter()
+            .map(|text| {
+                let address: SocketAddr = text.parse().unwrap();
+                Backend { ip: address.ip(), port: address.port() }
+            })
+            .collect();
+        let treatment = Treatment { backends, when_empty: WhenEmpty::Reject, masquerade: false };
+        FrontendEntry {
+            service: ServicePortName {
+                namespace: "ns".into(),
+                name: "dns".into(),
+                port: "dns".into(),
+                protocol: Protocol::Udp,
+            },
+            kind: FrontendKind::ClusterIp,
+            from_pod: treatment.clone(),
+            from_node: treatment.clone(),
+            from_outside: treatment,
+            allowed_sources: Vec::new(),
+            affinity: None,
+        }
+    }
+
+    fn frontend(text: &str, protocol: Protocol) -> Frontend {
+        let address: SocketAddr = text.parse().unwrap();
+        Frontend { ip: address.ip(), port: address.port(), protocol }
+    }
+
+    #[test]
+    fn stale_udp_frontends_are_those_that_lost_or_gained_their_first_endpoints_or_went_away() {
+        let dns = frontend("172.30.0.10:53", Protocol::Udp);
+        let gone = frontend("172.30.0.11:53", Protocol::Udp);
+        let tcp = frontend("172.30.0.12:80", Protocol::Tcp);
+        let all = |_: &Frontend| true;
+        let state = |entries: Vec<(Frontend, FrontendEntry)>| entries.into_iter().collect::<BTreeMap<_, _>>();
+
+        let before = state(vec![
+            (dns, entry(&["10.1.0.1:53", "10.1.0.2:53"])),
+            (gone, entry(&["10.1.0.3:53"])),
+            (tcp, entry(&[])),
+        ]);
+        // An endpoint added: nothing is stale, but the vanished frontend is.
+        let after = state(vec![
+            (dns, entry(&["10.1.0.1:53", "10.1.0.2:53", "10.1.0.4:53"])),
+            (tcp, entry(&["10.1.0.5:80"])),
+        ]);
+        let keep = stale_udp(&before, &after, &all);
+        assert_eq!(keep.len(), 1);
+        assert!(keep[&"172.30.0.11:53".parse().unwrap()].is_empty());
+
+        // An endpoint removed: entries to the frontend may keep only the others.
+        let after = state(vec![(dns, entry(&["10.1.0.1:53"]))]);
+        let keep = stale_udp(&before, &after, &all);
+        assert_eq!(keep[&"172.30.0.10:53".parse().unwrap()], ["10.1.0.1:53".parse().unwrap()].into());
+
+        // From no endpoints to some, and a new frontend: their earlier packets bypassed DNAT.
+        let before = state(vec![(dns, entry(&[]))]);
+        let after = state(vec![(dns, entry(&["10.1.0.1:53"])), (gone, entry(&["10.1.0.3:53"]))]);
+        assert_eq!(stale_udp(&before, &after, &all).len(), 2);
+        // Unchanged: nothing to do (no conntrack dump on every periodic sync).
+        assert!(stale_udp(&after, &after, &all).is_empty());
+        // A family that failed to program is left for later.
+        assert!(stale_udp(&before, &after, &|_| false).is_empty());
+    }
+
+    #[test]
+    fn changes_are_counted_per_frontend() {
+        let a = frontend("172.30.0.10:53", Protocol::Udp);
+        let b = frontend("172.30.0.11:53", Protocol::Udp);
+        let before: BTreeMap<_, _> = [(a, entry(&["10.1.0.1:53"]))].into_iter().collect();
+        let after: BTreeMap<_, _> = [(a, entry(&["10.1.0.2:53"])), (b, entry(&[]))].into_iter().collect();
+        assert_eq!(changed_frontends(&before, &after, &|_| true), 2);
+        assert_eq!(changed_frontends(&after, &after, &|_| true), 0);
+    }
+}

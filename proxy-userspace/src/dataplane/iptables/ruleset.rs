@@ -1,0 +1,922 @@
+//! The desired state as iptables rules for one IP family: kube-proxy's chain structure, built
+//! from the model's per-source-class treatments. Pure, so the generation is unit-tested
+//! without a kernel.
+//!
+//! The packet's way (nat table, PREROUTING for forwarded traffic, OUTPUT for the node's own):
+//!
+//! ```text
+//! KUBE-SERVICES ─ cluster IP:port ─────────────────────► KUBE-SVC-* (masquerade rules for
+//!               │                                          this cluster IP, then endpoints)
+//!               ├ external IP:port ─────────────────────► KUBE-EXT-* ─► KUBE-SVC-* / KUBE-SVL-*
+//!               ├ load-balancer IP:port ─ (source ranges ► KUBE-FW-*) ─► KUBE-EXT-*
+//!               └ node-port address ─► KUBE-NODEPORTS ─ port ─► KUBE-EXT-*
+//! KUBE-SVC-* / KUBE-SVL-* ─ affinity (recent) or statistic random 1/n ─► KUBE-SEP-* (hairpin
+//!                                                                  masquerade, DNAT)
+//! POSTROUTING ─► KUBE-POSTROUTING: MASQUERADE what KUBE-MARK-MASQ marked (0x4000)
+//! ```
+//!
+//! A `KUBE-EXT-*` chain classifies the source as the model does: the node (`addrtype LOCAL`)
+//! first, then pods (`-s` cluster CIDR), then everything else, and applies that class's
+//! treatment (masquerade mark, endpoint chain). What the nat table does not DNAT is judged in
+//! the filter table: a treatment without endpoints rejects or drops there (`KUBE-SERVICES` for
+//! cluster IPs, `KUBE-EXTERNAL-SERVICES` for the rest, as kube-proxy), sources outside a load
+//! balancer's ranges are dropped by `KUBE-PROXY-FIREWALL`, and addresses of the service CIDRs
+//! that are no cluster IP by `KUBE-SERVICE-CIDRS`. A cluster IP on a port it does not serve is
+//! left alone (iptables semantics: the packet passes).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    net::IpAddr,
+};
+
+use ipnet::IpNet;
+
+use super::names::{self, endpoint_chain, protocol_name, service_chain};
+use crate::model::{
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, WhenEmpty,
+};
+
+/// The bit kube-proxy marks packets to masquerade with (`--iptables-masquerade-bit` 14).
+pub const MASQUERADE_MARK: &str = "0x4000";
+
+pub const KUBE_SERVICES: &str = "KUBE-SERVICES";
+pub const KUBE_EXTERNAL_SERVICES: &str = "KUBE-EXTERNAL-SERVICES";
+pub const KUBE_NODEPORTS: &str = "KUBE-NODEPORTS";
+pub const KUBE_FORWARD: &str = "KUBE-FORWARD";
+pub const KUBE_PROXY_FIREWALL: &str = "KUBE-PROXY-FIREWALL";
+pub const KUBE_POSTROUTING: &str = "KUBE-POSTROUTING";
+pub const KUBE_MARK_MASQ: &str = "KUBE-MARK-MASQ";
+/// vipr's own: drops connections to service-CIDR addresses that are no cluster IP (what
+/// kube-proxy's nftables mode does; its iptables mode has no such rule).
+pub const KUBE_SERVICE_CIDRS: &str = "KUBE-SERVICE-CIDRS";
+
+/// Chains rewritten as a whole whenever their content changes, and never deleted by a sync.
+pub const FILTER_TOP_LEVEL: [&str; 6] = [
+    KUBE_SERVICES,
+    KUBE_EXTERNAL_SERVICES,
+    KUBE_FORWARD,
+    KUBE_NODEPORTS,
+    KUBE_PROXY_FIREWALL,
+    KUBE_SERVICE_CIDRS,
+];
+pub const NAT_TOP_LEVEL: [&str; 4] = [KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTROUTING, KUBE_MARK_MASQ];
+
+/// kube-proxy leaves comments out of endpoint rules above this many endpoints: they make the
+/// restore input much larger.
+const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    Ipv4,
+    Ipv6,
+}
+
+impl Family {
+    pub const ALL: [Self; 2] = [Self::Ipv4, Self::Ipv6];
+
+    pub fn of(ip: IpAddr) -> Self {
+        if ip.is_ipv4() {
+            Self::Ipv4
+        } else {
+            Self::Ipv6
+        }
+    }
+
+    pub fn of_net(net: &IpNet) -> Self {
+        Self::of(net.addr())
+    }
+
+    /// The command prefix: `iptables` or `ip6tables`.
+    pub fn command(self) -> &'static str {
+        match self {
+            Self::Ipv4 => "iptables",
+            Self::Ipv6 => "ip6tables",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TableName {
+    Filter,
+    Nat,
+}
+
+impl TableName {
+    pub const ALL: [Self; 2] = [Self::Filter, Self::Nat];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Filter => "filter",
+            Self::Nat => "nat",
+        }
+    }
+
+    /// The chains of this table that are always present and rewritten whole.
+    pub fn top_level(self) -> &'static [&'static str] {
+        match self {
+            Self::Filter => &FILTER_TOP_LEVEL,
+            Self::Nat => &NAT_TOP_LEVEL,
+        }
+    }
+}
+
+/// Chains of one table: name -> rules in order, each rule without its `-A CHAIN` prefix.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Table {
+    pub chains: BTreeMap<String, Vec<String>>,
+}
+
+impl Table {
+    fn with_chains(names: &[&str]) -> Self {
+        Self { chains: names.iter().map(|name| ((*name).to_owned(), Vec::new())).collect() }
+    }
+
+    fn push(&mut self, chain: &str, rule: String) {
+        self.chains.entry(chain.to_owned()).or_default().push(rule);
+    }
+
+    pub fn rules(&self) -> usize {
+        self.chains.values().map(Vec::len).sum()
+    }
+}
+
+/// Everything vipr wants in one family's filter and nat tables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ruleset {
+    pub filter: Table,
+    pub nat: Table,
+}
+
+impl Ruleset {
+    pub fn table(&self, table: TableName) -> &Table {
+        match table {
+            TableName::Filter => &self.filter,
+            TableName::Nat => &self.nat,
+        }
+    }
+}
+
+/// Facts about the system that shape the rules but are no part of the desired state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleOptions {
+    /// `nf_conntrack_tcp_be_liberal` is set: no DROP of INVALID packets in KUBE-FORWARD (as
+    /// kube-proxy).
+    pub conntrack_tcp_liberal: bool,
+    /// iptables supports `MASQUERADE --random-fully` (1.6.2 and later).
+    pub random_fully: bool,
+}
+
+/// A jump from a built-in chain to one of ours, ensured on every full sync (kube-proxy's
+/// `iptablesJumpChains`, in its order: each missing one is inserted at the top).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Jump {
+    pub table: TableName,
+    pub from: &'static str,
+    pub to: &'static str,
+    /// Matches and the comment, without `-j`.
+    pub spec: &'static str,
+}
+
+impl Jump {
+    pub fn rule(&self) -> String {
+        format!("{} -j {}", self.spec, self.to)
+    }
+}
+
+pub const JUMPS: [Jump; 12] = [
+    Jump {
+        table: TableName::Filter,
+        from: "INPUT",
+        to: KUBE_EXTERNAL_SERVICES,
+        spec: r#"-m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals""#,
+    },
+    Jump {
+        table: TableName::Filter,
+        from: "FORWARD",
+        to: KUBE_EXTERNAL_SERVICES,
+        spec: r#"-m conntrack --ctstate NEW -m comment --comment "kubernetes externally-visible service portals""#,
+    },
+    Jump {
+        table: TableName::Filter,
+        from: "INPUT",
+        to: KUBE_NODEPORTS,
+        spec: r#"-m comment --comment "kubernetes health check service ports""#,
+    },
+    Jump {
+        table: TableName::Filter,
+        from: "FORWARD",
+        to: KUBE_SERVICES,
+        spec: r#"-m conntrack --ctstate NEW -m comment --comment "kubernetes service portals""#,
+    },
+    Jump {
+        table: TableName::Filter,
+        from: "OUTPUT",
+        to: KUBE_SERVICES,
+        spec: r#"-m conntrack --ctstate NEW -m comment --comment "kubernetes service portals""#,
+    },
+    Jump {
+        table: TableName::Filter,
+        from: "FORWARD",
+        to: KUBE_FORWARD,
+        spec: r#"-m comment --comment "kubernetes forwarding rules""#,
+    },
+    Jump {
+        table: TableName::Filter,
+        from: "INPUT",
+        to: KUBE_PROXY_FIREWALL,
+        spec: r#"-m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall""#,
+    },
+    Jump {
+        table: TableName::Filter,
+        from: "OUTPUT",
+        to: KUBE_PROXY_FIREWALL,
+        spec: r#"-m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall""#,
+    },
+    Jump {
+        table: TableName::Filter,
+        from: "FORWARD",
+        to: KUBE_PROXY_FIREWALL,
+        spec: r#"-m conntrack --ctstate NEW -m comment --comment "kubernetes load balancer firewall""#,
+    },
+    Jump {
+        table: TableName::Nat,
+        from: "OUTPUT",
+        to: KUBE_SERVICES,
+        spec: r#"-m comment --comment "kubernetes service portals""#,
+    },
+    Jump {
+        table: TableName::Nat,
+        from: "PREROUTING",
+        to: KUBE_SERVICES,
+        spec: r#"-m comment --comment "kubernetes service portals""#,
+    },
+    Jump {
+        table: TableName::Nat,
+        from: "POSTROUTING",
+        to: KUBE_POSTROUTING,
+        spec: r#"-m comment --comment "kubernetes postrouting rules""#,
+    },
+];
+
+/// The source classes in the order rules test them (the model's: the node before pods).
+const NODE: usize = 0;
+const POD: usize = 1;
+const OUTSIDE: usize = 2;
+
+/// One class's treatment, reduced to this family and to what the rules depend on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct ClassTreatment {
+    backends: Vec<Backend>,
+    /// Only meaningful with backends.
+    masquerade: bool,
+    /// Only meaningful without backends.
+    when_empty: Verdict,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Verdict {
+    Reject,
+    Drop,
+}
+
+impl Verdict {
+    fn target(self) -> &'static str {
+        match self {
+            Self::Reject => "REJECT",
+            Self::Drop => "DROP",
+        }
+    }
+}
+
+/// A frontend's three treatments (node, pod, outside).
+type Treatments = [ClassTreatment; 3];
+
+fn treatments(entry: &FrontendEntry, family: Family) -> Treatments {
+    let model = [&entry.from_node, &entry.from_pod, &entry.from_outside];
+    let here = model.map(|treatment| -> Vec<Backend> {
+        treatment.backends.iter().copied().filter(|backend| Family::of(backend.ip) == family).collect()
+    });
+    let any_here = here.iter().any(|backends| !backends.is_empty());
+    let mut classes = model.into_iter().zip(here);
+    [(); 3].map(|()| {
+        let (treatment, backends) = classes.next().expect("three classes");
+        let when_empty = if !backends.is_empty() {
+            Verdict::Reject
+        } else if !treatment.backends.is_empty() {
+            // Endpoints of the other family only. As kube-proxy's per-family proxier sees it:
+            // endpoints elsewhere (for other sources) drop, none at all reject.
+            if any_here {
+                Verdict::Drop
+            } else {
+                Verdict::Reject
+            }
+        } else {
+            match treatment.when_empty {
+                WhenEmpty::Reject => Verdict::Reject,
+                WhenEmpty::Drop => Verdict::Drop,
+            }
+        };
+        ClassTreatment { masquerade: !backends.is_empty() && treatment.masquerade, when_empty, backends }
+    })
+}
+
+/// How a class is matched, and how it is named in comments.
+struct Classes {
+    /// The pod CIDRs of this family (the local-traffic detector).
+    pod_cidrs: Vec<IpNet>,
+    /// Some node address lies inside a pod CIDR: then "not a pod" does not imply "not the
+    /// node", and rules must test the node first.
+    node_in_pod_cidr: bool,
+}
+
+const LOCAL: &str = "-m addrtype --src-type LOCAL";
+const NOT_LOCAL: &str = "-m addrtype ! --src-type LOCAL";
+
+impl Classes {
+    fn new(state: &DesiredState, family: Family) -> Self {
+        let pod_cidrs: Vec<IpNet> =
+            state.sources.pod_cidrs.iter().copied().filter(|cidr| Family::of_net(cidr) == family).collect();
+        let node_in_pod_cidr =
+            state.sources.node_ips.iter().any(|ip| pod_cidrs.iter().any(|cidr| cidr.contains(ip)));
+        Self { pod_cidrs, node_in_pod_cidr }
+    }
+
+    /// Matches for the classes whose flag is set, as non-exclusive rules (for marks, which
+    /// may be applied twice): `None` when one rule per match cannot express it (several pod
+    /// CIDRs of one family, which kube-proxy does not support either).
+    fn matching(&self, set: [bool; 3]) -> Option<Vec<String>> {
+        let [node, pod, outside] = set;
+        // Without a detector no source is a pod.
+        let pod = if self.pod_cidrs.is_empty() { outside } else { pod };
+        if node && pod && outside {
+            return Some(vec![String::new()]);
+        }
+        if !node && !pod && !outside {
+            return Some(Vec::new());
+        }
+        let cidr = match self.pod_cidrs.as_slice() {
+            [] => {
+                return Some(vec![if node { LOCAL } else { NOT_LOCAL }.to_owned()]);
+            }
+            [cidr] => cidr,
+            _ => return None,
+        };
+        let rules = match (node, pod, outside) {
+            (true, false, true) => {
+                let mut rules = vec![format!("! -s {cidr}")];
+                if self.node_in_pod_cidr {
+                    rules.push(LOCAL.to_owned());
+                }
+                rules
+            }
+            (true, false, false) => vec![LOCAL.to_owned()],
+            (false, true, false) if self.node_in_pod_cidr => vec![format!("-s {cidr} {NOT_LOCAL}")],
+            (false, true, false) => vec![format!("-s {cidr}")],
+            (false, false, true) => vec![format!("! -s {cidr} {NOT_LOCAL}")],
+            (true, true, false) => vec![format!("-s {cidr}"), LOCAL.to_owned()],
+            (false, true, true) => vec![NOT_LOCAL.to_owned()],
+            (true, true, true) | (false, false, false) => unreachable!("handled above"),
+        };
+        Some(rules)
+    }
+}
+
+/// A rule's `-p proto -m proto -d ip --dport port` for a frontend.
+fn destination(frontend: &Frontend) -> String {
+    let protocol = protocol_name(frontend.protocol);
+    format!("-p {protocol} -m {protocol} -d {} --dport {}", host(frontend.ip), frontend.port)
+}
+
+/// An address as a single-host CIDR, as iptables-save prints it.
+fn host(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(ip) => format!("{ip}/32"),
+        IpAddr::V6(ip) => format!("{ip}/128"),
+    }
+}
+
+fn comment(text: &str) -> String {
+    // Kubernetes names cannot hold quotes; be safe with anything else.
+    format!("-m comment --comment \"{}\"", text.replace(['"', '\\'], "_"))
+}
+
+/// Builds the rules of `family` for `state`.
+pub fn generate(state: &DesiredState, family: Family, options: RuleOptions) -> Ruleset {
+    let mut builder = Builder {
+        family,
+        filter: Table::with_chains(&FILTER_TOP_LEVEL),
+        nat: Table::with_chains(&NAT_TOP_LEVEL),
+        classes: Classes::new(state, family),
+        large: false,
+        nodeports: BTreeMap::new(),
+    };
+    builder.static_rules(options);
+
+    let mut services: BTreeMap<&ServicePortName, Vec<(&Frontend, &FrontendEntry)>> = BTreeMap::new();
+    for (frontend, entry) in &state.frontends {
+        if Family::of(frontend.ip) == family {
+            services.entry(&entry.service).or_default().push((frontend, entry));
+        }
+    }
+    let endpoints: usize = services
+        .values()
+        .map(|frontends| {
+            frontends.iter().flat_map(|(_, entry)| entry.all_backends()).collect::<BTreeSet<_>>().len()
+        })
+        .sum();
+    builder.large = endpoints > LARGE_CLUSTER_ENDPOINTS;
+    for (service, frontends) in &services {
+        builder.service(service, frontends);
+    }
+    builder.nodeports();
+    builder.service_cidrs(state);
+    Ruleset { filter: builder.filter, nat: builder.nat }
+}
+
+struct Builder {
+    family: Family,
+    filter: Table,
+    nat: Table,
+    classes: Classes,
+    large: bool,
+    /// NodePort frontends by (port, protocol).
+    nodeports: BTreeMap<(u16, &'static str), Vec<NodePortFrontend>>,
+}
+
+/// A NodePort frontend: its address, where the nat table sends it (nowhere without
+/// endpoints), and its service (`ns/name:port`).
+type NodePortFrontend = (IpAddr, Option<String>, String);
+
+/// One service port's chains while they are being built.
+struct ServiceChains {
+    /// `ns/name:port`.
+    name: String,
+    frontend_protocol: crate::model::Protocol,
+    affinity: Option<u64>,
+    /// Endpoint lists in the order their chains were named; the first is `KUBE-SVC-`, the
+    /// second `KUBE-SVL-`.
+    lists: Vec<Vec<Backend>>,
+    /// Masquerade rules at the top of each list's chain (cluster IPs, as kube-proxy).
+    list_prefix_rules: Vec<Vec<String>>,
+    /// Entry chains (`KUBE-EXT-`) by content.
+    entries: Vec<(String, Vec<String>)>,
+    /// Firewall chains (`KUBE-FW-`) by content.
+    firewalls: Vec<(String, Vec<String>)>,
+}
+
+impl ServiceChains {
+    fn list_chain(&self, index: usize) -> String {
+        match index {
+            0 => service_chain(names::SERVICE_PREFIX, &self.name, self.frontend_protocol),
+            1 => service_chain(names::LOCAL_PREFIX, &self.name, self.frontend_protocol),
+            n => service_chain(names::SERVICE_PREFIX, &format!("{}#{n}", self.name), self.frontend_protocol),
+        }
+    }
+
+    fn list_index(&mut self, backends: &[Backend]) -> usize {
+        match self.lists.iter().position(|list| list == backends) {
+            Some(index) => index,
+            None => {
+                self.lists.push(backends.to_vec());
+                self.list_prefix_rules.push(Vec::new());
+                self.lists.len() - 1
+            }
+        }
+    }
+
+    /// The name of the chain with `rules` among `chains` of `prefix`: the service's own hash
+    /// for the first content, then disambiguated ones.
+    fn named(
+        chains: &mut Vec<(String, Vec<String>)>,
+        prefix: &str,
+        base: &str,
+        protocol: crate::model::Protocol,
+        rules: Vec<String>,
+    ) -> String {
+        if let Some((name, _)) = chains.iter().find(|(_, existing)| *existing == rules) {
+            return name.clone();
+        }
+        let name = match chains.len() {
+            0 => service_chain(prefix, base, protocol),
+            n => service_chain(prefix, &format!("{base}#{n}"), protocol),
+        };
+        chains.push((name.clone(), rules));
+        name
+    }
+}
+
+impl Builder {
+    fn static_rules(&mut self, options: RuleOptions) {
+        let mark = format!("{MASQUERADE_MARK}/{MASQUERADE_MARK}");
+        self.nat.push(KUBE_POSTROUTING, format!("-m mark ! --mark {mark} -j RETURN"));
+        // Cleared so that a packet that traverses the stack again is not masqueraded twice.
+        self.nat.push(KUBE_POSTROUTING, format!("-j MARK --xor-mark {MASQUERADE_MARK}"));
+        let mut masquerade =
+            format!("{} -j MASQUERADE", comment("kubernetes service traffic requiring SNAT"));
+        if options.random_fully {
+            masquerade.push_str(" --random-fully");
+        }
+        self.nat.push(KUBE_POSTROUTING, masquerade);
+        self.nat.push(KUBE_MARK_MASQ, format!("-j MARK --or-mark {MASQUERADE_MARK}"));
+
+        if !options.conntrack_tcp_liberal {
+            self.filter.push(KUBE_FORWARD, "-m conntrack --ctstate INVALID -j DROP".to_owned());
+        }
+        self.filter.push(
+            KUBE_FORWARD,
+            format!("{} -m mark --mark {mark} -j ACCEPT", comment("kubernetes forwarding rules")),
+        );
+        self.filter.push(
+            KUBE_FORWARD,
+            format!(
+                "{} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+                comment("kubernetes forwarding conntrack rule")
+            ),
+        );
+    }
+
+    fn service(&mut self, service: &ServicePortName, frontends: &[(&Frontend, &FrontendEntry)]) {
+        let name = names::service_port_string(service);
+        let protocol = service.protocol;
+        let mut chains = ServiceChains {
+            name: name.clone(),
+            frontend_protocol: protocol,
+            affinity: frontends.iter().find_map(|(_, entry)| entry.affinity).map(|timeout| timeout.as_secs()),
+            lists: Vec::new(),
+            list_prefix_rules: Vec::new(),
+            entries: Vec::new(),
+            firewalls: Vec::new(),
+        };
+        let treated: Vec<(&Frontend, &FrontendEntry, Treatments)> = frontends
+            .iter()
+            .map(|(frontend, entry)| (*frontend, *entry, treatments(entry, self.family)))
+            .collect();
+        // Name the endpoint lists: the cluster-wide list first (what the node's connections to
+        // external destinations use, else what cluster IPs use), so that it gets KUBE-SVC-.
+        let external = |entry: &FrontendEntry| entry.kind != FrontendKind::ClusterIp;
+        let ordered = treated
+            .iter()
+            .filter(|(_, entry, _)| external(entry))
+            .map(|(_, _, t)| &t[NODE])
+            .chain(
+                treated.iter().filter(|(_, entry, _)| !external(entry)).flat_map(|(_, _, t)| t.iter().rev()),
+            )
+            .chain(treated.iter().flat_map(|(_, _, t)| t.iter()));
+        for treatment in ordered {
+            if !treatment.backends.is_empty() {
+                chains.list_index(&treatment.backends);
+            }
+        }
+
+        for (frontend, entry, treatments) in &treated {
+            self.frontend(&mut chains, frontend, entry, treatments);
+        }
+
+        // Endpoint chains and endpoint-list chains.
+        let service_comment = comment(&name);
+        let endpoint_comment = if self.large { String::new() } else { format!("{service_comment} ") };
+        let mut endpoints = BTreeSet::new();
+        for (index, list) in chains.lists.iter().enumerate() {
+            let chain = chains.list_chain(index);
+            let mut rules = chains.list_prefix_rules[index].clone();
+            if let Some(seconds) = chains.affinity {
+                for backend in list {
+                    let sep = endpoint_chain(&name, protocol, backend);
+                    rules.push(format!(
+                        "{endpoint_comment}-m recent --name {sep} --rcheck --seconds {seconds} --reap -j {sep}"
+                    ));
+                }
+            }
+            for (i, backend) in list.iter().enumerate() {
+                let sep = endpoint_chain(&name, protocol, backend);
+                let comment =
+                    if self.large { String::new() } else { comment(&format!("{name} -> {backend}")) + " " };
+                let remaining = list.len() - i;
+                if remaining > 1 {
+                    rules.push(format!(
+                        "{comment}-m statistic --mode random --probability {} -j {sep}",
+                        probability(remaining)
+                    ));
+                } else {
+                    rules.push(format!("{comment}-j {sep}"));
+                }
+                endpoints.insert(*backend);
+            }
+            self.nat.chains.insert(chain, rules);
+        }
+        let protocol_text = protocol_name(protocol);
+        for backend in endpoints {
+            let sep = endpoint_chain(&name, protocol, &backend);
+            let recent = if chains.affinity.is_some() {
+                format!("-m recent --name {sep} --set ")
+            } else {
+                String::new()
+            };
+            let rules = vec![
+                format!("{endpoint_comment}-s {} -j {KUBE_MARK_MASQ}", host(backend.ip)),
+                format!(
+                    "{endpoint_comment}{recent}-p {protocol_text} -m {protocol_text} -j DNAT --to-destination {backend}"
+                ),
+            ];
+            self.nat.chains.insert(sep, rules);
+        }
+        for (chain, rules) in chains.entries.into_iter().chain(chains.firewalls) {
+            self.nat.chains.insert(chain, rules);
+        }
+    }
+
+    fn frontend(
+        &mut self,
+        chains: &mut ServiceChains,
+        frontend: &Frontend,
+        entry: &FrontendEntry,
+        treatments: &Treatments,
+    ) {
+        let name = chains.name.clone();
+        let all_empty = treatments.iter().all(|t| t.backends.is_empty());
+        let uniform_list = treatments.iter().all(|t| t.backends == treatments[NODE].backends);
+        let dest = destination(frontend);
+        let kind_text = match entry.kind {
+            FrontendKind::ClusterIp => "cluster IP",
+            FrontendKind::ExternalIp => "external IP",
+            FrontendKind::LoadBalancer => "loadbalancer IP",
+            FrontendKind::NodePort => "node port",
+        };
+
+        // Where the nat table sends the frontend's connections (None: nowhere, all judged by
+        // the filter table).
+        let mut target: Option<String> = None;
+        if !all_empty {
+            let inline = (entry.kind == FrontendKind::ClusterIp && uniform_list)
+                .then(|| self.classes.matching(treatments.clone().map(|t| t.masquerade)))
+                .flatten();
+            match inline {
+                Some(masquerade_matches) => {
+                    // kube-proxy's cluster IP: masquerade rules for this destination at the top of
+                    // the endpoint chain.
+                    let index = chains.list_index(&treatments[NODE].backends);
+                    for matches in masquerade_matches {
+                        let matches = if matches.is_empty() { String::new() } else { format!(" {matches}") };
+                        chains.list_prefix_rules[index].push(format!(
+                            "{} {dest}{matches} -j {KUBE_MARK_MASQ}",
+                            comment(&format!("{name} {kind_text}"))
+                        ));
+                    }
+                    target = Some(chains.list_chain(index));
+                }
+                None => {
+                    let external = entry.kind != FrontendKind::ClusterIp;
+                    let rules = self.dispatch(chains, treatments, external);
+                    let base = if external { name.clone() } else { format!("{name} cluster IP") };
+                    target = Some(ServiceChains::named(
+                        &mut chains.entries,
+                        names::EXTERNAL_PREFIX,
+                        &base,
+                        chains.frontend_protocol,
+                        rules,
+                    ));
+                }
+            }
+        }
+
+        // Source ranges.
+        let allowed: Vec<&IpNet> =
+            entry.allowed_sources.iter().filter(|range| Family::of_net(range) == self.family).collect();
+        let mut nat_target = target.clone();
+        if !entry.allowed_sources.is_empty() {
+            match &target {
+                Some(target) => {
+                    let mut rules: Vec<String> = allowed
+                        .iter()
+                        .map(|range| {
+                            format!("{} -s {range} -j {target}", comment(&format!("{name} {kind_text}")))
+                        })
+                        .collect();
+                    rules.push(comment(&format!(
+                        "other traffic to {name} will be dropped by {KUBE_PROXY_FIREWALL}"
+                    )));
+                    let firewall = ServiceChains::named(
+                        &mut chains.firewalls,
+                        names::FIREWALL_PREFIX,
+                        &name,
+                        chains.frontend_protocol,
+                        rules,
+                    );
+                    self.filter.push(
+                        KUBE_PROXY_FIREWALL,
+                        format!(
+                            "{} {dest} -j DROP",
+                            comment(&format!("{name} traffic not accepted by {firewall}"))
+                        ),
+                    );
+                    nat_target = Some(firewall);
+                }
+                None => {
+                    // Nothing is DNATed: let the allowed sources on to the reject below.
+                    for range in &allowed {
+                        self.filter.push(
+                            KUBE_PROXY_FIREWALL,
+                            format!(
+                                "{} {dest} -s {range} -j RETURN",
+                                comment(&format!("{name} {kind_text}"))
+                            ),
+                        );
+                    }
+                    self.filter.push(
+                        KUBE_PROXY_FIREWALL,
+                        format!(
+                            "{} {dest} -j DROP",
+                            comment(&format!("{name} traffic not in its source ranges"))
+                        ),
+                    );
+                }
+            }
+        }
+
+        // The nat table's entry point.
+        match entry.kind {
+            FrontendKind::NodePort => {
+                self.nodeports.entry((frontend.port, protocol_name(frontend.protocol))).or_default().push((
+                    frontend.ip,
+                    nat_target,
+                    name.clone(),
+                ));
+            }
+            _ => {
+                if let Some(target) = nat_target {
+                    self.nat.push(
+                        KUBE_SERVICES,
+                        format!("{} {dest} -j {target}", comment(&format!("{name} {kind_text}"))),
+                    );
+                }
+            }
+        }
+
+        // The filter table judges what was not DNATed.
+        let chain =
+            if entry.kind == FrontendKind::ClusterIp { KUBE_SERVICES } else { KUBE_EXTERNAL_SERVICES };
+        for rule in self.empty_rules(&name, treatments, &dest) {
+            self.filter.push(chain, rule);
+        }
+    }
+
+    /// Rules that classify the source and apply its class's treatment, for an entry chain.
+    fn dispatch(&self, chains: &mut ServiceChains, treatments: &Treatments, external: bool) -> Vec<String> {
+        let name = chains.name.clone();
+        let what =
+            if external { format!("{name} external destinations") } else { format!("{name} cluster IP") };
+        let [node, pod, outside] = [&treatments[NODE], &treatments[POD], &treatments[OUTSIDE]];
+        let has_pods = !self.classes.pod_cidrs.is_empty();
+        let emit_pod = has_pods && pod != outside;
+        let emit_node = node != outside || (emit_pod && self.classes.node_in_pod_cidr && node != pod);
+        let mut rules = Vec::new();
+        let mut class_rules =
+            |matches: &str, treatment: &ClassTreatment, label: &str, rules: &mut Vec<String>| {
+                if treatment.backends.is_empty() {
+                    let note = comment(&format!("{label}traffic for {what}: no endpoints"));
+                    rules.push(join(&[&note, matches, "-j RETURN"]));
+                    return;
+                }
+                if treatment.masquerade {
+                    let note = comment(&format!("masquerade {label}traffic for {what}"));
+                    rules.push(join(&[&note, matches, "-j", KUBE_MARK_MASQ]));
+                }
+                let index = chains.list_index(&treatment.backends);
+                let target = chains.list_chain(index);
+                let note = if label.is_empty() {
+                    String::new()
+                } else {
+                    comment(&format!("route {label}traffic for {what}"))
+                };
+                rules.push(join(&[&note, matches, "-j", &target]));
+            };
+        if emit_node {
+            class_rules(LOCAL, node, "LOCAL ", &mut rules);
+        }
+        if emit_pod {
+            for cidr in &self.classes.pod_cidrs {
+                class_rules(&format!("-s {cidr}"), pod, "pod ", &mut rules);
+            }
+        }
+        if !outside.backends.is_empty() {
+            class_rules("", outside, "", &mut rules);
+        }
+        rules
+    }
+
+    /// Filter rules for the classes without endpoints: REJECT or DROP whatever the nat table
+    /// did not DNAT. Classes with endpoints were DNATed, so one rule without a source match
+    /// serves all empty classes when they agree.
+    fn empty_rules(&self, name: &str, treatments: &Treatments, dest: &str) -> Vec<String> {
+        let text = |verdict: Verdict| match verdict {
+            Verdict::Reject => format!("{name} has no endpoints"),
+            Verdict::Drop => format!("{name} has no local endpoints"),
+        };
+        let outside = &treatments[OUTSIDE];
+        let outside_verdict = outside.backends.is_empty().then_some(outside.when_empty);
+        let mut rules = Vec::new();
+        let mut guarded = |matches: &str, treatment: &ClassTreatment| {
+            if treatment.backends.is_empty() && Some(treatment.when_empty) != outside_verdict {
+                rules.push(format!(
+                    "{} {dest} {matches} -j {}",
+                    comment(&text(treatment.when_empty)),
+                    treatment.when_empty.target()
+                ));
+            }
+        };
+        guarded(LOCAL, &treatments[NODE]);
+        for cidr in &self.classes.pod_cidrs {
+            guarded(&format!("-s {cidr}"), &treatments[POD]);
+        }
+        if let Some(verdict) = outside_verdict {
+            rules.push(format!("{} {dest} -j {}", comment(&text(verdict)), verdict.target()));
+        }
+        rules
+    }
+
+    /// KUBE-NODEPORTS, and the jumps to it at the end of KUBE-SERVICES.
+    fn nodeports(&mut self) {
+        let addresses: BTreeSet<IpAddr> = self.nodeports.values().flatten().map(|(ip, _, _)| *ip).collect();
+        for ((port, protocol), frontends) in std::mem::take(&mut self.nodeports) {
+            let everywhere = frontends.iter().map(|(ip, _, _)| *ip).collect::<BTreeSet<_>>() == addresses
+                && frontends.iter().all(|(_, target, _)| *target == frontends[0].1);
+            for (ip, target, service) in &frontends {
+                let Some(target) = target else { continue };
+                let mut rule = format!("{} -p {protocol} -m {protocol}", comment(service));
+                if !everywhere {
+                    let _ = write!(rule, " -d {}", host(*ip));
+                }
+                let _ = write!(rule, " --dport {port} -j {target}");
+                self.nat.push(KUBE_NODEPORTS, rule);
+                if everywhere {
+                    break;
+                }
+            }
+        }
+        for ip in addresses {
+            self.nat.push(
+                KUBE_SERVICES,
+                format!(
+                    "{} -d {} -j {KUBE_NODEPORTS}",
+                    comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain"),
+                    host(ip)
+                ),
+            );
+        }
+    }
+
+    /// Connections to addresses of the service CIDRs that are no cluster IP are dropped.
+    fn service_cidrs(&mut self, state: &DesiredState) {
+        let cidrs: Vec<&IpNet> =
+            state.service_cidrs.iter().filter(|cidr| Family::of_net(cidr) == self.family).collect();
+        if cidrs.is_empty() {
+            return;
+        }
+        for ip in &state.cluster_ips {
+            if cidrs.iter().any(|cidr| cidr.contains(ip)) {
+                self.filter.push(KUBE_SERVICE_CIDRS, format!("-d {} -j RETURN", host(*ip)));
+            }
+        }
+        self.filter.push(
+            KUBE_SERVICE_CIDRS,
+            format!("{} -j DROP", comment("service CIDR address that is no service's cluster IP")),
+        );
+        for cidr in cidrs {
+            self.filter.push(
+                KUBE_SERVICES,
+                format!("{} -d {cidr} -j {KUBE_SERVICE_CIDRS}", comment("unallocated service IPs")),
+            );
+        }
+    }
+}
+
+/// The non-empty parts, separated by spaces.
+fn join(parts: &[&str]) -> String {
+    parts.iter().filter(|part| !part.is_empty()).copied().collect::<Vec<_>>().join(" ")
+}
+
+/// kube-proxy's `1/n` with ten decimals.
+fn probability(n: usize) -> String {
+    format!("{:.10}", 1.0 / n as f64)
+}
+
+/// The restore-format text of a whole ruleset (for tests and debugging).
+pub fn render_all(ruleset: &Ruleset) -> String {
+    let mut text = String::new();
+    for table in TableName::ALL {
+        let _ = writeln!(text, "*{}", table.as_str());
+        for chain in ruleset.table(table).chains.keys() {
+            let _ = writeln!(text, ":{chain} - [0:0]");
+        }
+        for (chain, rules) in &ruleset.table(table).chains {
+            for rule in rules {
+                let _ = writeln!(text, "-A {chain} {rule}");
+            }
+        }
+        text.push_str("COMMIT\n");
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,200 @@
+//! A synthetic cluster as the API server would describe it: `n` ClusterIP Services with one
+//! TCP port each, and their EndpointSlices (at most 100 endpoints a slice, as the
+//! EndpointSlice controller cuts them), all endpoints ready and on other nodes. The agent's
+//! own translation (`vipr::model::kubernetes::desired_state`) turns it into the desired state.
+//!
+//! Addresses: cluster IPs from 10.96.0.1 (service range 10.96.0.0/12), endpoints from
+//! 10.16.0.0, clients from 10.1.0.0, replacement endpoints from 10.48.0.0, all inside the
+//! cluster CIDR 10.0.0.0/10; the node is 172.16.0.1.
+
+use std::{collections::BTreeMap, net::Ipv4Addr};
+
+use k8s_openapi::{
+    api::{
+        core::v1::{Service, ServicePort, ServiceSpec},
+        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
+};
+use vipr::model::kubernetes::{desired_state, NodeContext, NodeFacts, ProxySettings, Translation};
+
+use super::sys::NODE_IP;
+
+pub const SERVICE_PORT: u16 = 80;
+pub const TARGET_PORT: u16 = 8080;
+pub const CLUSTER_CIDR: &str = "10.0.0.0/10";
+pub const SERVICE_CIDR: &str = "10.96.0.0/12";
+const NAMESPACE: &str = "bench";
+const SLICE_CAPACITY: usize = 100;
+
+pub fn cluster_ip(service: usize) -> Ipv4Addr {
+    offset(Ipv4Addr::new(10, 96, 0, 1), service)
+}
+
+pub fn endpoint_ip(service: usize, endpoint: usize, per_service: usize) -> Ipv4Addr {
+    offset(Ipv4Addr::new(10, 16, 0, 0), service * per_service + endpoint)
+}
+
+/// A pod that opens connections (inside the cluster CIDR, so never masqueraded).
+pub fn client_ip(n: usize) -> Ipv4Addr {
+    offset(Ipv4Addr::new(10, 1, 0, 1), n % 60_000)
+}
+
+fn offset(base: Ipv4Addr, n: usize) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(base) + u32::try_from(n).expect("address offset fits in 32 bits"))
+}
+
+pub struct Cluster {
+    pub services: Vec<Service>,
+    pub slices: Vec<EndpointSlice>,
+    pub node: NodeContext,
+    slices_per_service: usize,
+    replacements: usize,
+}
+
+impl Cluster {
+    pub fn new(services: usize, endpoints_per_service: usize) -> Self {
+        assert!(services > 0 && endpoints_per_service > 0);
+        assert!(services < 1 << 20, "cluster IPs must stay inside 10.96.0.0/12");
+        assert!(services * endpoints_per_service <= 1 << 21, "endpoints must stay below 10.48.0.0");
+        let slices_per_service = endpoints_per_service.div_ceil(SLICE_CAPACITY);
+        let mut cluster = Self {
+            services: Vec::with_capacity(services),
+            slices: Vec::with_capacity(services * slices_per_service),
+            node: node_context(),
+            slices_per_service,
+            replacements: 0,
+        };
+        for i in 0..services {
+            cluster.services.push(service(i));
+            let addresses: Vec<Ipv4Addr> =
+                (0..endpoints_per_service).map(|j| endpoint_ip(i, j, endpoints_per_service)).collect();
+            for (k, chunk) in addresses.chunks(SLICE_CAPACITY).enumerate() {
+                cluster.slices.push(slice(i, k, chunk));
+            }
+        }
+        cluster
+    }
+
+    /// The agent's translation of the whole cluster, as it does on every sync.
+    pub fn translate(&self) -> Translation {
+        desired_state(&self.services, &self.slices, &self.node)
+    }
+
+    /// One pod of `service` replaced by a new one with a new address (a rollout's single
+    /// step): its first endpoint's address changes. Returns the new address.
+    pub fn replace_endpoint(&mut self, service: usize) -> Ipv4Addr {
+        let address = offset(Ipv4Addr::new(10, 48, 0, 0), self.replacements);
+        self.replacements += 1;
+        let slice = &mut self.slices[service * self.slices_per_service];
+        slice.endpoints[0].addresses = vec![address.to_string()];
+        address
+    }
+
+    /// The endpoints of `service` as they are now.
+    pub fn endpoints_of(&self, service: usize) -> Vec<Ipv4Addr> {
+        let first = service * self.slices_per_service;
+        self.slices[first..first + self.slices_per_service]
+            .iter()
+            .flat_map(|slice| slice.endpoints.iter())
+            .flat_map(|endpoint| endpoint.addresses.iter())
+            .map(|address| address.parse().expect("the generator writes IPv4 addresses"))
+            .collect()
+    }
+}
+
+fn node_context() -> NodeContext {
+    let facts = NodeFacts {
+        name: "bench-node".into(),
+        addresses: vec![Ipv4Addr::from(NODE_IP).into()],
+        primary_ips: Vec::new(),
+    };
+    let settings = ProxySettings {
+        cluster_cidrs: vec![CLUSTER_CIDR.parse().expect("valid CIDR")],
+        masquerade_all: false,
+        node_port_cidrs: Vec::new(),
+        service_cidrs: vec![SERVICE_CIDR.parse().expect("valid CIDR")],
+    };
+    NodeContext::resolve(&facts, &settings)
+}
+
+fn service(i: usize) -> Service {
+    let ip = cluster_ip(i).to_string();
+    Service {
+        metadata: ObjectMeta {
+            name: Some(format!("svc-{i}")),
+            namespace: Some(NAMESPACE.into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".into()),
+            cluster_ip: Some(ip.clone()),
+            cluster_ips: Some(vec![ip]),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: i32::from(SERVICE_PORT),
+                protocol: Some("TCP".into()),
+                target_port: Some(IntOrString::Int(i32::from(TARGET_PORT))),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+fn slice(service: usize, k: usize, addresses: &[Ipv4Addr]) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(format!("svc-{service}-{k}")),
+            namespace: Some(NAMESPACE.into()),
+            labels: Some(BTreeMap::from([(
+                vipr::model::kubernetes::SERVICE_NAME_LABEL.to_owned(),
+                format!("svc-{service}"),
+            )])),
+            ..ObjectMeta::default()
+        },
+        address_type: "IPv4".into(),
+        endpoints: addresses
+            .iter()
+            .map(|address| Endpoint {
+                addresses: vec![address.to_string()],
+                conditions: Some(EndpointConditions {
+                    ready: Some(true),
+                    serving: Some(true),
+                    terminating: Some(false),
+                }),
+                node_name: Some("other-node".into()),
+                ..Endpoint::default()
+            })
+            .collect(),
+        ports: Some(vec![EndpointPort {
+            name: Some("http".into()),
+            port: Some(i32::from(TARGET_PORT)),
+            protocol: Some("TCP".into()),
+            ..EndpointPort::default()
+        }]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_service_gets_its_own_backends() {
+        let mut cluster = Cluster::new(3, 150);
+        let translation = cluster.translate();
+        assert!(translation.rejected.is_empty(), "{:?}", translation.rejected);
+        assert_eq!(translation.state.frontends.len(), 3);
+        for entry in translation.state.frontends.values() {
+            assert_eq!(entry.from_pod.backends.len(), 150);
+            assert!(!entry.from_pod.masquerade, "pods are not masqueraded");
+            assert!(entry.from_outside.masquerade, "outside sources are");
+        }
+        let new = cluster.replace_endpoint(2);
+        assert!(cluster.endpoints_of(2).contains(&new));
+        assert_eq!(cluster.endpoints_of(2).len(), 150);
+        assert!(!cluster.endpoints_of(1).contains(&new));
+    }
+}

@@ -1,0 +1,131 @@
+//! vipr's benchmark suites (`cargo xtask bench`, issue 6): the datapath's cost per packet with
+//! BPF_PROG_TEST_RUN, and the control plane's programming time and memory. Results go to
+//! `<out-dir>/<suite>.json`, plots to `<out-dir>/*.png`, and the report (docs/benchmarks.md)
+//! is rewritten from all results there.
+
+mod cluster;
+mod control_plane;
+mod datapath;
+mod frame;
+mod meta;
+mod plot;
+mod report;
+mod stats;
+mod sys;
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "vipr-bench",
+    about = "vipr's benchmark suites; results to <out-dir>/<suite>.json and a report (needs root)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Cost per packet of vipr_tc_ingress by path (BPF_PROG_TEST_RUN).
+    Datapath(RunArgs),
+    /// Desired state to datapath: sync time from scratch and per endpoint change, agent memory.
+    ControlPlane(RunArgs),
+    /// Both suites.
+    All(RunArgs),
+    /// Redraw the plots and rewrite the report from the results in --out-dir, measuring nothing.
+    Report(Output),
+    /// One repetition of one control-plane size (run by `control-plane`, one process each).
+    #[command(hide = true)]
+    ControlPlaneChild {
+        #[arg(long)]
+        services: usize,
+        #[arg(long)]
+        endpoints: usize,
+        #[arg(long)]
+        changes: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// A short smoke run (few cells, few repetitions): checks that the suites work, nothing more.
+    #[arg(long)]
+    quick: bool,
+    #[command(flatten)]
+    output: Output,
+    /// The command to record in the report (default: this process's command line).
+    #[arg(long)]
+    invoked_as: Option<String>,
+}
+
+#[derive(Args)]
+struct Output {
+    /// Where the results (JSON) and plots (PNG) go.
+    #[arg(long)]
+    out_dir: PathBuf,
+    /// The report to rewrite [default: <out-dir>/benchmarks.md].
+    #[arg(long)]
+    doc: Option<PathBuf>,
+}
+
+impl Output {
+    fn doc(&self) -> PathBuf {
+        self.doc.clone().unwrap_or_else(|| self.out_dir.join("benchmarks.md"))
+    }
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("vipr-bench: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Cmd) -> Result<()> {
+    let (suites, args) = match command {
+        Cmd::Report(output) => return report::write(&output.out_dir, &output.doc()),
+        Cmd::ControlPlaneChild { services, endpoints, changes, seed } => {
+            prepare()?;
+            let result = control_plane::child(services, endpoints, changes, seed)?;
+            println!("{}", serde_json::to_string(&result)?);
+            return Ok(());
+        }
+        Cmd::Datapath(args) => ((true, false), args),
+        Cmd::ControlPlane(args) => ((false, true), args),
+        Cmd::All(args) => ((true, true), args),
+    };
+    prepare()?;
+    let command = args.invoked_as.clone().unwrap_or_else(|| std::env::args().collect::<Vec<_>>().join(" "));
+    let dir = &args.output.out_dir;
+    if suites.0 {
+        let settings = if args.quick { datapath::Settings::quick() } else { datapath::Settings::full() };
+        let results = datapath::run(meta::RunMeta::start(command.clone(), args.quick), settings)?;
+        report::save(dir, report::DATAPATH_JSON, &results)?;
+    }
+    if suites.1 {
+        let settings =
+            if args.quick { control_plane::Settings::quick() } else { control_plane::Settings::full() };
+        let results = control_plane::run(meta::RunMeta::start(command, args.quick), settings)?;
+        report::save(dir, report::CONTROL_PLANE_JSON, &results)?;
+    }
+    report::write(dir, &args.output.doc())
+}
+
+/// Root, then a namespace of our own. Runs while the process has a single thread.
+fn prepare() -> Result<()> {
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the benchmarks load BPF programs and create namespaces: run them as root");
+    }
+    sys::isolate().context("isolating the benchmark")
+}

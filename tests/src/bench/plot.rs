@@ -1,0 +1,308 @@
+//! PNG plots of the results, with the targets drawn in.
+
+use std::path::Path;
+
+use anyhow::{anyhow, Context as _, Result};
+use plotters::prelude::*;
+
+use super::{
+    control_plane,
+    datapath::{self, PathKind},
+    stats::Summary,
+};
+
+pub const DATAPATH_SERVICES: &str = "datapath-services.png";
+pub const DATAPATH_BACKENDS: &str = "datapath-backends.png";
+pub const CONTROL_PLANE: &str = "control-plane.png";
+
+const FONT: &str = "sans-serif";
+/// DejaVu Sans (Debian's fonts-dejavu-core): plotters draws text with a font it is given.
+const FONT_FILES: [&str; 2] =
+    ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", "/usr/share/fonts/dejavu/DejaVuSans.ttf"];
+
+fn register_font() -> Result<()> {
+    static REGISTERED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    REGISTERED
+        .get_or_init(|| {
+            let path = FONT_FILES.iter().find(|path| Path::new(path).exists()).ok_or_else(|| {
+                format!("no font for the plots: install fonts-dejavu-core ({})", FONT_FILES[0])
+            })?;
+            let bytes = std::fs::read(path).map_err(|error| format!("{path}: {error}"))?;
+            plotters::style::register_font(FONT, FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
+                .map_err(|_| format!("{path} is not a usable font"))
+        })
+        .clone()
+        .map_err(|error| anyhow!(error))
+}
+
+fn color(i: usize) -> RGBColor {
+    const PALETTE: [RGBColor; 7] = [
+        RGBColor(0x1f, 0x77, 0xb4),
+        RGBColor(0xff, 0x7f, 0x0e),
+        RGBColor(0x2c, 0xa0, 0x2c),
+        RGBColor(0xd6, 0x27, 0x28),
+        RGBColor(0x94, 0x67, 0xbd),
+        RGBColor(0x8c, 0x56, 0x4b),
+        RGBColor(0x7f, 0x7f, 0x7f),
+    ];
+    PALETTE[i % PALETTE.len()]
+}
+
+/// Paths drawn in the datapath plots.
+const PLOTTED: [PathKind; 7] = [
+    PathKind::NewFlow,
+    PathKind::Established,
+    PathKind::Reply,
+    PathKind::Miss,
+    PathKind::NewFlowCold,
+    PathKind::NewFlowSpreadCold,
+    PathKind::EstablishedCold,
+];
+
+/// A series: its label and (x, cost) points.
+type Series = (String, Vec<(f64, Summary)>);
+
+/// The cold (one packet per call) paths are drawn dashed.
+fn dashed(label: &str) -> bool {
+    label.contains("cold")
+}
+
+/// Draws the plots for whichever results there are; returns the files written.
+pub fn draw(
+    dir: &Path,
+    datapath: Option<&datapath::Results>,
+    control: Option<&control_plane::Results>,
+) -> Result<Vec<&'static str>> {
+    register_font()?;
+    let mut written = Vec::new();
+    if let Some(results) = datapath {
+        let services = &results.settings.services_axis;
+        let backends = results.settings.default_backends;
+        let series = |x_of: &dyn Fn(&datapath::Cell) -> Option<f64>| -> Vec<Series> {
+            PLOTTED
+                .iter()
+                .map(|&kind| {
+                    let points = results
+                        .cells
+                        .iter()
+                        .filter_map(|cell| Some((x_of(cell)?, cell.path(kind)?.program)))
+                        .collect();
+                    (kind.label().to_owned(), points)
+                })
+                .collect()
+        };
+        let by_services = series(&|cell| {
+            (cell.backends_per_service == backends && services.contains(&cell.services))
+                .then_some(cell.services as f64)
+        });
+        latency_plot(
+            &dir.join(DATAPATH_SERVICES),
+            &format!("vipr_tc_ingress per packet, {backends} backends per service"),
+            "services",
+            &by_services,
+        )?;
+        written.push(DATAPATH_SERVICES);
+        let axis_services = results.settings.backends_axis_services;
+        let by_backends = series(&|cell| {
+            (cell.services == axis_services
+                && results.settings.backends_axis.contains(&cell.backends_per_service))
+            .then_some(cell.backends_per_service as f64)
+        });
+        latency_plot(
+            &dir.join(DATAPATH_BACKENDS),
+            &format!("vipr_tc_ingress per packet, {axis_services} services"),
+            "backends per service",
+            &by_backends,
+        )?;
+        written.push(DATAPATH_BACKENDS);
+    }
+    if let Some(results) = control {
+        control_plot(&dir.join(CONTROL_PLANE), results)?;
+        written.push(CONTROL_PLANE);
+    }
+    Ok(written)
+}
+
+fn x_range(points: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (low, high) = points.fold((f64::MAX, f64::MIN), |(low, high), x| (low.min(x), high.max(x)));
+    if low > high {
+        return (1.0, 10.0);
+    }
+    (low / 2.0, high * 2.0)
+}
+
+fn latency_plot(path: &Path, title: &str, x_label: &str, series: &[Series]) -> Result<()> {
+    let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (x_low, x_high) = x_range(series.iter().flat_map(|(_, points)| points.iter().map(|(x, _)| *x)));
+    let values = series.iter().flat_map(|(_, points)| points.iter().flat_map(|(_, s)| [s.min, s.max]));
+    let (y_low, y_high) = values
+        .chain([120.0, 300.0])
+        .filter(|y| *y > 0.0)
+        .fold((f64::MAX, f64::MIN), |(low, high), y| (low.min(y), high.max(y)));
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, (FONT, 24))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(64)
+        .build_cartesian_2d((x_low..x_high).log_scale(), (y_low / 1.5..y_high * 1.5).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc("ns per packet (program, median; bars: min-max; dashed: cold)")
+        .x_label_formatter(&|x| thousands(*x))
+        .label_style((FONT, 14))
+        .draw()?;
+    for (target, label) in [(120.0, "target: established <= 120 ns"), (300.0, "target: new flow <= 300 ns")] {
+        let style = ShapeStyle::from(&RGBColor(0xaa, 0x00, 0x00)).stroke_width(1);
+        chart
+            .draw_series(DashedLineSeries::new(vec![(x_low, target), (x_high, target)], 8, 6, style))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+    }
+    for (i, (label, points)) in series.iter().enumerate() {
+        if points.is_empty() {
+            continue;
+        }
+        let style = ShapeStyle::from(&color(i)).stroke_width(2);
+        let line = points.iter().map(|(x, s)| (*x, s.median));
+        let drawn = if dashed(label) {
+            chart.draw_series(DashedLineSeries::new(line, 10, 5, style))?
+        } else {
+            chart.draw_series(LineSeries::new(line, style))?
+        };
+        let is_dashed = dashed(label);
+        drawn.label(label.as_str()).legend(move |(x, y)| {
+            let end = if is_dashed { x + 10 } else { x + 20 };
+            PathElement::new(vec![(x, y), (end, y)], style)
+        });
+        chart.draw_series(points.iter().map(|(x, s)| {
+            ErrorBar::new_vertical(*x, s.min, s.median, s.max, ShapeStyle::from(&color(i)).filled(), 8)
+        }))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font((FONT, 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+fn thousands(x: f64) -> String {
+    match x {
+        x if x >= 1e6 && (x / 1e6).fract() == 0.0 => format!("{}M", x / 1e6),
+        x if x >= 1e3 && (x / 1e3).fract() == 0.0 => format!("{}k", x / 1e3),
+        x if x >= 1.0 && x.fract() == 0.0 => format!("{x}"),
+        _ => String::new(),
+    }
+}
+
+fn control_plot(path: &Path, results: &control_plane::Results) -> Result<()> {
+    let root = BitMapBackend::new(path, (1500, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((1, 3));
+    let sizes = &results.sizes;
+    let x = |size: &control_plane::SizeResult| size.services as f64;
+    let (x_low, x_high) = x_range(sizes.iter().map(x));
+
+    // Sync from scratch, with the 1 s target at 10k services.
+    let scratch: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.sync_ms)).collect();
+    let translate: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.translate_ms)).collect();
+    log_panel(
+        &panels[0],
+        "programming from scratch",
+        "ms",
+        (x_low, x_high),
+        &[
+            ("sync (desired state -> maps)".into(), scratch),
+            ("translation (objects -> desired state)".into(), translate),
+        ],
+        &[(10_000.0, 1_000.0, "target: 10k x 10 in < 1 s")],
+    )?;
+    // One endpoint change.
+    let change_sync: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.change_sync_ms)).collect();
+    let change_total: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.change_total_ms)).collect();
+    log_panel(
+        &panels[1],
+        "one endpoint change",
+        "ms",
+        (x_low, x_high),
+        &[("sync of the changed state".into(), change_sync), ("translation + sync".into(), change_total)],
+        &[(10_000.0, 10.0, "target: < 10 ms at 10k")],
+    )?;
+    // Memory.
+    let rss: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.rss_after_sync_mib)).collect();
+    let hwm: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.hwm_mib)).collect();
+    let before: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.rss_before_start_mib)).collect();
+    log_panel(
+        &panels[2],
+        "agent memory",
+        "MiB",
+        (x_low, x_high),
+        &[
+            ("RSS after the sync".into(), rss),
+            ("peak RSS (VmHWM)".into(), hwm),
+            ("RSS of the objects alone".into(), before),
+        ],
+        &[(10_000.0, 150.0, "target: < 150 MiB at 10k")],
+    )?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// A log-log panel over services; targets are drawn as a red cross at (services, value).
+fn log_panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    title: &str,
+    unit: &str,
+    (x_low, x_high): (f64, f64),
+    series: &[Series],
+    targets: &[(f64, f64, &str)],
+) -> Result<()> {
+    let values = series.iter().flat_map(|(_, points)| points.iter().flat_map(|(_, s)| [s.min, s.max]));
+    let values = values.chain(targets.iter().map(|(_, y, _)| *y));
+    let (y_low, y_high) = values.fold((f64::MAX, f64::MIN), |(low, high), y| (low.min(y), high.max(y)));
+    let (y_low, y_high) =
+        if y_low > y_high || y_low <= 0.0 { (0.01, 10.0) } else { (y_low / 3.0, y_high * 3.0) };
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, (FONT, 20))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d((x_low..x_high).log_scale(), (y_low..y_high).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("services (10 endpoints each)")
+        .y_desc(unit)
+        .x_label_formatter(&|x| thousands(*x))
+        .label_style((FONT, 13))
+        .draw()?;
+    let red = RGBColor(0xcc, 0x00, 0x00);
+    for (x, y, label) in targets {
+        chart
+            .draw_series(std::iter::once(Cross::new((*x, *y), 9, ShapeStyle::from(&red).stroke_width(3))))?
+            .label(*label)
+            .legend(move |(x, y)| Cross::new((x + 10, y), 6, ShapeStyle::from(&red).stroke_width(2)));
+    }
+    for (i, (label, points)) in series.iter().enumerate() {
+        let style = ShapeStyle::from(&color(i)).stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(points.iter().map(|(x, s)| (*x, s.median)), style))?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+        chart.draw_series(points.iter().map(|(x, s)| {
+            ErrorBar::new_vertical(*x, s.min, s.median, s.max, ShapeStyle::from(&color(i)).filled(), 8)
+        }))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font((FONT, 13))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    Ok(())
+}

@@ -1,0 +1,604 @@
+//! docs/benchmarks.md: written from the suites' JSON results, so running one suite keeps the
+//! other's latest results. The block between the notes markers is the only hand-written part
+//! and is carried over from the existing file.
+
+use std::{
+    fmt::Write as _,
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result};
+use serde::de::DeserializeOwned;
+
+use super::{
+    control_plane,
+    datapath::{self, PathKind},
+    meta::RunMeta,
+    plot,
+    stats::Summary,
+};
+
+pub const DATAPATH_JSON: &str = "datapath.json";
+pub const CONTROL_PLANE_JSON: &str = "control-plane.json";
+const NOTES_BEGIN: &str = "<!-- bench:notes:begin -->";
+const NOTES_END: &str = "<!-- bench:notes:end -->";
+
+pub fn save<T: serde::Serialize>(dir: &Path, name: &str, results: &T) -> Result<()> {
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(name);
+    let json = serde_json::to_string_pretty(results)?;
+    fs::write(&path, json + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+fn load<T: DeserializeOwned>(path: &Path) -> Result<Option<T>> {
+    match fs::read_to_string(path) {
+        Ok(json) => {
+            Ok(Some(serde_json::from_str(&json).with_context(|| format!("reading {}", path.display()))?))
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(error).with_context(|| format!("reading {}", path.display())),
+    }
+}
+
+/// Draws the plots into `dir` and rewrites `doc` from the results in `dir`.
+pub fn write(dir: &Path, doc: &Path) -> Result<()> {
+    let datapath: Option<datapath::Results> = load(&dir.join(DATAPATH_JSON))?;
+    let control: Option<control_plane::Results> = load(&dir.join(CONTROL_PLANE_JSON))?;
+    let plots = plot::draw(dir, datapath.as_ref(), control.as_ref())?;
+    let notes = fs::read_to_string(doc).ok().and_then(|text| notes_of(&text)).unwrap_or_else(default_notes);
+    let plot_dir = relative_dir(dir, doc);
+    let text = render(datapath.as_ref(), control.as_ref(), &plots, &plot_dir, &notes);
+    if let Some(parent) = doc.parent().filter(|parent| !parent.as_os_str().is_empty()) {
+        fs::create_dir_all(parent)?;
+    }
+    fs::write(doc, text).with_context(|| format!("writing {}", doc.display()))?;
+    eprintln!("wrote {} and {} plots in {}", doc.display(), plots.len(), dir.display());
+    Ok(())
+}
+
+fn notes_of(text: &str) -> Option<String> {
+    let start = text.find(NOTES_BEGIN)? + NOTES_BEGIN.len();
+    let end = start + text[start..].find(NOTES_END)?;
+    Some(text[start..end].trim().to_owned())
+}
+
+fn default_notes() -> String {
+    "No notes yet: write the analysis of the latest results here; the next run keeps it.".into()
+}
+
+/// How the doc refers to files in `dir`: relative to the doc's directory when `dir` is
+/// inside it, else as given.
+fn relative_dir(dir: &Path, doc: &Path) -> String {
+    let absolute = |path: &Path| -> PathBuf { std::path::absolute(path).unwrap_or_else(|_| path.to_owned()) };
+    let doc_dir = absolute(doc.parent().unwrap_or(Path::new(".")));
+    let dir = absolute(dir);
+    match dir.strip_prefix(&doc_dir) {
+        Ok(relative) if relative.as_os_str().is_empty() => String::new(),
+        Ok(relative) => format!("{}/", relative.display()),
+        Err(_) => format!("{}/", dir.display()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Numbers.
+
+/// Three significant digits at most, no exponent.
+fn num(x: f64) -> String {
+    if !x.is_finite() {
+        return "n/a".into();
+    }
+    let magnitude = x.abs();
+    let decimals = if magnitude >= 100.0 {
+        0
+    } else if magnitude >= 10.0 {
+        1
+    } else if magnitude >= 1.0 {
+        2
+    } else {
+        3
+    };
+    format!("{x:.decimals$}")
+}
+
+fn with_spread(s: &Summary) -> String {
+    format!("{} ({}–{})", num(s.median), num(s.min), num(s.max))
+}
+
+fn count(n: f64) -> String {
+    let n = n.round() as u64;
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, digit) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}
+
+fn short(n: usize) -> String {
+    match n {
+        n if n >= 1_000_000 && n.is_multiple_of(1_000_000) => format!("{}M", n / 1_000_000),
+        n if n >= 1_000 && n.is_multiple_of(1_000) => format!("{}k", n / 1_000),
+        n => n.to_string(),
+    }
+}
+
+fn plural(n: usize, what: &str) -> String {
+    format!("{} {what}{}", short(n), if n == 1 { "" } else { "s" })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Targets.
+
+enum Status {
+    Met,
+    Missed(String),
+    NotMeasured,
+}
+
+struct Target {
+    what: &'static str,
+    measured: String,
+    status: Status,
+}
+
+fn limit(what: &'static str, value: Option<(f64, String)>, max: f64, unit: &str) -> Target {
+    match value {
+        None => Target { what, measured: "not measured".into(), status: Status::NotMeasured },
+        Some((value, measured)) if value <= max => Target { what, measured, status: Status::Met },
+        Some((value, measured)) => Target {
+            what,
+            measured,
+            status: Status::Missed(format!("by {} {unit} ({:.2}×)", num(value - max), value / max)),
+        },
+    }
+}
+
+fn targets(datapath: Option<&datapath::Results>, control: Option<&control_plane::Results>) -> Vec<Target> {
+    let mut rows = Vec::new();
+    let services_axis = |kind: PathKind| -> Vec<(usize, f64)> {
+        let Some(results) = datapath else { return Vec::new() };
+        results
+            .settings
+            .services_axis
+            .iter()
+            .filter_map(|&services| {
+                let cell = results.cell(services, results.settings.default_backends)?;
+                Some((services, cell.path(kind)?.program.median))
+            })
+            .collect()
+    };
+    let worst = |kind: PathKind| -> Option<(f64, String)> {
+        let points = services_axis(kind);
+        let (services, ns) = points.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1))?;
+        let all: Vec<String> = points.iter().map(|(s, ns)| format!("{}: {}", short(*s), num(*ns))).collect();
+        Some((
+            ns,
+            format!(
+                "{} ns at {} services (worst of {}; ns by services: {})",
+                num(ns),
+                short(services),
+                points.len(),
+                all.join(", ")
+            ),
+        ))
+    };
+    rows.push(limit("established-flow packet ≤ 120 ns (TestRun)", worst(PathKind::Established), 120.0, "ns"));
+    rows.push(limit("new-flow packet ≤ 300 ns (TestRun)", worst(PathKind::NewFlow), 300.0, "ns"));
+    for (kind, what) in [
+        (PathKind::Established, "established at 100k services ≤ 1.25× its cost at 1 service"),
+        (PathKind::NewFlow, "new flow at 100k services ≤ 1.25× its cost at 1 service"),
+    ] {
+        let points = services_axis(kind);
+        let at = |n: usize| points.iter().find(|(s, _)| *s == n).map(|(_, ns)| *ns);
+        let ratio = match (at(1), at(100_000)) {
+            (Some(one), Some(many)) if one > 0.0 => {
+                Some((many / one, format!("{:.2}× ({} ns vs {} ns)", many / one, num(many), num(one))))
+            }
+            _ => None,
+        };
+        rows.push(limit(what, ratio, 1.25, "×"));
+    }
+    let size = |n: usize| control.and_then(|results| results.size(n));
+    rows.push(limit(
+        "10k services × 10 endpoints programmed from scratch < 1 s",
+        size(10_000).map(|s| {
+            (
+                s.sync_ms.median,
+                format!(
+                    "{} ms (sync; translation {} ms more)",
+                    num(s.sync_ms.median),
+                    num(s.translate_ms.median)
+                ),
+            )
+        }),
+        1_000.0,
+        "ms",
+    ));
+    rows.push(limit(
+        "one endpoint change at 10k services in the datapath < 10 ms",
+        size(10_000).map(|s| {
+            (
+                s.change_sync_ms.median,
+                format!(
+                    "{} ms (sync, p90 {} ms); with the agent's re-translation {} ms",
+                    num(s.change_sync_ms.median),
+                    num(s.change_sync_p90_ms),
+                    num(s.change_total_ms.median)
+                ),
+            )
+        }),
+        10.0,
+        "ms",
+    ));
+    rows.push(limit(
+        "agent RSS < 150 MiB at 10k services × 10 endpoints",
+        size(10_000).map(|s| {
+            (
+                s.rss_after_sync_mib.median,
+                format!(
+                    "{} MiB after the sync (peak {} MiB)",
+                    num(s.rss_after_sync_mib.median),
+                    num(s.hwm_mib.median)
+                ),
+            )
+        }),
+        150.0,
+        "MiB",
+    ));
+    rows
+}
+
+// ---------------------------------------------------------------------------------------------
+// The document.
+
+fn render(
+    datapath: Option<&datapath::Results>,
+    control: Option<&control_plane::Results>,
+    plots: &[&str],
+    plot_dir: &str,
+    notes: &str,
+) -> String {
+    let mut doc = String::new();
+    let w = &mut doc;
+    let _ = writeln!(w, "# Benchmarks\n");
+    let _ = writeln!(
+        w,
+        "<!-- Written by `cargo xtask bench` (tests/src/bench/report.rs) from the results in {plot_dir}*.json; \
+         only the notes block is kept from one run to the next. -->\n"
+    );
+    let _ = writeln!(
+        w,
+        "Latest results of `cargo xtask bench <datapath|control-plane|all> [--quick]` (issue 6, item 3). \
+         Each suite writes its results to `{plot_dir}<suite>.json` and this file is regenerated from \
+         whichever suites have results, so each section states its own command, date and machine. \
+         `--quick` runs a short smoke version into `target/bench-quick/` and leaves this file alone. \
+         The suites run as root in a network namespace and a mount namespace of their own \
+         (one veth device, private bpffs mounts, an empty cgroup for the socket hooks), so they \
+         leave nothing behind. The `e2e` suite is not written yet.\n"
+    );
+
+    let _ = writeln!(w, "## Targets\n");
+    let _ = writeln!(w, "| target | measured | status |\n|---|---|---|");
+    for target in targets(datapath, control) {
+        let status = match &target.status {
+            Status::Met => "met".to_owned(),
+            Status::Missed(by) => format!("**missed** {by}"),
+            Status::NotMeasured => "—".to_owned(),
+        };
+        let _ = writeln!(w, "| {} | {} | {status} |", target.what, target.measured);
+    }
+    let _ = writeln!(
+        w,
+        "\nDatapath costs are the program's own: what BPF_PROG_TEST_RUN measured less an empty TC \
+         program measured the same way (see *Method*). Where a target is missed, the notes below say \
+         why.\n"
+    );
+
+    let _ = writeln!(w, "## Notes\n\n{NOTES_BEGIN}\n{notes}\n{NOTES_END}\n");
+
+    match datapath {
+        Some(results) => render_datapath(w, results, plots, plot_dir),
+        None => {
+            let _ = writeln!(w, "## Datapath\n\nNo results yet: `cargo xtask bench datapath`.\n");
+        }
+    }
+    match control {
+        Some(results) => render_control(w, results, plots, plot_dir),
+        None => {
+            let _ = writeln!(w, "## Control plane\n\nNo results yet: `cargo xtask bench control-plane`.\n");
+        }
+    }
+    doc
+}
+
+fn render_meta(w: &mut String, meta: &RunMeta) {
+    let load = |load: Option<f64>| load.map_or("?".into(), |l| format!("{l:.2}"));
+    let _ = writeln!(w, "- command: `{}`{}", meta.command, if meta.quick { " (quick)" } else { "" });
+    let _ = writeln!(w, "- date: {} (UTC); commit `{}`", meta.date, meta.commit);
+    let _ = writeln!(
+        w,
+        "- machine: {} CPUs ({}), {} MiB memory; kernel {}; 1-minute load average {} at the start, {} at the end",
+        meta.cpus,
+        meta.cpu_model,
+        meta.memory_mib,
+        meta.kernel,
+        load(meta.load_start),
+        load(meta.load_end)
+    );
+    let _ = writeln!(
+        w,
+        "- build: {}; iptables: not used by these suites\n",
+        if meta.optimized {
+            "release"
+        } else {
+            "debug (not optimized: the agent-side numbers are not representative)"
+        }
+    );
+}
+
+fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], plot_dir: &str) {
+    let s = &results.settings;
+    let _ = writeln!(w, "## Datapath\n");
+    render_meta(w, &results.meta);
+    let _ = writeln!(
+        w,
+        "Cost per packet of `vipr_tc_ingress`, in ns: median over {} repetitions (min–max in \
+         brackets), and the packet rate one core would sustain at that cost. The empty TC program \
+         taken off costs {} ns per run with the repeat and chain methods and {} ns one per call \
+         (which includes the kernel timer's reading). See *Method* below for what warm and cold \
+         mean.\n",
+        s.repetitions,
+        num(results.empty_repeat.median),
+        num(results.empty_single.median)
+    );
+    let table = |w: &mut String, cells: Vec<&datapath::Cell>, key: &dyn Fn(&datapath::Cell) -> String| {
+        let _ = write!(w, "| path | method |");
+        for cell in &cells {
+            let _ = write!(w, " {} |", key(cell));
+        }
+        let _ = write!(w, "\n|---|---|");
+        for _ in &cells {
+            let _ = write!(w, "---|");
+        }
+        let _ = writeln!(w);
+        for kind in PathKind::ALL {
+            let method = cells.iter().find_map(|cell| cell.path(kind)).map(|p| p.method);
+            let Some(method) = method else { continue };
+            let method = method.label();
+            let _ = write!(w, "| {} | {method} |", kind.label());
+            for cell in &cells {
+                match cell.path(kind) {
+                    Some(path) => {
+                        let mpps = 1e3 / path.program.median;
+                        let _ = write!(w, " {} · {} Mpps |", with_spread(&path.program), num(mpps));
+                    }
+                    None => {
+                        let _ = write!(w, " — |");
+                    }
+                }
+            }
+            let _ = writeln!(w);
+        }
+        let _ = writeln!(w);
+    };
+
+    let _ = writeln!(w, "### By number of services ({} backends each)\n", s.default_backends);
+    let cells: Vec<&datapath::Cell> =
+        s.services_axis.iter().filter_map(|&n| results.cell(n, s.default_backends)).collect();
+    table(w, cells, &|cell| plural(cell.services, "service"));
+    if plots.contains(&plot::DATAPATH_SERVICES) {
+        let _ =
+            writeln!(w, "![datapath cost by number of services]({plot_dir}{})\n", plot::DATAPATH_SERVICES);
+    }
+    let _ = writeln!(w, "### By backends per service ({} services)\n", s.backends_axis_services);
+    let cells: Vec<&datapath::Cell> =
+        s.backends_axis.iter().filter_map(|&n| results.cell(s.backends_axis_services, n)).collect();
+    table(w, cells, &|cell| plural(cell.backends_per_service, "backend"));
+    if plots.contains(&plot::DATAPATH_BACKENDS) {
+        let _ =
+            writeln!(w, "![datapath cost by backends per service]({plot_dir}{})\n", plot::DATAPATH_BACKENDS);
+    }
+
+    let _ = writeln!(w, "### Cells\n");
+    let _ = writeln!(
+        w,
+        "| services | backends per service | services-map entries | backend slots | translate + program (s) | cold new flow p10 / p90 (ns) | as measured: established / new flow (ns) |\n|---|---|---|---|---|---|---|"
+    );
+    for cell in &results.cells {
+        let new_flow = cell.path(PathKind::NewFlowCold);
+        let tail = new_flow
+            .and_then(|p| Some(format!("{} / {}", num(p.p10?), num(p.p90?))))
+            .unwrap_or_else(|| "—".into());
+        let measured =
+            |kind| cell.path(kind).map_or("—".into(), |p: &datapath::PathResult| num(p.measured.median));
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | {tail} | {} / {} |",
+            count(cell.services as f64),
+            count(cell.backends_per_service as f64),
+            count(cell.service_entries as f64),
+            count(cell.backend_slots as f64),
+            num(cell.setup_seconds),
+            measured(PathKind::Established),
+            measured(PathKind::NewFlow),
+        );
+    }
+    let _ = writeln!(w);
+    for cell in &results.cells {
+        for note in &cell.notes {
+            let _ = writeln!(
+                w,
+                "- {} services × {} backends: {note}.",
+                short(cell.services),
+                cell.backends_per_service
+            );
+        }
+    }
+    if results.cells.iter().any(|cell| !cell.notes.is_empty()) {
+        let _ = writeln!(w);
+    }
+
+    let _ = writeln!(w, "### Method\n");
+    let _ = writeln!(
+        w,
+        "- Grid: {} services with {} backends each, and {} services with {} backends each ({} cells; \
+         not the full cross product, whose big corners would need up to 100M backend slots). A service \
+         is one ClusterIP Service with one TCP port; the agent writes one services-map entry per source \
+         class (3 per service) and one backend set per service. Maps are sized to fit (services and \
+         backends maps grown past the defaults where needed; flows map at its default size).\n\
+         - Each cell is programmed by the agent's own code (`EbpfDataplane::sync` of the model's \
+         translation of generated Services and EndpointSlices) into a fresh bpffs; a second copy of the \
+         object loaded on the same pins runs the frames (72-byte TCP segments). The node is a network \
+         namespace with a default route through a veth, so rewritten packets take the route lookup and \
+         `bpf_redirect_neigh` as on a forwarding node (verdict TC_ACT_REDIRECT). All cells are \
+         programmed first and then measured round robin, one repetition of every cell after the other, \
+         so the machine's slow and fast phases (other work, the hypervisor) fall on all cells alike.\n\
+         - The kernel reuses one buffer for all runs of a BPF_PROG_TEST_RUN, so a rewriting program \
+         sees its own output from the second run on. Three methods deal with that; each one's result \
+         is the program's own cost: the kernel's measurement less an empty TC program's (two raw \
+         instructions, `r0 = -1; exit`) measured the same way.\n  \
+         - **repeat** (warm): repeat = {}, for paths whose output is their input: the miss, and flow \
+         entries that map a packet to itself (established, reply; the checksum helpers do the same work \
+         whatever the new value).\n  \
+         - **chain** (warm new flows): repeat = {} over as many extra frontends written beside the \
+         cell's services, frontend k's backend being frontend k+1, so the packet each run leaves behind \
+         is the next run's new flow. A first, uncounted run brings the chain into the caches; the output \
+         must have reached the end of the chain and every run must have created its two flow entries. \
+         The chain's frontends have one backend each, so the backends axis changes only the size of the \
+         table they sit in for this path.\n  \
+         - **one per call** (cold): repeat = 1, {} packets per repetition, each new flow from its own \
+         client address and port to the cell's own services; the empty program runs on the same packet \
+         right before each, and the median of those runs is subtracted (it includes the kernel timer's \
+         reading). The program then runs with the caches and branch predictors the system call left it: \
+         an upper bound, and \"established, cold\" shows how much this method adds to a path measured \
+         both ways.\n\
+         - The flow entries every new flow created are deleted after each repetition (each must be \
+         there), so the LRU flows map never evicts during a measurement, and it must hold only the \
+         established and reply entries at the end. Every run's verdict and output frame are checked \
+         (rewritten to a backend, masqueraded to the node, or unchanged).\n\
+         - Cold new flows go to the last-inserted service, from a pod; \"from outside\" comes from outside \
+         the cluster CIDR and is masqueraded (reply entry claimed with BPF_NOEXIST, source rewritten \
+         too); \"to a random service\" picks one per packet, so a big table's cache misses show.\n",
+        s.services_axis.iter().map(|n| short(*n)).collect::<Vec<_>>().join(", "),
+        s.default_backends,
+        short(s.backends_axis_services),
+        s.backends_axis.iter().map(|n| short(*n)).collect::<Vec<_>>().join(", "),
+        results.cells.len(),
+        s.repeat,
+        s.chain,
+        s.samples,
+    );
+}
+
+fn render_control(w: &mut String, results: &control_plane::Results, plots: &[&str], plot_dir: &str) {
+    let s = &results.settings;
+    let _ = writeln!(w, "## Control plane\n");
+    render_meta(w, &results.meta);
+    let _ = writeln!(
+        w,
+        "Medians over {} child processes per size (min–max in brackets); the change columns are over \
+         all {} changes of all of them. Times in ms, memory in MiB.\n",
+        s.repetitions, s.changes
+    );
+    let _ = writeln!(
+        w,
+        "| services × endpoints | services-map entries / backend slots | start (load + attach) | translate | sync from scratch | scratch sync CPU user / sys | bpf() calls (all syscalls) per scratch sync |\n|---|---|---|---|---|---|---|"
+    );
+    for size in &results.sizes {
+        let calls = match (size.sync_bpf_calls, size.sync_syscalls) {
+            (Some(bpf), Some(all)) => format!("{} ({})", count(bpf), count(all)),
+            _ => "n/a".into(),
+        };
+        let _ = writeln!(
+            w,
+            "| {} × {} | {} / {} | {} | {} | {} | {} / {} | {calls} |",
+            count(size.services as f64),
+            size.endpoints_per_service,
+            count(size.service_entries as f64),
+            count(size.backend_slots as f64),
+            with_spread(&size.start_ms),
+            with_spread(&size.translate_ms),
+            with_spread(&size.sync_ms),
+            num(size.sync_user_ms.median),
+            num(size.sync_system_ms.median),
+        );
+    }
+    let _ = writeln!(w);
+    let _ = writeln!(
+        w,
+        "| services × endpoints | one change: sync | sync p90 | translate | translate + sync | bpf() calls per change | RSS objects only | RSS after sync | peak RSS |\n|---|---|---|---|---|---|---|---|---|"
+    );
+    for size in &results.sizes {
+        let _ = writeln!(
+            w,
+            "| {} × {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            count(size.services as f64),
+            size.endpoints_per_service,
+            with_spread(&size.change_sync_ms),
+            num(size.change_sync_p90_ms),
+            with_spread(&size.change_translate_ms),
+            with_spread(&size.change_total_ms),
+            size.change_bpf_calls.map_or("n/a".into(), count),
+            with_spread(&size.rss_before_start_mib),
+            with_spread(&size.rss_after_sync_mib),
+            with_spread(&size.hwm_mib),
+        );
+    }
+    let _ = writeln!(w);
+    if plots.contains(&plot::CONTROL_PLANE) {
+        let _ = writeln!(
+            w,
+            "![control plane: programming time, change latency, memory]({plot_dir}{})\n",
+            plot::CONTROL_PLANE
+        );
+    }
+    let _ = writeln!(w, "### Method\n");
+    let _ = writeln!(
+        w,
+        "- Every repetition of every size is a child process of its own (`vipr-bench \
+         control-plane-child`) in a fresh network namespace with one veth device and a fresh bpffs, so \
+         sizes do not share memory or kernel state. It generates the Services (ClusterIP, one TCP port) \
+         and EndpointSlices (≤ 100 endpoints each, all ready), starts `EbpfDataplane` on the device with \
+         the default map sizes (load, verify, attach: *start*), translates them with the agent's model \
+         code (*translate*), and times `EbpfDataplane::sync` of that desired state on the empty maps \
+         (*sync from scratch*).\n\
+         - Then {} times: one endpoint of a random service gets a new address; the whole cluster is \
+         translated again (the agent re-translates every object on each change) and the changed state \
+         synced. *sync* is the network programming latency asked for: when it returns, the next packet \
+         sees the change. After the last change the child reads the pinned maps and checks that the \
+         service's backends are exactly its new endpoints.\n\
+         - `bpf()` and all system calls of the syncing thread are counted with the \
+         `syscalls:sys_enter_bpf` and `raw_syscalls:sys_enter` tracepoints (perf counters); CPU from \
+         getrusage; memory from VmRSS / VmHWM in /proc/self/status. *RSS objects only* is the process \
+         before the dataplane starts, holding the generated objects, as the agent holds its watch \
+         caches.\n",
+        s.changes
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_read_well() {
+        assert_eq!(num(93.4), "93.4");
+        assert_eq!(num(1234.4), "1234");
+        assert_eq!(num(0.01234), "0.012");
+        assert_eq!(count(1234567.0), "1,234,567");
+        assert_eq!(count(12.0), "12");
+        assert_eq!(short(100_000), "100k");
+        assert_eq!(short(1_500), "1500");
+    }
+
+    #[test]
+    fn notes_are_carried_over() {
+        let doc = format!("# x\n{NOTES_BEGIN}\nkept\ntext\n{NOTES_END}\nrest");
+        assert_eq!(notes_of(&doc).as_deref(), Some("kept\ntext"));
+        assert_eq!(notes_of("# nothing"), None);
+    }
+}

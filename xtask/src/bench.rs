@@ -1,0 +1,81 @@
+//! `cargo xtask bench <datapath|control-plane|all> [--quick]`: builds `vipr-bench` (release,
+//! so the agent code it times is what ships) and runs the suites. A full run writes
+//! `docs/bench/<suite>.json`, the plots in `docs/bench/` and rewrites `docs/benchmarks.md`; a
+//! quick one (a smoke test of the suites) writes to `target/bench-quick/` instead.
+
+use std::{ffi::OsString, path::PathBuf, process::Command, process::ExitCode};
+
+use anyhow::Result;
+
+use crate::{cmd, exit_code_of, setup, Workspace};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Which suites to run.
+    #[arg(value_enum)]
+    suite: Suite,
+    /// A short smoke run: few cells and repetitions, results to target/bench-quick/.
+    #[arg(long)]
+    quick: bool,
+    /// Where the results (JSON) and plots go [default: docs/bench, or target/bench-quick].
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+    /// The report to rewrite [default: docs/benchmarks.md, or <out-dir>/benchmarks.md].
+    #[arg(long)]
+    doc: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Suite {
+    /// Cost per packet of the TC program by path (BPF_PROG_TEST_RUN).
+    Datapath,
+    /// Programming time from a desired state, per endpoint change, and agent memory.
+    ControlPlane,
+    /// Both.
+    All,
+}
+
+impl Suite {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Datapath => "datapath",
+            Self::ControlPlane => "control-plane",
+            Self::All => "all",
+        }
+    }
+}
+
+pub fn run(workspace: &Workspace, args: &BenchArgs) -> Result<ExitCode> {
+    setup::all(setup::Mode::Install)?;
+    cmd::run(workspace.cargo().args(["build", "--release", "-p", "vipr-tests", "--bin", "vipr-bench"]))?;
+    let (out_dir, doc) = match (args.quick, &args.out_dir) {
+        (_, Some(dir)) => (dir.clone(), args.doc.clone().unwrap_or_else(|| dir.join("benchmarks.md"))),
+        (true, None) => {
+            let dir = workspace.target_dir().join("bench-quick");
+            (dir.clone(), args.doc.clone().unwrap_or_else(|| dir.join("benchmarks.md")))
+        }
+        (false, None) => (
+            workspace.root.join("docs").join("bench"),
+            args.doc.clone().unwrap_or_else(|| workspace.root.join("docs").join("benchmarks.md")),
+        ),
+    };
+    // The command as the user typed it, for the report.
+    let invoked_as = std::iter::once("cargo xtask".to_owned())
+        .chain(std::env::args().skip(1))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut bench = Command::new(workspace.target_dir().join("release").join("vipr-bench"));
+    bench
+        .current_dir(&workspace.root)
+        .arg(args.suite.name())
+        .arg("--out-dir")
+        .arg(&out_dir)
+        .arg("--doc")
+        .arg(&doc)
+        .arg("--invoked-as")
+        .arg(OsString::from(invoked_as));
+    if args.quick {
+        bench.arg("--quick");
+    }
+    Ok(exit_code_of(cmd::status(&mut bench)?))
+}
