@@ -347,6 +347,10 @@ impl<'a> Agent<'a> {
             });
         let facts = NodeFacts {
             name: self.settings.node_name.clone(),
+            zone: node
+                .and_then(|node| node.metadata.labels.as_ref())
+                .and_then(|labels| labels.get("topology.kubernetes.io/zone"))
+                .cloned(),
             addresses,
             primary_ips: node::primary_ips(node),
         };

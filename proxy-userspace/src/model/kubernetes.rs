@@ -47,6 +47,8 @@ const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10_800);
 #[derive(Clone, Debug, Default)]
 pub struct NodeContext {
     pub name: String,
+    /// The node's `topology.kubernetes.io/zone`, for topology-aware routing.
+    pub zone: Option<String>,
     /// The local-traffic detector (`--cluster-cidr`): sources inside are pods. Empty: no
     /// detector.
     pub cluster_cidrs: Vec<IpNet>,
@@ -68,6 +70,8 @@ pub struct NodeContext {
 #[derive(Clone, Debug, Default)]
 pub struct NodeFacts {
     pub name: String,
+    /// The Node object's `topology.kubernetes.io/zone` label.
+    pub zone: Option<String>,
     /// The node's interface addresses, in the kernel's order; loopback ones are ignored.
     pub addresses: Vec<IpAddr>,
     /// Primary node IPs if known (`--bind-address`, or the Node object); otherwise the first
@@ -114,6 +118,7 @@ impl NodeContext {
         };
         Self {
             name: facts.name.clone(),
+            zone: facts.zone.clone(),
             cluster_cidrs: settings.cluster_cidrs.clone(),
             masquerade_all: settings.masquerade_all,
             node_ips,
@@ -166,6 +171,9 @@ struct ServiceSpec {
     external_policy: TrafficPolicy,
     internal_policy: TrafficPolicy,
     affinity: Option<Duration>,
+    /// Topology-aware routing asked for (`trafficDistribution: PreferClose`, or the
+    /// `topology-mode: Auto` annotation): endpoints hinted for this node's zone are preferred.
+    topology_aware: bool,
 }
 
 /// One port of a service, validated.
@@ -185,6 +193,8 @@ struct EndpointSpec {
     serving: bool,
     terminating: bool,
     local: bool,
+    /// The zones the EndpointSlice controller hints this endpoint for.
+    zone_hints: Vec<String>,
 }
 
 impl EndpointSpec {
@@ -252,7 +262,23 @@ struct Categorized {
     any_usable: bool,
 }
 
-fn categorize(endpoints: &[EndpointSpec]) -> Categorized {
+/// kube-proxy's `canUseTopology`: only when asked for, when this node has a zone, when every
+/// ready endpoint carries hints and some is hinted for this zone — otherwise hints could
+/// leave a zone without endpoints.
+fn topology_zone<'a>(
+    service: &ServiceSpec,
+    endpoints: &[EndpointSpec],
+    node: &'a NodeContext,
+) -> Option<&'a str> {
+    let zone = node.zone.as_deref().filter(|zone| service.topology_aware && !zone.is_empty())?;
+    let ready: Vec<&EndpointSpec> = endpoints.iter().filter(|e| e.ready).collect();
+    let usable = ready.iter().all(|e| !e.zone_hints.is_empty())
+        && ready.iter().any(|e| e.zone_hints.iter().any(|hint| hint == zone));
+    usable.then_some(zone)
+}
+
+fn categorize(endpoints: &[EndpointSpec], zone: Option<&str>) -> Categorized {
+    let in_zone = |e: &EndpointSpec| zone.is_none_or(|zone| e.zone_hints.iter().any(|hint| hint == zone));
     let pick = |keep: &dyn Fn(&EndpointSpec) -> bool| -> Arc<[Backend]> {
         let set: BTreeSet<Backend> = endpoints.iter().filter(|e| keep(e)).map(|e| e.backend).collect();
         set.into_iter().collect()
@@ -265,8 +291,10 @@ fn categorize(endpoints: &[EndpointSpec]) -> Categorized {
             ready
         }
     };
+    let cluster_ready = pick(&|e| e.ready && in_zone(e));
     Categorized {
-        cluster: ready_first(&|_| true),
+        // Topology filters only the ready endpoints; the terminating fallback ignores it.
+        cluster: if cluster_ready.is_empty() { ready_first(&|_| true) } else { cluster_ready },
         local: ready_first(&|e| e.local),
         any_usable: endpoints.iter().any(|e| e.ready || e.serving_and_terminating()),
     }
@@ -293,7 +321,7 @@ fn family_frontends(
     let service = &port.service;
     let endpoints: Vec<EndpointSpec> =
         endpoints.iter().filter(|e| in_family(&e.backend.ip)).cloned().collect();
-    let endpoints = categorize(&endpoints);
+    let endpoints = categorize(&endpoints, topology_zone(service, &endpoints, node));
     let has_detector = node.cluster_cidrs.iter().any(|cidr| in_family(&cidr.addr()));
     // No usable endpoint anywhere is the client's business; none allowed from here is not.
     let when_policy_empty = if endpoints.any_usable { WhenEmpty::Drop } else { WhenEmpty::Reject };
@@ -490,7 +518,15 @@ fn service_spec(service: &Service) -> Result<Option<ServiceSpec>, String> {
         }
         Some(other) => return Err(format!("spec.sessionAffinity {other:?} is not None or ClientIP")),
     };
+    let annotation =
+        |name: &str| service.metadata.annotations.as_ref().and_then(|a| a.get(name)).map(String::as_str);
+    let topology_aware =
+        matches!(spec.traffic_distribution.as_deref(), Some("PreferClose" | "PreferSameZone"))
+            || ["service.kubernetes.io/topology-mode", "service.kubernetes.io/topology-aware-hints"]
+                .into_iter()
+                .any(|name| matches!(annotation(name), Some("Auto" | "auto")));
     Ok(Some(ServiceSpec {
+        topology_aware,
         cluster_ips,
         external_ips,
         load_balancer_ips,
@@ -583,6 +619,12 @@ fn slice_endpoints(
             serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
             local: endpoint.node_name.as_deref() == Some(node.name.as_str()),
+            zone_hints: endpoint
+                .hints
+                .iter()
+                .flat_map(|hints| hints.for_zones.iter().flatten())
+                .map(|zone| zone.name.clone())
+                .collect(),
         });
     }
 

@@ -106,6 +106,7 @@ impl Cluster {
 fn node_context() -> NodeContext {
     let facts = NodeFacts {
         name: "bench-node".into(),
+        zone: None,
         addresses: vec![Ipv4Addr::from(NODE_IP).into()],
         primary_ips: Vec::new(),
     };

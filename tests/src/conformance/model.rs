@@ -81,6 +81,7 @@ pub fn node_context(node: &Node) -> Result<NodeContext> {
         node.service_cidrs.iter().flatten().map(|cidr| parse_cidr(cidr)).collect::<Result<_>>()?;
     Ok(NodeContext {
         name: node.node_name.clone(),
+        zone: None,
         cluster_cidrs: node.detector_cidrs()?,
         masquerade_all: node.masquerade_all,
         node_ips,

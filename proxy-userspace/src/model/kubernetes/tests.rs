@@ -198,6 +198,7 @@ fn node_a() -> NodeContext {
     NodeContext::resolve(
         &NodeFacts {
             name: "node-a".into(),
+            zone: None,
             addresses: ["127.0.0.1", "192.168.0.2", "192.168.1.2", "fe80::1", "2001:db8::1"]
                 .map(|ip| ip.parse().unwrap())
                 .to_vec(),
@@ -323,4 +324,50 @@ fn each_family_is_judged_on_its_own_endpoints_and_detector() {
     assert_eq!(v6.from_pod.when_empty, WhenEmpty::Reject, "no IPv6 endpoint at all");
     assert!(v4.from_outside.masquerade, "IPv4 has a detector");
     assert!(!v6.from_outside.masquerade, "IPv6 has none");
+}
+
+#[test]
+fn topology_aware_routing_prefers_endpoints_hinted_for_this_zone() {
+    let web = |distribution: Option<&str>| {
+        let mut spec = json!({"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}]});
+        if let Some(distribution) = distribution {
+            spec["trafficDistribution"] = json!(distribution);
+        }
+        service("web", spec)
+    };
+    let hinted =
+        |address: &str, zone: &str| json!({"addresses": [address], "hints": {"forZones": [{"name": zone}]}});
+    let zoned = slice(
+        "web-1",
+        "web",
+        json!({"endpoints": [hinted("10.1.0.1", "a"), hinted("10.1.0.2", "b")], "ports": [{"name": "http", "port": 8080}]}),
+    );
+    let mut node = node_a();
+    node.zone = Some("a".into());
+    let pods_reach = |services: &[Service], slices: &[EndpointSlice], node: &NodeContext| {
+        addresses(
+            &desired_state(services, slices, node).state.frontends
+                [&frontend("10.96.0.10", 80, Protocol::Tcp)]
+                .from_pod,
+        )
+    };
+    assert_eq!(pods_reach(&[web(Some("PreferClose"))], std::slice::from_ref(&zoned), &node), ["10.1.0.1"]);
+    assert_eq!(
+        pods_reach(&[web(None)], std::slice::from_ref(&zoned), &node),
+        ["10.1.0.1", "10.1.0.2"],
+        "not asked for"
+    );
+    // A ready endpoint without hints makes hints unusable, as in kube-proxy.
+    let partly = slice(
+        "web-1",
+        "web",
+        json!({"endpoints": [hinted("10.1.0.1", "a"), {"addresses": ["10.1.0.2"]}], "ports": [{"name": "http", "port": 8080}]}),
+    );
+    assert_eq!(pods_reach(&[web(Some("PreferClose"))], &[partly], &node), ["10.1.0.1", "10.1.0.2"]);
+    node.zone = Some("c".into());
+    assert_eq!(
+        pods_reach(&[web(Some("PreferClose"))], &[zoned], &node),
+        ["10.1.0.1", "10.1.0.2"],
+        "no endpoint for zone c"
+    );
 }
