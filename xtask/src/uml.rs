@@ -5,7 +5,7 @@
 //! about two seconds.
 //!
 //! The guest runs vipr's own init script ([`INIT_SCRIPT`]): it mounts the kernel file
-//! systems (with private `/run`, `/tmp` and `/dev/shm`), points module loading at Debian's
+//! systems (with private `/run` and `/dev/shm`, and a private `TMPDIR`), points module loading at Debian's
 //! UML modules so the kernel loads IPVS, schedulers, ipset and xtables modules on demand,
 //! makes `iptables` mean `iptables-legacy` (this kernel has no nf_tables for iptables-nft),
 //! runs the command in the caller's directory with the caller's `CARGO_*`, `RUST_*` and
@@ -63,11 +63,13 @@ mount -t sysfs sysfs /sys
 mountpoint -q /dev || mount -t devtmpfs devtmpfs /dev
 mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
-# Private scratch space: the host's /run, /tmp and /dev/shm belong to the host's processes.
+# Private scratch space: the host's /run and /dev/shm belong to the host's processes. /tmp
+# stays the host's, because the workspace and its binaries may live there (CI clones into it);
+# the guest's own temporary files go to a private TMPDIR instead.
 mount -t tmpfs tmpfs /dev/shm
 mount -t tmpfs tmpfs /run
-mount -t tmpfs tmpfs /tmp
-mkdir -p /run/netns
+mkdir -p /run/netns /run/tmp
+export TMPDIR=/run/tmp
 mount -t bpf bpf /sys/fs/bpf 2>/dev/null
 mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null
 if [ -d /usr/lib/uml/modules/$(uname -r) ]; then
@@ -125,7 +127,7 @@ pub struct Options {
     /// harness captures them); otherwise they are only returned.
     pub stream: bool,
     /// Where run directories go: on the host's file system (the guest writes there through
-    /// its root), not under /run, /tmp or /dev/shm (private in the guest). Default: `uml/`
+    /// its root), not under /run or /dev/shm (private in the guest). Default: `uml/`
     /// next to the running executable.
     pub run_base: Option<PathBuf>,
     /// Set (by a signal handler): the guest is killed and the run ends with code 130.
@@ -381,7 +383,7 @@ mod tests {
             "$D/stderr",
             "echo $? > $D/rc",
             "/proc/sys/kernel/modprobe",
-            "mount -t tmpfs tmpfs /tmp",
+            "export TMPDIR=/run/tmp",
         ] {
             assert!(INIT_SCRIPT.contains(needle), "{needle}");
         }
