@@ -21,6 +21,8 @@ mod frame6;
 mod harness;
 #[path = "fixtures/harness6.rs"]
 mod harness6;
+#[path = "fixtures/icmp_quote.rs"]
+mod icmp_quote;
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -41,6 +43,7 @@ use harness6::{
     masqueraded_entries6, nat_entries6, remove_service6, service_key6, set_backend6, set_service6,
     set_unmatched6,
 };
+use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
 use proxy_common::{service_flags, source_class, unmatched, Flow6, FlowKey6, Service};
 
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
@@ -207,37 +210,6 @@ fn expect_flows(h: &Harness, expected: &[(FlowKey6, Flow6)]) -> Result<()> {
 
 // ---------------------------------------------------------------------------------------------
 // The ICMPv6 port unreachable, built from the input alone.
-
-/// How much of the L4 header the answer quotes, and where its checksum field is in it.
-fn l4_quote(proto: u8) -> (usize, usize) {
-    match proto {
-        IPPROTO_TCP => (20, 16),
-        IPPROTO_UDP => (8, 6),
-        other => panic!("no quote for protocol {other}"),
-    }
-}
-
-/// What `skb_checksum_help` stores in the checksum field of a CHECKSUM_PARTIAL skb whose
-/// checksum starts at `region`.
-fn offload_checksum(region: &[u8]) -> u16 {
-    match checksum(ones_sum(0, region)) {
-        0 => 0xffff,
-        c => c,
-    }
-}
-
-/// The one value of the field at `at` that an offload over `region` writes back unchanged.
-fn offload_fixed_point(region: &[u8], at: usize) -> u16 {
-    let mut region = region.to_vec();
-    let found: Vec<u16> = (0..=u16::MAX)
-        .filter(|&f| {
-            region[at..at + 2].copy_from_slice(&f.to_be_bytes());
-            offload_checksum(&region) == f
-        })
-        .collect();
-    assert_eq!(found.len(), 1, "fixed points over {region:02x?}: {found:04x?}");
-    found[0]
-}
 
 /// Ethernet addresses swapped; IPv6 with traffic class and flow label 0, hop limit 64, from
 /// the service address to the client; ICMPv6 type 1 code 4; the quote: the input's IPv6 header

@@ -28,6 +28,8 @@ mod frame;
 #[allow(dead_code)]
 #[path = "fixtures/harness.rs"]
 mod harness;
+#[path = "fixtures/icmp_quote.rs"]
+mod icmp_quote;
 #[allow(dead_code)]
 #[path = "fixtures/table.rs"]
 mod table;
@@ -39,6 +41,7 @@ use frame::{
     IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, L4, ROUTER_ALERT,
 };
 use harness::{describe_flows, nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT};
+use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
 use proxy_common::{pins, service_flags, source_class, unmatched, Service, ServiceKey4};
 use table::{run_table, Outcome};
 
@@ -95,38 +98,6 @@ fn set_unmatched(h: &Harness, addr: [u8; 4], action: u8) -> Result<()> {
 
 // ---------------------------------------------------------------------------------------------
 // The expected answer, built from the input frame alone.
-
-/// How much of the L4 header the answer quotes, and where its checksum field lies in it.
-fn l4_quote(proto: u8) -> (usize, usize) {
-    match proto {
-        IPPROTO_TCP => (20, 16),
-        IPPROTO_UDP => (8, 6),
-        other => panic!("no quote for protocol {other}"),
-    }
-}
-
-/// What `skb_checksum_help` stores in the checksum field of a CHECKSUM_PARTIAL skb whose
-/// checksum starts at `region`: the folded complement of the region's sum, 0 sent as 0xffff.
-fn offload_checksum(region: &[u8]) -> u16 {
-    match checksum(ones_sum(0, region)) {
-        0 => 0xffff,
-        c => c,
-    }
-}
-
-/// The one value of the checksum field at `csum_at` that an offload over `region` would
-/// write back unchanged, by trying them all.
-fn offload_fixed_point(region: &[u8], csum_at: usize) -> u16 {
-    let mut region = region.to_vec();
-    let found: Vec<u16> = (0..=u16::MAX)
-        .filter(|&f| {
-            region[csum_at..csum_at + 2].copy_from_slice(&f.to_be_bytes());
-            offload_checksum(&region) == f
-        })
-        .collect();
-    assert_eq!(found.len(), 1, "fixed points of the offload over {region:02x?}: {found:04x?}");
-    found[0]
-}
 
 /// Where the parts of an answer lie.
 #[derive(Clone, Copy, Debug)]
