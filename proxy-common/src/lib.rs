@@ -14,11 +14,14 @@ pub mod pins {
     /// Subdirectory of [`DIR`] holding the pinned TCX links, one per attached device.
     pub const LINKS_DIR: &str = "links";
     /// (Frontend, source class) -> service: [`crate::ServiceKey4`] -> [`crate::Service`].
-    pub const SERVICES4: &str = "vipr_svc4_v1";
+    /// (`_v1` had no session affinity timeout.)
+    pub const SERVICES4: &str = "vipr_svc4_v2";
     /// Backend slots of a backend set: [`crate::BackendSlot`] -> [`crate::Backend4`].
-    pub const BACKENDS4: &str = "vipr_back4_v1";
+    /// (`_v1` had no counter index.)
+    pub const BACKENDS4: &str = "vipr_back4_v2";
     /// Connection tracking and NAT state: [`crate::FlowKey4`] -> [`crate::Flow4`].
-    pub const FLOWS4: &str = "vipr_flow4_v1";
+    /// (`_v1` had no [`crate::FlowTrack`].)
+    pub const FLOWS4: &str = "vipr_flow4_v2";
     /// The node's own addresses: `[u8; 4]` -> `u8` (unused value); sources here are
     /// [`crate::source_class::NODE`].
     pub const NODE_IPS4: &str = "vipr_node4_v1";
@@ -31,13 +34,37 @@ pub mod pins {
     /// Sources admitted by a service's source ranges: LPM [`crate::SourceRange4`] -> `u8`.
     pub const SOURCE_RANGES4: &str = "vipr_srcr4_v1";
     /// The IPv6 maps, the same as their IPv4 namesakes with the `*6` types.
-    pub const SERVICES6: &str = "vipr_svc6_v1";
-    pub const BACKENDS6: &str = "vipr_back6_v1";
-    pub const FLOWS6: &str = "vipr_flow6_v1";
+    pub const SERVICES6: &str = "vipr_svc6_v2";
+    pub const BACKENDS6: &str = "vipr_back6_v2";
+    pub const FLOWS6: &str = "vipr_flow6_v2";
     pub const NODE_IPS6: &str = "vipr_node6_v1";
     pub const POD_CIDRS6: &str = "vipr_pod6_v1";
     pub const UNMATCHED6: &str = "vipr_unm6_v1";
     pub const SOURCE_RANGES6: &str = "vipr_srcr6_v1";
+    /// Packets and bytes per (service port, backend), both directions: per-CPU array
+    /// `u32` [`crate::Backend4::counter`] -> [`crate::Counters`], shared by both families.
+    pub const BACKEND_COUNTERS: &str = "vipr_bcnt_v1";
+    /// Datapath events worth a metric: per-CPU array `u32` one of [`crate::datapath_stat`]
+    /// -> `u64`.
+    pub const DATAPATH_STATS: &str = "vipr_dstat_v1";
+    /// Earlier layouts of the maps above, which the agent unpins once the new program serves
+    /// (their content is never reinterpreted: connections tracked by the earlier layout are
+    /// balanced anew, as after a flows-map eviction).
+    pub const RETIRED: [&str; 6] =
+        ["vipr_svc4_v1", "vipr_back4_v1", "vipr_flow4_v1", "vipr_svc6_v1", "vipr_back6_v1", "vipr_flow6_v1"];
+    /// ClientIP session affinity: the backend a client's latest new connection to a service
+    /// port went to, and when: LRU [`crate::AffinityKey4`] -> [`crate::Affinity4`].
+    pub const AFFINITY4: &str = "vipr_aff4_v1";
+    pub const AFFINITY6: &str = "vipr_aff6_v1";
+    /// Which backends a backend set holds, so that a remembered backend is used only while
+    /// the service still has it: [`crate::BackendMember4`] -> `u32`, a slot of it in the set.
+    pub const MEMBERS4: &str = "vipr_memb4_v1";
+    pub const MEMBERS6: &str = "vipr_memb6_v1";
+    /// Ports of IPv4 datagrams split into fragments, from their first fragment, so that the
+    /// later ones (which carry no L4 header) find their flow entry: LRU
+    /// [`crate::FragmentKey4`] -> [`crate::FragmentPorts`]. IPv4 only: IPv6 fragments are not
+    /// balanced.
+    pub const FRAGMENTS4: &str = "vipr_frag4_v1";
     /// The one TC program, attached at ingress of every `--devices` interface.
     pub const TC_INGRESS_PROGRAM: &str = "vipr_tc_ingress";
 }
@@ -53,6 +80,18 @@ pub mod capacity {
     pub const POD_CIDRS: u32 = 256;
     pub const UNMATCHED: u32 = 65_536;
     pub const SOURCE_RANGES: u32 = 65_536;
+    /// Clients remembered for session affinity, over all services, per family.
+    pub const AFFINITY: u32 = 65_536;
+    /// (Service port, backend) pairs with their own counters; per CPU, 16 bytes each.
+    pub const BACKEND_COUNTERS: u32 = 65_536;
+    /// Slots of the datapath statistics array: [`crate::datapath_stat::COUNT`].
+    pub const DATAPATH_STATS: u32 = 4;
+    /// Fragmented IPv4 datagrams in flight through the node (between their first and last
+    /// fragment), over all connections: an entry is needed only for the microseconds a
+    /// datagram's fragments take to pass, and LRU eviction of an old one costs nothing. A
+    /// constant (Cilium's default for its `--bpf-fragments-map-max`), not a flag: 8,192
+    /// datagrams in flight at once is far beyond what a node fragments.
+    pub const FRAGMENTS4: u32 = 8_192;
 }
 
 /// IP protocol numbers as carried in [`ServiceKey4::proto`] and [`FlowKey4::proto`].
@@ -92,6 +131,9 @@ pub mod service_flags {
     pub const REJECT_WHEN_EMPTY: u32 = 2;
     /// Admit only sources in the source ranges map under this `service_id`.
     pub const SOURCE_RANGES: u32 = 4;
+    /// The slots of `backend_set` are a Maglev table: a new connection takes the slot its
+    /// flow hash names rather than a random one, so every node picks the same backend for it.
+    pub const MAGLEV: u32 = 8;
 }
 
 /// Value of the services map. `backend_set` names the slots in the backends map that hold
@@ -107,6 +149,10 @@ pub struct Service {
     pub service_id: u32,
     /// Bits of [`service_flags`].
     pub flags: u32,
+    /// ClientIP session affinity: a client's new connections go to the backend of its
+    /// previous one while that started less than this many seconds ago. 0: no affinity.
+    pub affinity_timeout: u32,
+    pub pad: u32,
 }
 
 /// Key of the backends map: one slot of one backend set.
@@ -124,6 +170,10 @@ pub struct Backend4 {
     pub addr: [u8; 4],
     pub port: u16,
     pub pad: u16,
+    /// Index of this (service port, backend) pair in [`pins::BACKEND_COUNTERS`], chosen by the
+    /// agent and copied into both flow entries of each connection, so that counting a packet
+    /// is an array access rather than a hash lookup. 0 is the shared "not counted" slot.
+    pub counter: u32,
 }
 
 /// A 5-tuple as seen on the wire, in either direction of a connection.
@@ -136,6 +186,53 @@ pub struct FlowKey4 {
     pub dst_port: u16,
     pub proto: u8,
     pub pad: [u8; 3],
+}
+
+/// Bits of [`FlowTrack::state`]: what the datapath saw of a TCP connection's end, per
+/// direction (each flow entry records the packets that matched it).
+pub mod flow_state {
+    /// A FIN went this way.
+    pub const FIN: u32 = 1;
+    /// An RST went this way.
+    pub const RST: u32 = 2;
+}
+
+/// The part of a flow entry the datapath updates as packets pass, for counters and for the
+/// agent's expiry of idle and closed connections.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowTrack {
+    /// The connection's [`Backend4::counter`].
+    pub counter: u32,
+    /// Bits of [`flow_state`].
+    pub state: u32,
+    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC_COARSE) of the latest packet, refreshed at
+    /// most about once a second so that an established packet rarely writes; 0 in a reply
+    /// entry until the first reply.
+    pub last_seen: u64,
+}
+
+/// Packets and bytes (IP packet length: IP header and payload, no link-layer header) of one
+/// (service port, backend) pair on one CPU, both directions together.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Counters {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Slots of the [`pins::DATAPATH_STATS`] array.
+pub mod datapath_stat {
+    /// The forward flow entry of a new connection could not be stored: its next packet is
+    /// balanced again (possibly to another backend).
+    pub const FLOW_INSERT_FORWARD: u32 = 0;
+    /// The reply flow entry of a new unmasqueraded connection could not be stored: its replies
+    /// are not reverse-NATed.
+    pub const FLOW_INSERT_REPLY: u32 = 1;
+    /// No free node port for a masqueraded connection: its packet is dropped (the map is full,
+    /// or every port tried is taken toward that backend).
+    pub const SNAT_PORT_EXHAUSTED: u32 = 2;
+    pub const COUNT: u32 = 3;
 }
 
 /// Bits of [`Flow4::flags`].
@@ -162,6 +259,36 @@ pub struct Flow4 {
     pub dst_port: u16,
     /// Bits of [`flow_flags`].
     pub flags: u32,
+    pub track: FlowTrack,
+}
+
+/// Key of the [`pins::AFFINITY4`] map: a client of a service port (its `service_id`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey4 {
+    pub service_id: u32,
+    pub client: [u8; 4],
+}
+
+/// Value of the [`pins::AFFINITY4`] map: the backend of the client's latest new connection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Affinity4 {
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub pad: u16,
+    /// `bpf_ktime_get_coarse_ns` when that connection started.
+    pub since: u64,
+}
+
+/// Key of the [`pins::MEMBERS4`] map: a backend in a backend set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendMember4 {
+    pub backend_set: u32,
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub pad: u16,
 }
 
 /// Key of an IPv4 LPM trie: the kernel matches the first `prefix_len` bits of `addr`.
@@ -183,6 +310,28 @@ pub struct SourceRange4 {
     pub addr: [u8; 4],
 }
 
+/// Key of the [`pins::FRAGMENTS4`] map: what every fragment of one IPv4 datagram carries in
+/// its IP header (RFC 791 reassembly matches the same four fields).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragmentKey4 {
+    pub src_addr: [u8; 4],
+    pub dst_addr: [u8; 4],
+    /// The IP identification field, in host order.
+    pub id: u16,
+    pub proto: u8,
+    pub pad: u8,
+}
+
+/// Value of the [`pins::FRAGMENTS4`] map: the ports of the datagram's first fragment, as it
+/// arrived (before any rewrite), which with the key make its flow key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragmentPorts {
+    pub src_port: u16,
+    pub dst_port: u16,
+}
+
 /// Values of the unmatched-destination trie.
 pub mod unmatched {
     /// A cluster IP on a port or protocol it does not serve: ICMP port unreachable.
@@ -193,13 +342,20 @@ pub mod unmatched {
 
 const _: () = {
     assert!(core::mem::size_of::<ServiceKey4>() == 8);
-    assert!(core::mem::size_of::<Service>() == 16);
+    assert!(core::mem::size_of::<Service>() == 24);
     assert!(core::mem::size_of::<BackendSlot>() == 8);
-    assert!(core::mem::size_of::<Backend4>() == 8);
+    assert!(core::mem::size_of::<Backend4>() == 12);
     assert!(core::mem::size_of::<FlowKey4>() == 16);
-    assert!(core::mem::size_of::<Flow4>() == 16);
+    assert!(core::mem::size_of::<FlowTrack>() == 16);
+    assert!(core::mem::size_of::<Counters>() == 16);
+    assert!(core::mem::size_of::<Flow4>() == 32);
     assert!(core::mem::size_of::<Prefix4>() == 8);
     assert!(core::mem::size_of::<SourceRange4>() == 12);
+    assert!(core::mem::size_of::<AffinityKey4>() == 8);
+    assert!(core::mem::size_of::<Affinity4>() == 16);
+    assert!(core::mem::size_of::<BackendMember4>() == 12);
+    assert!(core::mem::size_of::<FragmentKey4>() == 12);
+    assert!(core::mem::size_of::<FragmentPorts>() == 4);
 };
 
 #[cfg(feature = "user")]
@@ -214,8 +370,15 @@ mod user {
     unsafe impl aya::Pod for Backend4 {}
     unsafe impl aya::Pod for FlowKey4 {}
     unsafe impl aya::Pod for Flow4 {}
+    unsafe impl aya::Pod for FlowTrack {}
+    unsafe impl aya::Pod for Counters {}
     unsafe impl aya::Pod for Prefix4 {}
     unsafe impl aya::Pod for SourceRange4 {}
+    unsafe impl aya::Pod for AffinityKey4 {}
+    unsafe impl aya::Pod for Affinity4 {}
+    unsafe impl aya::Pod for BackendMember4 {}
+    unsafe impl aya::Pod for FragmentKey4 {}
+    unsafe impl aya::Pod for FragmentPorts {}
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -226,13 +389,20 @@ mod user {
 /// Names, pins and capacities of the socket-level load balancer.
 pub mod sock {
     /// Settings written by the agent: `u32` 0 -> [`crate::SockConfig`] (an array of one).
-    pub const CONFIG: &str = "vipr_skcfg_v1";
+    pub const CONFIG: &str = "vipr_skcfg_v2";
+    /// Names of earlier layouts of these maps, which the agent unpins: `vipr_skcfg_v1` had no
+    /// IPv6 default source.
+    pub const RETIRED: [&str; 1] = ["vipr_skcfg_v1"];
     /// What each socket was really sent to: [`crate::SockRevKey4`] -> [`crate::SockFrontend4`]
     /// (LRU), so recvmsg and getpeername can show the frontend again.
     pub const REVERSE4: &str = "vipr_skrev4_v1";
-    /// Sockets with a live translation; an evicted entry only makes the peer show as the
-    /// backend.
+    /// The same for IPv6 sockets: [`crate::SockRevKey6`] -> [`crate::SockFrontend6`] (LRU).
+    /// (An IPv6 socket talking to an IPv4-mapped address uses [`REVERSE4`].)
+    pub const REVERSE6: &str = "vipr_skrev6_v1";
+    /// Sockets with a live translation, per family; an evicted entry only makes the peer show
+    /// as the backend.
     pub const REVERSE4_CAPACITY: u32 = 262_144;
+    pub const REVERSE6_CAPACITY: u32 = 262_144;
 
     /// One cgroup hook: the program's name in the object, and the name of its pinned link
     /// under [`crate::pins::LINKS_DIR`].
@@ -250,9 +420,15 @@ pub mod sock {
     pub const RECVMSG4: Hook = Hook { program: "vipr_recvmsg4", link: "cgroup-recvmsg4" };
     /// getpeername: the backend as peer becomes the frontend again.
     pub const GETPEERNAME4: Hook = Hook { program: "vipr_getpeer4", link: "cgroup-getpeer4" };
+    /// The same four for `AF_INET6` sockets (IPv4-mapped destinations included).
+    pub const CONNECT6: Hook = Hook { program: "vipr_connect6", link: "cgroup-connect6" };
+    pub const SENDMSG6: Hook = Hook { program: "vipr_sendmsg6", link: "cgroup-sendmsg6" };
+    pub const RECVMSG6: Hook = Hook { program: "vipr_recvmsg6", link: "cgroup-recvmsg6" };
+    pub const GETPEERNAME6: Hook = Hook { program: "vipr_getpeer6", link: "cgroup-getpeer6" };
     /// Every hook, in the order they are attached (the reverse path first, so that no socket
     /// is translated before its answers can be translated back).
-    pub const HOOKS: [Hook; 4] = [RECVMSG4, GETPEERNAME4, SENDMSG4, CONNECT4];
+    pub const HOOKS: [Hook; 8] =
+        [RECVMSG4, GETPEERNAME4, RECVMSG6, GETPEERNAME6, SENDMSG4, CONNECT4, SENDMSG6, CONNECT6];
 }
 
 /// Value of the [`sock::CONFIG`] map. cgroup hooks run for the sockets of every network
@@ -266,6 +442,8 @@ pub struct SockConfig {
     /// against for a socket that is not bound to an address. `[0; 4]` if unknown.
     pub default_source4: [u8; 4],
     pub pad: u32,
+    /// The same for IPv6 sockets; `[0; 16]` if unknown.
+    pub default_source6: [u8; 16],
 }
 
 /// Key of the [`sock::REVERSE4`] map: one socket (its cookie) and the backend it was sent to.
@@ -287,10 +465,31 @@ pub struct SockFrontend4 {
     pub pad: u16,
 }
 
+/// [`SockRevKey4`] for an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevKey6 {
+    pub cookie: u64,
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub pad: [u8; 6],
+}
+
+/// [`SockFrontend4`] for an IPv6 frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockFrontend6 {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub pad: u16,
+}
+
 const _: () = {
-    assert!(core::mem::size_of::<SockConfig>() == 16);
+    assert!(core::mem::size_of::<SockConfig>() == 32);
     assert!(core::mem::size_of::<SockRevKey4>() == 16);
     assert!(core::mem::size_of::<SockFrontend4>() == 8);
+    assert!(core::mem::size_of::<SockRevKey6>() == 32);
+    assert!(core::mem::size_of::<SockFrontend6>() == 20);
 };
 
 #[cfg(feature = "user")]
@@ -301,6 +500,8 @@ mod sock_user {
     unsafe impl aya::Pod for SockConfig {}
     unsafe impl aya::Pod for SockRevKey4 {}
     unsafe impl aya::Pod for SockFrontend4 {}
+    unsafe impl aya::Pod for SockRevKey6 {}
+    unsafe impl aya::Pod for SockFrontend6 {}
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -325,6 +526,7 @@ pub struct Backend6 {
     pub addr: [u8; 16],
     pub port: u16,
     pub pad: u16,
+    pub counter: u32,
 }
 
 /// [`FlowKey4`] for an IPv6 connection.
@@ -349,6 +551,35 @@ pub struct Flow6 {
     pub dst_port: u16,
     /// Bits of [`flow_flags`].
     pub flags: u32,
+    pub track: FlowTrack,
+}
+
+/// [`AffinityKey4`] for an IPv6 client.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey6 {
+    pub service_id: u32,
+    pub client: [u8; 16],
+}
+
+/// [`Affinity4`] for an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Affinity6 {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub pad: [u8; 6],
+    pub since: u64,
+}
+
+/// [`BackendMember4`] for an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendMember6 {
+    pub backend_set: u32,
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub pad: u16,
 }
 
 /// [`Prefix4`] for IPv6 tries.
@@ -370,11 +601,14 @@ pub struct SourceRange6 {
 
 const _: () = {
     assert!(core::mem::size_of::<ServiceKey6>() == 20);
-    assert!(core::mem::size_of::<Backend6>() == 20);
+    assert!(core::mem::size_of::<Backend6>() == 24);
     assert!(core::mem::size_of::<FlowKey6>() == 40);
-    assert!(core::mem::size_of::<Flow6>() == 40);
+    assert!(core::mem::size_of::<Flow6>() == 56);
     assert!(core::mem::size_of::<Prefix6>() == 20);
     assert!(core::mem::size_of::<SourceRange6>() == 24);
+    assert!(core::mem::size_of::<AffinityKey6>() == 20);
+    assert!(core::mem::size_of::<Affinity6>() == 32);
+    assert!(core::mem::size_of::<BackendMember6>() == 24);
 };
 
 #[cfg(feature = "user")]
@@ -388,4 +622,39 @@ mod user6 {
     unsafe impl aya::Pod for Flow6 {}
     unsafe impl aya::Pod for Prefix6 {}
     unsafe impl aya::Pod for SourceRange6 {}
+    unsafe impl aya::Pod for AffinityKey6 {}
+    unsafe impl aya::Pod for Affinity6 {}
+    unsafe impl aya::Pod for BackendMember6 {}
 }
+
+// ---------------------------------------------------------------------------------------------
+// Source ports of masqueraded connections (proxy-ebpf/src/route.rs).
+
+/// Which node ports the TC program gives masqueraded connections. The node's own sockets take
+/// their ports from its ephemeral range (`net.ipv4.ip_local_port_range`) without knowing of
+/// vipr's flow entries, so a masquerade port inside that range could be picked again by a
+/// local socket talking to the same backend, and the two connections' replies would be
+/// confused. The agent therefore writes a range disjoint from the ephemeral one.
+pub mod snat {
+    /// `u32` 0 -> [`crate::SnatPorts`] (an array of one), written by the agent.
+    pub const PORTS: &str = "vipr_snat_v1";
+    /// The range used while [`PORTS`] holds no range yet (count 0): below Linux's default
+    /// ephemeral range, 32768-60999.
+    pub const DEFAULT_FIRST: u32 = 1024;
+    pub const DEFAULT_COUNT: u32 = 32768 - 1024;
+}
+
+/// Value of the [`snat::PORTS`] map: ports `first..first + count`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SnatPorts {
+    pub first: u32,
+    /// 0: not written yet, see [`snat::DEFAULT_FIRST`].
+    pub count: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<SnatPorts>() == 8);
+
+// SAFETY: repr(C), Copy, no implicit padding (size assert above).
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for SnatPorts {}

@@ -3,19 +3,26 @@
 //! An address type is its family: [`Ipv4`] is `[u8; 4]`, [`Ipv6`] is `[u8; 16]`, the network
 //! order bytes the maps store. What differs between the families is gathered here: header
 //! parsing and the checksum side of a rewrite (packet.rs), the FIB lookup's address fields, the
-//! ICMP error (reject.rs), and which maps hold the family's state. The map glue is one macro
+//! ICMP errors built (reject.rs) and reverse-NATed (icmp_error.rs), fragments (fragment.rs,
+//! IPv4 only), and which maps hold the family's state. The map glue is one macro
 //! for both families, because proxy-common's IPv4 and IPv6 map types have the same fields.
+use core::ptr::NonNull;
+
 use aya_ebpf::{bindings::bpf_fib_lookup, programs::TcContext};
 use proxy_common::{
-    BackendSlot, Flow4, Flow6, FlowKey4, FlowKey6, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6,
-    SourceRange4, SourceRange6,
+    Affinity4, Affinity6, AffinityKey4, AffinityKey6, BackendMember4, BackendMember6, BackendSlot, Flow4,
+    Flow6, FlowKey4, FlowKey6, FlowTrack, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6, SourceRange4,
+    SourceRange6,
 };
 
 use crate::{
+    fragment::{self, LaterFragment},
+    icmp_error::{parse_ipv4_error, parse_ipv6_error, IcmpError},
     maps::{
-        BACKENDS4, BACKENDS6, FLOWS4, FLOWS6, NODE_IPS4, NODE_IPS6, POD_CIDRS4, POD_CIDRS6, SERVICES4,
-        SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6, UNMATCHED4, UNMATCHED6,
+        AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, FLOWS4, FLOWS6, MEMBERS4, MEMBERS6, NODE_IPS4, NODE_IPS6,
+        POD_CIDRS4, POD_CIDRS6, SERVICES4, SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6, UNMATCHED4, UNMATCHED6,
     },
+    packet::word_sum,
     packet::{
         ipv4_address_checksums, ipv6_address_checksums, parse_ipv4, parse_ipv6, Packet, Tuple,
         IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF,
@@ -38,6 +45,11 @@ pub struct Nat<A> {
     pub dst_port: u16,
     /// Bits of `proxy_common::flow_flags`.
     pub flags: u32,
+    /// The connection's counter index (`proxy_common::Backend4::counter`).
+    pub counter: u32,
+    /// `FlowTrack::last_seen` of a new entry: now for the direction just seen, 0 for the
+    /// reply direction (no reply yet).
+    pub last_seen: u64,
 }
 
 /// An address and a port: where a backend listens.
@@ -47,6 +59,12 @@ pub struct Endpoint<A> {
     pub port: u16,
 }
 
+/// A flow entry found for a packet: its rewrites, and its tracking fields in place in the map.
+pub struct Tracked<A> {
+    pub nat: Nat<A>,
+    pub track: NonNull<FlowTrack>,
+}
+
 /// An address family, implemented by its address type.
 pub trait Family: Maps + Copy {
     /// The all-zero address, for the unused fields of flow entries.
@@ -54,9 +72,15 @@ pub trait Family: Maps + Copy {
     /// Offsets of the source and destination address from the start of the frame.
     const SADDR_OFF: usize;
     const DADDR_OFF: usize;
+    /// IPv4 has a header checksum; IPv6 has none, its ICMPv6 checksum covers the addresses.
+    const IP_HEADER_CHECKSUM: bool;
 
     /// Equality without the `bcmp` call `==` may become for arrays, which BPF cannot make.
     fn is(&self, other: &Self) -> bool;
+    /// The address folded into 32 bits, for flow hashing.
+    fn fold(&self) -> u32;
+    /// The ones' complement sum of the address's 16-bit words, for checksum updates.
+    fn word_sum(&self) -> u16;
     /// Parses a TCP/UDP packet of this family (the ethertype already checked).
     fn parse(ctx: &TcContext) -> Option<Packet<Self>>;
     /// See [`ipv4_address_checksums`] and [`ipv6_address_checksums`].
@@ -73,11 +97,17 @@ pub trait Family: Maps + Copy {
     fn fib_destination(params: &mut bpf_fib_lookup, destination: Self);
     /// The source address a successful `BPF_FIB_LOOKUP_SRC` lookup chose.
     fn fib_source(params: &bpf_fib_lookup) -> Self;
+    /// Parses an ICMP error about a TCP/UDP packet (icmp_error.rs).
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>>;
+    /// Parses a fragment without L4 header (fragment.rs); IPv6 fragments are not parsed.
+    fn later_fragment(ctx: &TcContext) -> Option<LaterFragment<Self>>;
+    /// Remembers the ports of a rewritten first fragment with IP identification `id`.
+    fn remember_fragment(flow: &Tuple<Self>, id: u16);
 }
 
 /// The maps of one family (`vipr_*4_v1` or `vipr_*6_v1`), in the datapath's terms.
 pub trait Maps: Sized {
-    fn flow(key: &Tuple<Self>) -> Option<Nat<Self>>;
+    fn flow(key: &Tuple<Self>) -> Option<Tracked<Self>>;
     /// Stores a flow entry; a failure only costs a fresh balancing decision later.
     fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
     /// Stores a flow entry only if `key` is absent: claims it against concurrent flows.
@@ -85,21 +115,42 @@ pub trait Maps: Sized {
     /// The services entry of the packet's destination, for one source class.
     fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service>;
     fn backend(slot: &BackendSlot) -> Option<Endpoint<Self>>;
+    /// [`Maps::backend`] with the slot's counter index.
+    fn counted_backend(slot: &BackendSlot) -> Option<(Endpoint<Self>, u32)>;
     fn is_node(addr: &Self) -> bool;
     fn in_pod_cidr(addr: &Self) -> bool;
     /// What the unmatched-destination trie says of `addr` (`proxy_common::unmatched`).
     fn unmatched(addr: &Self) -> Option<u8>;
     fn in_source_ranges(service_id: u32, source: &Self) -> bool;
+    /// The backend `client`'s latest new connection to service `service_id` went to, and when
+    /// (`bpf_ktime_get_coarse_ns`).
+    fn affinity(service_id: u32, client: &Self) -> Option<(Endpoint<Self>, u64)>;
+    /// Remembers `backend` for `client`'s next connections to `service_id`; a failure only
+    /// costs the next connection a fresh choice.
+    fn remember(service_id: u32, client: &Self, backend: &Endpoint<Self>, now: u64);
+    /// A slot of `backend_set` that holds `backend`, if the set has it.
+    fn slot_of(backend_set: u32, backend: &Endpoint<Self>) -> Option<u32>;
 }
 
 impl Family for Ipv4 {
     const UNSPECIFIED: Self = [0; 4];
     const SADDR_OFF: usize = IPV4_SADDR_OFF;
     const DADDR_OFF: usize = IPV4_DADDR_OFF;
+    const IP_HEADER_CHECKSUM: bool = true;
 
     #[inline(always)]
     fn is(&self, other: &Self) -> bool {
         u32::from_ne_bytes(*self) == u32::from_ne_bytes(*other)
+    }
+
+    #[inline(always)]
+    fn fold(&self) -> u32 {
+        u32::from_be_bytes(*self)
+    }
+
+    #[inline(always)]
+    fn word_sum(&self) -> u16 {
+        word_sum(self)
     }
 
     #[inline(always)]
@@ -134,16 +185,43 @@ impl Family for Ipv4 {
         // SAFETY: with BPF_FIB_LOOKUP_SRC a successful lookup fills ipv4_src.
         unsafe { params.__bindgen_anon_3.ipv4_src }.to_ne_bytes()
     }
+
+    #[inline(always)]
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>> {
+        parse_ipv4_error(ctx)
+    }
+
+    #[inline(always)]
+    fn later_fragment(ctx: &TcContext) -> Option<LaterFragment<Self>> {
+        fragment::parse_later_ipv4(ctx)
+    }
+
+    #[inline(always)]
+    fn remember_fragment(flow: &Tuple<Self>, id: u16) {
+        fragment::remember(flow, id);
+    }
 }
 
 impl Family for Ipv6 {
     const UNSPECIFIED: Self = [0; 16];
     const SADDR_OFF: usize = IPV6_SADDR_OFF;
     const DADDR_OFF: usize = IPV6_DADDR_OFF;
+    const IP_HEADER_CHECKSUM: bool = false;
 
     #[inline(always)]
     fn is(&self, other: &Self) -> bool {
         u128::from_ne_bytes(*self) == u128::from_ne_bytes(*other)
+    }
+
+    #[inline(always)]
+    fn fold(&self) -> u32 {
+        let words = u128::from_be_bytes(*self);
+        (words >> 96) as u32 ^ (words >> 64) as u32 ^ (words >> 32) as u32 ^ words as u32
+    }
+
+    #[inline(always)]
+    fn word_sum(&self) -> u16 {
+        word_sum(self)
     }
 
     #[inline(always)]
@@ -179,6 +257,19 @@ impl Family for Ipv6 {
         // SAFETY: with BPF_FIB_LOOKUP_SRC a successful lookup fills ipv6_src.
         unsafe { core::mem::transmute::<[u32; 4], Self>(params.__bindgen_anon_3.ipv6_src) }
     }
+
+    #[inline(always)]
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>> {
+        parse_ipv6_error(ctx)
+    }
+
+    #[inline(always)]
+    fn later_fragment(_: &TcContext) -> Option<LaterFragment<Self>> {
+        None
+    }
+
+    #[inline(always)]
+    fn remember_fragment(_: &Tuple<Self>, _: u16) {}
 }
 
 /// Implements [`Maps`] for one family: its address type and bit count, and its maps and their
@@ -193,6 +284,8 @@ macro_rules! family_maps {
         pod_cidrs: $pod_cidrs:ident($prefix:ident),
         unmatched: $unmatched:ident,
         source_ranges: $source_ranges:ident($source_range:ident),
+        affinity: $affinity:ident($affinity_key:ident -> $affinity_value:ident),
+        members: $members:ident($member:ident),
     ) => {
         impl From<&Tuple<$addr>> for $flow_key {
             #[inline(always)]
@@ -217,19 +310,32 @@ macro_rules! family_maps {
                     src_port: nat.src_port,
                     dst_port: nat.dst_port,
                     flags: nat.flags,
+                    track: FlowTrack { counter: nat.counter, state: 0, last_seen: nat.last_seen },
                 }
             }
         }
 
         impl Maps for $addr {
             #[inline(always)]
-            fn flow(key: &Tuple<Self>) -> Option<Nat<Self>> {
-                $flows.get(&key.into()).map(|flow: $flow| Nat {
-                    src: flow.src_addr,
-                    src_port: flow.src_port,
-                    dst: flow.dst_addr,
-                    dst_port: flow.dst_port,
-                    flags: flow.flags,
+            fn flow(key: &Tuple<Self>) -> Option<Tracked<Self>> {
+                let entry = $flows.get_ptr(&key.into())?;
+                // SAFETY: a live entry of the flows map; the rewrite fields are written only
+                // when the entry is created, so the copy is consistent.
+                let flow: &$flow = unsafe { entry.as_ref() };
+                Some(Tracked {
+                    nat: Nat {
+                        src: flow.src_addr,
+                        src_port: flow.src_port,
+                        dst: flow.dst_addr,
+                        dst_port: flow.dst_port,
+                        flags: flow.flags,
+                        counter: flow.track.counter,
+                        last_seen: 0,
+                    },
+                    // SAFETY: a field of the entry above.
+                    track: unsafe {
+                        NonNull::new_unchecked(core::ptr::addr_of_mut!((*entry.as_ptr()).track))
+                    },
                 })
             }
 
@@ -259,6 +365,13 @@ macro_rules! family_maps {
             }
 
             #[inline(always)]
+            fn counted_backend(slot: &BackendSlot) -> Option<(Endpoint<Self>, u32)> {
+                $backends
+                    .get(slot)
+                    .map(|backend| (Endpoint { addr: backend.addr, port: backend.port }, backend.counter))
+            }
+
+            #[inline(always)]
             fn is_node(addr: &Self) -> bool {
                 $node_ips.contains(addr)
             }
@@ -281,6 +394,29 @@ macro_rules! family_maps {
                     addr: *source,
                 })
             }
+
+            #[inline(always)]
+            fn affinity(service_id: u32, client: &Self) -> Option<(Endpoint<Self>, u64)> {
+                $affinity
+                    .get(&$affinity_key { service_id, client: *client })
+                    .map(|value| (Endpoint { addr: value.addr, port: value.port }, value.since))
+            }
+
+            #[inline(always)]
+            fn remember(service_id: u32, client: &Self, backend: &Endpoint<Self>, now: u64) {
+                let value = $affinity_value {
+                    addr: backend.addr,
+                    port: backend.port,
+                    pad: Default::default(),
+                    since: now,
+                };
+                let _ = $affinity.insert(&$affinity_key { service_id, client: *client }, &value);
+            }
+
+            #[inline(always)]
+            fn slot_of(backend_set: u32, backend: &Endpoint<Self>) -> Option<u32> {
+                $members.get(&$member { backend_set, addr: backend.addr, port: backend.port, pad: 0 })
+            }
         }
     };
 }
@@ -294,6 +430,8 @@ family_maps!(
     pod_cidrs: POD_CIDRS4(Prefix4),
     unmatched: UNMATCHED4,
     source_ranges: SOURCE_RANGES4(SourceRange4),
+    affinity: AFFINITY4(AffinityKey4 -> Affinity4),
+    members: MEMBERS4(BackendMember4),
 );
 
 family_maps!(
@@ -305,4 +443,6 @@ family_maps!(
     pod_cidrs: POD_CIDRS6(Prefix6),
     unmatched: UNMATCHED6,
     source_ranges: SOURCE_RANGES6(SourceRange6),
+    affinity: AFFINITY6(AffinityKey6 -> Affinity6),
+    members: MEMBERS6(BackendMember6),
 );

@@ -11,8 +11,17 @@
 #[cfg(not(target_arch = "bpf"))]
 fn main() {}
 
+/// ClientIP session affinity, for both the TC and the socket paths.
+#[cfg(target_arch = "bpf")]
+mod affinity;
 #[cfg(target_arch = "bpf")]
 mod family;
+/// Later IPv4 fragments, placed by their first fragment's ports.
+#[cfg(target_arch = "bpf")]
+mod fragment;
+/// Reverse NAT of ICMP errors about tracked connections.
+#[cfg(target_arch = "bpf")]
+mod icmp_error;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
@@ -26,6 +35,9 @@ mod route;
 mod sock;
 #[cfg(target_arch = "bpf")]
 mod tc;
+/// The XDP fast path for traffic from outside the node.
+#[cfg(target_arch = "bpf")]
+mod xdp;
 
 #[cfg(target_arch = "bpf")]
 #[panic_handler]

@@ -9,19 +9,26 @@ use core::ptr::{null, NonNull};
 
 use aya_ebpf::{
     bindings::{
-        bpf_map_type::{BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH},
+        bpf_map_type::{
+            BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY,
+        },
         BPF_F_NO_PREALLOC, BPF_NOEXIST,
     },
     helpers::{bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem},
 };
 use proxy_common::{
-    capacity, pins, Backend4, BackendSlot, Flow4, FlowKey4, Prefix4, Service, ServiceKey4, SourceRange4,
+    capacity, pins, Affinity4, Affinity6, AffinityKey4, AffinityKey6, Backend4, BackendMember4,
+    BackendMember6, BackendSlot, Counters, Flow4, FlowKey4, FragmentKey4, FragmentPorts, Prefix4, Service,
+    ServiceKey4, SourceRange4,
 };
 
 const LIBBPF_PIN_BY_NAME: usize = 1;
 const HASH: usize = BPF_MAP_TYPE_HASH as usize;
 const LRU_HASH: usize = BPF_MAP_TYPE_LRU_HASH as usize;
 const LPM_TRIE: usize = BPF_MAP_TYPE_LPM_TRIE as usize;
+/// The kernel inlines lookups in (per-CPU) arrays: a bounds check and an address computation,
+/// no helper call, which is what lets every packet be counted.
+const PERCPU_ARRAY: usize = BPF_MAP_TYPE_PERCPU_ARRAY as usize;
 /// The kernel requires it for LPM tries.
 const LPM_FLAGS: usize = BPF_F_NO_PREALLOC as usize;
 
@@ -73,6 +80,16 @@ impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize>
         // SAFETY: the helper returns null or a pointer to a live value of type V.
         let value = unsafe { bpf_map_lookup_elem(self.as_ptr(), core::ptr::from_ref(key).cast()) };
         NonNull::new(value.cast::<V>()).map(|value| unsafe { value.as_ptr().read() })
+    }
+
+    /// The value in place, for fields the datapath updates as packets pass. Writes through it
+    /// race with other CPUs updating the same entry; only use it for fields where a lost
+    /// update is harmless (per-CPU values, timestamps, bits set again by the next packet).
+    #[inline(always)]
+    pub fn get_ptr(&self, key: &K) -> Option<NonNull<V>> {
+        // SAFETY: the helper returns null or a pointer to a live value of type V.
+        let value = unsafe { bpf_map_lookup_elem(self.as_ptr(), core::ptr::from_ref(key).cast()) };
+        NonNull::new(value.cast::<V>())
     }
 
     #[inline(always)]
@@ -132,9 +149,9 @@ const fn same_name(a: &str, b: &str) -> bool {
 
 // export_name must be a literal; these asserts keep the literals equal to the shared names.
 const _: () = {
-    assert!(same_name("vipr_svc4_v1", pins::SERVICES4));
-    assert!(same_name("vipr_back4_v1", pins::BACKENDS4));
-    assert!(same_name("vipr_flow4_v1", pins::FLOWS4));
+    assert!(same_name("vipr_svc4_v2", pins::SERVICES4));
+    assert!(same_name("vipr_back4_v2", pins::BACKENDS4));
+    assert!(same_name("vipr_flow4_v2", pins::FLOWS4));
     assert!(same_name("vipr_node4_v1", pins::NODE_IPS4));
     assert!(same_name("vipr_pod4_v1", pins::POD_CIDRS4));
     assert!(same_name("vipr_unm4_v1", pins::UNMATCHED4));
@@ -142,17 +159,17 @@ const _: () = {
 };
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_svc4_v1")]
+#[unsafe(export_name = "vipr_svc4_v2")]
 pub static SERVICES4: PinnedMap<ServiceKey4, Service, HASH, { capacity::SERVICES as usize }> =
     PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_back4_v1")]
+#[unsafe(export_name = "vipr_back4_v2")]
 pub static BACKENDS4: PinnedMap<BackendSlot, Backend4, HASH, { capacity::BACKENDS as usize }> =
     PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_flow4_v1")]
+#[unsafe(export_name = "vipr_flow4_v2")]
 pub static FLOWS4: PinnedMap<FlowKey4, Flow4, LRU_HASH, { capacity::FLOWS as usize }> = PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
@@ -180,17 +197,80 @@ pub static SOURCE_RANGES4: PinnedMap<
 > = PinnedMap::new();
 
 // ---------------------------------------------------------------------------------------------
+// Session affinity and backend-set membership. The membership maps are written only by the
+// agent (with the sets), so they need no preallocation; the affinity maps are LRU, so a full
+// one forgets its oldest clients rather than refusing new ones.
+
+const _: () = {
+    assert!(same_name("vipr_aff4_v1", pins::AFFINITY4));
+    assert!(same_name("vipr_aff6_v1", pins::AFFINITY6));
+    assert!(same_name("vipr_memb4_v1", pins::MEMBERS4));
+    assert!(same_name("vipr_memb6_v1", pins::MEMBERS6));
+};
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_aff4_v1")]
+pub static AFFINITY4: PinnedMap<AffinityKey4, Affinity4, LRU_HASH, { capacity::AFFINITY as usize }> =
+    PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_aff6_v1")]
+pub static AFFINITY6: PinnedMap<AffinityKey6, Affinity6, LRU_HASH, { capacity::AFFINITY as usize }> =
+    PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_memb4_v1")]
+pub static MEMBERS4: PinnedMap<BackendMember4, u32, HASH, { capacity::BACKENDS as usize }, NO_PREALLOC> =
+    PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_memb6_v1")]
+pub static MEMBERS6: PinnedMap<BackendMember6, u32, HASH, { capacity::BACKENDS as usize }, NO_PREALLOC> =
+    PinnedMap::new();
+
+// ---------------------------------------------------------------------------------------------
+// IPv4 fragments (fragment.rs): the ports of each fragmented datagram's first fragment, for the
+// later ones. LRU, so a datagram whose last fragment never came is forgotten in time.
+
+const _: () = assert!(same_name("vipr_frag4_v1", pins::FRAGMENTS4));
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_frag4_v1")]
+pub static FRAGMENTS4: PinnedMap<FragmentKey4, FragmentPorts, LRU_HASH, { capacity::FRAGMENTS4 as usize }> =
+    PinnedMap::new();
+
+// ---------------------------------------------------------------------------------------------
+// Counters, shared by both families: per CPU, so a packet adds without atomics or contention;
+// the agent sums the CPUs when /metrics is scraped.
+
+const _: () = {
+    assert!(same_name("vipr_bcnt_v1", pins::BACKEND_COUNTERS));
+    assert!(same_name("vipr_dstat_v1", pins::DATAPATH_STATS));
+};
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_bcnt_v1")]
+pub static BACKEND_COUNTERS: PinnedMap<u32, Counters, PERCPU_ARRAY, { capacity::BACKEND_COUNTERS as usize }> =
+    PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_dstat_v1")]
+pub static DATAPATH_STATS: PinnedMap<u32, u64, PERCPU_ARRAY, { capacity::DATAPATH_STATS as usize }> =
+    PinnedMap::new();
+
+// ---------------------------------------------------------------------------------------------
 // Socket-level load balancing (sock.rs): the agent's settings and the reverse translation.
 
 const ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_ARRAY as usize;
 
 const _: () = {
-    assert!(same_name("vipr_skcfg_v1", proxy_common::sock::CONFIG));
+    assert!(same_name("vipr_skcfg_v2", proxy_common::sock::CONFIG));
     assert!(same_name("vipr_skrev4_v1", proxy_common::sock::REVERSE4));
+    assert!(same_name("vipr_skrev6_v1", proxy_common::sock::REVERSE6));
 };
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_skcfg_v1")]
+#[unsafe(export_name = "vipr_skcfg_v2")]
 pub static SOCK_CONFIG: PinnedMap<u32, proxy_common::SockConfig, ARRAY, 1> = PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
@@ -201,6 +281,23 @@ pub static SOCK_REVERSE4: PinnedMap<
     LRU_HASH,
     { proxy_common::sock::REVERSE4_CAPACITY as usize },
 > = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_skrev6_v1")]
+pub static SOCK_REVERSE6: PinnedMap<
+    proxy_common::SockRevKey6,
+    proxy_common::SockFrontend6,
+    LRU_HASH,
+    { proxy_common::sock::REVERSE6_CAPACITY as usize },
+> = PinnedMap::new();
+
+// Masquerade source ports (route.rs): the range the agent keeps clear of the node's ephemeral
+// ports.
+const _: () = assert!(same_name("vipr_snat_v1", proxy_common::snat::PORTS));
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_snat_v1")]
+pub static SNAT_PORTS: PinnedMap<u32, proxy_common::SnatPorts, ARRAY, 1> = PinnedMap::new();
 
 // ---------------------------------------------------------------------------------------------
 // IPv6: the same maps as the IPv4 ones above, with the `*6` key and value types. The services
@@ -213,9 +310,9 @@ pub static SOCK_REVERSE4: PinnedMap<
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 const _: () = {
-    assert!(same_name("vipr_svc6_v1", pins::SERVICES6));
-    assert!(same_name("vipr_back6_v1", pins::BACKENDS6));
-    assert!(same_name("vipr_flow6_v1", pins::FLOWS6));
+    assert!(same_name("vipr_svc6_v2", pins::SERVICES6));
+    assert!(same_name("vipr_back6_v2", pins::BACKENDS6));
+    assert!(same_name("vipr_flow6_v2", pins::FLOWS6));
     assert!(same_name("vipr_node6_v1", pins::NODE_IPS6));
     assert!(same_name("vipr_pod6_v1", pins::POD_CIDRS6));
     assert!(same_name("vipr_unm6_v1", pins::UNMATCHED6));
@@ -223,7 +320,7 @@ const _: () = {
 };
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_svc6_v1")]
+#[unsafe(export_name = "vipr_svc6_v2")]
 pub static SERVICES6: PinnedMap<
     proxy_common::ServiceKey6,
     Service,
@@ -233,7 +330,7 @@ pub static SERVICES6: PinnedMap<
 > = PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_back6_v1")]
+#[unsafe(export_name = "vipr_back6_v2")]
 pub static BACKENDS6: PinnedMap<
     BackendSlot,
     proxy_common::Backend6,
@@ -243,7 +340,7 @@ pub static BACKENDS6: PinnedMap<
 > = PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_flow6_v1")]
+#[unsafe(export_name = "vipr_flow6_v2")]
 pub static FLOWS6: PinnedMap<
     proxy_common::FlowKey6,
     proxy_common::Flow6,

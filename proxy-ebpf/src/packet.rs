@@ -7,9 +7,10 @@
 //! which the helpers (with BPF_F_PSEUDO_HDR) update correctly and a hand-written RFC 1624
 //! update would corrupt.
 //!
-//! What is left untouched (the caller returns `TC_ACT_UNSPEC`): other ethertypes and
-//! protocols, truncated headers, IPv4 fragments, and IPv6 packets whose next header is not
-//! TCP or UDP. That last rule covers every IPv6 extension header (hop-by-hop, routing,
+//! What this parser refuses (the caller then tries icmp_error.rs and fragment.rs, and leaves
+//! the rest untouched): other ethertypes and protocols, truncated headers, later IPv4
+//! fragments (a first fragment carries the L4 header and is parsed, see [`Packet::first_fragment`]),
+//! and IPv6 packets whose next header is not TCP or UDP. That last rule covers every IPv6 extension header (hop-by-hop, routing,
 //! fragment, destination options, AH, ESP): such packets are passed to the stack as they are,
 //! so IPv6 fragments are never balanced either. Kubernetes service traffic does not carry
 //! extension headers; walking them would cost a bounded loop per packet for nothing. A UDP/IPv6
@@ -31,11 +32,16 @@ const IPV4_MIN_HLEN: usize = 20;
 const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
 pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
-const IP_MF_AND_OFFSET: u16 = 0x3fff;
+/// The fragment offset of the IPv4 flags + fragment offset field; "more fragments" is 0x2000.
+const IP_OFFSET: u16 = 0x1fff;
+const IP_MF: u16 = 0x2000;
 const IPV6_HLEN: usize = 40;
 pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 const TCP_CSUM_OFF: usize = 16;
+const TCP_FLAGS_OFF: usize = 13;
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_RST: u8 = 0x04;
 const UDP_CSUM_OFF: usize = 6;
 /// `bpf_l4_csum_replace`: the checksum belongs to IPv6, so a CHECKSUM_COMPLETE skb's `csum`
 /// is not adjusted for a pseudo-header change (IPv6 has no header checksum to balance it).
@@ -58,10 +64,15 @@ pub struct Packet<A> {
     pub flow: Tuple<A>,
     /// Offset of the TCP/UDP header from the start of the frame.
     pub l4_offset: usize,
+    /// The TCP flags byte (FIN, SYN, RST, ...); 0 for UDP.
+    pub tcp_flags: u8,
+    /// The IP identification of an IPv4 first fragment (offset 0, more fragments), whose
+    /// ports the later fragments need (fragment.rs); `None` for a whole packet.
+    pub first_fragment: Option<u16>,
 }
 
 #[inline(always)]
-fn field<T>(ctx: &TcContext, offset: usize) -> Option<*mut T> {
+pub fn field<T>(ctx: &TcContext, offset: usize) -> Option<*mut T> {
     let start = ctx.data();
     if start + offset + size_of::<T>() > ctx.data_end() {
         return None;
@@ -70,7 +81,7 @@ fn field<T>(ctx: &TcContext, offset: usize) -> Option<*mut T> {
 }
 
 #[inline(always)]
-fn bytes_at<const N: usize>(ctx: &TcContext, offset: usize) -> Option<*mut [u8; N]> {
+pub fn bytes_at<const N: usize>(ctx: &TcContext, offset: usize) -> Option<*mut [u8; N]> {
     field::<[u8; N]>(ctx, offset)
 }
 
@@ -79,7 +90,8 @@ pub fn ethertype(ctx: &TcContext) -> Option<u16> {
     Some(u16::from_be_bytes(unsafe { *bytes_at::<2>(ctx, 12)? }))
 }
 
-/// Parses an unfragmented IPv4 TCP or UDP packet whose ethertype the caller has checked.
+/// Parses an IPv4 TCP or UDP packet, whole or the first fragment of a datagram, whose
+/// ethertype the caller has checked.
 #[inline(always)]
 pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
     let ip = unsafe { *bytes_at::<IPV4_MIN_HLEN>(ctx, ETH_HLEN)? };
@@ -90,13 +102,18 @@ pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
     if header_len < IPV4_MIN_HLEN {
         return None;
     }
-    // Non-first fragments carry no ports; first fragments cannot be matched with the rest.
-    if u16::from_be_bytes([ip[6], ip[7]]) & IP_MF_AND_OFFSET != 0 {
+    // Later fragments carry no ports (fragment.rs finds them from the first one).
+    let fragment = u16::from_be_bytes([ip[6], ip[7]]);
+    if fragment & IP_OFFSET != 0 {
         return None;
     }
     let src = [ip[12], ip[13], ip[14], ip[15]];
     let dst = [ip[16], ip[17], ip[18], ip[19]];
-    transport(ctx, ETH_HLEN + header_len, ip[9], src, dst)
+    let mut packet = transport(ctx, ETH_HLEN + header_len, ip[9], src, dst)?;
+    if fragment & IP_MF != 0 {
+        packet.first_fragment = Some(u16::from_be_bytes([ip[4], ip[5]]));
+    }
+    Some(packet)
 }
 
 /// Parses an IPv6 packet whose next header is TCP or UDP, the ethertype checked by the caller.
@@ -131,6 +148,13 @@ fn transport<A>(ctx: &TcContext, l4_offset: usize, protocol: u8, src: A, dst: A)
     if ctx.data() + csum_end > ctx.data_end() {
         return None;
     }
+    // Inside the bytes just checked (the TCP checksum lies after the flags).
+    let tcp_flags = if protocol == proto::TCP {
+        let flags = unsafe { *bytes_at::<1>(ctx, l4_offset + TCP_FLAGS_OFF)? };
+        flags[0]
+    } else {
+        0
+    };
     Some(Packet {
         flow: Tuple {
             src,
@@ -140,6 +164,8 @@ fn transport<A>(ctx: &TcContext, l4_offset: usize, protocol: u8, src: A, dst: A)
             proto: protocol,
         },
         l4_offset,
+        tcp_flags,
+        first_fragment: None,
     })
 }
 
@@ -227,4 +253,75 @@ pub fn rewrite<A: Family>(
     A::address_checksums(ctx, l4_csum, old_addr, addr, mangled)?;
     ctx.l4_csum_replace(l4_csum, old_port, new_port, mangled | 2)?;
     Ok(())
+}
+
+/// A change to checksummed data, kept as the ones' complement sum of `!old + new` over the
+/// changed 16-bit words (RFC 1624), to apply to a checksum by hand. For the checksums no
+/// offload ever leaves partial (IPv4 headers, ICMP messages): the helpers are needed only for
+/// TCP/UDP checksums, and each call would invalidate every packet pointer.
+#[derive(Clone, Copy)]
+pub struct Change(u32);
+
+impl Change {
+    pub const NONE: Self = Self(0);
+
+    #[inline(always)]
+    fn add(self, sum: u32) -> Self {
+        let sum = self.0 + sum;
+        Self((sum & 0xffff) + (sum >> 16))
+    }
+
+    /// One word (or the folded sum of several) changed from `old` to `new`.
+    #[inline(always)]
+    pub fn replace(self, old: u16, new: u16) -> Self {
+        self.add(u32::from(!old)).add(u32::from(new))
+    }
+
+    #[inline(always)]
+    pub fn and(self, other: Self) -> Self {
+        self.add(other.0)
+    }
+
+    /// The checksum `csum` (as stored, big-endian) after the change: `!(!csum + change)`.
+    #[inline(always)]
+    pub fn apply(self, csum: u16) -> u16 {
+        let sum = Self(u32::from(!csum)).add(self.0);
+        !(((sum.0 & 0xffff) + (sum.0 >> 16)) as u16)
+    }
+}
+
+/// The folded ones' complement sum of an address's big-endian 16-bit words, read as 32-bit
+/// words for the reason [`copy_address`] gives. The ones' complement sum does not depend on
+/// byte order (RFC 1071), so the sum of the native halves is the big-endian sum swapped.
+#[inline(always)]
+pub fn word_sum<T>(address: &T) -> u16 {
+    const { assert!(size_of::<T>().is_multiple_of(4)) };
+    let words = core::ptr::from_ref(address).cast::<u32>();
+    let mut sum = 0u64;
+    let mut i = 0;
+    while i < size_of::<T>() / 4 {
+        // SAFETY: inside the address.
+        let word = unsafe { *words.add(i) };
+        sum += u64::from(word & 0xffff) + u64::from(word >> 16);
+        i += 1;
+    }
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    u16::from_be(sum as u16)
+}
+
+/// Copies an address (4 or 16 bytes) as 32-bit words. A plain copy of a byte array is
+/// lowered to all its byte loads before all its stores, and a 16-byte one spills to 128 bytes
+/// of stack; word copies need one register. Packet data is word-aligned from the IP header
+/// on (NET_IP_ALIGN), and the verifier allows unaligned packet access where the CPU does.
+#[inline(always)]
+pub unsafe fn copy_address<T>(src: *const T, dst: *mut T) {
+    const { assert!(size_of::<T>().is_multiple_of(4)) };
+    let (src, dst) = (src.cast::<u32>(), dst.cast::<u32>());
+    let mut i = 0;
+    while i < size_of::<T>() / 4 {
+        // SAFETY: the caller's pointers cover the whole address.
+        unsafe { *dst.add(i) = *src.add(i) };
+        i += 1;
+    }
 }

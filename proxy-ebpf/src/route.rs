@@ -17,14 +17,16 @@ use aya_ebpf::{
     EbpfContext as _,
 };
 
+use proxy_common::{snat, SnatPorts};
+
 use crate::{
     family::{Endpoint, Family, Nat},
+    maps::SNAT_PORTS,
     packet::Tuple,
 };
 
-/// Ports tried after the client's own, from the range Linux leaves to outgoing connections.
-const SNAT_PORT_FIRST: u32 = 32_768;
-const SNAT_PORT_COUNT: u32 = 28_232;
+/// Ports tried before a masqueraded connection is given up (its packet dropped; the client
+/// retransmits and tries again).
 const SNAT_PORT_ATTEMPTS: u32 = 8;
 
 /// The route toward an address, from the node's forwarding table.
@@ -68,8 +70,14 @@ pub fn redirect<A>(route: &Route<A>) -> i32 {
 }
 
 /// Claims a node port for the replies of a masqueraded connection and stores `reply` under
-/// it: the client's own port when it is free toward this backend, else a few random ones.
-/// `None` when every attempt is taken.
+/// it: the client's own port when it is in the masquerade range and free toward this backend,
+/// else a few random ones of the range. `None` when every attempt is taken.
+///
+/// The range (`vipr_snat_v1`, written by the agent) is disjoint from the node's ephemeral
+/// ports: the kernel picks a local socket's port without knowing vipr's flow entries, so a
+/// masquerade port it could also pick would let a node socket connected to the same backend
+/// share the reply tuple, and one connection would receive the other's replies. Claiming with
+/// `BPF_NOEXIST` only keeps masqueraded connections apart from each other.
 #[inline(always)]
 pub fn claim_reply<A: Family>(
     backend: &Endpoint<A>,
@@ -77,18 +85,34 @@ pub fn claim_reply<A: Family>(
     client: &Tuple<A>,
     reply: &Nat<A>,
 ) -> Option<u16> {
+    let range = SNAT_PORTS
+        .get(&0)
+        .filter(|range| range.count != 0)
+        .unwrap_or(SnatPorts { first: snat::DEFAULT_FIRST, count: snat::DEFAULT_COUNT });
+    let client_port = u32::from(client.src_port);
     let mut key = Tuple {
         src: backend.addr,
         dst: node_addr,
         src_port: backend.port,
-        dst_port: client.src_port,
+        dst_port: if client_port.wrapping_sub(range.first) < range.count {
+            client.src_port
+        } else {
+            random_port(&range)
+        },
         proto: client.proto,
     };
     for _ in 0..SNAT_PORT_ATTEMPTS {
         if A::claim(&key, reply).is_ok() {
             return Some(key.dst_port);
         }
-        key.dst_port = (SNAT_PORT_FIRST + unsafe { bpf_get_prandom_u32() } % SNAT_PORT_COUNT) as u16;
+        key.dst_port = random_port(&range);
     }
     None
+}
+
+#[inline(always)]
+fn random_port(range: &SnatPorts) -> u16 {
+    // `max(1)` spares the division its panic branch (which the verifier would refuse); a count
+    // of 0 never gets here (see claim_reply).
+    (range.first.wrapping_add(unsafe { bpf_get_prandom_u32() } % range.count.max(1))) as u16
 }

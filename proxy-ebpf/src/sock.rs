@@ -10,21 +10,36 @@
 //!
 //! cgroup hooks run for every socket of the cgroup, whatever its network namespace; every
 //! program first checks that the socket lives in the agent's namespace (the cookie in
-//! `vipr_skcfg_v1`) and leaves all other sockets alone.
+//! `vipr_skcfg_v2`) and leaves all other sockets alone.
+//!
+//! The logic is written once for both families, as the TC path's is: [`SockAddress`] says
+//! where a hook's context keeps its addresses, and the family's maps come from
+//! [`crate::family::Maps`] and [`Reverse`]. An `AF_INET6` socket may also talk to an
+//! IPv4-mapped address (`::ffff:a.b.c.d`, a dual-stack socket): its packets are IPv4, so the
+//! IPv6 hooks balance it with the IPv4 maps ([`Mapped4`]), as kube-proxy's IPv4 rules would.
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{
-    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    bindings::{bpf_sock, bpf_sock_addr},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_coarse_ns,
+        bpf_set_retval,
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
     EbpfContext as _,
 };
 use proxy_common::{
-    proto, service_flags, source_class, unmatched, Backend4, BackendSlot, Prefix4, ServiceKey4, SockConfig,
-    SockFrontend4, SockRevKey4, SourceRange4,
+    proto, service_flags, source_class, unmatched, BackendSlot, SockConfig, SockFrontend4, SockFrontend6,
+    SockRevKey4, SockRevKey6,
 };
 
-use crate::maps::{BACKENDS4, SERVICES4, SOCK_CONFIG, SOCK_REVERSE4, SOURCE_RANGES4, UNMATCHED4};
+use crate::{
+    affinity,
+    family::{Family, Ipv4, Ipv6, Maps as _},
+    maps::{SOCK_CONFIG, SOCK_REVERSE4, SOCK_REVERSE6},
+    packet::Tuple,
+};
 
 /// Let the system call proceed (with whatever address the program left).
 const ALLOW: i32 = 1;
@@ -37,25 +52,63 @@ const SOCK_DGRAM: u32 = 2;
 
 #[cgroup_sock_addr(connect4)]
 pub fn vipr_connect4(ctx: SockAddrContext) -> i32 {
-    translate::<false>(&ctx)
+    translate::<Inet4, false>(&ctx)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn vipr_sendmsg4(ctx: SockAddrContext) -> i32 {
-    translate::<true>(&ctx)
+    translate::<Inet4, true>(&ctx)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn vipr_connect6(ctx: SockAddrContext) -> i32 {
+    if Mapped4::applies(&ctx) {
+        translate::<Mapped4, false>(&ctx)
+    } else {
+        translate::<Inet6, false>(&ctx)
+    }
+}
+
+// An unconnected `AF_INET6` socket sending to an IPv4-mapped address is handed to the IPv4
+// send path by the kernel before this hook runs, and meets sendmsg4 there; this one only sees
+// IPv6 destinations.
+#[cgroup_sock_addr(sendmsg6)]
+pub fn vipr_sendmsg6(ctx: SockAddrContext) -> i32 {
+    translate::<Inet6, true>(&ctx)
 }
 
 // The kernel requires recvmsg and getpeername programs to return 1.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn vipr_recvmsg4(ctx: SockAddrContext) -> i32 {
-    restore(&ctx);
+    restore::<Inet4>(&ctx);
     ALLOW
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn vipr_getpeer4(ctx: SockAddrContext) -> i32 {
-    restore(&ctx);
+    restore::<Inet4>(&ctx);
     ALLOW
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn vipr_recvmsg6(ctx: SockAddrContext) -> i32 {
+    restore6(&ctx);
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn vipr_getpeer6(ctx: SockAddrContext) -> i32 {
+    restore6(&ctx);
+    ALLOW
+}
+
+#[inline(always)]
+fn restore6(ctx: &SockAddrContext) {
+    if Mapped4::applies(ctx) {
+        restore::<Mapped4>(ctx);
+    } else {
+        restore::<Inet6>(ctx);
+    }
 }
 
 /// The agent's settings, if the socket lives in the agent's network namespace.
@@ -68,34 +121,212 @@ fn ours(ctx: &SockAddrContext) -> Option<SockConfig> {
 }
 
 // Context fields are read and written one at a time with their exact width: the kernel
-// rewrites each access to the context and refuses merged or partial ones.
+// rewrites each access to the context and refuses merged or partial ones (so an IPv6 address
+// is four 32-bit accesses, never one 128-bit one).
 
-/// The address of the system call: where the socket connects or sends to, or, for recvmsg
-/// and getpeername, the peer. Address bytes in network order, port in host order.
-#[inline(always)]
-fn user_addr(ctx: &SockAddrContext) -> ([u8; 4], u16) {
-    let sa = ctx.sock_addr;
-    // SAFETY: `sa` is the context the kernel passed; these fields are readable in every
-    // sock_addr program.
-    let (ip, port) =
-        unsafe { (read_volatile(addr_of!((*sa).user_ip4)), read_volatile(addr_of!((*sa).user_port))) };
-    // user_port holds the network-order port in its first two bytes.
-    (ip.to_ne_bytes(), u16::from_be(port as u16))
+/// Where one kind of hook keeps the addresses of its system call, and which family's maps
+/// balance them. Addresses are network-order bytes, as the maps store them.
+trait SockAddress {
+    type Addr: Family + Reverse;
+    /// The address of the system call: where the socket connects or sends to, or, for recvmsg
+    /// and getpeername, the peer.
+    fn user(ctx: &SockAddrContext) -> Self::Addr;
+    fn set_user(ctx: &SockAddrContext, addr: Self::Addr);
+    /// The sendmsg's own source (`IP_PKTINFO`, `IPV6_PKTINFO`); unspecified without one. Only
+    /// sendmsg programs may read it.
+    fn msg_source(ctx: &SockAddrContext) -> Self::Addr;
+    /// The address the socket is bound to; unspecified if none.
+    fn bound_source(ctx: &SockAddrContext) -> Self::Addr;
 }
 
-#[inline(always)]
-fn set_user_addr(ctx: &SockAddrContext, addr: [u8; 4], port: u16) {
-    let sa = ctx.sock_addr;
-    // SAFETY: as above; user_ip4 and user_port are writable in every sock_addr program.
-    unsafe {
-        write_volatile(addr_of_mut!((*sa).user_ip4), u32::from_ne_bytes(addr));
-        write_volatile(addr_of_mut!((*sa).user_port), u32::from(port.to_be()));
+/// `AF_INET` sockets: the `*4` fields.
+struct Inet4;
+/// `AF_INET6` sockets talking IPv6: the `*6` fields.
+struct Inet6;
+/// `AF_INET6` sockets talking to an IPv4-mapped address: the `*6` fields, the IPv4 maps.
+struct Mapped4;
+
+impl SockAddress for Inet4 {
+    type Addr = Ipv4;
+
+    #[inline(always)]
+    fn user(ctx: &SockAddrContext) -> Ipv4 {
+        // SAFETY: `sock_addr` is the context the kernel passed; user_ip4 is readable in every
+        // sock_addr program.
+        unsafe { read_volatile(addr_of!((*ctx.sock_addr).user_ip4)) }.to_ne_bytes()
+    }
+
+    #[inline(always)]
+    fn set_user(ctx: &SockAddrContext, addr: Ipv4) {
+        // SAFETY: as above; user_ip4 is writable in every IPv4 sock_addr program.
+        unsafe { write_volatile(addr_of_mut!((*ctx.sock_addr).user_ip4), u32::from_ne_bytes(addr)) }
+    }
+
+    #[inline(always)]
+    fn msg_source(ctx: &SockAddrContext) -> Ipv4 {
+        // SAFETY: msg_src_ip4 is readable in sendmsg4 programs, the only callers.
+        unsafe { read_volatile(addr_of!((*ctx.sock_addr).msg_src_ip4)) }.to_ne_bytes()
+    }
+
+    #[inline(always)]
+    fn bound_source(ctx: &SockAddrContext) -> Ipv4 {
+        // SAFETY: `sk` of a sock_addr context is never null; src_ip4 is readable.
+        unsafe { read_volatile(addr_of!((*sock(ctx)).src_ip4)) }.to_ne_bytes()
     }
 }
 
-/// connect4 (`SENDMSG` false) and sendmsg4 (true): a frontend becomes one of its backends.
+impl SockAddress for Inet6 {
+    type Addr = Ipv6;
+
+    #[inline(always)]
+    fn user(ctx: &SockAddrContext) -> Ipv6 {
+        // SAFETY: user_ip6 is readable in every IPv6 sock_addr program.
+        unsafe { read_words(addr_of!((*ctx.sock_addr).user_ip6)) }
+    }
+
+    #[inline(always)]
+    fn set_user(ctx: &SockAddrContext, addr: Ipv6) {
+        // SAFETY: user_ip6 is writable, word by word, in every IPv6 sock_addr program.
+        unsafe { write_words(addr_of_mut!((*ctx.sock_addr).user_ip6), addr) }
+    }
+
+    #[inline(always)]
+    fn msg_source(ctx: &SockAddrContext) -> Ipv6 {
+        // SAFETY: msg_src_ip6 is readable in sendmsg6 programs, the only callers.
+        unsafe { read_words(addr_of!((*ctx.sock_addr).msg_src_ip6)) }
+    }
+
+    #[inline(always)]
+    fn bound_source(ctx: &SockAddrContext) -> Ipv6 {
+        // SAFETY: as for Inet4; src_ip6 is readable.
+        unsafe { read_words(addr_of!((*sock(ctx)).src_ip6)) }
+    }
+}
+
+/// `::ffff:0:0/96` as the third 32-bit word of an IPv6 address (the first two are zero).
+const MAPPED_WORD: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+impl Mapped4 {
+    /// Whether the address of an IPv6 hook's system call is IPv4-mapped.
+    #[inline(always)]
+    fn applies(ctx: &SockAddrContext) -> bool {
+        // SAFETY: user_ip6 is readable in every IPv6 sock_addr program.
+        unsafe { unmapped(addr_of!((*ctx.sock_addr).user_ip6)) }.is_some()
+    }
+}
+
+impl SockAddress for Mapped4 {
+    type Addr = Ipv4;
+
+    #[inline(always)]
+    fn user(ctx: &SockAddrContext) -> Ipv4 {
+        // SAFETY: as for Inet6. Only called once `applies` held, so never unspecified.
+        unsafe { unmapped(addr_of!((*ctx.sock_addr).user_ip6)) }.unwrap_or([0; 4])
+    }
+
+    #[inline(always)]
+    fn set_user(ctx: &SockAddrContext, addr: Ipv4) {
+        let mapped = [0, 0, MAPPED_WORD, u32::from_ne_bytes(addr)];
+        // SAFETY: same size; the words hold the bytes in network order.
+        Inet6::set_user(ctx, unsafe { core::mem::transmute::<[u32; 4], Ipv6>(mapped) });
+    }
+
+    #[inline(always)]
+    fn msg_source(ctx: &SockAddrContext) -> Ipv4 {
+        // SAFETY: as for Inet6.
+        unsafe { unmapped(addr_of!((*ctx.sock_addr).msg_src_ip6)) }.unwrap_or([0; 4])
+    }
+
+    #[inline(always)]
+    fn bound_source(ctx: &SockAddrContext) -> Ipv4 {
+        // SAFETY: as for Inet6. A socket bound to an IPv6 address cannot send IPv4 at all; it
+        // counts as unbound.
+        unsafe { unmapped(addr_of!((*sock(ctx)).src_ip6)) }.unwrap_or([0; 4])
+    }
+}
+
+/// The socket of a sock_addr context.
 #[inline(always)]
-fn translate<const SENDMSG: bool>(ctx: &SockAddrContext) -> i32 {
+fn sock(ctx: &SockAddrContext) -> *mut bpf_sock {
+    // SAFETY: `sk` is readable in every sock_addr program and never null there.
+    unsafe { read_volatile(addr_of!((*ctx.sock_addr).__bindgen_anon_1.sk)) }
+}
+
+/// An IPv6 address of a context (four network-order words) as bytes.
+///
+/// # Safety
+/// `words` must be a readable IPv6 address field of the program's context.
+#[inline(always)]
+unsafe fn read_words(words: *const [u32; 4]) -> Ipv6 {
+    let word = words.cast::<u32>();
+    let words = unsafe {
+        [
+            read_volatile(word),
+            read_volatile(word.add(1)),
+            read_volatile(word.add(2)),
+            read_volatile(word.add(3)),
+        ]
+    };
+    // SAFETY: same size; the words hold the bytes in network order.
+    unsafe { core::mem::transmute::<[u32; 4], Ipv6>(words) }
+}
+
+/// # Safety
+/// `words` must be a writable IPv6 address field of the program's context.
+#[inline(always)]
+unsafe fn write_words(words: *mut [u32; 4], addr: Ipv6) {
+    // SAFETY: same size; the words keep the bytes in network order.
+    let addr = unsafe { core::mem::transmute::<Ipv6, [u32; 4]>(addr) };
+    let word = words.cast::<u32>();
+    unsafe {
+        write_volatile(word, addr[0]);
+        write_volatile(word.add(1), addr[1]);
+        write_volatile(word.add(2), addr[2]);
+        write_volatile(word.add(3), addr[3]);
+    }
+}
+
+/// The IPv4 address of an IPv4-mapped IPv6 address field, `None` for any other address.
+///
+/// # Safety
+/// As [`read_words`].
+#[inline(always)]
+unsafe fn unmapped(words: *const [u32; 4]) -> Option<Ipv4> {
+    let word = words.cast::<u32>();
+    let mapped = unsafe {
+        read_volatile(word) == 0
+            && read_volatile(word.add(1)) == 0
+            && read_volatile(word.add(2)) == MAPPED_WORD
+    };
+    mapped.then(|| unsafe { read_volatile(word.add(3)) }.to_ne_bytes())
+}
+
+/// An address and port of a system call: a frontend, or the backend it became.
+#[derive(Clone, Copy)]
+struct Peer<A> {
+    addr: A,
+    port: u16,
+}
+
+/// The port of the system call, host order: `user_port` holds the network-order port in its
+/// first two bytes, in both families.
+#[inline(always)]
+fn user_port(ctx: &SockAddrContext) -> u16 {
+    // SAFETY: user_port is readable in every sock_addr program.
+    u16::from_be(unsafe { read_volatile(addr_of!((*ctx.sock_addr).user_port)) } as u16)
+}
+
+#[inline(always)]
+fn set_user_addr<S: SockAddress>(ctx: &SockAddrContext, endpoint: &Peer<S::Addr>) {
+    S::set_user(ctx, endpoint.addr);
+    let sa: *mut bpf_sock_addr = ctx.sock_addr;
+    // SAFETY: user_port is writable in every sock_addr program.
+    unsafe { write_volatile(addr_of_mut!((*sa).user_port), u32::from(endpoint.port.to_be())) };
+}
+
+/// connect (`SENDMSG` false) and sendmsg (true): a frontend becomes one of its backends.
+#[inline(always)]
+fn translate<S: SockAddress, const SENDMSG: bool>(ctx: &SockAddrContext) -> i32 {
     let Some(config) = ours(ctx) else {
         return ALLOW;
     };
@@ -109,8 +340,13 @@ fn translate<const SENDMSG: bool>(ctx: &SockAddrContext) -> i32 {
         // Raw sockets, SCTP, ICMP: the TC path's business, if anyone's.
         _ => return ALLOW,
     };
-    let (addr, port) = user_addr(ctx);
-    let frontend = ServiceKey4 { addr, port, proto: protocol, source_class: source_class::NODE };
+    let frontend = Tuple {
+        src: S::Addr::UNSPECIFIED,
+        dst: S::user(ctx),
+        src_port: 0,
+        dst_port: user_port(ctx),
+        proto: protocol,
+    };
     // SAFETY: the helper only reads the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // TCP and connected UDP choose once per socket, at random as the TC path does. An
@@ -118,23 +354,23 @@ fn translate<const SENDMSG: bool>(ctx: &SockAddrContext) -> i32 {
     // its datagrams stay on one backend (while the set is unchanged), as conntrack keeps a
     // UDP 5-tuple on one endpoint.
     let pick = if SENDMSG { spread(cookie) } else { unsafe { bpf_get_prandom_u32() } };
-    let backend = match choose::<SENDMSG>(ctx, &config, &frontend, pick) {
+    let backend = match choose::<S, SENDMSG>(ctx, &config, &frontend, pick) {
         Choice::Backend(backend) => backend,
         Choice::Verdict(verdict) => return verdict,
         // The agent retired the set between the two lookups; the new one is in place now.
-        Choice::Retired => match choose::<SENDMSG>(ctx, &config, &frontend, pick) {
+        Choice::Retired => match choose::<S, SENDMSG>(ctx, &config, &frontend, pick) {
             Choice::Backend(backend) => backend,
             Choice::Verdict(verdict) => return verdict,
             Choice::Retired => return refuse(EAGAIN),
         },
     };
-    remember(cookie, &backend, addr, port);
-    set_user_addr(ctx, backend.addr, backend.port);
+    remember(cookie, &backend, &Peer { addr: frontend.dst, port: frontend.dst_port });
+    set_user_addr::<S>(ctx, &backend);
     ALLOW
 }
 
-enum Choice {
-    Backend(Backend4),
+enum Choice<A> {
+    Backend(Peer<A>),
     /// Not balanced: let the call through untouched, or refuse it.
     Verdict(i32),
     /// The chosen slot is gone: the backend set was replaced meanwhile.
@@ -142,25 +378,20 @@ enum Choice {
 }
 
 #[inline(always)]
-fn choose<const SENDMSG: bool>(
+fn choose<S: SockAddress, const SENDMSG: bool>(
     ctx: &SockAddrContext,
     config: &SockConfig,
-    frontend: &ServiceKey4,
+    frontend: &Tuple<S::Addr>,
     pick: u32,
-) -> Choice {
-    let Some(service) = SERVICES4.get(frontend) else {
-        return Choice::Verdict(unmatched_destination(frontend.addr));
+) -> Choice<S::Addr> {
+    let Some(service) = S::Addr::service(frontend, source_class::NODE) else {
+        return Choice::Verdict(unmatched_destination(&frontend.dst));
     };
-    if service.flags & service_flags::SOURCE_RANGES != 0 {
-        let admitted = SOURCE_RANGES4.contains(&SourceRange4 {
-            prefix_len: 64,
-            service_id: service.service_id.to_be_bytes(),
-            addr: source::<SENDMSG>(ctx, config),
-        });
-        if !admitted {
-            // A drop: a socket has no silent equivalent.
-            return Choice::Verdict(REFUSE);
-        }
+    if service.flags & service_flags::SOURCE_RANGES != 0
+        && !S::Addr::in_source_ranges(service.service_id, &source::<S, SENDMSG>(ctx, config))
+    {
+        // A drop: a socket has no silent equivalent.
+        return Choice::Verdict(REFUSE);
     }
     if service.backend_count == 0 {
         return Choice::Verdict(if service.flags & service_flags::REJECT_WHEN_EMPTY != 0 {
@@ -169,9 +400,18 @@ fn choose<const SENDMSG: bool>(
             REFUSE
         });
     }
-    let slot = BackendSlot { backend_set: service.backend_set, slot: pick % service.backend_count };
-    match BACKENDS4.get(&slot) {
-        Some(backend) => Choice::Backend(backend),
+    // Every node process shares the node's address, so with session affinity they share one
+    // backend, as behind kube-proxy.
+    let client =
+        if service.affinity_timeout != 0 { source::<S, SENDMSG>(ctx, config) } else { S::Addr::UNSPECIFIED };
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let slot = affinity::remembered_slot(&service, &client, now).unwrap_or(pick % service.backend_count);
+    let slot = BackendSlot { backend_set: service.backend_set, slot };
+    match S::Addr::backend(&slot) {
+        Some(backend) => {
+            affinity::remember(&service, &client, &backend, now);
+            Choice::Backend(Peer { addr: backend.addr, port: backend.port })
+        }
         None => Choice::Retired,
     }
 }
@@ -179,8 +419,8 @@ fn choose<const SENDMSG: bool>(
 /// A cluster IP on a port it does not serve is refused as the TC path rejects it; another
 /// address of a service range is refused too (a drop has no socket-level equivalent).
 #[inline(always)]
-fn unmatched_destination(addr: [u8; 4]) -> i32 {
-    match UNMATCHED4.get(&Prefix4 { prefix_len: 32, addr }) {
+fn unmatched_destination<A: Family>(addr: &A) -> i32 {
+    match A::unmatched(addr) {
         Some(unmatched::REJECT) => refuse(ECONNREFUSED),
         Some(unmatched::DROP) => REFUSE,
         _ => ALLOW,
@@ -195,28 +435,23 @@ fn refuse(errno: i32) -> i32 {
     REFUSE
 }
 
-/// The address the socket sends from, for source ranges: the sendmsg's own source
-/// (IP_PKTINFO), else the address the socket is bound to, else the node's default source
-/// (the kernel picks the real one only after this program, by routing).
+/// The address the socket sends from, for source ranges: the sendmsg's own source, else the
+/// address the socket is bound to, else the node's default source of the family (the kernel
+/// picks the real one only after this program, by routing).
 #[inline(always)]
-fn source<const SENDMSG: bool>(ctx: &SockAddrContext, config: &SockConfig) -> [u8; 4] {
-    let sa = ctx.sock_addr;
-    let mut source = 0;
+fn source<S: SockAddress, const SENDMSG: bool>(ctx: &SockAddrContext, config: &SockConfig) -> S::Addr {
+    let unspecified = S::Addr::UNSPECIFIED;
+    let mut source = unspecified;
     if SENDMSG {
-        // SAFETY: msg_src_ip4 is readable in sendmsg programs, and only those get here.
-        source = unsafe { read_volatile(addr_of!((*sa).msg_src_ip4)) };
+        source = S::msg_source(ctx);
     }
-    if source == 0 {
-        // SAFETY: `sk` of a sock_addr context is never null; src_ip4 is readable.
-        source = unsafe {
-            let sk = read_volatile(addr_of!((*sa).__bindgen_anon_1.sk));
-            read_volatile(addr_of!((*sk).src_ip4))
-        };
+    if source.is(&unspecified) {
+        source = S::bound_source(ctx);
     }
-    if source == 0 {
-        config.default_source4
+    if source.is(&unspecified) {
+        S::Addr::default_source(config)
     } else {
-        source.to_ne_bytes()
+        source
     }
 }
 
@@ -233,25 +468,62 @@ fn spread(cookie: u64) -> u32 {
 /// Records which frontend the socket meant by `backend`. Written only when it differs, so
 /// datagrams of an unconnected socket cost a lookup, not an update, each.
 #[inline(always)]
-fn remember(cookie: u64, backend: &Backend4, addr: [u8; 4], port: u16) {
-    let key = SockRevKey4 { cookie, addr: backend.addr, port: backend.port, pad: 0 };
-    let frontend = SockFrontend4 { addr, port, pad: 0 };
-    if SOCK_REVERSE4.get(&key) != Some(frontend) {
-        // A failure only means the peer shows as the backend.
-        let _ = SOCK_REVERSE4.insert(&key, &frontend);
+fn remember<A: Family + Reverse>(cookie: u64, backend: &Peer<A>, frontend: &Peer<A>) {
+    let known = A::frontend_of(cookie, backend);
+    if !known.is_some_and(|known| known.port == frontend.port && known.addr.is(&frontend.addr)) {
+        A::store_frontend(cookie, backend, frontend);
     }
 }
 
-/// recvmsg4 and getpeername4: a backend the socket was sent to shows as its frontend.
+/// recvmsg and getpeername: a backend the socket was sent to shows as its frontend.
 #[inline(always)]
-fn restore(ctx: &SockAddrContext) {
+fn restore<S: SockAddress>(ctx: &SockAddrContext) {
     if ours(ctx).is_none() {
         return;
     }
-    let (addr, port) = user_addr(ctx);
+    let backend = Peer { addr: S::user(ctx), port: user_port(ctx) };
     // SAFETY: the helper only reads the context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    if let Some(frontend) = SOCK_REVERSE4.get(&SockRevKey4 { cookie, addr, port, pad: 0 }) {
-        set_user_addr(ctx, frontend.addr, frontend.port);
+    if let Some(frontend) = S::Addr::frontend_of(cookie, &backend) {
+        set_user_addr::<S>(ctx, &frontend);
     }
 }
+
+/// A family's share of the socket load balancer's own maps: its default source and its
+/// reverse translations.
+trait Reverse: Sized {
+    fn default_source(config: &SockConfig) -> Self;
+    /// The frontend a socket meant when it was sent to `backend`.
+    fn frontend_of(cookie: u64, backend: &Peer<Self>) -> Option<Peer<Self>>;
+    /// A failure only means the peer shows as the backend.
+    fn store_frontend(cookie: u64, backend: &Peer<Self>, frontend: &Peer<Self>);
+}
+
+/// Implements [`Reverse`] for one family; proxy-common's types of both have the same fields
+/// (the padding differs, hence `..Default::default()`).
+macro_rules! reverse_map {
+    ($addr:ty, $default_source:ident, $map:ident($key:ident -> $value:ident)) => {
+        impl Reverse for $addr {
+            #[inline(always)]
+            fn default_source(config: &SockConfig) -> Self {
+                config.$default_source
+            }
+
+            #[inline(always)]
+            fn frontend_of(cookie: u64, backend: &Peer<Self>) -> Option<Peer<Self>> {
+                let key = $key { cookie, addr: backend.addr, port: backend.port, ..Default::default() };
+                $map.get(&key).map(|frontend| Peer { addr: frontend.addr, port: frontend.port })
+            }
+
+            #[inline(always)]
+            fn store_frontend(cookie: u64, backend: &Peer<Self>, frontend: &Peer<Self>) {
+                let key = $key { cookie, addr: backend.addr, port: backend.port, ..Default::default() };
+                let value = $value { addr: frontend.addr, port: frontend.port, ..Default::default() };
+                let _ = $map.insert(&key, &value);
+            }
+        }
+    };
+}
+
+reverse_map!(Ipv4, default_source4, SOCK_REVERSE4(SockRevKey4 -> SockFrontend4));
+reverse_map!(Ipv6, default_source6, SOCK_REVERSE6(SockRevKey6 -> SockFrontend6));

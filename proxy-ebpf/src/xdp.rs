@@ -1,0 +1,290 @@
+//! vipr's XDP fast path: service traffic from outside the node (NodePorts, load-balancer and
+//! external IPs), balanced before the kernel builds an skb.
+//!
+//! It reads and writes the same pinned maps and flow entries as the TC program (tc.rs), so a
+//! connection balanced here continues in TC and the other way round. It only finishes what is
+//! simple and safe; everything else is passed on (`XDP_PASS`) untouched, and the TC program
+//! then handles it exactly as without XDP:
+//!
+//! - only IPv4 TCP/UDP, whole packets (no fragments, no ICMP, no IPv6);
+//! - only sources of class OUTSIDE (not the node, not a pod): a packet generated on the node
+//!   or in a pod is CHECKSUM_PARTIAL on veth, and XDP cannot see that (see below);
+//! - only the client-to-backend direction (replies from backends pass to TC);
+//! - a new connection only when a backend is chosen and no drop or reject is due (TC answers
+//!   those), not for a hairpin, and with `MASQUERADE` only when a masquerade port is claimed;
+//! - only when the FIB has a complete route *with* its neighbour (MACs), and the egress is the
+//!   ingress device (`XDP_TX`) or a device vipr attached XDP to (`XDP_REDIRECT` through the
+//!   `vipr_xdptx` device map, whose targets can transmit XDP frames).
+//!
+//! Checksums are updated by hand (RFC 1624): the IPv4 header checksum and the TCP/UDP checksum
+//! with the pseudo header. That is right only for packets whose checksums are complete, which
+//! is what a NIC delivers; a locally generated veth packet's L4 checksum field holds only the
+//! pseudo-header seed (CHECKSUM_PARTIAL), which XDP cannot tell apart and an incremental update
+//! corrupts. Hence the OUTSIDE-only rule, and `--xdp` off by default (docs/ARCHITECTURE.md).
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_coarse_ns},
+    macros::{map, xdp},
+    maps::DevMapHash,
+    programs::XdpContext,
+    EbpfContext as _,
+};
+use proxy_common::{datapath_stat, flow_flags, proto, service_flags, source_class, BackendSlot};
+
+use crate::{
+    affinity,
+    family::{Family, Ipv4, Maps, Nat},
+    maps::BACKEND_COUNTERS,
+    packet::{Change, Packet, Tuple, ETH_P_IP},
+    tc::{choose_slot, classify, stat, touch, track, track_masqueraded},
+};
+
+const ETH_HLEN: usize = 14;
+const IPV4_MIN_HLEN: usize = 20;
+/// Fragment offset and "more fragments" of the IPv4 flags + fragment offset field.
+const IP_FRAGMENT: u16 = 0x3fff;
+const TCP_HLEN: usize = 20;
+const UDP_HLEN: usize = 8;
+const TCP_CSUM_OFF: usize = 16;
+const UDP_CSUM_OFF: usize = 6;
+const TCP_FLAGS_OFF: usize = 13;
+
+/// The devices XDP may redirect to: those vipr attached its XDP program to (the agent fills
+/// it, ifindex -> ifindex). A driver transmits redirected frames only where it is set up for
+/// XDP; any other egress is left to TC.
+#[map(name = "vipr_xdptx")]
+static XDP_TX_DEVICES: DevMapHash = DevMapHash::with_max_entries(1024, 0);
+
+#[xdp]
+pub fn vipr_xdp(ctx: XdpContext) -> u32 {
+    match fast_path(&ctx) {
+        Some(action) => action,
+        None => xdp_action::XDP_PASS,
+    }
+}
+
+/// A parsed IPv4 TCP/UDP packet and where its fields lie.
+struct Parsed {
+    packet: Packet<Ipv4>,
+    /// The IPv4 total length, for the FIB's MTU check.
+    tot_len: u16,
+}
+
+#[inline(always)]
+fn at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
+    let start = ctx.data();
+    if start + offset + size_of::<T>() > ctx.data_end() {
+        return None;
+    }
+    Some((start + offset) as *mut T)
+}
+
+#[inline(always)]
+fn parse(ctx: &XdpContext) -> Option<Parsed> {
+    let ethertype = unsafe { *at::<[u8; 2]>(ctx, 12)? };
+    if u16::from_be_bytes(ethertype) != ETH_P_IP {
+        return None;
+    }
+    let ip = unsafe { *at::<[u8; IPV4_MIN_HLEN]>(ctx, ETH_HLEN)? };
+    let header_len = usize::from(ip[0] & 0x0f) * 4;
+    if ip[0] >> 4 != 4 || header_len < IPV4_MIN_HLEN {
+        return None;
+    }
+    if u16::from_be_bytes([ip[6], ip[7]]) & IP_FRAGMENT != 0 {
+        return None;
+    }
+    let protocol = ip[9];
+    let l4_offset = ETH_HLEN + header_len;
+    let l4_len = match protocol {
+        proto::TCP => TCP_HLEN,
+        proto::UDP => UDP_HLEN,
+        _ => return None,
+    };
+    if ctx.data() + l4_offset + l4_len > ctx.data_end() {
+        return None;
+    }
+    let ports = unsafe { *at::<[u8; 4]>(ctx, l4_offset)? };
+    let tcp_flags =
+        if protocol == proto::TCP { unsafe { *at::<u8>(ctx, l4_offset + TCP_FLAGS_OFF)? } } else { 0 };
+    Some(Parsed {
+        packet: Packet {
+            flow: Tuple {
+                src: [ip[12], ip[13], ip[14], ip[15]],
+                dst: [ip[16], ip[17], ip[18], ip[19]],
+                src_port: u16::from_be_bytes([ports[0], ports[1]]),
+                dst_port: u16::from_be_bytes([ports[2], ports[3]]),
+                proto: protocol,
+            },
+            l4_offset,
+            tcp_flags,
+            first_fragment: None,
+        },
+        tot_len: u16::from_be_bytes([ip[2], ip[3]]),
+    })
+}
+
+/// Where a finished packet goes: its next hop's MACs and the action that sends it there.
+struct Egress {
+    action: u32,
+    ifindex: u32,
+    smac: [u8; 6],
+    dmac: [u8; 6],
+    /// The route's preferred source, the address a masqueraded connection takes.
+    source: Ipv4,
+}
+
+/// `None` (pass to TC) unless the FIB forwards `destination` with a resolved neighbour out of
+/// a device XDP can send on.
+#[inline(always)]
+fn egress(ctx: &XdpContext, destination: Ipv4, tot_len: u16) -> Option<Egress> {
+    const _: () = assert!(size_of::<bpf_fib_lookup>() == size_of::<[u64; 8]>());
+    // SAFETY: plain data of exactly this size; all-zero is a valid value (see route.rs).
+    let mut params: bpf_fib_lookup = unsafe { core::mem::transmute::<[u64; 8], bpf_fib_lookup>([0; 8]) };
+    let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
+    params.ifindex = ingress;
+    // With the length the lookup checks the egress MTU: a packet too big passes to the stack.
+    params.__bindgen_anon_1.tot_len = tot_len;
+    Ipv4::fib_destination(&mut params, destination);
+    let result = unsafe {
+        fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, BPF_FIB_LOOKUP_SRC)
+    };
+    if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        return None;
+    }
+    let action = if params.ifindex == ingress {
+        xdp_action::XDP_TX
+    } else if XDP_TX_DEVICES.get_ifindex(params.ifindex).is_some() {
+        xdp_action::XDP_REDIRECT
+    } else {
+        return None;
+    };
+    Some(Egress {
+        action,
+        ifindex: params.ifindex,
+        smac: params.smac,
+        dmac: params.dmac,
+        source: Ipv4::fib_source(&params),
+    })
+}
+
+#[inline(always)]
+fn fast_path(ctx: &XdpContext) -> Option<u32> {
+    let Parsed { packet, tot_len } = parse(ctx)?;
+    // Only traffic from outside carries complete checksums (see the module's documentation).
+    if classify(&packet.flow.src) != source_class::OUTSIDE {
+        return None;
+    }
+    if let Some(tracked) = Ipv4::flow(&packet.flow) {
+        let flow = tracked.nat;
+        if flow.flags & flow_flags::REPLY != 0 {
+            return None;
+        }
+        let destination =
+            if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
+        let out = egress(ctx, destination, tot_len)?;
+        touch(tracked.track, packet.tcp_flags);
+        count(ctx, flow.counter);
+        return finish(ctx, &packet, &flow, &out);
+    }
+    let service = Ipv4::service(&packet.flow, source_class::OUTSIDE)?;
+    // Drops and rejects are TC's (it answers with ICMP errors).
+    if service.backend_count == 0
+        || (service.flags & service_flags::SOURCE_RANGES != 0
+            && !Ipv4::in_source_ranges(service.service_id, &packet.flow.src))
+    {
+        return None;
+    }
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let slot =
+        BackendSlot { backend_set: service.backend_set, slot: choose_slot(&packet.flow, &service, now) };
+    let (backend, counter) = Ipv4::counted_backend(&slot)?;
+    if backend.addr.is(&packet.flow.src) {
+        return None;
+    }
+    let out = egress(ctx, backend.addr, tot_len)?;
+    let forward = if service.flags & service_flags::MASQUERADE != 0 {
+        match track_masqueraded(&packet, &backend, counter, out.source) {
+            Some(forward) => forward,
+            None => {
+                // TC drops it (and counts) the same way.
+                stat(datapath_stat::SNAT_PORT_EXHAUSTED);
+                return Some(xdp_action::XDP_DROP);
+            }
+        }
+    } else {
+        track(&packet, &backend, counter)
+    };
+    affinity::remember(&service, &packet.flow.src, &backend, now);
+    count(ctx, counter);
+    finish(ctx, &packet, &forward, &out)
+}
+
+/// Rewrites the packet as `flow` says, with its new MACs, and sends it.
+#[inline(always)]
+fn finish(ctx: &XdpContext, packet: &Packet<Ipv4>, flow: &Nat<Ipv4>, out: &Egress) -> Option<u32> {
+    let l4 = packet.l4_offset;
+    let old = &packet.flow;
+    let (mut src, mut src_port, mut dst, mut dst_port) = (old.src, old.src_port, old.dst, old.dst_port);
+    if flow.flags & flow_flags::REWRITE_DESTINATION != 0 {
+        (dst, dst_port) = (flow.dst, flow.dst_port);
+    }
+    if flow.flags & flow_flags::REWRITE_SOURCE != 0 {
+        (src, src_port) = (flow.src, flow.src_port);
+    }
+    let addresses = Change::NONE
+        .replace(old.src.word_sum(), src.word_sum())
+        .and(Change::NONE.replace(old.dst.word_sum(), dst.word_sum()));
+    let ports =
+        Change::NONE.replace(old.src_port, src_port).and(Change::NONE.replace(old.dst_port, dst_port));
+    let ip = at::<[u8; IPV4_MIN_HLEN]>(ctx, ETH_HLEN)?;
+    let csum_off = l4 + if old.proto == proto::TCP { TCP_CSUM_OFF } else { UDP_CSUM_OFF };
+    let l4_csum = at::<[u8; 2]>(ctx, csum_off)?;
+    let l4_ports = at::<[u8; 4]>(ctx, l4)?;
+    let eth = at::<[u8; 12]>(ctx, 0)?;
+    // SAFETY: every pointer was bounds-checked against the packet above.
+    unsafe {
+        let ip = &mut *ip;
+        let ip_csum = u16::from_be_bytes([ip[10], ip[11]]);
+        ip[10..12].copy_from_slice(&addresses.apply(ip_csum).to_be_bytes());
+        ip[12..16].copy_from_slice(&src);
+        ip[16..20].copy_from_slice(&dst);
+        let csum = u16::from_be_bytes(*l4_csum);
+        // A UDP checksum of 0 means none and stays 0; a computed 0 is sent as 0xffff.
+        if old.proto == proto::TCP || csum != 0 {
+            let mut updated = addresses.and(ports).apply(csum);
+            if old.proto == proto::UDP && updated == 0 {
+                updated = 0xffff;
+            }
+            *l4_csum = updated.to_be_bytes();
+        }
+        let mut new_ports = [0u8; 4];
+        new_ports[..2].copy_from_slice(&src_port.to_be_bytes());
+        new_ports[2..].copy_from_slice(&dst_port.to_be_bytes());
+        *l4_ports = new_ports;
+        let eth = &mut *eth;
+        eth[..6].copy_from_slice(&out.dmac);
+        eth[6..].copy_from_slice(&out.smac);
+    }
+    if out.action == xdp_action::XDP_TX {
+        return Some(xdp_action::XDP_TX);
+    }
+    // `XDP_PASS` if the device left the map meanwhile: the rewritten packet then goes through
+    // the stack's forwarding like any routed packet.
+    Some(match XDP_TX_DEVICES.redirect(out.ifindex, u64::from(xdp_action::XDP_PASS)) {
+        Ok(action) | Err(action) => action,
+    })
+}
+
+/// Adds the packet to its (service port, backend) counters, as TC counts (IP bytes).
+#[inline(always)]
+fn count(ctx: &XdpContext, counter: u32) {
+    if let Some(counters) = BACKEND_COUNTERS.get_ptr(&counter) {
+        let counters = counters.as_ptr();
+        let bytes = (ctx.data_end() - ctx.data()).saturating_sub(ETH_HLEN) as u64;
+        // SAFETY: this CPU's value of a live array element.
+        unsafe {
+            (*counters).packets += 1;
+            (*counters).bytes += bytes;
+        }
+    }
+}
