@@ -65,27 +65,66 @@ pub struct Entry {
 /// frontend whose reply source is not among them is deleted.
 pub type Keep = BTreeMap<SocketAddr, BTreeSet<SocketAddr>>;
 
+/// UDP frontends (address and port) with the endpoints their packets may be sent to.
+pub type UdpFrontends = BTreeMap<SocketAddr, BTreeSet<SocketAddr>>;
+
+/// The UDP frontends whose conntrack entries may be stale after a sync from `before` to
+/// `after`, with the endpoints their entries may keep: frontends that lost endpoints, that
+/// have endpoints now and had none (or did not exist: until now their packets were routed
+/// past the service), and frontends that are gone (no entry may stay). UDP has no connection
+/// end, so without this a client that keeps sending would stay on a removed endpoint (or on
+/// the path past the service) for as long as it keeps sending (kube-proxy's
+/// `CleanStaleEntries`). Used by the iptables and the IPVS dataplanes.
+pub fn stale_udp(before: &UdpFrontends, after: &UdpFrontends) -> Keep {
+    let mut keep = Keep::new();
+    for (frontend, now) in after {
+        let stale = match before.get(frontend) {
+            Some(then) => !then.is_subset(now) || (then.is_empty() && !now.is_empty()),
+            None => !now.is_empty(),
+        };
+        if stale {
+            keep.insert(*frontend, now.clone());
+        }
+    }
+    for frontend in before.keys().filter(|frontend| !after.contains_key(*frontend)) {
+        keep.insert(*frontend, BTreeSet::new());
+    }
+    keep
+}
+
 /// Deletes the UDP entries of `keep`'s frontends whose reply source is not kept. Returns how
 /// many were deleted.
 pub fn delete_stale_udp(keep: &Keep) -> io::Result<usize> {
-    let mut deleted = 0;
+    stale_entries(keep, true)
+}
+
+/// How many UDP entries [`delete_stale_udp`] would delete now (tests check with it that a
+/// sync left none).
+pub fn count_stale_udp(keep: &Keep) -> io::Result<usize> {
+    stale_entries(keep, false)
+}
+
+fn stale_entries(keep: &Keep, delete: bool) -> io::Result<usize> {
+    let mut found = 0;
     let socket = Socket::open()?;
     for family in [libc::AF_INET, libc::AF_INET6] {
         if !keep.keys().any(|frontend| frontend.is_ipv4() == (family == libc::AF_INET)) {
             continue;
         }
-        for entry in socket.dump(family as u8)? {
-            if is_stale(&entry, keep) {
-                match socket.delete(family as u8, &entry) {
-                    Ok(()) => deleted += 1,
-                    // Gone meanwhile (timed out, or deleted by someone else).
-                    Err(error) if error.raw_os_error() == Some(libc::ENOENT) => {}
-                    Err(error) => return Err(error),
-                }
+        for entry in socket.dump(family as u8)?.iter().filter(|entry| is_stale(entry, keep)) {
+            if !delete {
+                found += 1;
+                continue;
+            }
+            match socket.delete(family as u8, entry) {
+                Ok(()) => found += 1,
+                // Gone meanwhile (timed out, or deleted by someone else).
+                Err(error) if error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(error) => return Err(error),
             }
         }
     }
-    Ok(deleted)
+    Ok(found)
 }
 
 pub fn is_stale(entry: &Entry, keep: &Keep) -> bool {

@@ -14,14 +14,20 @@
 //!
 //! The system's iptables variant (legacy x_tables or nf_tables) is detected from
 //! `iptables --version` and used, since rules of one variant are invisible to the other.
+//!
+//! `--iptables-localhost-nodeports` (kube-proxy's, default true) serves IPv4 NodePorts on
+//! 127.0.0.1 too: it sets `net.ipv4.conf.all.route_localnet=1` at start (node-wide, left so
+//! when vipr stops, as kube-proxy) and ensures kubelet's CVE-2020-8558 guard in
+//! `KUBE-FIREWALL` ([`localhost_node_ports`], [`ruleset::LOCALNET_GUARD`]).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::SocketAddr,
+    net::{Ipv4Addr, SocketAddr},
     path::Path,
     time::{Duration, Instant},
 };
 
 use anyhow::{anyhow, Context as _};
+use ipnet::Ipv4Net;
 use tracing::{debug, info, warn};
 
 pub use self::{
@@ -29,6 +35,8 @@ pub use self::{
     tools::{Tools, Variant},
 };
 use super::{Dataplane, SyncReport};
+use crate::config::NodePortAddress;
+use crate::health::{ServiceHealthCheck, ServiceName};
 use crate::model::{DesiredState, Frontend, FrontendEntry, Protocol};
 
 pub mod conntrack;
@@ -49,12 +57,66 @@ pub struct IptablesOptions {
     pub full_sync_period: Duration,
     /// Delete stale UDP conntrack entries after syncs.
     pub conntrack_cleanup: bool,
+    /// Also serve IPv4 NodePorts on these loopback addresses ([`localhost_node_ports`]):
+    /// `route_localnet=1` is set at start and the CVE-2020-8558 guard ensured. The agent
+    /// passes kube-proxy's default (on); `None` here, for embedders and tests, leaves
+    /// loopback and the sysctl alone.
+    pub localhost_node_ports: Option<Ipv4Net>,
 }
 
 impl Default for IptablesOptions {
     fn default() -> Self {
-        Self { variant: None, full_sync_period: FULL_SYNC_PERIOD, conntrack_cleanup: true }
+        Self {
+            variant: None,
+            full_sync_period: FULL_SYNC_PERIOD,
+            conntrack_cleanup: true,
+            localhost_node_ports: None,
+        }
     }
+}
+
+/// kube-proxy's `--iptables-localhost-nodeports` as it applies to the NodePort addresses
+/// (`--nodeport-addresses` as the running mode reads it; empty is taken as every address):
+/// the loopback addresses IPv4 NodePorts are also served on, or `None`. As kube-proxy, only
+/// when `enabled` and the IPv4 NodePort addresses cover loopback: every address (kube-proxy's
+/// `--dst-type LOCAL`, which all of 127.0.0.0/8 is) gives 127.0.0.0/8; a CIDR or the
+/// `localhost` keyword that contains 127.0.0.1 gives loopback's address, 127.0.0.1.
+pub fn localhost_node_ports(enabled: bool, addresses: &[NodePortAddress]) -> Option<Ipv4Net> {
+    if !enabled {
+        return None;
+    }
+    let every = Ipv4Net::new(Ipv4Addr::new(127, 0, 0, 0), 8).expect("a valid prefix");
+    let lo = Ipv4Net::from(Ipv4Addr::LOCALHOST);
+    if addresses.is_empty() {
+        return Some(every);
+    }
+    let mut found = None;
+    for address in addresses {
+        match address {
+            NodePortAddress::All => return Some(every),
+            NodePortAddress::Cidr(ipnet::IpNet::V4(cidr)) if cidr.prefix_len() == 0 => return Some(every),
+            NodePortAddress::Cidr(ipnet::IpNet::V4(cidr)) if cidr.contains(&Ipv4Addr::LOCALHOST) => {
+                found = Some(lo)
+            }
+            NodePortAddress::Localhost => found = Some(lo),
+            NodePortAddress::Cidr(_) | NodePortAddress::Primary => {}
+        }
+    }
+    found
+}
+
+/// `sysctl -w net.ipv4.conf.all.route_localnet=1` in the calling thread's network namespace,
+/// which localhost NodePorts need (the kernel otherwise drops packets routed with a 127.0.0.0/8
+/// address). Returns the previous value. Node-wide; kube-proxy sets it the same way and never
+/// sets it back, and neither does vipr.
+pub fn enable_route_localnet() -> anyhow::Result<String> {
+    let path = "/proc/sys/net/ipv4/conf/all/route_localnet";
+    let previous = std::fs::read_to_string(path).with_context(|| format!("cannot read {path}"))?;
+    let previous = previous.trim().to_owned();
+    if previous != "1" {
+        std::fs::write(path, "1").with_context(|| format!("cannot set {path} to 1"))?;
+    }
+    Ok(previous)
 }
 
 /// What one family's restore did in a sync.
@@ -91,6 +153,8 @@ pub struct IptablesDataplane {
     applied: BTreeMap<Frontend, FrontendEntry>,
     /// IPv6 failures already warned about when there is nothing IPv6 to program.
     warned_ipv6: bool,
+    /// Service (`ns/name`) to its health-check node port, accepted in the filter table.
+    health_check_node_ports: BTreeMap<String, u16>,
     last: SyncStats,
 }
 
@@ -107,6 +171,23 @@ impl IptablesDataplane {
             tools.variant,
             if options.variant.is_some() { " (as asked)" } else { " (the system's)" }
         );
+        if options.localhost_node_ports.is_some() {
+            let previous = enable_route_localnet().context(
+                "--iptables-localhost-nodeports needs net.ipv4.conf.all.route_localnet=1 (or pass \
+                 --iptables-localhost-nodeports=false)",
+            )?;
+            if previous == "1" {
+                info!("net.ipv4.conf.all.route_localnet is 1 already: NodePorts are served on localhost");
+            } else {
+                info!(
+                    previous,
+                    "set net.ipv4.conf.all.route_localnet=1 (node-wide, and left so when vipr stops, as \
+                     kube-proxy) to serve NodePorts on localhost; KUBE-FIREWALL drops other traffic to \
+                     127.0.0.0/8 from outside (CVE-2020-8558). --iptables-localhost-nodeports=false or \
+                     --nodeport-addresses without 127.0.0.1 turn this off"
+                );
+            }
+        }
         let conntrack_tcp_liberal =
             std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
                 .is_ok_and(|value| value.trim() != "0");
@@ -117,7 +198,11 @@ impl IptablesDataplane {
             info!("IPv6 is disabled on this node: no ip6tables rules");
         }
         Ok(Self {
-            rule_options: RuleOptions { conntrack_tcp_liberal, random_fully: tools.has_random_fully() },
+            rule_options: RuleOptions {
+                conntrack_tcp_liberal,
+                random_fully: tools.has_random_fully(),
+                localhost_node_ports: options.localhost_node_ports,
+            },
             tools,
             options: options.clone(),
             families,
@@ -126,6 +211,7 @@ impl IptablesDataplane {
             last_full_sync: None,
             applied: BTreeMap::new(),
             warned_ipv6: false,
+            health_check_node_ports: BTreeMap::new(),
             last: SyncStats::default(),
         })
     }
@@ -152,6 +238,31 @@ impl IptablesDataplane {
     /// families, in the system's variant and in the other one if it holds rules. Rules and
     /// chains of anyone else stay.
     pub fn cleanup() -> anyhow::Result<()> {
+        Self::cleanup_where(&|_| true)
+    }
+
+    /// Removes what an iptables-mode vipr left behind, when vipr starts in another mode: the
+    /// same chains as [`Self::cleanup`], but only in the tables of a family that has
+    /// iptables-mode chains (a service chain, `KUBE-NODEPORTS`, `KUBE-EXTERNAL-SERVICES`:
+    /// the IPVS mode shares the other top-level names and must keep them across its own
+    /// restarts) and no `KUBE-PROXY-CANARY`: that chain is kube-proxy's (vipr never creates
+    /// it), so its chains are left to kube-proxy (or to `vipr --cleanup`).
+    pub fn cleanup_leftovers() -> anyhow::Result<()> {
+        Self::cleanup_where(&|saved| {
+            let chains = || saved.values().flat_map(|table| table.user_chains());
+            if chains().any(|chain| chain == restore::KUBE_PROXY_CANARY) {
+                info!("kube-proxy's iptables chains (KUBE-PROXY-CANARY) are left alone");
+                return false;
+            }
+            chains().any(|chain| {
+                names::is_service_chain(chain)
+                    || [ruleset::KUBE_NODEPORTS, ruleset::KUBE_EXTERNAL_SERVICES].contains(&chain)
+            })
+        })
+    }
+
+    /// Cleans the families (per variant) whose saved tables `wanted` accepts.
+    fn cleanup_where(wanted: &dyn Fn(&BTreeMap<String, restore::SavedTable>) -> bool) -> anyhow::Result<()> {
         let mut variants = Vec::new();
         match Tools::detect(None) {
             Ok(tools) => variants.push(tools),
@@ -182,7 +293,7 @@ impl IptablesDataplane {
                 if family == Family::Ipv6 && !Path::new("/proc/thread-self/net/if_inet6").exists() {
                     continue;
                 }
-                if let Err(error) = cleanup_family(tools, family) {
+                if let Err(error) = cleanup_family(tools, family, wanted) {
                     errors.push(format!("{} ({}): {error:#}", family.command(), tools.variant));
                 }
             }
@@ -201,7 +312,12 @@ impl IptablesDataplane {
         family: Family,
         full: bool,
     ) -> anyhow::Result<Option<Restore>> {
-        let wanted = ruleset::generate(state, family, self.rule_options);
+        let wanted = ruleset::generate_with_health_checks(
+            state,
+            family,
+            self.rule_options,
+            &self.health_check_node_ports,
+        );
         let plan = match self.programmed.get(&family) {
             Some(previous) if !full => restore::partial(previous, &wanted),
             _ => {
@@ -232,6 +348,11 @@ impl IptablesDataplane {
 impl Dataplane for IptablesDataplane {
     fn mode(&self) -> &'static str {
         "iptables"
+    }
+
+    fn set_health_check_node_ports(&mut self, checks: &BTreeMap<ServiceName, ServiceHealthCheck>) {
+        self.health_check_node_ports =
+            checks.iter().map(|(service, check)| (service.to_string(), check.port)).collect();
     }
 
     fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
@@ -339,42 +460,40 @@ fn changed_frontends(
         .count()
 }
 
-/// The UDP frontends whose conntrack entries may be stale, with the endpoints their entries
-/// may keep: frontends that lost endpoints, that have endpoints now and had none (or did not
-/// exist: until now their packets were routed past the service), and frontends that are gone
-/// (no entry may stay).
+/// The UDP frontends whose conntrack entries may be stale (`conntrack::stale_udp`), among
+/// those `settled` says were programmed.
 fn stale_udp(
     before: &BTreeMap<Frontend, FrontendEntry>,
     after: &BTreeMap<Frontend, FrontendEntry>,
     settled: &dyn Fn(&Frontend) -> bool,
 ) -> conntrack::Keep {
-    let endpoints = |entry: &FrontendEntry| -> BTreeSet<SocketAddr> {
-        entry.all_backends().into_iter().map(|backend| SocketAddr::new(backend.ip, backend.port)).collect()
+    let udp_frontends = |frontends: &BTreeMap<Frontend, FrontendEntry>| -> conntrack::UdpFrontends {
+        frontends
+            .iter()
+            .filter(|(frontend, _)| frontend.protocol == Protocol::Udp && settled(frontend))
+            .map(|(frontend, entry)| {
+                let endpoints = entry
+                    .all_backends()
+                    .into_iter()
+                    .map(|backend| SocketAddr::new(backend.ip, backend.port))
+                    .collect();
+                (SocketAddr::new(frontend.ip, frontend.port), endpoints)
+            })
+            .collect()
     };
-    let udp = |frontend: &Frontend| frontend.protocol == Protocol::Udp && settled(frontend);
-    let mut keep = conntrack::Keep::new();
-    for (frontend, entry) in after.iter().filter(|(frontend, _)| udp(frontend)) {
-        let now = endpoints(entry);
-        let stale = match before.get(frontend) {
-            Some(previous) => {
-                let then = endpoints(previous);
-                !then.is_subset(&now) || (then.is_empty() && !now.is_empty())
-            }
-            None => !now.is_empty(),
-        };
-        if stale {
-            keep.insert(SocketAddr::new(frontend.ip, frontend.port), now);
-        }
-    }
-    for frontend in before.keys().filter(|frontend| udp(frontend) && !after.contains_key(*frontend)) {
-        keep.insert(SocketAddr::new(frontend.ip, frontend.port), BTreeSet::new());
-    }
-    keep
+    conntrack::stale_udp(&udp_frontends(before), &udp_frontends(after))
 }
 
-fn cleanup_family(tools: &Tools, family: Family) -> anyhow::Result<()> {
-    let saved = tools.save(family)?;
-    let plans = restore::cleanup(&restore::parse_save(&saved));
+fn cleanup_family(
+    tools: &Tools,
+    family: Family,
+    wanted: &dyn Fn(&BTreeMap<String, restore::SavedTable>) -> bool,
+) -> anyhow::Result<()> {
+    let saved = restore::parse_save(&tools.save(family)?);
+    if !wanted(&saved) {
+        return Ok(());
+    }
+    let plans = restore::cleanup(&saved);
     if plans.is_empty() {
         return Ok(());
     }
@@ -463,6 +582,24 @@ mod tests {
         assert!(stale_udp(&after, &after, &all).is_empty());
         // A family that failed to program is left for later.
         assert!(stale_udp(&before, &after, &|_| false).is_empty());
+    }
+
+    /// kube-proxy's `ContainsIPv4Loopback`: on when the IPv4 NodePort addresses cover
+    /// loopback; every address means all of 127.0.0.0/8 (`--dst-type LOCAL`).
+    #[test]
+    fn localhost_node_ports_apply_where_the_node_port_addresses_cover_loopback() {
+        let cidr = |text: &str| NodePortAddress::Cidr(text.parse().unwrap());
+        let every = Some("127.0.0.0/8".parse().unwrap());
+        let lo = Some("127.0.0.1/32".parse().unwrap());
+        assert_eq!(localhost_node_ports(true, &[]), every);
+        assert_eq!(localhost_node_ports(true, &[NodePortAddress::All]), every);
+        assert_eq!(localhost_node_ports(true, &[cidr("0.0.0.0/0")]), every);
+        assert_eq!(localhost_node_ports(true, &[cidr("192.168.0.0/24"), cidr("127.0.0.1/32")]), lo);
+        assert_eq!(localhost_node_ports(true, &[NodePortAddress::Localhost]), lo);
+        assert_eq!(localhost_node_ports(true, &[cidr("192.168.0.0/24"), cidr("::/0")]), None);
+        assert_eq!(localhost_node_ports(true, &[NodePortAddress::Primary]), None);
+        assert_eq!(localhost_node_ports(false, &[]), None);
+        assert_eq!(localhost_node_ports(false, &[cidr("127.0.0.1/32")]), None);
     }
 
     #[test]

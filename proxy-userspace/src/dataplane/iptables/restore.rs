@@ -12,11 +12,12 @@ use std::{
 
 use super::{
     names::is_service_chain,
-    ruleset::{Jump, Ruleset, TableName, JUMPS},
+    ruleset::{Jump, Ruleset, TableName, JUMPS, KUBE_FIREWALL, LOCALNET_GUARD, LOCALNET_GUARD_JUMPS},
 };
 
-/// kube-proxy's canary chain, which vipr does not create but removes with kube-proxy's chains.
-const KUBE_PROXY_CANARY: &str = "KUBE-PROXY-CANARY";
+/// kube-proxy's canary chain (mangle, nat, filter), which vipr does not create but removes with
+/// kube-proxy's chains: where it exists, the chains are kube-proxy's.
+pub const KUBE_PROXY_CANARY: &str = "KUBE-PROXY-CANARY";
 
 /// One table as `iptables-save` shows it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -28,7 +29,7 @@ pub struct SavedTable {
 }
 
 impl SavedTable {
-    fn user_chains(&self) -> impl Iterator<Item = &str> {
+    pub fn user_chains(&self) -> impl Iterator<Item = &str> {
         self.chains.iter().filter(|(_, builtin)| !**builtin).map(|(name, _)| name.as_str())
     }
 
@@ -125,6 +126,10 @@ pub struct TablePlan {
     pub delete_rules: Vec<(String, String)>,
     /// Jumps from built-in chains inserted at the top, in this order.
     pub insert: Vec<Jump>,
+    /// Shared chains created because they do not exist (declared, never flushed).
+    pub create: Vec<String>,
+    /// Rules appended to chains that are not ours alone (`-A chain rule`), because missing.
+    pub append: Vec<(String, String)>,
 }
 
 impl TablePlan {
@@ -133,6 +138,8 @@ impl TablePlan {
             && self.delete.is_empty()
             && self.delete_rules.is_empty()
             && self.insert.is_empty()
+            && self.create.is_empty()
+            && self.append.is_empty()
     }
 }
 
@@ -174,13 +181,16 @@ impl Plan {
             for (chain, _) in &plan.write {
                 let _ = writeln!(text, ":{chain} - [0:0]");
             }
-            for chain in &plan.delete {
+            for chain in plan.delete.iter().chain(&plan.create) {
                 let _ = writeln!(text, ":{chain} - [0:0]");
             }
             for (chain, rules) in &plan.write {
                 for rule in rules {
                     let _ = writeln!(text, "-A {chain} {rule}");
                 }
+            }
+            for (chain, rule) in &plan.append {
+                let _ = writeln!(text, "-A {chain} {rule}");
             }
             for (chain, rule) in &plan.delete_rules {
                 let _ = writeln!(text, "-D {chain} {rule}");
@@ -225,6 +235,9 @@ pub fn partial(previous: &Ruleset, wanted: &Ruleset) -> Plan {
 
 /// Everything: every wanted chain, the deletion of service chains that exist but are not
 /// wanted (vipr's or kube-proxy's), and the jumps from built-in chains that are missing.
+/// With [`Ruleset::localnet_guard`], also kubelet's `KUBE-FIREWALL` (created only if missing,
+/// never flushed), the guard rule in it if missing, and the jumps to it if missing, above the
+/// others (kube-proxy ensures them after its own, each inserted at the top).
 /// `saved` is `iptables-save` of the family (tables absent from it are taken as empty).
 pub fn full(saved: &BTreeMap<String, SavedTable>, wanted: &Ruleset) -> Plan {
     let mut plan = Plan::default();
@@ -241,8 +254,10 @@ pub fn full(saved: &BTreeMap<String, SavedTable>, wanted: &Ruleset) -> Plan {
             .collect();
         let rewritten: BTreeSet<String> = want.chains.keys().cloned().collect();
         let delete = deletable(existing, candidates, &rewritten);
+        let guard_jumps: &[Jump] = if wanted.localnet_guard { &LOCALNET_GUARD_JUMPS } else { &[] };
         let insert = JUMPS
             .iter()
+            .chain(guard_jumps)
             .filter(|jump| jump.table == table)
             .filter(|jump| {
                 !existing
@@ -252,12 +267,40 @@ pub fn full(saved: &BTreeMap<String, SavedTable>, wanted: &Ruleset) -> Plan {
             })
             .copied()
             .collect();
+        let mut create = Vec::new();
+        let mut append = Vec::new();
+        if wanted.localnet_guard && table == TableName::Filter {
+            if !existing.chains.contains_key(KUBE_FIREWALL) {
+                create.push(KUBE_FIREWALL.to_owned());
+            }
+            if !existing.rules.iter().any(|(chain, rule)| chain == KUBE_FIREWALL && is_localnet_guard(rule)) {
+                append.push((KUBE_FIREWALL.to_owned(), LOCALNET_GUARD.to_owned()));
+            }
+        }
         plan.tables.insert(
             table,
-            TablePlan { write, delete: delete.into_iter().collect(), delete_rules: Vec::new(), insert },
+            TablePlan {
+                write,
+                delete: delete.into_iter().collect(),
+                delete_rules: Vec::new(),
+                insert,
+                create,
+                append,
+            },
         );
     }
     plan
+}
+
+/// Whether a saved rule is the CVE-2020-8558 guard ([`LOCALNET_GUARD`], kube-proxy's and
+/// kubelet's), whatever order `iptables-save` prints its matches in.
+pub fn is_localnet_guard(rule: &str) -> bool {
+    let words = split_words(rule);
+    let has = |sequence: &[&str]| words.windows(sequence.len()).any(|window| window == sequence);
+    has(&["-d", "127.0.0.0/8"])
+        && has(&["!", "-s", "127.0.0.0/8"])
+        && has(&["!", "--ctstate", "RELATED,ESTABLISHED,DNAT"])
+        && rule_target(rule).as_deref() == Some("DROP")
 }
 
 /// The chains of `candidates` that can be deleted in a transaction that rewrites `rewritten`:
@@ -387,7 +430,7 @@ COMMIT
                 })
                 .collect(),
         };
-        Ruleset { filter: table(&[("KUBE-FORWARD", &["-j ACCEPT"])]), nat: table(nat) }
+        Ruleset { filter: table(&[("KUBE-FORWARD", &["-j ACCEPT"])]), nat: table(nat), localnet_guard: false }
     }
 
     #[test]
@@ -474,5 +517,49 @@ COMMIT
         assert_eq!(filter.delete_rules.len(), 1, "kubelet's KUBE-FIREWALL jump stays");
         let text = render_cleanup(&plans);
         assert!(!text.contains("CNI-FOO") && !text.contains("KUBE-FIREWALL") && !text.contains("PINNED"));
+    }
+
+    /// With localhost NodePorts: kubelet's KUBE-FIREWALL is created only where missing (a
+    /// declaration would flush it), the guard appended only where missing, and the jumps to it
+    /// inserted only where missing, after (so above) the others.
+    #[test]
+    fn a_full_sync_ensures_the_localnet_guard_without_flushing_kube_firewall() {
+        let mut wanted = ruleset(&[("KUBE-SERVICES", &[])]);
+        wanted.localnet_guard = true;
+        // SAVED has KUBE-FIREWALL and INPUT's jump to it, but not the guard.
+        let plan = full(&parse_save(SAVED), &wanted);
+        let filter = &plan.tables[&TableName::Filter];
+        assert!(filter.create.is_empty());
+        assert_eq!(filter.append, [(KUBE_FIREWALL.to_owned(), LOCALNET_GUARD.to_owned())]);
+        let inserted: Vec<&str> =
+            filter.insert.iter().filter(|jump| jump.to == KUBE_FIREWALL).map(|jump| jump.from).collect();
+        assert_eq!(inserted, ["OUTPUT"]);
+        assert_eq!(filter.insert.last().unwrap().to, KUBE_FIREWALL, "inserted last: on top");
+        let text = plan.render();
+        assert!(!text.contains(":KUBE-FIREWALL"), "never flushed:\n{text}");
+        assert!(text.contains(&format!("-A KUBE-FIREWALL {LOCALNET_GUARD}\n")));
+        assert!(text.contains("-I OUTPUT 1 -j KUBE-FIREWALL\n"));
+
+        // Nothing there: created. Everything there (as iptables-save prints kubelet's rule):
+        // nothing to do.
+        let bare = parse_save("*filter\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n");
+        let filter = &full(&bare, &wanted).tables[&TableName::Filter];
+        assert_eq!(filter.create, [KUBE_FIREWALL]);
+        assert_eq!(filter.append.len(), 1);
+        let kubelet = parse_save(
+            "*filter\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:KUBE-FIREWALL - [0:0]\n\
+             -A INPUT -j KUBE-FIREWALL\n-A OUTPUT -j KUBE-FIREWALL\n\
+             -A KUBE-FIREWALL ! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment \"block incoming localnet \
+             connections\" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP\nCOMMIT\n",
+        );
+        let filter = &full(&kubelet, &wanted).tables[&TableName::Filter];
+        assert!(filter.create.is_empty() && filter.append.is_empty());
+        assert!(!filter.insert.iter().any(|jump| jump.to == KUBE_FIREWALL));
+        // Without the flag KUBE-FIREWALL is not touched; cleanup never touches it.
+        wanted.localnet_guard = false;
+        let filter = &full(&bare, &wanted).tables[&TableName::Filter];
+        assert!(filter.create.is_empty() && filter.append.is_empty());
+        assert!(!filter.insert.iter().any(|jump| jump.to == KUBE_FIREWALL));
+        assert!(!render_cleanup(&cleanup(&kubelet)).contains("KUBE-FIREWALL"));
     }
 }

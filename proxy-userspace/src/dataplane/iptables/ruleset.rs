@@ -29,7 +29,7 @@ use std::{
     net::IpAddr,
 };
 
-use ipnet::IpNet;
+use ipnet::{IpNet, Ipv4Net};
 
 use super::names::{self, endpoint_chain, protocol_name, service_chain};
 use crate::model::{
@@ -49,6 +49,22 @@ pub const KUBE_MARK_MASQ: &str = "KUBE-MARK-MASQ";
 /// vipr's own: drops connections to service-CIDR addresses that are no cluster IP (what
 /// kube-proxy's nftables mode does; its iptables mode has no such rule).
 pub const KUBE_SERVICE_CIDRS: &str = "KUBE-SERVICE-CIDRS";
+
+/// kubelet's chain for the CVE-2020-8558 guard (kube-proxy's iptables mode writes the same
+/// rule there when it serves NodePorts on localhost). Shared with kubelet: vipr ensures its
+/// rule and the jumps to it, and never flushes or deletes it.
+pub const KUBE_FIREWALL: &str = "KUBE-FIREWALL";
+/// The guard: a packet to 127.0.0.0/8 that does not come from there and is not part of a
+/// DNATed (NodePort) or existing connection is dropped, so that `route_localnet=1` does not
+/// expose the node's loopback services to its links.
+pub const LOCALNET_GUARD: &str = "-m comment --comment \"block incoming localnet connections\" \
+     -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP";
+/// The jumps to [`KUBE_FIREWALL`] (kube-proxy's `iptablesKubeletJumpChains`), ensured on full
+/// syncs when the guard is wanted, after (so above) the others.
+pub const LOCALNET_GUARD_JUMPS: [Jump; 2] = [
+    Jump { table: TableName::Filter, from: "INPUT", to: KUBE_FIREWALL, spec: "" },
+    Jump { table: TableName::Filter, from: "OUTPUT", to: KUBE_FIREWALL, spec: "" },
+];
 
 /// Chains rewritten as a whole whenever their content changes, and never deleted by a sync.
 pub const FILTER_TOP_LEVEL: [&str; 6] = [
@@ -145,6 +161,9 @@ impl Table {
 pub struct Ruleset {
     pub filter: Table,
     pub nat: Table,
+    /// Ensure [`LOCALNET_GUARD`] in the filter table's [`KUBE_FIREWALL`] and the jumps to it
+    /// (IPv4 with localhost NodePorts). Not a chain of the tables above: kubelet shares it.
+    pub localnet_guard: bool,
 }
 
 impl Ruleset {
@@ -164,6 +183,12 @@ pub struct RuleOptions {
     pub conntrack_tcp_liberal: bool,
     /// iptables supports `MASQUERADE --random-fully` (1.6.2 and later).
     pub random_fully: bool,
+    /// kube-proxy's `--iptables-localhost-nodeports` as it applies: IPv4 NodePorts are also
+    /// served on these loopback addresses (127.0.0.0/8 when NodePorts are served on every
+    /// address, as kube-proxy's `--dst-type LOCAL`; else 127.0.0.1), and the CVE-2020-8558
+    /// guard is ensured. `None`: never on loopback (no rule sends 127.0.0.0/8 to
+    /// KUBE-NODEPORTS, kube-proxy's `! -d 127.0.0.0/8`).
+    pub localhost_node_ports: Option<Ipv4Net>,
 }
 
 /// A jump from a built-in chain to one of ours, ensured on every full sync (kube-proxy's
@@ -179,7 +204,11 @@ pub struct Jump {
 
 impl Jump {
     pub fn rule(&self) -> String {
-        format!("{} -j {}", self.spec, self.to)
+        if self.spec.is_empty() {
+            format!("-j {}", self.to)
+        } else {
+            format!("{} -j {}", self.spec, self.to)
+        }
     }
 }
 
@@ -400,8 +429,22 @@ fn comment(text: &str) -> String {
     format!("-m comment --comment \"{}\"", text.replace(['"', '\\'], "_"))
 }
 
-/// Builds the rules of `family` for `state`.
+/// Builds the rules of `family` for `state`, without health-check node ports.
 pub fn generate(state: &DesiredState, family: Family, options: RuleOptions) -> Ruleset {
+    generate_with_health_checks(state, family, options, &BTreeMap::new())
+}
+
+/// Builds the rules of `family` for `state`. `health_check_node_ports` (service `ns/name` to
+/// its `healthCheckNodePort`) are accepted in the filter table's KUBE-NODEPORTS, as kube-proxy
+/// does, so that a node whose INPUT policy drops still answers the load balancer's health
+/// checks; only for services that have a frontend of this family.
+pub fn generate_with_health_checks(
+    state: &DesiredState,
+    family: Family,
+    options: RuleOptions,
+    health_check_node_ports: &BTreeMap<String, u16>,
+) -> Ruleset {
+    let localhost = options.localhost_node_ports.filter(|_| family == Family::Ipv4).map(IpNet::V4);
     let mut builder = Builder {
         family,
         filter: Table::with_chains(&FILTER_TOP_LEVEL),
@@ -409,6 +452,8 @@ pub fn generate(state: &DesiredState, family: Family, options: RuleOptions) -> R
         classes: Classes::new(state, family),
         large: false,
         nodeports: BTreeMap::new(),
+        localhost,
+        localhost_nodeports: BTreeMap::new(),
     };
     builder.static_rules(options);
 
@@ -430,7 +475,19 @@ pub fn generate(state: &DesiredState, family: Family, options: RuleOptions) -> R
     }
     builder.nodeports();
     builder.service_cidrs(state);
-    Ruleset { filter: builder.filter, nat: builder.nat }
+    let in_family: BTreeSet<String> =
+        services.keys().map(|service| format!("{}/{}", service.namespace, service.name)).collect();
+    for (service, port) in health_check_node_ports.iter().filter(|(service, _)| in_family.contains(*service))
+    {
+        builder.filter.push(
+            KUBE_NODEPORTS,
+            format!(
+                "{} -m tcp -p tcp --dport {port} -j ACCEPT",
+                comment(&format!("{service} health check node port"))
+            ),
+        );
+    }
+    Ruleset { filter: builder.filter, nat: builder.nat, localnet_guard: localhost.is_some() }
 }
 
 struct Builder {
@@ -441,6 +498,12 @@ struct Builder {
     large: bool,
     /// NodePort frontends by (port, protocol).
     nodeports: BTreeMap<(u16, &'static str), Vec<NodePortFrontend>>,
+    /// The loopback addresses NodePorts are also served on (IPv4 only).
+    localhost: Option<IpNet>,
+    /// Per (port, protocol), where the nat table sends a NodePort's connections to
+    /// [`Self::localhost`]: as the first of its frontends (all of a service's NodePort
+    /// frontends are treated alike).
+    localhost_nodeports: BTreeMap<(u16, &'static str), Option<String>>,
 }
 
 /// A NodePort frontend: its address, where the nat table sends it (nowhere without
@@ -736,11 +799,20 @@ impl Builder {
         // The nat table's entry point.
         match entry.kind {
             FrontendKind::NodePort => {
-                self.nodeports.entry((frontend.port, protocol_name(frontend.protocol))).or_default().push((
-                    frontend.ip,
-                    nat_target,
-                    name.clone(),
-                ));
+                let key = (frontend.port, protocol_name(frontend.protocol));
+                if let (Some(localhost), false) =
+                    (self.localhost, self.localhost_nodeports.contains_key(&key))
+                {
+                    self.localhost_nodeports.insert(key, nat_target.clone());
+                    // What the nat table does not DNAT is judged as on the node's addresses.
+                    let protocol = key.1;
+                    let dest =
+                        format!("-p {protocol} -m {protocol} -d {localhost} --dport {}", frontend.port);
+                    for rule in self.empty_rules(&name, treatments, &dest) {
+                        self.filter.push(KUBE_EXTERNAL_SERVICES, rule);
+                    }
+                }
+                self.nodeports.entry(key).or_default().push((frontend.ip, nat_target, name.clone()));
             }
             _ => {
                 if let Some(target) = nat_target {
@@ -852,14 +924,29 @@ impl Builder {
                     break;
                 }
             }
+            // Localhost: the rule above without a destination serves it too; else its own.
+            if let (Some(localhost), false) = (self.localhost, everywhere) {
+                if let Some(Some(target)) = self.localhost_nodeports.get(&(port, protocol)) {
+                    let service = &frontends[0].2;
+                    self.nat.push(
+                        KUBE_NODEPORTS,
+                        format!(
+                            "{} -p {protocol} -m {protocol} -d {localhost} --dport {port} -j {target}",
+                            comment(service)
+                        ),
+                    );
+                }
+            }
         }
-        for ip in addresses {
+        let destinations = addresses.into_iter().map(host).chain(
+            self.localhost.filter(|_| !self.localhost_nodeports.is_empty()).map(|net| net.to_string()),
+        );
+        for destination in destinations {
             self.nat.push(
                 KUBE_SERVICES,
                 format!(
-                    "{} -d {} -j {KUBE_NODEPORTS}",
+                    "{} -d {destination} -j {KUBE_NODEPORTS}",
                     comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain"),
-                    host(ip)
                 ),
             );
         }

@@ -338,6 +338,14 @@ pub fn restore_input(
     input
 }
 
+/// The standard output of a finished `ipset` run, or its standard error as the error.
+fn succeeded(output: std::process::Output, what: &str) -> anyhow::Result<String> {
+    if !output.status.success() {
+        bail!("{what} failed: {}", String::from_utf8_lossy(&output.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 /// Runs `ipset`.
 #[derive(Debug, Default)]
 pub struct IpsetTool;
@@ -345,10 +353,7 @@ pub struct IpsetTool;
 impl IpsetTool {
     pub fn save(&self) -> anyhow::Result<String> {
         let output = Command::new("ipset").arg("save").output().context("cannot run `ipset save`")?;
-        if !output.status.success() {
-            bail!("`ipset save` failed: {}", String::from_utf8_lossy(&output.stderr).trim());
-        }
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        succeeded(output, "`ipset save`")
     }
 
     pub fn restore(&self, input: &str) -> anyhow::Result<()> {
@@ -366,10 +371,7 @@ impl IpsetTool {
             .write_all(input.as_bytes())
             .context("cannot feed `ipset restore`")?;
         let output = child.wait_with_output().context("`ipset restore` did not finish")?;
-        if !output.status.success() {
-            bail!("`ipset restore` failed: {}", String::from_utf8_lossy(&output.stderr).trim());
-        }
-        Ok(())
+        succeeded(output, "`ipset restore`").map(drop)
     }
 
     /// Destroys the named sets that exist; a set still referenced by a rule stays (and is
@@ -382,8 +384,8 @@ impl IpsetTool {
                 .args(["destroy", name])
                 .output()
                 .context("cannot run `ipset destroy`")?;
-            if !output.status.success() {
-                failed.push(format!("{name}: {}", String::from_utf8_lossy(&output.stderr).trim()));
+            if let Err(error) = succeeded(output, name) {
+                failed.push(format!("{error:#}"));
             }
         }
         if !failed.is_empty() {
@@ -495,7 +497,6 @@ mod tests {
              add KUBE-NODE-PORT-TCP 30080 -exist\n"
         );
         let mut after = current.clone();
-        after.insert(sets[1].0.clone(), BTreeSet::new());
         after.insert(sets[0].0.clone(), desired[&sets[0].0].clone());
         after.insert(sets[1].0.clone(), desired[&sets[1].0].clone());
         assert_eq!(restore_input(&sets, &after, &desired), "", "nothing left to do");

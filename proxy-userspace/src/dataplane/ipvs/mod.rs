@@ -31,7 +31,10 @@ use self::{
     plan::{Plan, PlanSettings},
     rules::IptablesTool,
 };
-use super::{Dataplane, SyncReport};
+use super::{
+    iptables::conntrack::{self, UdpFrontends},
+    Dataplane, SyncReport,
+};
 use crate::model::{Backend, DesiredState, Protocol};
 
 pub mod client;
@@ -102,6 +105,9 @@ pub struct IpvsDataplane {
     /// Families whose rules could not be applied while no frontend needed them (IPv6 on a
     /// node without ip6tables): logged once.
     rules_unavailable: BTreeSet<Family>,
+    /// The UDP virtual services as last programmed, with their real servers: what conntrack
+    /// entries may lead to (stale ones are deleted after each sync, as in iptables mode).
+    udp_applied: UdpFrontends,
 }
 
 impl IpvsDataplane {
@@ -125,6 +131,7 @@ impl IpvsDataplane {
             sets: None,
             rules_applied: BTreeMap::new(),
             rules_unavailable: BTreeSet::new(),
+            udp_applied: UdpFrontends::new(),
         };
         let programmed = dataplane.read_programmed()?;
         info!(services = programmed.len(), scheduler = dataplane.options.scheduler, "IPVS dataplane started");
@@ -186,6 +193,31 @@ impl IpvsDataplane {
             bail!("IPVS cleanup incomplete: {}", errors.join("; "));
         }
         Ok(())
+    }
+
+    /// Removes what an IPVS-mode vipr left behind, when vipr starts in another mode:
+    /// everything [`Self::cleanup`] removes, but only when the dummy interface is there (the
+    /// IPVS mode always creates it: without it there is nothing to clean, and no ipset or
+    /// IPVS call is made) and kube-proxy's canary chain is not (kube-proxy's IPVS mode uses
+    /// the same interface, sets and chains; they are left to it, or to `vipr --cleanup`).
+    pub fn cleanup_leftovers(exclude_cidrs: &[IpNet]) -> anyhow::Result<()> {
+        if link::index(DUMMY_INTERFACE).is_none() {
+            return Ok(());
+        }
+        let kube_proxy = [Family::V4, Family::V6].into_iter().any(|family| {
+            IptablesTool { family }.save().is_ok_and(|saved| {
+                saved.lines().any(|line| {
+                    line.strip_prefix(':').and_then(|line| line.split_whitespace().next())
+                        == Some(super::iptables::restore::KUBE_PROXY_CANARY)
+                })
+            })
+        });
+        if kube_proxy {
+            info!("{DUMMY_INTERFACE} and the IPVS services are kube-proxy's (KUBE-PROXY-CANARY): left alone");
+            return Ok(());
+        }
+        info!("removing what an IPVS-mode vipr left behind");
+        Self::cleanup(exclude_cidrs)
     }
 
     fn read_programmed(&mut self) -> anyhow::Result<BTreeMap<ServiceKey, Programmed>> {
@@ -255,6 +287,40 @@ impl IpvsDataplane {
             }
         }
         Ok(())
+    }
+
+    /// Deletes the UDP conntrack entries that lead to real servers the virtual services no
+    /// longer have (or that bypassed a service that had none), as the iptables dataplane
+    /// does: IPVS forwards through conntrack (`vs/conntrack`), and a UDP client that keeps
+    /// sending would otherwise stay on the removed endpoint. Services whose programming
+    /// failed keep their previous state, to be cleaned once they are programmed.
+    fn delete_stale_conntrack(&mut self, plan: &Plan, failed: &BTreeSet<ServiceKey>) {
+        let address = |key: &ServiceKey| std::net::SocketAddr::new(key.ip, key.port);
+        let failed: BTreeSet<std::net::SocketAddr> = failed.iter().map(address).collect();
+        let mut after: UdpFrontends = plan
+            .services
+            .iter()
+            .filter(|(key, _)| key.protocol == Protocol::Udp && !failed.contains(&address(key)))
+            .map(|(key, service)| {
+                let endpoints =
+                    service.backends.iter().map(|b| std::net::SocketAddr::new(b.ip, b.port)).collect();
+                (address(key), endpoints)
+            })
+            .collect();
+        let before = std::mem::take(&mut self.udp_applied);
+        after.extend(
+            before.iter().filter(|(frontend, _)| failed.contains(*frontend)).map(|(f, e)| (*f, e.clone())),
+        );
+        let keep = conntrack::stale_udp(&before, &after);
+        self.udp_applied = after;
+        if keep.is_empty() {
+            return;
+        }
+        match conntrack::delete_stale_udp(&keep) {
+            Ok(deleted) if deleted > 0 => debug!(deleted, "deleted stale UDP conntrack entries"),
+            Ok(_) => {}
+            Err(error) => warn!("cannot delete stale UDP conntrack entries: {error}"),
+        }
     }
 
     fn bound_addresses() -> anyhow::Result<BTreeSet<IpAddr>> {
@@ -437,6 +503,7 @@ impl Dataplane for IpvsDataplane {
             None => self.read_programmed()?,
         };
         let mut failed = false;
+        let mut failed_keys = BTreeSet::new();
         for (key, service) in &plan.services {
             match self.sync_service(
                 key,
@@ -450,6 +517,7 @@ impl Dataplane for IpvsDataplane {
                 Err(error) => {
                     warn!("{error:#}");
                     report.failed.push(service.frontend.clone());
+                    failed_keys.insert(*key);
                     failed = true;
                 }
             }
@@ -472,10 +540,12 @@ impl Dataplane for IpvsDataplane {
                 Err(error) => {
                     warn!("{error:#}");
                     report.failed.push(key.to_string());
+                    failed_keys.insert(key);
                     failed = true;
                 }
             }
         }
+        self.delete_stale_conntrack(&plan, &failed_keys);
         if let Err(error) = self.reap_terminating(&mut programmed) {
             warn!("graceful termination: {error:#}");
             failed = true;

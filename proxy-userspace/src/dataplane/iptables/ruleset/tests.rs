@@ -57,7 +57,7 @@ fn rules_for(services: &[Service], slices: &[EndpointSlice], node: &NodeContext,
     let ruleset = generate(
         &translation.state,
         family,
-        RuleOptions { conntrack_tcp_liberal: false, random_fully: true },
+        RuleOptions { conntrack_tcp_liberal: false, random_fully: true, localhost_node_ports: None },
     );
     check_references(&ruleset);
     ruleset
@@ -427,4 +427,160 @@ fn endpoint_comments_are_left_out_in_large_clusters() {
     assert!(chain(&ruleset.nat, SEP1)[1].starts_with("-p tcp"), "{}", chain(&ruleset.nat, SEP1)[1]);
     assert!(chain(&ruleset.nat, SVC1)[1].starts_with("-m statistic"));
     assert_eq!(chains_with(&ruleset.nat, "KUBE-SEP-").len(), 1001);
+}
+
+/// kube-proxy's rule for a health-check node port, in the filter table's KUBE-NODEPORTS, only
+/// in the families the service has frontends in, and only for services that exist.
+#[test]
+fn health_check_node_ports_are_accepted_in_the_filter_table() {
+    let services = [service(
+        "svc1",
+        json!({"type": "ClusterIP", "clusterIP": "172.30.0.41", "ports": [{"name": "p80", "port": 80}]}),
+    )];
+    let slices = [slice("svc1", "IPv4", &[("10.180.0.1", "node-a")])];
+    let state = desired_state(&services, &slices, &node()).state;
+    let options =
+        RuleOptions { conntrack_tcp_liberal: false, random_fully: true, localhost_node_ports: None };
+    let checks: BTreeMap<String, u16> =
+        [("ns1/svc1".to_owned(), 30100), ("ns1/gone".to_owned(), 30101)].into();
+    let v4 = generate_with_health_checks(&state, Family::Ipv4, options, &checks);
+    assert_eq!(
+        v4.table(TableName::Filter).chains[KUBE_NODEPORTS],
+        ["-m comment --comment \"ns1/svc1 health check node port\" -m tcp -p tcp --dport 30100 -j ACCEPT"]
+    );
+    let v6 = generate_with_health_checks(&state, Family::Ipv6, options, &checks);
+    assert!(v6.table(TableName::Filter).chains[KUBE_NODEPORTS].is_empty());
+    // Without health checks, as before.
+    assert_eq!(
+        generate(&state, Family::Ipv4, options),
+        generate_with_health_checks(&state, Family::Ipv4, options, &BTreeMap::new())
+    );
+}
+
+fn localhost_options(localhost: Option<&str>) -> RuleOptions {
+    RuleOptions {
+        conntrack_tcp_liberal: false,
+        random_fully: true,
+        localhost_node_ports: localhost.map(|net| net.parse().unwrap()),
+    }
+}
+
+const NODEPORTS_JUMP: &str =
+    "-m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\"";
+
+/// `--iptables-localhost-nodeports` on (kube-proxy's default): NodePorts are also reached on
+/// loopback, through the same KUBE-EXT chain (whose node class, `--src-type LOCAL`, 127.0.0.1
+/// is, masquerades), and the CVE-2020-8558 guard is wanted; IPv4 only.
+#[test]
+fn localhost_node_ports_send_loopback_to_kube_nodeports_and_want_the_guard() {
+    let services = [svc1(
+        json!({"type": "NodePort", "ports": [{"name": "p80", "port": 80, "protocol": "TCP", "nodePort": 3001}]}),
+    )];
+    let slices = [
+        slice("svc1", "IPv4", &[("10.180.0.1", "node-a"), ("10.180.2.1", "node-b")]),
+        slice("svc1", "IPv6", &[("fd00:10:180::1", "node-a")]),
+    ];
+    let mut node = node();
+    node.node_port_ips.insert("192.168.1.2".parse().unwrap());
+    node.node_ips.insert("192.168.1.2".parse().unwrap());
+    let state = desired_state(&services, &slices, &node).state;
+    let ruleset = generate(&state, Family::Ipv4, localhost_options(Some("127.0.0.0/8")));
+    check_references(&ruleset);
+    assert!(ruleset.localnet_guard);
+    let nat = &ruleset.nat;
+    let services = chain(nat, KUBE_SERVICES);
+    assert_eq!(
+        services[services.len() - 3..],
+        [
+            format!("{NODEPORTS_JUMP} -d 192.168.0.2/32 -j KUBE-NODEPORTS"),
+            format!("{NODEPORTS_JUMP} -d 192.168.1.2/32 -j KUBE-NODEPORTS"),
+            format!("{NODEPORTS_JUMP} -d 127.0.0.0/8 -j KUBE-NODEPORTS"),
+        ]
+    );
+    // One rule without a destination serves every address, loopback included.
+    let ext = "KUBE-EXT-XPGD46QRK7WJZT7O";
+    assert_eq!(
+        chain(nat, KUBE_NODEPORTS),
+        [format!("-m comment --comment \"ns1/svc1:p80\" -p tcp -m tcp --dport 3001 -j {ext}")]
+    );
+    assert!(chain(nat, ext)[0].ends_with("-j KUBE-MARK-MASQ"), "{:?}", chain(nat, ext));
+    // Everything else is as without the flag.
+    let without = generate(&state, Family::Ipv4, localhost_options(None));
+    let mut with_nat = nat.clone();
+    with_nat.chains.get_mut(KUBE_SERVICES).unwrap().pop();
+    assert_eq!(with_nat, without.nat);
+    assert_eq!(ruleset.filter, without.filter);
+
+    // IPv6 never serves NodePorts on ::1 (kube-proxy's IPv6 proxier never has the flag).
+    let v6 = generate(&state, Family::Ipv6, localhost_options(Some("127.0.0.0/8")));
+    assert!(!v6.localnet_guard);
+    assert_eq!(v6, generate(&state, Family::Ipv6, localhost_options(None)));
+}
+
+/// Off (or NodePort addresses without loopback): no rule sends 127.0.0.0/8 to KUBE-NODEPORTS
+/// (kube-proxy's `! -d 127.0.0.0/8`; vipr's jumps name the node's addresses), and no guard.
+#[test]
+fn without_localhost_node_ports_loopback_never_reaches_kube_nodeports() {
+    let services = [svc1(
+        json!({"type": "NodePort", "ports": [{"name": "p80", "port": 80, "protocol": "TCP", "nodePort": 3001}]}),
+    )];
+    let slices = [slice("svc1", "IPv4", &[("10.180.0.1", "node-a")])];
+    let state = desired_state(&services, &slices, &node()).state;
+    let ruleset = generate(&state, Family::Ipv4, localhost_options(None));
+    assert!(!ruleset.localnet_guard);
+    let jumps: Vec<&String> = chain(&ruleset.nat, KUBE_SERVICES)
+        .iter()
+        .filter(|rule| rule.ends_with("-j KUBE-NODEPORTS"))
+        .collect();
+    assert_eq!(jumps, [&format!("{NODEPORTS_JUMP} -d 192.168.0.2/32 -j KUBE-NODEPORTS")]);
+    assert!(!render_all(&ruleset).contains("127.0.0."));
+}
+
+/// A NodePort served on some addresses only gets its own loopback rule (127.0.0.1, as with
+/// `--nodeport-addresses` that contains it), and one without endpoints is rejected on loopback
+/// as on the node's addresses.
+#[test]
+fn localhost_node_ports_follow_the_first_frontend_when_addresses_differ() {
+    let services = [
+        svc1(
+            json!({"type": "NodePort", "ports": [{"name": "p80", "port": 80, "protocol": "TCP", "nodePort": 3001}]}),
+        ),
+        service(
+            "svc2",
+            json!({"type": "NodePort", "clusterIP": "172.30.0.42", "ports": [{"name": "p80", "port": 80, "protocol": "TCP", "nodePort": 3002}]}),
+        ),
+    ];
+    let slices = [slice("svc1", "IPv4", &[("10.180.0.1", "node-a")])];
+    let mut node = node();
+    node.node_port_ips.insert("192.168.1.2".parse().unwrap());
+    node.node_ips.insert("192.168.1.2".parse().unwrap());
+    let mut state = desired_state(&services, &slices, &node).state;
+    // svc1's NodePort on 192.168.0.2 only.
+    state
+        .frontends
+        .retain(|frontend, _| !(frontend.port == 3001 && frontend.ip.to_string() == "192.168.1.2"));
+    let ruleset = generate(&state, Family::Ipv4, localhost_options(Some("127.0.0.1/32")));
+    check_references(&ruleset);
+    let ext = "KUBE-EXT-XPGD46QRK7WJZT7O";
+    assert_eq!(
+        chain(&ruleset.nat, KUBE_NODEPORTS),
+        [
+            format!(
+                "-m comment --comment \"ns1/svc1:p80\" -p tcp -m tcp -d 192.168.0.2/32 --dport 3001 -j {ext}"
+            ),
+            format!(
+                "-m comment --comment \"ns1/svc1:p80\" -p tcp -m tcp -d 127.0.0.1/32 --dport 3001 -j {ext}"
+            ),
+        ]
+    );
+    assert!(chain(&ruleset.nat, KUBE_SERVICES)
+        .contains(&format!("{NODEPORTS_JUMP} -d 127.0.0.1/32 -j KUBE-NODEPORTS")));
+    let external = chain(&ruleset.filter, KUBE_EXTERNAL_SERVICES);
+    assert!(
+        external.contains(
+            &"-m comment --comment \"ns1/svc2:p80 has no endpoints\" -p tcp -m tcp -d 127.0.0.1/32 --dport 3002 -j REJECT"
+                .to_owned()
+        ),
+        "{external:?}"
+    );
 }
