@@ -3,8 +3,10 @@
 //! servers beside it.
 //!
 //! Each sync translates the latest objects with the node's current addresses, so the desired
-//! state follows interface and Node changes too. While the source is unusable, the last good
-//! objects stay in force: periodic syncs re-apply them, and nothing is removed.
+//! state follows interface and Node changes too; only the services whose objects changed are
+//! translated again (all of them when the node did), and the dataplane is handed what changed.
+//! While the source is unusable, the last good objects stay in force: periodic syncs re-apply
+//! them, and nothing is removed.
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
@@ -29,17 +31,15 @@ use crate::{
     config::{Settings, SourceSettings},
     dataplane::{
         ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions},
-        iptables::{IptablesDataplane, IptablesOptions},
+        iptables::{self, IptablesDataplane, IptablesOptions},
         ipvs::{self as ipvs_dataplane, IpvsDataplane, IpvsOptions},
         Dataplane, SyncReport,
     },
     health::{service_health_checks, Moment, ProxyHealth, ServiceHealthServer},
     host, http,
     metrics::{ProxyMetrics, Registry},
-    model::{
-        kubernetes::{desired_state, NodeContext, NodeFacts, ProxySettings},
-        DesiredState,
-    },
+    model::kubernetes::{incremental::Translator, NodeContext, NodeFacts, ProxySettings},
+    probe::{self, ProxyModeInfo},
     source::{
         file,
         kubernetes::{self, KubeSourceConfig},
@@ -98,12 +98,17 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     if !settings.ignored_config.is_empty() {
         warn!("--config: vipr does not use these settings: {}", settings.ignored_config.join(", "));
     }
-    let mut dataplane: Box<dyn Dataplane> = match settings.proxy_mode {
-        ProxyMode::Iptables => Box::new(IptablesDataplane::start(&IptablesOptions::default())?),
+    let mode = running_mode(settings)?;
+    let mut dataplane: Box<dyn Dataplane> = match mode {
+        ProxyMode::Iptables => Box::new(IptablesDataplane::start(&IptablesOptions {
+            localhost_node_ports: iptables::localhost_node_ports(
+                settings.iptables_localhost_node_ports,
+                &node_port_addresses(settings, mode),
+            ),
+            ..IptablesOptions::default()
+        })?),
+        // `running_mode` never answers auto; the arm is shared only to satisfy the match.
         ProxyMode::Ebpf | ProxyMode::Auto => {
-            if settings.proxy_mode == ProxyMode::Auto {
-                info!("proxy mode auto: choosing ebpf");
-            }
             let devices = node::devices(&settings.devices).context("cannot list network devices")?;
             if devices.is_empty() {
                 bail!("no device to attach to: pass --devices=IF[,IF...]");
@@ -113,17 +118,25 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
                     bpf_root: settings.bpf_root.clone(),
                     devices,
                     map_sizes: settings.bpf_map_sizes,
+                    conntrack: settings.conntrack,
+                    balancing: settings.balancing,
+                    xdp: settings.xdp,
                 },
                 &HostTrafficOptions { cgroup_root: settings.cgroup_root.clone() },
             )?)
         }
         ProxyMode::Ipvs => Box::new(IpvsDataplane::start(ipvs_options(settings))?),
     };
+    clean_other_modes(settings, dataplane.mode());
 
     let metrics = Arc::new(ProxyMetrics::default());
     // Dataplane counters (per service, per backend) join here as further collectors.
     let registry = Arc::new(Registry::default());
     registry.register(metrics.clone());
+    for collector in dataplane.collectors() {
+        registry.register(collector);
+    }
+    registry.register(Arc::new(ProxyModeInfo { mode, requested: settings.proxy_mode }));
     let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
     if let Some(address) = settings.healthz_bind_address {
         http::serve_forever(address, "healthz", health.clone().handler());
@@ -143,7 +156,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let source = spawn_source(settings, events_tx, stop)?;
 
     info!(node = settings.node_name, mode = dataplane.mode(), "vipr running");
-    let mut agent = Agent::new(settings, health, metrics);
+    let mut agent = Agent::new(settings, mode, health, metrics);
     let mut devices_checked = Instant::now();
     while !terminate.load(Ordering::Relaxed) {
         let wait = agent.runner.time_until_due(Instant::now()).map_or(TICK, |until_due| until_due.min(TICK));
@@ -199,6 +212,8 @@ fn spawn_source(
 /// The loop's state between events and syncs.
 struct Agent<'a> {
     settings: &'a Settings,
+    /// The dataplane running (auto resolved).
+    mode: ProxyMode,
     health: Arc<ProxyHealth>,
     metrics: Arc<ProxyMetrics>,
     runner: SyncRunner,
@@ -207,6 +222,8 @@ struct Agent<'a> {
     pending: Changes,
     /// The latest usable objects; `None` until the source first delivers.
     objects: Option<Objects>,
+    /// Their translation, redone for what changed on each sync.
+    translator: Translator,
     service_health: ServiceHealthServer,
     /// Rejections and unsupported frontends already logged, so that periodic syncs do not
     /// repeat them; one that goes away and comes back is logged again.
@@ -215,13 +232,20 @@ struct Agent<'a> {
 }
 
 impl<'a> Agent<'a> {
-    fn new(settings: &'a Settings, health: Arc<ProxyHealth>, metrics: Arc<ProxyMetrics>) -> Self {
+    fn new(
+        settings: &'a Settings,
+        mode: ProxyMode,
+        health: Arc<ProxyHealth>,
+        metrics: Arc<ProxyMetrics>,
+    ) -> Self {
         Self {
             settings,
+            mode,
             runner: SyncRunner::new(settings.min_sync_period, settings.sync_period),
             changes: ChangeTracker::new(Moment::now().wall),
             pending: Changes::default(),
             objects: None,
+            translator: Translator::new(),
             service_health: ServiceHealthServer::new(health.clone()),
             health,
             metrics,
@@ -258,9 +282,9 @@ impl<'a> Agent<'a> {
         let Some(objects) = &self.objects else { return };
         let started = Moment::now();
         let node = self.node_context(objects.node.as_ref());
-        let translation = desired_state(&objects.services, &objects.slices, &node);
+        let changes = self.translator.translate(&objects.services, &objects.slices, &node);
         let rejections: BTreeSet<String> =
-            objects.rejected.iter().chain(&translation.rejected).map(ToString::to_string).collect();
+            objects.rejected.iter().chain(&self.translator.rejected()).map(ToString::to_string).collect();
         for rejection in rejections.difference(&self.logged_rejections) {
             warn!("skipping {rejection}");
         }
@@ -269,12 +293,16 @@ impl<'a> Agent<'a> {
             service_health_checks(&objects.services, &objects.slices, &self.settings.node_name);
         self.logged_rejections = rejections;
 
-        let result = dataplane.sync(&translation.state);
+        dataplane.set_health_check_node_ports(&health_checks);
+        let state = self.translator.state();
+        let result = dataplane.sync_changes(state, &changes);
         self.metrics.sync_duration.observe_duration(started.instant.elapsed());
+        let size = (state.frontends.len(), state.listed_endpoints.len());
         let outcome = match result {
             Ok(report) => {
-                self.log_report(&report, &translation.state, started);
-                self.service_health.sync(health_check_listen_ips(&node, self.settings), &health_checks);
+                self.log_report(&report, size, started);
+                self.service_health
+                    .sync(health_check_listen_ips(&node, self.settings, self.mode), &health_checks);
                 if report.is_complete() {
                     Outcome::Succeeded
                 } else {
@@ -308,7 +336,8 @@ impl<'a> Agent<'a> {
         }
     }
 
-    fn log_report(&mut self, report: &SyncReport, state: &DesiredState, started: Moment) {
+    /// `size`: the state's frontends and listed endpoints.
+    fn log_report(&mut self, report: &SyncReport, size: (usize, usize), started: Moment) {
         let unsupported: BTreeSet<String> = report.unsupported.iter().cloned().collect();
         for frontend in unsupported.difference(&self.logged_unsupported) {
             warn!("not programmed: {frontend}");
@@ -320,11 +349,11 @@ impl<'a> Agent<'a> {
         }
         self.metrics.frontend_sync_errors.add(report.failed.len() as u64);
         let took_ms = started.instant.elapsed().as_millis() as u64;
-        let (frontends, backends) = (state.frontends.len(), state.backend_count());
+        let (frontends, endpoints) = size;
         if report.changed > 0 || !report.failed.is_empty() {
-            info!(frontends, backends, took_ms, "synced: {report}");
+            info!(frontends, endpoints, took_ms, "synced: {report}");
         } else {
-            debug!(frontends, backends, took_ms, "synced: nothing to change");
+            debug!(frontends, endpoints, took_ms, "synced: nothing to change");
         }
     }
 
@@ -357,7 +386,7 @@ impl<'a> Agent<'a> {
         let proxy_settings = ProxySettings {
             cluster_cidrs: self.settings.cluster_cidrs.clone(),
             masquerade_all: self.settings.masquerade_all,
-            node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings), &facts),
+            node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings, self.mode), &facts),
             // kube-proxy takes them from ServiceCIDR objects, which no source delivers yet.
             service_cidrs: self.settings.service_cidrs.clone(),
         };
@@ -367,24 +396,60 @@ impl<'a> Agent<'a> {
 
 /// Where service health checks listen, as kube-proxy: on every address when NodePorts are
 /// served on every address, else on the NodePort addresses.
-fn health_check_listen_ips(node: &NodeContext, settings: &Settings) -> Vec<IpAddr> {
-    if node::matches_all(&node_port_addresses(settings)) {
+fn health_check_listen_ips(node: &NodeContext, settings: &Settings, mode: ProxyMode) -> Vec<IpAddr> {
+    if node::matches_all(&node_port_addresses(settings, mode)) {
         vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]
     } else {
         node.node_port_ips.iter().copied().collect()
     }
 }
 
-/// `--nodeport-addresses` as the mode reads it: empty means the primary node IPs (kube-proxy's
-/// nftables default), except in iptables and ipvs modes, where it means every node address as
-/// in kube-proxy's iptables and ipvs modes (the iptables conformance cases expect NodePorts on
-/// secondary addresses).
-fn node_port_addresses(settings: &Settings) -> Vec<crate::config::NodePortAddress> {
-    let every_address_by_default = matches!(settings.proxy_mode, ProxyMode::Iptables | ProxyMode::Ipvs);
+/// `--nodeport-addresses` as the running `mode` reads it: empty means the primary node IPs
+/// (kube-proxy's nftables default), except in iptables and ipvs modes, where it means every node
+/// address as in kube-proxy's iptables and ipvs modes (the iptables conformance cases expect
+/// NodePorts on secondary addresses). The running mode, not the requested one: auto that falls
+/// back to iptables serves as iptables mode does.
+fn node_port_addresses(settings: &Settings, mode: ProxyMode) -> Vec<crate::config::NodePortAddress> {
+    let every_address_by_default = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs);
     if every_address_by_default && settings.node_port_addresses.is_empty() {
         vec![crate::config::NodePortAddress::All]
     } else {
         settings.node_port_addresses.clone()
+    }
+}
+
+/// The dataplane to start: the requested one, or for auto what [`probe::decide`] finds this
+/// kernel and node offer (logged with every reason that ruled a better mode out).
+fn running_mode(settings: &Settings) -> anyhow::Result<ProxyMode> {
+    if settings.proxy_mode != ProxyMode::Auto {
+        info!("proxy mode {} (requested)", probe::mode_name(settings.proxy_mode));
+        return Ok(settings.proxy_mode);
+    }
+    let decision = probe::decide(&settings.bpf_root, settings.cgroup_root.as_deref())?;
+    info!("proxy mode auto: {}", decision.summary());
+    Ok(decision.mode)
+}
+
+/// Removes what vipr left behind in another `--proxy-mode` (a mode switch), before the first
+/// sync: the old mode would otherwise keep intercepting beside the new one (eBPF programs
+/// run before netfilter, IPVS services and iptables chains keep matching). Each mode's
+/// leftovers are recognised as vipr's own: kube-proxy's chains, sets and IPVS services stay
+/// (only `--cleanup` removes those). Failures are logged, not fatal: the new mode still runs.
+fn clean_other_modes(settings: &Settings, active: &str) {
+    let mut results = Vec::new();
+    if active != "ebpf" && settings.bpf_root.exists() {
+        results.push(("ebpf", EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices)));
+    }
+    if active != "iptables" {
+        results.push(("iptables", IptablesDataplane::cleanup_leftovers()));
+    }
+    if active != "ipvs" {
+        results.push(("ipvs", IpvsDataplane::cleanup_leftovers(&settings.ipvs.exclude_cidrs)));
+    }
+    for (mode, result) in results {
+        if let Err(error) = result {
+            warn!("cannot remove what {mode} mode left behind: {error:#}");
+        }
     }
 }
 

@@ -13,6 +13,26 @@ use crate::config::{
     DEFAULT_METRICS_BIND_ADDRESS,
 };
 
+/// `--lb-algorithm`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum LbAlgorithm {
+    #[default]
+    Random,
+    Maglev,
+}
+
+/// `--xdp`: where the XDP fast path for traffic from outside the node runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum XdpMode {
+    /// In the driver; falls back to generic, then off, where the driver refuses.
+    Native,
+    /// In the kernel's generic (skb) XDP path.
+    Generic,
+    /// No XDP: the TC program does everything.
+    #[default]
+    Off,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProxyMode {
     /// Pick the best dataplane the kernel supports.
@@ -84,6 +104,56 @@ pub struct Args {
     /// recently used connections are forgotten first when it is full [default: 524288].
     #[arg(long, value_name = "ENTRIES")]
     pub bpf_flows_max: Option<u32>,
+
+    /// Capacity of the per-CPU packet/byte counters map: one entry per (service port,
+    /// endpoint) pair, 16 bytes per CPU each; pairs beyond it are not counted
+    /// [default: 65536].
+    #[arg(long, value_name = "ENTRIES")]
+    pub bpf_counters_max: Option<u32>,
+
+    /// Capacity of each family's session-affinity map: clients remembered over all
+    /// ClientIP-affinity services; the least recently used are forgotten first
+    /// [default: 65536].
+    #[arg(long, value_name = "ENTRIES")]
+    pub bpf_affinity_max: Option<u32>,
+
+    /// The eBPF datapath's XDP fast path for NodePort, load-balancer and external-IP traffic
+    /// from outside the node on the --devices: `native` (in the driver, falling back to
+    /// `generic` and then `off` where the driver refuses), `generic`, or `off`. Only for
+    /// interfaces whose packets carry full checksums (NICs): see docs/ARCHITECTURE.md, "XDP".
+    #[arg(long, value_enum, value_name = "MODE", default_value = "off")]
+    pub xdp: XdpMode,
+
+    /// How the eBPF datapath picks a new connection's backend: `random` (as kube-proxy), or
+    /// `maglev` (consistent hashing of the flow: every node picks the same backend for a flow,
+    /// and a backend change moves only about 1/N of the flows).
+    #[arg(long, value_enum, value_name = "ALGORITHM", default_value = "random")]
+    pub lb_algorithm: LbAlgorithm,
+
+    /// Slots of each Maglev table, a prime from 251 to 131071; each Maglev frontend takes this
+    /// many backends-map entries per source class. At least 100 × the largest backend count
+    /// keeps the spread even [default: 1021].
+    #[arg(long, value_name = "PRIME")]
+    pub maglev_table_size: Option<u32>,
+
+    /// Idle timeout of established TCP connections in the eBPF datapath's connection tracking
+    /// [default: 24h0m0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub conntrack_tcp_timeout_established: Option<Duration>,
+
+    /// Idle timeout of TCP connections one side has closed (a FIN went one way: CLOSE_WAIT)
+    /// [default: 1h0m0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub conntrack_tcp_timeout_close_wait: Option<Duration>,
+
+    /// Idle timeout of UDP flows that were never answered (0: the kernel's 30s)
+    /// [default: 0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub conntrack_udp_timeout: Option<Duration>,
+
+    /// Idle timeout of UDP flows that were answered (0: the kernel's 120s) [default: 0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub conntrack_udp_timeout_stream: Option<Duration>,
 
     /// Remove everything vipr installed (programs, links, pinned maps under --bpf-root) and
     /// exit.
@@ -158,6 +228,11 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', value_name = "CIDR[,CIDR...]")]
     pub ipvs_exclude_cidrs: Option<Vec<IpNet>>,
 
+    /// Serve IPv4 NodePorts on 127.0.0.1 too (--proxy-mode=iptables only, as kube-proxy; sets
+    /// net.ipv4.conf.all.route_localnet=1, node-wide) [default: true].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub iptables_localhost_nodeports: Option<bool>,
+
     /// kube-proxy's log verbosity (klog): 0-2 info, 3-4 debug, 5 and more trace.
     #[arg(long = "v", value_name = "N")]
     pub klog_verbosity: Option<u32>,
@@ -194,18 +269,13 @@ pub const UNSUPPORTED_KUBE_PROXY_FLAGS: &[UnsupportedFlag] = &[
     UnsupportedFlag { name: "ipvs-sync-period", reason: SYNC_PERIODS },
     UnsupportedFlag { name: "ipvs-min-sync-period", reason: SYNC_PERIODS },
     UnsupportedFlag { name: "iptables-masquerade-bit", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag { name: "iptables-localhost-nodeports", reason: IPTABLES_IPVS_MODES },
     UnsupportedFlag {
         name: "ipvs-masquerade-bit",
         reason: "vipr's ipvs mode marks packets to masquerade with kube-proxy's default bit (0x4000)",
     },
     UnsupportedFlag { name: "conntrack-max-per-core", reason: CONNTRACK },
     UnsupportedFlag { name: "conntrack-min", reason: CONNTRACK },
-    UnsupportedFlag { name: "conntrack-tcp-timeout-established", reason: CONNTRACK },
-    UnsupportedFlag { name: "conntrack-tcp-timeout-close-wait", reason: CONNTRACK },
     UnsupportedFlag { name: "conntrack-tcp-be-liberal", reason: CONNTRACK },
-    UnsupportedFlag { name: "conntrack-udp-timeout", reason: CONNTRACK },
-    UnsupportedFlag { name: "conntrack-udp-timeout-stream", reason: CONNTRACK },
     UnsupportedFlag { name: "detect-local-mode", reason: LOCAL_DETECTION },
     UnsupportedFlag { name: "pod-bridge-interface", reason: LOCAL_DETECTION },
     UnsupportedFlag { name: "pod-interface-name-prefix", reason: LOCAL_DETECTION },

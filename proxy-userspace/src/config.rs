@@ -24,7 +24,8 @@ use clap::ValueEnum as _;
 use ipnet::IpNet;
 use serde::Deserialize;
 
-use crate::cli::{Args, ProxyMode};
+use crate::cli::{Args, LbAlgorithm, ProxyMode, XdpMode};
+use crate::dataplane::ebpf::{maglev, Balancing};
 
 /// kube-proxy's `--healthz-bind-address` default.
 pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr =
@@ -130,6 +131,12 @@ pub struct Settings {
     /// `--cgroup-root`; `None`: the cgroup2 mount point.
     pub cgroup_root: Option<PathBuf>,
     pub bpf_map_sizes: BpfMapSizes,
+    /// `--conntrack-*` timeouts: when the eBPF datapath's flow entries expire.
+    pub conntrack: ConntrackTimeouts,
+    /// `--lb-algorithm` and `--maglev-table-size`: how the eBPF datapath picks backends.
+    pub balancing: Balancing,
+    /// `--xdp`: the eBPF datapath's XDP fast path.
+    pub xdp: XdpMode,
     pub cleanup: bool,
     /// `/healthz` and `/livez`; `None` disables the server (an empty address, as kube-proxy).
     pub healthz_bind_address: Option<SocketAddr>,
@@ -155,6 +162,9 @@ pub struct Settings {
     /// kube-proxy's IPVS settings (`--ipvs-*`, the file's `ipvs` section), for
     /// `--proxy-mode=ipvs`.
     pub ipvs: IpvsSettings,
+    /// `--iptables-localhost-nodeports` (`iptables.localhostNodePorts`): IPv4 NodePorts on
+    /// 127.0.0.1 too, in iptables mode only (default true, as kube-proxy).
+    pub iptables_localhost_node_ports: bool,
     /// Settings of the `--config` file that vipr does not use, as dotted paths, for the
     /// agent to warn about once logging is up.
     pub ignored_config: Vec<String>,
@@ -278,6 +288,8 @@ impl Settings {
             .unwrap_or(LogLevel::Info);
 
         let ipvs = IpvsSettings::resolve(args, &file)?;
+        let iptables_localhost_node_ports =
+            args.iptables_localhost_nodeports.or(file.iptables.localhost_node_ports).unwrap_or(true);
 
         Ok(Self {
             proxy_mode,
@@ -287,6 +299,9 @@ impl Settings {
             bpf_root: args.bpf_root.clone(),
             cgroup_root: args.cgroup_root.clone(),
             bpf_map_sizes: BpfMapSizes::resolve(args)?,
+            conntrack: ConntrackTimeouts::resolve(args, &file)?,
+            balancing: balancing(args)?,
+            xdp: args.xdp,
             cleanup: args.cleanup,
             healthz_bind_address,
             metrics_bind_address,
@@ -298,9 +313,27 @@ impl Settings {
             node_port_addresses,
             log_level,
             ipvs,
+            iptables_localhost_node_ports,
             ignored_config: file.ignored,
         })
     }
+}
+
+fn balancing(args: &Args) -> anyhow::Result<Balancing> {
+    let table_size = args.maglev_table_size.unwrap_or(maglev::DEFAULT_TABLE_SIZE);
+    if !maglev::TABLE_SIZES.contains(&table_size) {
+        bail!(
+            "--maglev-table-size={table_size}: must be one of the primes {}",
+            maglev::TABLE_SIZES.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        );
+    }
+    Ok(match args.lb_algorithm {
+        LbAlgorithm::Random if args.maglev_table_size.is_some() => {
+            bail!("--maglev-table-size needs --lb-algorithm=maglev")
+        }
+        LbAlgorithm::Random => Balancing::Random,
+        LbAlgorithm::Maglev => Balancing::Maglev { table_size },
+    })
 }
 
 /// Capacities of the eBPF dataplane's largest maps (`--bpf-*-max`).
@@ -309,12 +342,22 @@ pub struct BpfMapSizes {
     pub services: u32,
     pub backends: u32,
     pub flows: u32,
+    /// The per-CPU counters map: (service port, backend) pairs.
+    pub counters: u32,
+    /// Each family's session-affinity map: remembered clients.
+    pub affinity: u32,
 }
 
 impl Default for BpfMapSizes {
     fn default() -> Self {
         use proxy_common::capacity;
-        Self { services: capacity::SERVICES, backends: capacity::BACKENDS, flows: capacity::FLOWS }
+        Self {
+            services: capacity::SERVICES,
+            backends: capacity::BACKENDS,
+            flows: capacity::FLOWS,
+            counters: capacity::BACKEND_COUNTERS,
+            affinity: capacity::AFFINITY,
+        }
     }
 }
 
@@ -330,6 +373,82 @@ impl BpfMapSizes {
             services: size("bpf-services-max", args.bpf_services_max, defaults.services)?,
             backends: size("bpf-backends-max", args.bpf_backends_max, defaults.backends)?,
             flows: size("bpf-flows-max", args.bpf_flows_max, defaults.flows)?,
+            counters: size("bpf-counters-max", args.bpf_counters_max, defaults.counters)?,
+            affinity: size("bpf-affinity-max", args.bpf_affinity_max, defaults.affinity)?,
+        })
+    }
+}
+
+/// When the eBPF datapath's connections expire, under kube-proxy's `--conntrack-*` names and
+/// defaults (the file's `conntrack` section). kube-proxy sets the kernel's conntrack sysctls
+/// with them; vipr's own connection tracking applies them to its flow entries, with the
+/// kernel's defaults where kube-proxy's 0 means "leave the kernel's".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackTimeouts {
+    /// Established TCP connections, idle.
+    pub tcp_established: Duration,
+    /// TCP connections with a FIN in one direction only (CLOSE_WAIT), idle.
+    pub tcp_close_wait: Duration,
+    /// TCP connections with a FIN both ways or an RST, idle: the kernel's CLOSE state (10 s)
+    /// rather than TIME_WAIT (120 s), since the backend keeps its own TIME_WAIT. No flag.
+    pub tcp_closed: Duration,
+    /// UDP flows never answered.
+    pub udp: Duration,
+    /// UDP flows answered at least once.
+    pub udp_stream: Duration,
+}
+
+impl Default for ConntrackTimeouts {
+    fn default() -> Self {
+        Self {
+            tcp_established: Duration::from_secs(24 * 3600),
+            tcp_close_wait: Duration::from_secs(3600),
+            tcp_closed: Duration::from_secs(10),
+            udp: Duration::from_secs(30),
+            udp_stream: Duration::from_secs(120),
+        }
+    }
+}
+
+impl ConntrackTimeouts {
+    fn resolve(args: &Args, file: &KubeProxyConfiguration) -> anyhow::Result<Self> {
+        let defaults = Self::default();
+        let section = &file.conntrack;
+        // Zero keeps the default, as kube-proxy's 0 leaves the kernel's value.
+        let timeout = |flag: Option<Duration>, field: &str, value: &Option<String>, default: Duration| {
+            let chosen = match (flag, value.as_deref()) {
+                (Some(timeout), _) => timeout,
+                (None, Some(text)) => parse_go_duration(text).map_err(|error| file.invalid(field, error))?,
+                (None, None) => Duration::ZERO,
+            };
+            anyhow::Ok(if chosen.is_zero() { default } else { chosen })
+        };
+        Ok(Self {
+            tcp_established: timeout(
+                args.conntrack_tcp_timeout_established,
+                "conntrack.tcpEstablishedTimeout",
+                &section.tcp_established_timeout,
+                defaults.tcp_established,
+            )?,
+            tcp_close_wait: timeout(
+                args.conntrack_tcp_timeout_close_wait,
+                "conntrack.tcpCloseWaitTimeout",
+                &section.tcp_close_wait_timeout,
+                defaults.tcp_close_wait,
+            )?,
+            tcp_closed: defaults.tcp_closed,
+            udp: timeout(
+                args.conntrack_udp_timeout,
+                "conntrack.udpTimeout",
+                &section.udp_timeout,
+                defaults.udp,
+            )?,
+            udp_stream: timeout(
+                args.conntrack_udp_timeout_stream,
+                "conntrack.udpStreamTimeout",
+                &section.udp_stream_timeout,
+                defaults.udp_stream,
+            )?,
         })
     }
 }
@@ -430,6 +549,8 @@ pub struct KubeProxyConfiguration {
     pub node_port_addresses: Option<Vec<String>>,
     #[serde(default)]
     pub logging: Logging,
+    #[serde(default)]
+    pub conntrack: ConntrackSection,
     /// The file it came from, for error messages.
     #[serde(skip)]
     pub path: Option<PathBuf>,
@@ -451,6 +572,8 @@ pub struct ModeSettings {
     pub sync_period: Option<String>,
     pub min_sync_period: Option<String>,
     pub masquerade_all: Option<bool>,
+    /// `iptables.localhostNodePorts` (read from the `iptables` section only).
+    pub localhost_node_ports: Option<bool>,
 }
 
 /// The `ipvs` section: the mode's periods, and kube-proxy's IPVS settings.
@@ -467,6 +590,17 @@ pub struct IpvsSection {
     pub tcp_timeout: Option<String>,
     pub tcp_fin_timeout: Option<String>,
     pub udp_timeout: Option<String>,
+}
+
+/// The `conntrack` section: the timeouts vipr's connection tracking applies (the other
+/// fields size the kernel's conntrack table, which vipr does not tune).
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConntrackSection {
+    pub tcp_established_timeout: Option<String>,
+    pub tcp_close_wait_timeout: Option<String>,
+    pub udp_timeout: Option<String>,
+    pub udp_stream_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -569,6 +703,10 @@ impl KubeProxyConfiguration {
             "clusterCIDR",
             "nodePortAddresses",
             "logging.verbosity",
+            "conntrack.tcpEstablishedTimeout",
+            "conntrack.tcpCloseWaitTimeout",
+            "conntrack.udpTimeout",
+            "conntrack.udpStreamTimeout",
         ]
         .into_iter()
         .map(str::to_owned)
@@ -583,6 +721,7 @@ impl KubeProxyConfiguration {
             );
         }
         used.insert("iptables.masqueradeAll".to_owned());
+        used.insert("iptables.localhostNodePorts".to_owned());
         used
     }
 }
@@ -758,6 +897,51 @@ mod tests {
         );
         let error = resolve(&["--bpf-backends-max=0"]).unwrap_err().to_string();
         assert!(error.contains("--bpf-backends-max"), "{error}");
+        assert_eq!(resolve(&["--bpf-counters-max=100"]).unwrap().counters, 100);
+    }
+
+    #[test]
+    fn conntrack_timeouts_are_kube_proxys() {
+        let resolve = |flags: &[&str]| {
+            let args =
+                Args::try_parse_from([&["vipr", "--services-file=/dev/null"], flags].concat()).unwrap();
+            Settings::resolve(&args).map(|settings| settings.conntrack)
+        };
+        let defaults = resolve(&[]).unwrap();
+        assert_eq!(defaults, ConntrackTimeouts::default());
+        assert_eq!(
+            (defaults.tcp_established, defaults.tcp_close_wait, defaults.udp, defaults.udp_stream),
+            (
+                Duration::from_secs(86_400),
+                Duration::from_secs(3600),
+                Duration::from_secs(30),
+                Duration::from_secs(120)
+            )
+        );
+        let set = resolve(&[
+            "--conntrack-tcp-timeout-established=2h",
+            "--conntrack-tcp-timeout-close-wait=5m",
+            "--conntrack-udp-timeout=3s",
+            "--conntrack-udp-timeout-stream=0s",
+        ])
+        .unwrap();
+        assert_eq!(
+            (set.tcp_established, set.tcp_close_wait, set.udp, set.udp_stream),
+            (
+                Duration::from_secs(7200),
+                Duration::from_secs(300),
+                Duration::from_secs(3),
+                Duration::from_secs(120)
+            ),
+            "0 keeps the default, as kube-proxy's 0 keeps the kernel's"
+        );
+        let file = ConfigFile::new(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+             conntrack:\n  tcpEstablishedTimeout: 1h\n  udpStreamTimeout: 1m\n",
+        );
+        let from_file = resolve(&[&file.arg(), "--conntrack-udp-timeout-stream=2m"]).unwrap();
+        assert_eq!(from_file.tcp_established, Duration::from_secs(3600));
+        assert_eq!(from_file.udp_stream, Duration::from_secs(120), "the flag wins");
     }
 
     #[test]
@@ -950,6 +1134,21 @@ logging:
         let settings = self::settings(&[&file.arg(), "--kubeconfig=/other", "--masquerade-all"]).unwrap();
         assert_eq!(settings.source, SourceSettings::Kubernetes { kubeconfig: Some("/other".into()) });
         assert!(settings.masquerade_all);
+    }
+
+    #[test]
+    fn iptables_localhost_nodeports_defaults_to_true_and_the_flag_overrides_the_file() {
+        assert!(settings(&[]).unwrap().iptables_localhost_node_ports);
+        assert!(!settings(&["--iptables-localhost-nodeports=false"]).unwrap().iptables_localhost_node_ports);
+        let file = ConfigFile::new(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: iptables\n\
+             iptables:\n  localhostNodePorts: false\n",
+        );
+        let from_file = settings(&[&file.arg()]).unwrap();
+        assert!(!from_file.iptables_localhost_node_ports);
+        assert!(from_file.ignored_config.is_empty(), "{:?}", from_file.ignored_config);
+        let flag = settings(&[&file.arg(), "--iptables-localhost-nodeports"]).unwrap();
+        assert!(flag.iptables_localhost_node_ports);
     }
 
     #[test]

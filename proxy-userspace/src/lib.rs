@@ -6,6 +6,7 @@
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
 pub mod agent;
+pub mod bpf_sys;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
@@ -14,4 +15,5 @@ pub mod host;
 pub mod http;
 pub mod metrics;
 pub mod model;
+pub mod probe;
 pub mod source;

@@ -10,7 +10,7 @@ use std::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
 
-use crate::source::Objects;
+use crate::{model::kubernetes::content_hash, source::Objects};
 
 /// The annotation in which the EndpointSlice controller records when the change that
 /// triggered this version of the slice happened (a pod became ready, ...).
@@ -99,12 +99,15 @@ fn versions<T: Serialize>(
         .iter()
         .map(|object| {
             let meta = metadata(object);
-            let mut hasher = DefaultHasher::new();
-            match &meta.resource_version {
-                Some(version) => version.hash(&mut hasher),
-                None => serde_json::to_string(object).unwrap_or_default().hash(&mut hasher),
-            }
-            (key(meta), hasher.finish())
+            let version = match &meta.resource_version {
+                Some(version) => {
+                    let mut hasher = DefaultHasher::new();
+                    version.hash(&mut hasher);
+                    hasher.finish()
+                }
+                None => content_hash(object),
+            };
+            (key(meta), version)
         })
         .collect()
 }

@@ -1,7 +1,7 @@
 //! Dataplanes: each turns a [`DesiredState`] into kernel state, behind one trait.
 use std::fmt;
 
-use crate::model::DesiredState;
+use crate::model::{DesiredState, StateChanges};
 
 pub mod ebpf;
 pub mod iptables;
@@ -47,9 +47,32 @@ pub trait Dataplane {
     /// report.
     fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport>;
 
+    /// [`Self::sync`] of a state that differs from an earlier one by `changes`. A dataplane
+    /// that last synced the generation `changes.since` completely may apply only the changes;
+    /// any other, and every dataplane that does not track generations, compares it all.
+    fn sync_changes(&mut self, state: &DesiredState, changes: &StateChanges) -> anyhow::Result<SyncReport> {
+        let _ = changes;
+        self.sync(state)
+    }
+
     /// The node's interfaces changed (a pod's veth came or went): serve exactly `devices`
     /// from now on. Dataplanes that do not attach to devices ignore it.
     fn serve_devices(&mut self, _devices: &[String]) -> anyhow::Result<()> {
         Ok(())
+    }
+
+    /// What the dataplane reports on `/metrics` besides the agent's own metrics (the eBPF
+    /// dataplane's per-service and per-backend counters).
+    fn collectors(&self) -> Vec<std::sync::Arc<dyn crate::metrics::Collector>> {
+        Vec::new()
+    }
+
+    /// The health-check node ports of the services (eTP:Local load balancers), for the
+    /// dataplane to let through its filter from the next sync on, as kube-proxy's iptables
+    /// rules do. Dataplanes without a filter ignore it.
+    fn set_health_check_node_ports(
+        &mut self,
+        _checks: &std::collections::BTreeMap<crate::health::ServiceName, crate::health::ServiceHealthCheck>,
+    ) {
     }
 }

@@ -44,7 +44,7 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10_800);
 
 /// The node vipr runs on and the proxy settings that shape its semantics.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
     pub name: String,
     /// The node's `topology.kubernetes.io/zone`, for topology-aware routing.
@@ -411,6 +411,15 @@ fn allowed_load_balancer_sources(service: &ServiceSpec, node: &NodeContext, ipv4
     allowed
 }
 
+/// A hash of an object's content (its JSON form), for objects without a resourceVersion
+/// (those of a services file): two versions that hash alike are taken as the same.
+pub(crate) fn content_hash<T: serde::Serialize>(object: &T) -> u64 {
+    use std::hash::{DefaultHasher, Hash as _, Hasher as _};
+    let mut hasher = DefaultHasher::new();
+    serde_json::to_string(object).unwrap_or_default().hash(&mut hasher);
+    hasher.finish()
+}
+
 fn describe(kind: &str, metadata: &ObjectMeta) -> String {
     format!(
         "{kind} {}/{}",
@@ -657,3 +666,5 @@ fn slice_endpoints(
 
 #[cfg(test)]
 mod tests;
+
+pub mod incremental;

@@ -218,3 +218,29 @@ impl DesiredState {
         self.frontends.values().map(|entry| entry.all_backends().len()).sum()
     }
 }
+
+/// What differs between two generations of a [`DesiredState`], so that a dataplane can apply
+/// only that. It names no dataplane concept: frontends, endpoints and whether the rest of the
+/// state (cluster IPs, service ranges, source classes) changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StateChanges {
+    /// The generation these changes lead from; `None` when everything may have changed (the
+    /// first translation, a new node context), and the dataplane must compare it all.
+    pub since: Option<u64>,
+    /// The generation they lead to.
+    pub generation: u64,
+    /// Frontends added, changed or removed.
+    pub frontends: BTreeSet<Frontend>,
+    /// `cluster_ips`, `service_cidrs` or `sources` changed.
+    pub classifiers: bool,
+    /// Endpoints that `listed_endpoints` gained or lost.
+    pub listed_added: BTreeSet<Backend>,
+    pub listed_removed: BTreeSet<Backend>,
+}
+
+impl StateChanges {
+    /// Changes that make a dataplane compare everything.
+    pub fn everything(generation: u64) -> Self {
+        Self { since: None, generation, classifiers: true, ..Self::default() }
+    }
+}

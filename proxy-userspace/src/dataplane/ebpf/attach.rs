@@ -98,7 +98,8 @@ pub fn detach_stale_links(pin_dir: &PinDir, devices: &[String]) -> anyhow::Resul
         let path = entry?.path();
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         // The cgroup hooks' links live here too; their own code keeps them (see below).
-        if devices.contains(&name) || is_cgroup_link(&path) {
+        // So do the XDP links (xdp_attach.rs).
+        if devices.contains(&name) || super::xdp_attach::is_xdp_pin(&name) || is_cgroup_link(&path) {
             continue;
         }
         match PinnedLink::from_pin(&path) {
@@ -201,28 +202,15 @@ mod bpf_sys {
         ffi::CString,
         io,
         os::{
-            fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+            fd::{AsRawFd as _, BorrowedFd, OwnedFd},
             unix::ffi::OsStrExt as _,
         },
         path::Path,
     };
 
-    const BPF_OBJ_GET: libc::c_long = 7;
-    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    const BPF_LINK_UPDATE: libc::c_long = 29;
-    const BPF_LINK_TYPE_CGROUP: u32 = 3;
+    use crate::bpf_sys::{self, bpf, cmd};
 
-    fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
-        // SAFETY: `attr` is a bpf_attr prefix for `cmd`, valid for its size; the kernel zero-fills
-        // the rest of the union.
-        let result =
-            unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), std::mem::size_of::<T>()) };
-        if result < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(result)
-        }
-    }
+    const BPF_LINK_TYPE_CGROUP: u32 = 3;
 
     #[repr(C)]
     #[derive(Default)]
@@ -238,9 +226,8 @@ mod bpf_sys {
     pub fn open_pinned(path: &Path) -> io::Result<OwnedFd> {
         let path = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
         let mut attr = ObjGet { pathname: path.as_ptr() as u64, ..ObjGet::default() };
-        let fd = bpf(BPF_OBJ_GET, &mut attr)?;
-        // SAFETY: the kernel returned a new descriptor that nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+        // SAFETY: the attribute's path outlives the call.
+        unsafe { bpf(cmd::OBJ_GET, &mut attr) }.and_then(bpf_sys::owned_fd)
     }
 
     #[repr(C)]
@@ -273,7 +260,8 @@ mod bpf_sys {
             info_len: std::mem::size_of::<LinkInfo>() as u32,
             info: std::ptr::from_mut(&mut info) as u64,
         };
-        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+        // SAFETY: `info` outlives the call and is as long as `info_len` says.
+        unsafe { bpf(cmd::OBJ_GET_INFO_BY_FD, &mut attr) }?;
         Ok((info.link_type == BPF_LINK_TYPE_CGROUP).then_some(info.cgroup_id))
     }
 
@@ -293,6 +281,7 @@ mod bpf_sys {
             flags: 0,
             old_prog_fd: 0,
         };
-        bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+        // SAFETY: the attribute holds descriptors only.
+        unsafe { bpf(cmd::LINK_UPDATE, &mut attr) }.map(drop)
     }
 }

@@ -14,7 +14,9 @@ use std::{
 use proxy_common::{proto, service_flags, source_class, unmatched};
 
 use super::{
+    counters::CounterIds,
     family::{Family, V4, V6},
+    maglev,
     plan::WantedService,
 };
 use crate::model::{
@@ -30,7 +32,7 @@ pub struct Wanted {
     pub v4: FamilyWanted<V4>,
     pub v6: FamilyWanted<V6>,
     /// Frontends (or parts of them) this dataplane cannot express, with the reason.
-    pub unsupported: Vec<String>,
+    pub unsupported: BTreeMap<Frontend, String>,
 }
 
 /// What one family's maps should hold.
@@ -61,52 +63,185 @@ const CLASSES: [(SourceClass, u8); 3] = [
     (SourceClass::Node, source_class::NODE),
 ];
 
-pub fn encode(state: &DesiredState, service_ids: &mut ServiceIds) -> Wanted {
+/// How a new connection's backend is chosen among a frontend's (`--lb-algorithm`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Balancing {
+    /// Uniformly at random, as kube-proxy.
+    #[default]
+    Random,
+    /// By the flow's hash in a Maglev table of this many slots (a prime, see
+    /// [`super::maglev`]), so that every node picks the same backend for a flow.
+    Maglev { table_size: u32 },
+}
+
+/// `counters` hands each (service port, backend) pair its counter index.
+pub fn encode(
+    state: &DesiredState,
+    balancing: Balancing,
+    service_ids: &mut ServiceIds,
+    counters: &mut CounterIds,
+) -> Wanted {
     let mut wanted = Wanted::default();
     for (frontend, entry) in &state.frontends {
-        let Some(protocol) = ip_protocol(frontend.protocol) else {
-            wanted
-                .unsupported
-                .push(format!("{frontend} ({}): only TCP and UDP are supported", entry.service));
-            continue;
-        };
-        if entry.affinity.is_some() {
-            wanted
-                .unsupported
-                .push(format!("{frontend} ({}): programmed without session affinity", entry.service));
-        }
-        let service_id = service_ids.id_for(&entry.service, (frontend.ip, frontend.port, protocol));
-        match frontend.ip {
-            IpAddr::V4(_) => wanted.v4.add_frontend(frontend, entry, protocol, service_id),
-            IpAddr::V6(_) => wanted.v6.add_frontend(frontend, entry, protocol, service_id),
-        }
+        wanted.add_frontend(frontend, entry, balancing, service_ids, counters);
     }
     wanted.v4.add_classifiers(state);
     wanted.v6.add_classifiers(state);
     wanted
 }
 
+/// The services entries of each family that [`encode_changes`] touched, to plan.
+#[derive(Debug)]
+pub struct Touched<F: Family> {
+    pub keys: BTreeSet<F::ServiceKey>,
+    /// The source ranges were re-encoded.
+    pub source_ranges: bool,
+}
+
+impl<F: Family> Default for Touched<F> {
+    fn default() -> Self {
+        Self { keys: BTreeSet::new(), source_ranges: false }
+    }
+}
+
+/// Brings `wanted`, the encoding of an earlier state, to the encoding of `state`, which
+/// differs from it in the entries of the `changed` frontends only (and, with `classifiers`,
+/// in its cluster IPs, service ranges and source classes).
+pub fn encode_changes(
+    wanted: &mut Wanted,
+    state: &DesiredState,
+    changed: &BTreeSet<Frontend>,
+    classifiers: bool,
+    balancing: Balancing,
+    service_ids: &mut ServiceIds,
+    counters: &mut CounterIds,
+) -> (Touched<V4>, Touched<V6>) {
+    let mut touched = (Touched::<V4>::default(), Touched::<V6>::default());
+    let mut ranges = false;
+    for frontend in changed {
+        wanted.unsupported.remove(frontend);
+        ranges |= match frontend.ip {
+            IpAddr::V4(_) => wanted.v4.remove_frontend(frontend, &mut touched.0.keys),
+            IpAddr::V6(_) => wanted.v6.remove_frontend(frontend, &mut touched.1.keys),
+        };
+        if let Some(entry) = state.frontends.get(frontend) {
+            ranges |= !entry.allowed_sources.is_empty();
+            wanted.add_frontend(frontend, entry, balancing, service_ids, counters);
+        }
+    }
+    // Frontends of one service share its source ranges: they are encoded anew from all.
+    if ranges {
+        wanted.v4.source_ranges.clear();
+        wanted.v6.source_ranges.clear();
+        for (frontend, entry) in state.frontends.iter().filter(|(_, entry)| !entry.allowed_sources.is_empty())
+        {
+            let Some(protocol) = ip_protocol(frontend.protocol) else { continue };
+            let service_id = service_ids.id_for(&entry.service, (frontend.ip, frontend.port, protocol));
+            wanted.v4.add_source_ranges(service_id, entry);
+            wanted.v6.add_source_ranges(service_id, entry);
+        }
+        touched.0.source_ranges = true;
+        touched.1.source_ranges = true;
+    }
+    if classifiers {
+        wanted.v4.add_classifiers(state);
+        wanted.v6.add_classifiers(state);
+    }
+    touched
+}
+
+impl Wanted {
+    fn add_frontend(
+        &mut self,
+        frontend: &Frontend,
+        entry: &FrontendEntry,
+        balancing: Balancing,
+        service_ids: &mut ServiceIds,
+        counters: &mut CounterIds,
+    ) {
+        let Some(protocol) = ip_protocol(frontend.protocol) else {
+            self.unsupported
+                .insert(*frontend, format!("{frontend} ({}): only TCP and UDP are supported", entry.service));
+            return;
+        };
+        let service_id = service_ids.id_for(&entry.service, (frontend.ip, frontend.port, protocol));
+        match frontend.ip {
+            IpAddr::V4(_) => self.v4.add_frontend(frontend, entry, protocol, service_id, balancing, counters),
+            IpAddr::V6(_) => self.v6.add_frontend(frontend, entry, protocol, service_id, balancing, counters),
+        }
+    }
+}
+
 impl<F: Family> FamilyWanted<F> {
-    /// One services entry per source class for a frontend of this family.
-    fn add_frontend(&mut self, frontend: &Frontend, entry: &FrontendEntry, protocol: u8, service_id: u32) {
-        let Some(addr) = F::addr(frontend.ip) else { return };
-        let mut flags_common = 0;
+    /// Takes a frontend's entries out and adds their keys to `keys`; says whether they were
+    /// filtered by source ranges.
+    fn remove_frontend(&mut self, frontend: &Frontend, keys: &mut BTreeSet<F::ServiceKey>) -> bool {
+        let (Some(addr), Some(protocol)) = (F::addr(frontend.ip), ip_protocol(frontend.protocol)) else {
+            return false;
+        };
+        let mut ranged = false;
+        for (_, class_code) in CLASSES {
+            let key = F::service_key(addr, frontend.port, protocol, class_code);
+            if let Some(removed) = self.services.remove(&key) {
+                ranged |= removed.flags & service_flags::SOURCE_RANGES != 0;
+            }
+            keys.insert(key);
+        }
+        ranged
+    }
+
+    /// The source-range trie keys of a frontend's entry that are of this family.
+    fn add_source_ranges(&mut self, service_id: u32, entry: &FrontendEntry) -> bool {
         let ranges: Vec<_> =
             entry.allowed_sources.iter().filter_map(|range| F::source_range(service_id, range)).collect();
-        if !ranges.is_empty() {
+        let any = !ranges.is_empty();
+        self.source_ranges.extend(ranges.into_iter().map(|key| (key, 1)));
+        any
+    }
+
+    /// One services entry per source class for a frontend of this family.
+    fn add_frontend(
+        &mut self,
+        frontend: &Frontend,
+        entry: &FrontendEntry,
+        protocol: u8,
+        service_id: u32,
+        balancing: Balancing,
+        counters: &mut CounterIds,
+    ) {
+        let Some(addr) = F::addr(frontend.ip) else { return };
+        let mut flags_common = 0;
+        // The API bounds the timeout to 1-86400 s; saturate rather than wrap whatever comes.
+        let affinity_timeout =
+            entry.affinity.map_or(0, |timeout| u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1));
+        if self.add_source_ranges(service_id, entry) {
             flags_common |= service_flags::SOURCE_RANGES;
-            self.source_ranges.extend(ranges.into_iter().map(|key| (key, 1)));
         }
         for (class, class_code) in CLASSES {
             let treatment = entry.treatment(class);
-            let backends = treatment
+            let backends: Vec<F::Backend> = treatment
                 .backends
                 .iter()
-                .filter_map(|backend| Some(F::backend(F::addr(backend.ip)?, backend.port)))
+                .filter_map(|backend| {
+                    let addr = F::addr(backend.ip)?;
+                    let counter = counters.index(&entry.service, service_id, backend.ip, backend.port);
+                    Some(F::backend(addr, backend.port, counter))
+                })
                 .collect();
+            let (backends, balancing_flag) = match balancing {
+                Balancing::Maglev { table_size } if !backends.is_empty() => {
+                    (maglev_table::<F>(&backends, table_size), service_flags::MAGLEV)
+                }
+                _ => (backends, 0),
+            };
             self.services.insert(
                 F::service_key(addr, frontend.port, protocol, class_code),
-                WantedService { backends, service_id, flags: flags_common | flags(treatment) },
+                WantedService {
+                    backends,
+                    service_id,
+                    flags: flags_common | balancing_flag | flags(treatment),
+                    affinity_timeout,
+                },
             );
         }
     }
@@ -135,6 +270,25 @@ fn flags(treatment: &Treatment) -> u32 {
         flags |= service_flags::REJECT_WHEN_EMPTY;
     }
     flags
+}
+
+/// The backends as a Maglev table: slot `i` holds the backend the table gives it. A backend's
+/// identity for the table is its address and port, never its counter index, which is this
+/// node's own.
+fn maglev_table<F: Family>(backends: &[F::Backend], size: u32) -> Vec<F::Backend> {
+    let identities: Vec<Vec<u8>> = backends
+        .iter()
+        .map(|backend| {
+            let (ip, port, _) = F::backend_parts(backend);
+            let mut identity = match ip {
+                IpAddr::V4(ip) => ip.octets().to_vec(),
+                IpAddr::V6(ip) => ip.octets().to_vec(),
+            };
+            identity.extend_from_slice(&port.to_be_bytes());
+            identity
+        })
+        .collect();
+    maglev::table(&identities, size).into_iter().map(|owner| backends[owner]).collect()
 }
 
 fn ip_protocol(protocol: Protocol) -> Option<u8> {
@@ -252,10 +406,12 @@ mod tests {
 
     #[test]
     fn a_dual_stack_service_programs_each_family_with_its_own_endpoints() {
-        let wanted = encode(&dual_stack(&[]), &mut ServiceIds::default());
+        let wanted =
+            encode(&dual_stack(&[]), Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
         assert!(wanted.unsupported.is_empty(), "{:?}", wanted.unsupported);
-        let v4_backend = Backend4 { addr: [10, 1, 0, 1], port: 8080, pad: 0 };
-        let v6_backend = Backend6 { addr: octets6("fd00:10:244::1"), port: 8080, pad: 0 };
+        // One service port, one endpoint per family: a counter each.
+        let v4_backend = Backend4 { addr: [10, 1, 0, 1], port: 8080, pad: 0, counter: 1 };
+        let v6_backend = Backend6 { addr: octets6("fd00:10:244::1"), port: 8080, pad: 0, counter: 2 };
         // Cluster IP and load-balancer IP, three source classes each.
         assert_eq!(wanted.v4.services.len(), 6);
         assert_eq!(wanted.v6.services.len(), 6);
@@ -282,7 +438,8 @@ mod tests {
 
     #[test]
     fn classifiers_and_unmatched_destinations_go_to_their_family() {
-        let wanted = encode(&dual_stack(&[]), &mut ServiceIds::default());
+        let wanted =
+            encode(&dual_stack(&[]), Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
         assert_eq!(wanted.v4.node_ips, BTreeMap::from([([192, 168, 0, 2], 1)]));
         assert_eq!(wanted.v6.node_ips, BTreeMap::from([(octets6("2001:db8::1"), 1)]));
         assert_eq!(wanted.v4.pod_cidrs, BTreeMap::from([((8, [10, 0, 0, 0]), 1)]));
@@ -316,8 +473,12 @@ mod tests {
             source_class: class,
         };
 
-        let wanted =
-            encode(&dual_stack(&["203.0.113.0/25", " 2001:db8:1::/64 "]), &mut ServiceIds::default());
+        let wanted = encode(
+            &dual_stack(&["203.0.113.0/25", " 2001:db8:1::/64 "]),
+            Balancing::Random,
+            &mut ServiceIds::default(),
+            &mut CounterIds::new(16),
+        );
         let id = wanted.v6.services[&lb6(0)].service_id;
         assert_eq!(wanted.v4.services[&lb4(0)].service_id, id);
         for class in [source_class::OUTSIDE, source_class::POD, source_class::NODE] {
@@ -333,7 +494,12 @@ mod tests {
         range6[4..].copy_from_slice(&octets6("2001:db8:1::"));
         assert_eq!(wanted.v6.source_ranges, BTreeMap::from([((32 + 64, range6), 1)]));
 
-        let wanted = encode(&dual_stack(&["203.0.113.0/25"]), &mut ServiceIds::default());
+        let wanted = encode(
+            &dual_stack(&["203.0.113.0/25"]),
+            Balancing::Random,
+            &mut ServiceIds::default(),
+            &mut CounterIds::new(16),
+        );
         assert_ne!(wanted.v4.services[&lb4(0)].flags & service_flags::SOURCE_RANGES, 0);
         assert_eq!(wanted.v6.services[&lb6(0)].flags & service_flags::SOURCE_RANGES, 0);
         assert!(wanted.v6.source_ranges.is_empty());
@@ -355,5 +521,46 @@ mod tests {
         assert_eq!(ids.id_for(&name, (vip6, 80, proto::TCP)), 42);
         // The service's IPv4 frontend gets the same id.
         assert_eq!(ids.id_for(&name, ("10.96.0.10".parse().unwrap(), 80, proto::TCP)), 42);
+    }
+
+    /// The affinity timeouts of both families' entries.
+    fn affinity_timeouts(wanted: &Wanted) -> BTreeSet<u32> {
+        let v4 = wanted.v4.services.values().map(|service| service.affinity_timeout);
+        v4.chain(wanted.v6.services.values().map(|service| service.affinity_timeout)).collect()
+    }
+
+    #[test]
+    fn session_affinity_becomes_the_entries_timeout() {
+        let mut state = dual_stack(&[]);
+        for entry in state.frontends.values_mut() {
+            entry.affinity = Some(std::time::Duration::from_secs(600));
+        }
+        let wanted = encode(&state, Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
+        assert!(wanted.unsupported.is_empty(), "{:?}", wanted.unsupported);
+        assert_eq!(affinity_timeouts(&wanted), BTreeSet::from([600]));
+
+        let plain =
+            encode(&dual_stack(&[]), Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
+        assert_eq!(affinity_timeouts(&plain), BTreeSet::from([0]));
+    }
+
+    #[test]
+    fn maglev_fills_the_set_with_a_table_that_ignores_counter_indices() {
+        let table_size = 251;
+        let wanted = encode(
+            &dual_stack(&[]),
+            Balancing::Maglev { table_size },
+            &mut ServiceIds::default(),
+            &mut CounterIds::new(16),
+        );
+        for service in wanted.v4.services.values() {
+            assert_eq!(service.backends.len(), table_size as usize);
+            assert_ne!(service.flags & service_flags::MAGLEV, 0);
+        }
+        // Two nodes hand out different counter indices; their tables still agree.
+        let a = [V4::backend([10, 1, 0, 1], 80, 1), V4::backend([10, 1, 0, 2], 80, 2)];
+        let b = [V4::backend([10, 1, 0, 2], 80, 7), V4::backend([10, 1, 0, 1], 80, 9)];
+        let owners = |table: Vec<Backend4>| table.iter().map(|backend| backend.addr).collect::<Vec<_>>();
+        assert_eq!(owners(maglev_table::<V4>(&a, table_size)), owners(maglev_table::<V4>(&b, table_size)));
     }
 }

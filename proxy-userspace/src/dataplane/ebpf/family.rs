@@ -1,11 +1,11 @@
-//! IPv4 and IPv6 as the maps see them: each family has its own set of maps (`vipr_*4_v1`,
-//! `vipr_*6_v1`) with the same meaning, so encoding, planning and syncing are written once,
+//! IPv4 and IPv6 as the maps see them: each family has its own set of maps (`vipr_*4_v*`,
+//! `vipr_*6_v*`) with the same meaning, so encoding, planning and syncing are written once,
 //! generic over [`Family`], and run for both.
 use std::{fmt::Debug, hash::Hash, net::IpAddr};
 
 use aya::Pod;
 use ipnet::IpNet;
-use proxy_common::{pins, Backend4, Backend6, ServiceKey4, ServiceKey6};
+use proxy_common::{pins, Backend4, Backend6, BackendMember4, BackendMember6, ServiceKey4, ServiceKey6};
 
 /// The names of one family's pinned maps.
 #[derive(Clone, Copy, Debug)]
@@ -17,6 +17,8 @@ pub struct MapNames {
     pub pod_cidrs: &'static str,
     pub unmatched: &'static str,
     pub source_ranges: &'static str,
+    pub members: &'static str,
+    pub affinity: &'static str,
 }
 
 pub trait Family: Debug + Default + Clone + Copy + PartialEq + Eq + 'static {
@@ -26,6 +28,8 @@ pub trait Family: Debug + Default + Clone + Copy + PartialEq + Eq + 'static {
     type RangeData: Pod + Ord + Debug;
     type ServiceKey: Pod + Ord + Debug;
     type Backend: Pod + Ord + Hash + Debug;
+    /// Key of the membership map: a backend (address and port) in a backend set.
+    type Member: Pod + Ord + Debug;
 
     const NAME: &'static str;
     /// Bits in an address: the prefix length of a single address in a trie.
@@ -45,7 +49,15 @@ pub trait Family: Debug + Default + Clone + Copy + PartialEq + Eq + 'static {
     fn service_key(addr: Self::Addr, port: u16, proto: u8, source_class: u8) -> Self::ServiceKey;
     /// The frontend of a services-map key: address, port, protocol.
     fn frontend(key: &Self::ServiceKey) -> (IpAddr, u16, u8);
-    fn backend(addr: Self::Addr, port: u16) -> Self::Backend;
+    /// A backend slot's value; `counter` is the (service port, backend) pair's index in the
+    /// counters map.
+    fn backend(addr: Self::Addr, port: u16, counter: u32) -> Self::Backend;
+    /// The address, port and counter index of a backend slot's value.
+    fn backend_parts(backend: &Self::Backend) -> (IpAddr, u16, u32);
+    /// The membership-map key of `backend` in `backend_set`.
+    fn member(backend_set: u32, backend: &Self::Backend) -> Self::Member;
+    /// The backend set of a membership-map key.
+    fn member_set(member: &Self::Member) -> u32;
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -56,8 +68,8 @@ pub struct V6;
 
 /// The parts of [`Family`] that are the same code for both families up to the types.
 macro_rules! same_shape {
-    ($backend:ident, $service_key:ident) => {
-        const INCOMPLETE: $backend = $backend { addr: [0; _], port: 0, pad: u16::MAX };
+    ($backend:ident, $service_key:ident, $member:ident) => {
+        const INCOMPLETE: $backend = $backend { addr: [0; _], port: 0, pad: u16::MAX, counter: 0 };
 
         fn service_key(addr: Self::Addr, port: u16, proto: u8, source_class: u8) -> $service_key {
             $service_key { addr, port, proto, source_class }
@@ -67,8 +79,20 @@ macro_rules! same_shape {
             (IpAddr::from(key.addr), key.port, key.proto)
         }
 
-        fn backend(addr: Self::Addr, port: u16) -> $backend {
-            $backend { addr, port, pad: 0 }
+        fn backend(addr: Self::Addr, port: u16, counter: u32) -> $backend {
+            $backend { addr, port, pad: 0, counter }
+        }
+
+        fn backend_parts(backend: &$backend) -> (IpAddr, u16, u32) {
+            (IpAddr::from(backend.addr), backend.port, backend.counter)
+        }
+
+        fn member(backend_set: u32, backend: &$backend) -> $member {
+            $member { backend_set, addr: backend.addr, port: backend.port, pad: 0 }
+        }
+
+        fn member_set(member: &$member) -> u32 {
+            member.backend_set
         }
 
         fn ip(addr: &Self::Addr) -> IpAddr {
@@ -90,6 +114,7 @@ impl Family for V4 {
     type RangeData = [u8; 8];
     type ServiceKey = ServiceKey4;
     type Backend = Backend4;
+    type Member = BackendMember4;
 
     const NAME: &'static str = "IPv4";
     const BITS: u32 = 32;
@@ -101,9 +126,11 @@ impl Family for V4 {
         pod_cidrs: pins::POD_CIDRS4,
         unmatched: pins::UNMATCHED4,
         source_ranges: pins::SOURCE_RANGES4,
+        members: pins::MEMBERS4,
+        affinity: pins::AFFINITY4,
     };
 
-    same_shape!(Backend4, ServiceKey4);
+    same_shape!(Backend4, ServiceKey4, BackendMember4);
 
     fn addr(ip: IpAddr) -> Option<[u8; 4]> {
         match ip {
@@ -125,6 +152,7 @@ impl Family for V6 {
     type RangeData = [u8; 20];
     type ServiceKey = ServiceKey6;
     type Backend = Backend6;
+    type Member = BackendMember6;
 
     const NAME: &'static str = "IPv6";
     const BITS: u32 = 128;
@@ -136,9 +164,11 @@ impl Family for V6 {
         pod_cidrs: pins::POD_CIDRS6,
         unmatched: pins::UNMATCHED6,
         source_ranges: pins::SOURCE_RANGES6,
+        members: pins::MEMBERS6,
+        affinity: pins::AFFINITY6,
     };
 
-    same_shape!(Backend6, ServiceKey6);
+    same_shape!(Backend6, ServiceKey6, BackendMember6);
 
     fn addr(ip: IpAddr) -> Option<[u8; 16]> {
         match ip {

@@ -1,27 +1,42 @@
 //! One address family's maps as the agent writes them: services and backends (planned by
 //! [`super::plan`]) and the classification and filtering tries (synced by difference, see
 //! [`super::mirror`]). The dataplane holds one of these per family.
+use std::{
+    collections::{hash_map::Entry, BTreeMap, BTreeSet, HashMap as StdHashMap},
+    os::fd::AsFd as _,
+};
+
 use anyhow::Context as _;
 use aya::{
-    maps::{HashMap, LpmTrie, MapData},
+    maps::{HashMap, IterableMap as _, LpmTrie, MapData},
     Ebpf,
 };
 use proxy_common::{BackendSlot, Service};
 use tracing::{info, warn};
 
 use super::{
+    counters::CounterIds,
     encode::{FamilyWanted, ServiceIds},
     family::Family,
     mirror::{log_read_error, KeyedMap as _, Mirrored},
-    plan::{plan, unused_sets, Programmed, SetIds},
+    plan::{plan, plan_changes, unused_sets, Programmed, SetIds},
     take_map,
 };
-use crate::dataplane::SyncReport;
+use crate::{bpf_sys::update_batch, dataplane::SyncReport};
 
 pub struct FamilyMaps<F: Family> {
     services: HashMap<MapData, F::ServiceKey, Service>,
     backends: HashMap<MapData, BackendSlot, F::Backend>,
+    /// Which backends each set holds (for session affinity), written and cleared with the
+    /// sets.
+    members: HashMap<MapData, F::Member, u32>,
     programmed: Programmed<F>,
+    /// Indexes of `programmed` kept along with it, so that a sync of a few entries costs
+    /// what they do: complete sets by their backends, how many entries point to each set,
+    /// and how many sets carry each counter index.
+    content: StdHashMap<Vec<F::Backend>, u32>,
+    set_refs: StdHashMap<u32, usize>,
+    counter_refs: StdHashMap<u32, usize>,
     set_ids: SetIds,
     node_ips: Mirrored<HashMap<MapData, F::Addr, u8>>,
     pod_cidrs: Mirrored<LpmTrie<MapData, F::Addr, u8>>,
@@ -31,22 +46,38 @@ pub struct FamilyMaps<F: Family> {
 
 impl<F: Family> FamilyMaps<F> {
     /// Takes the family's maps out of the loaded object and reads back what they hold; the
-    /// service ids found there are handed to `service_ids`, so adopted entries keep them.
-    pub fn adopt(ebpf: &mut Ebpf, service_ids: &mut ServiceIds) -> anyhow::Result<Self> {
+    /// service ids found there are handed to `service_ids`, and the counter indices of the
+    /// slots to `counters`, so adopted entries keep them.
+    pub fn adopt(
+        ebpf: &mut Ebpf,
+        service_ids: &mut ServiceIds,
+        counters: &mut CounterIds,
+    ) -> anyhow::Result<Self> {
         let names = F::MAPS;
         let services: HashMap<MapData, F::ServiceKey, Service> = take_map(ebpf, names.services)?;
         let backends: HashMap<MapData, BackendSlot, F::Backend> = take_map(ebpf, names.backends)?;
-        let programmed = Programmed::from_entries(
+        let programmed = Programmed::<F>::from_entries(
             services.iter().filter_map(log_read_error),
             backends.iter().filter_map(log_read_error),
         );
         for (key, service) in &programmed.services {
             service_ids.adopt::<F>(key, service.service_id);
+            for backend in programmed.sets.get(&service.backend_set).into_iter().flatten() {
+                let (ip, port, counter) = F::backend_parts(backend);
+                counters.adopt(service.service_id, ip, port, counter);
+            }
         }
         if !programmed.services.is_empty() {
             info!(family = F::NAME, entries = programmed.services.len(), "adopted the pinned datapath");
         }
-        Ok(Self {
+        let mut members: HashMap<MapData, F::Member, u32> = take_map(ebpf, names.members)?;
+        remove_stale_members(&mut members, &programmed);
+        let mut set_refs = StdHashMap::new();
+        for service in programmed.services.values() {
+            *set_refs.entry(service.backend_set).or_default() += 1;
+        }
+        let mut maps = Self {
+            members,
             node_ips: Mirrored::adopt(take_map(ebpf, names.node_ips)?),
             pod_cidrs: Mirrored::adopt(take_map(ebpf, names.pod_cidrs)?),
             unmatched: Mirrored::adopt(take_map(ebpf, names.unmatched)?),
@@ -54,18 +85,93 @@ impl<F: Family> FamilyMaps<F> {
             services,
             backends,
             set_ids: SetIds::after(&programmed),
-            programmed,
-        })
+            programmed: Programmed::default(),
+            content: StdHashMap::new(),
+            set_refs,
+            counter_refs: StdHashMap::new(),
+        };
+        for (set, backends) in programmed.sets {
+            maps.insert_set(set, backends);
+        }
+        maps.programmed.services = programmed.services;
+        Ok(maps)
+    }
+
+    /// Records a programmed set in `programmed` and the indexes.
+    fn insert_set(&mut self, set: u32, backends: Vec<F::Backend>) {
+        for backend in &backends {
+            *self.counter_refs.entry(F::backend_parts(backend).2).or_default() += 1;
+        }
+        if backends.iter().all(|backend| *backend != F::INCOMPLETE) {
+            self.content.insert(backends.clone(), set);
+        }
+        self.programmed.sets.insert(set, backends);
+    }
+
+    /// Forgets a set; the counter indices no set carries any more go to `released`.
+    fn remove_set(&mut self, set: u32, released: &mut Vec<u32>) -> Vec<F::Backend> {
+        let backends = self.programmed.sets.remove(&set).unwrap_or_default();
+        if self.content.get(&backends) == Some(&set) {
+            self.content.remove(&backends);
+        }
+        for backend in &backends {
+            let counter = F::backend_parts(backend).2;
+            if let Entry::Occupied(mut refs) = self.counter_refs.entry(counter) {
+                *refs.get_mut() -= 1;
+                if *refs.get() == 0 {
+                    refs.remove();
+                    released.push(counter);
+                }
+            }
+        }
+        backends
+    }
+
+    /// Records a programmed service entry; the set its old value pointed to may be unused now.
+    fn store_entry(&mut self, key: F::ServiceKey, service: Option<Service>, unused: &mut BTreeSet<u32>) {
+        let old = match service {
+            Some(service) => {
+                *self.set_refs.entry(service.backend_set).or_default() += 1;
+                self.programmed.services.insert(key, service)
+            }
+            None => self.programmed.services.remove(&key),
+        };
+        if let Some(old) = old {
+            if let Entry::Occupied(mut refs) = self.set_refs.entry(old.backend_set) {
+                *refs.get_mut() -= 1;
+                if *refs.get() == 0 {
+                    refs.remove();
+                    unused.insert(old.backend_set);
+                }
+            }
+        }
+    }
+
+    /// The counter indices the programmed backend slots carry.
+    pub fn counters_in_use(&self) -> impl Iterator<Item = u32> + '_ {
+        self.programmed.sets.values().flatten().map(|backend| F::backend_parts(backend).2)
     }
 
     /// Classification and filtering maps; they go first, so that a new service entry is never
     /// matched with the previous state's source classes or ranges.
-    pub fn sync_classifiers(&mut self, wanted: &FamilyWanted<F>, report: &mut SyncReport) {
+    /// Only the tries whose content may have changed are compared: the classifiers with
+    /// `classifiers`, the source ranges with `ranges`.
+    pub fn sync_classifiers(
+        &mut self,
+        wanted: &FamilyWanted<F>,
+        classifiers: bool,
+        ranges: bool,
+        report: &mut SyncReport,
+    ) {
+        let none = || (0, Vec::new());
         for (name, (changed, failures)) in [
-            ("node addresses", self.node_ips.sync(&wanted.node_ips)),
-            ("pod CIDRs", self.pod_cidrs.sync(&wanted.pod_cidrs)),
-            ("source ranges", self.source_ranges.sync(&wanted.source_ranges)),
-            ("unmatched destinations", self.unmatched.sync(&wanted.unmatched)),
+            ("node addresses", if classifiers { self.node_ips.sync(&wanted.node_ips) } else { none() }),
+            ("pod CIDRs", if classifiers { self.pod_cidrs.sync(&wanted.pod_cidrs) } else { none() }),
+            ("source ranges", if ranges { self.source_ranges.sync(&wanted.source_ranges) } else { none() }),
+            (
+                "unmatched destinations",
+                if classifiers { self.unmatched.sync(&wanted.unmatched) } else { none() },
+            ),
         ] {
             report.changed += changed;
             report
@@ -75,15 +181,25 @@ impl<F: Family> FamilyMaps<F> {
     }
 
     /// Services and backends: fill new sets, switch entries, delete entries, clear sets no
-    /// entry uses any more.
-    pub fn sync_services(&mut self, wanted: &FamilyWanted<F>, report: &mut SyncReport) {
-        let plan = plan(&self.programmed, &wanted.services, &mut self.set_ids);
+    /// entry uses any more. With `keys`, only those entries are compared with `wanted` (the
+    /// others are as programmed already). Returns the counter indices no slot carries now.
+    pub fn sync_services(
+        &mut self,
+        wanted: &FamilyWanted<F>,
+        keys: Option<&BTreeSet<F::ServiceKey>>,
+        report: &mut SyncReport,
+    ) -> Vec<u32> {
+        let plan = match keys {
+            None => plan(&self.programmed, &wanted.services, &mut self.set_ids),
+            Some(keys) => {
+                plan_changes(&self.programmed, &self.content, &wanted.services, keys, &mut self.set_ids)
+            }
+        };
         let mut failed_sets = Vec::new();
-        for (set, backends) in &plan.fills {
-            match self.fill_set(*set, backends) {
-                Ok(()) => {
-                    self.programmed.sets.insert(*set, backends.clone());
-                }
+        let mut released = Vec::new();
+        for (set, backends) in plan.fills {
+            match self.fill_set(set, &backends) {
+                Ok(()) => self.insert_set(set, backends),
                 Err(error) => {
                     report.failed.push(format!(
                         "{} backend set of {} backends: {error:#}",
@@ -91,56 +207,127 @@ impl<F: Family> FamilyMaps<F> {
                         backends.len()
                     ));
                     // Not recorded as programmed: the slots written so far are cleared now.
-                    self.clear_set(*set, backends.len() as u32);
-                    failed_sets.push(*set);
+                    self.clear_set(set, &backends);
+                    failed_sets.push(set);
                 }
             }
         }
-        for (key, service) in &plan.stores {
-            if failed_sets.contains(&service.backend_set) {
-                // The entry keeps its old value, which still points to a complete set.
-                continue;
+        let mut unused = BTreeSet::new();
+        // An entry whose set failed keeps its old value, which still points to a complete set.
+        let (store_keys, store_values): (Vec<F::ServiceKey>, Vec<Service>) = plan
+            .stores
+            .iter()
+            .filter(|(_, service)| !failed_sets.contains(&service.backend_set))
+            .copied()
+            .unzip();
+        // Each entry is one atomic switch whether it is written alone or in a batch.
+        if update_batch(self.services.map().fd().as_fd(), &store_keys, &store_values).is_ok() {
+            for (key, service) in store_keys.iter().zip(&store_values) {
+                self.store_entry(*key, Some(*service), &mut unused);
             }
-            match self.services.insert(key, service, 0) {
-                Ok(()) => {
-                    self.programmed.services.insert(*key, *service);
-                    report.changed += 1;
+            report.changed += store_keys.len();
+        } else {
+            for (key, service) in store_keys.iter().zip(&store_values) {
+                match self.services.insert(key, service, 0) {
+                    Ok(()) => {
+                        self.store_entry(*key, Some(*service), &mut unused);
+                        report.changed += 1;
+                    }
+                    Err(error) => report.failed.push(format!("service entry {key:?}: {error}")),
                 }
-                Err(error) => report.failed.push(format!("service entry {key:?}: {error}")),
             }
         }
         for key in &plan.deletes {
             match self.services.delete(key) {
                 Ok(()) => {
-                    self.programmed.services.remove(key);
+                    self.store_entry(*key, None, &mut unused);
                     report.changed += 1;
                 }
                 Err(error) => report.failed.push(format!("deleting service entry {key:?}: {error}")),
             }
         }
-        for (set, slots) in unused_sets(&self.programmed) {
-            self.clear_set(set, slots);
+        let unused: Vec<u32> = match keys {
+            // Sets nothing pointed to before this sync (left by an earlier agent) are found too.
+            None => unused_sets(&self.programmed).into_iter().map(|(set, _)| set).collect(),
+            Some(_) => unused.into_iter().filter(|set| !self.set_refs.contains_key(set)).collect(),
+        };
+        for set in unused {
+            if set != 0 {
+                let backends = self.remove_set(set, &mut released);
+                self.clear_set(set, &backends);
+            }
         }
+        released
     }
 
+    /// The slots, then each distinct backend's first slot in the membership map (a Maglev
+    /// table holds a backend many times).
+    /// One batched update for the slots and one for the members where the kernel takes them;
+    /// otherwise (or when a batch fails) one update per entry, which names the failure.
     fn fill_set(&mut self, set: u32, backends: &[F::Backend]) -> anyhow::Result<()> {
-        for (slot, backend) in backends.iter().enumerate() {
-            let slot = BackendSlot { backend_set: set, slot: slot as u32 };
-            self.backends
-                .insert(slot, backend, 0)
-                .context("cannot store a backend slot (is the backends map full?)")?;
+        let slots: Vec<BackendSlot> =
+            (0..backends.len() as u32).map(|slot| BackendSlot { backend_set: set, slot }).collect();
+        if update_batch(self.backends.map().fd().as_fd(), &slots, backends).is_err() {
+            for (slot, backend) in slots.iter().zip(backends) {
+                self.backends
+                    .insert(slot, backend, 0)
+                    .context("cannot store a backend slot (is the backends map full?)")?;
+            }
+        }
+        let (members, first): (Vec<F::Member>, Vec<u32>) =
+            first_slots::<F>(set, backends).into_iter().unzip();
+        if update_batch(self.members.map().fd().as_fd(), &members, &first).is_err() {
+            for (member, slot) in members.iter().zip(first) {
+                self.members
+                    .insert(member, slot, 0)
+                    .context("cannot store a backend-set member (is the membership map full?)")?;
+            }
         }
         Ok(())
     }
 
-    /// Best effort: a slot that cannot be deleted is harmless (no service points to it) and
-    /// is found again as unused when the agent restarts.
-    fn clear_set(&mut self, set: u32, slots: u32) {
-        for slot in 0..slots {
+    /// Best effort: a slot or member that cannot be deleted is harmless (no service points to
+    /// its set) and is found again as unused when the agent restarts.
+    fn clear_set(&mut self, set: u32, backends: &[F::Backend]) {
+        for slot in 0..backends.len() as u32 {
             if let Err(error) = self.backends.delete(&BackendSlot { backend_set: set, slot }) {
                 warn!(family = F::NAME, set, slot, %error, "cannot delete a retired backend slot");
             }
         }
-        self.programmed.sets.remove(&set);
+        for (member, _) in first_slots::<F>(set, backends) {
+            // A set that failed half-way has members only for the slots written before.
+            let _ = self.members.delete(&member);
+        }
+    }
+}
+
+/// Each distinct backend of a set with the first slot that holds it.
+fn first_slots<F: Family>(set: u32, backends: &[F::Backend]) -> BTreeMap<F::Member, u32> {
+    let mut first = BTreeMap::new();
+    for (slot, backend) in backends.iter().enumerate().rev() {
+        first.insert(F::member(set, backend), slot as u32);
+    }
+    first
+}
+
+/// Deletes membership entries that no complete programmed set accounts for (sets left
+/// incomplete by an earlier agent): a set id is reused later, and a stale member must never
+/// send a client with session affinity into another service's set.
+fn remove_stale_members<F: Family>(
+    members: &mut HashMap<MapData, F::Member, u32>,
+    programmed: &Programmed<F>,
+) {
+    let wanted: BTreeMap<F::Member, u32> =
+        programmed.sets.iter().flat_map(|(set, backends)| first_slots::<F>(*set, backends)).collect();
+    let stale: Vec<F::Member> = members
+        .iter()
+        .filter_map(log_read_error)
+        .filter(|(member, slot)| wanted.get(member) != Some(slot))
+        .map(|(member, _)| member)
+        .collect();
+    for member in stale {
+        if let Err(error) = members.delete(&member) {
+            warn!(family = F::NAME, set = F::member_set(&member), %error, "cannot delete a stale set member");
+        }
     }
 }

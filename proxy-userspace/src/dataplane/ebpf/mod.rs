@@ -4,7 +4,11 @@
 //! Everything is pinned under `<bpf-root>/vipr/`, so the datapath outlives the agent: an
 //! agent that stops leaves traffic flowing, and an agent that starts adopts the pinned maps
 //! and links and only writes what differs from its desired state.
-use std::path::{Path, PathBuf};
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 use anyhow::{anyhow, Context as _};
 use aya::{maps::MapData, programs::SchedClassifier, Ebpf, EbpfLoader};
@@ -12,24 +16,31 @@ use proxy_common::pins;
 use tracing::{debug, info, warn};
 
 use self::{
-    encode::{encode, ServiceIds},
+    counters::{CounterIds, CounterMap, DatapathCollector, FlowMetrics, StatsMap},
+    encode::{encode, encode_changes, ServiceIds, Wanted},
     family::{Family, V4, V6},
     family_maps::FamilyMaps,
 };
 use super::{Dataplane, SyncReport};
-use crate::config::BpfMapSizes;
-use crate::model::DesiredState;
+use crate::config::{BpfMapSizes, ConntrackTimeouts};
+use crate::metrics::Collector;
+use crate::model::{DesiredState, StateChanges};
 
 mod attach;
+mod counters;
 mod encode;
 mod family;
 mod family_maps;
+pub mod maglev;
 mod mirror;
 mod pin_dir;
 pub mod plan;
 mod reaper;
+mod snat;
+mod xdp_attach;
 
 pub use attach::Attachment;
+pub use encode::Balancing;
 pub use pin_dir::PinDir;
 
 #[derive(Clone, Debug)]
@@ -37,6 +48,11 @@ pub struct EbpfOptions {
     pub bpf_root: PathBuf,
     pub devices: Vec<String>,
     pub map_sizes: BpfMapSizes,
+    /// When flow entries of idle and closed connections are deleted.
+    pub conntrack: ConntrackTimeouts,
+    pub balancing: Balancing,
+    /// `--xdp`: the XDP fast path for traffic from outside the node.
+    pub xdp: crate::cli::XdpMode,
 }
 
 pub struct EbpfDataplane {
@@ -44,15 +60,29 @@ pub struct EbpfDataplane {
     ebpf: Ebpf,
     pin_dir: PinDir,
     devices: Vec<String>,
+    /// The XDP fast path on the devices (`--xdp`).
+    xdp: xdp_attach::XdpPath,
     reaper: reaper::Reaper,
     /// No sync has run since the agent started.
     first_sync: bool,
+    /// The encoding of the last state synced, and its generation if that sync was complete
+    /// and came with one: only then can the next sync apply just the changes since.
+    wanted: Wanted,
+    synced: Option<u64>,
     service_ids: ServiceIds,
+    balancing: Balancing,
     /// Each family's services, backends and classification maps.
     v4: FamilyMaps<V4>,
     v6: FamilyMaps<V6>,
     /// The socket-level load balancer's settings; `None` when it is not attached.
     host_traffic: Option<HostTraffic>,
+    /// The masquerade port range, kept clear of the node's ephemeral ports.
+    snat: snat::SnatRange,
+    /// Counter indices of (service port, backend) pairs, and the map they index.
+    counter_ids: CounterIds,
+    counter_map: CounterMap,
+    /// `/metrics` families of the datapath's counters; `None` if its maps cannot be opened.
+    collector: Option<Arc<DatapathCollector>>,
 }
 
 impl EbpfDataplane {
@@ -70,9 +100,17 @@ impl EbpfDataplane {
         let sizes = options.map_sizes;
         // The sizes apply to both families' maps.
         let wanted_sizes = [V4::MAPS, V6::MAPS].map(|maps| {
-            [(maps.services, sizes.services), (maps.backends, sizes.backends), (maps.flows, sizes.flows)]
+            [
+                (maps.services, sizes.services),
+                (maps.backends, sizes.backends),
+                (maps.members, sizes.backends),
+                (maps.flows, sizes.flows),
+                (maps.affinity, sizes.affinity),
+            ]
         });
-        let wanted_sizes = wanted_sizes.as_flattened();
+        let mut wanted_sizes = wanted_sizes.as_flattened().to_vec();
+        wanted_sizes.push((pins::BACKEND_COUNTERS, sizes.counters));
+        let wanted_sizes = wanted_sizes.as_slice();
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir.path());
         for &(map, size) in wanted_sizes {
@@ -82,6 +120,8 @@ impl EbpfDataplane {
             .load(crate::EBPF_OBJECT)
             .context("cannot load vipr's eBPF object (is this a kernel with BPF and BTF?)")?;
         warn_about_kept_sizes(&ebpf, wanted_sizes);
+        // Before the program is attached: until then it would use the default range.
+        let snat = snat::SnatRange::start(&mut ebpf)?;
 
         let program: &mut SchedClassifier = ebpf
             .program_mut(pins::TC_INGRESS_PROGRAM)
@@ -94,24 +134,59 @@ impl EbpfDataplane {
             info!(device, ?attachment, "attached at ingress");
         }
         attach::detach_stale_links(&pin_dir, &options.devices)?;
+        let xdp = xdp_attach::XdpPath::start(&mut ebpf, &pin_dir, options.xdp, &options.devices)?;
         let host_traffic = HostTraffic::start(&mut ebpf, &pin_dir, host)?;
 
+        // The program serves with the new layouts now; the earlier ones are unused.
+        remove_pins(&pin_dir, &pins::RETIRED);
+
+        // The pinned map may have kept another size than asked for.
+        let counters_capacity = ebpf
+            .map(pins::BACKEND_COUNTERS)
+            .and_then(|map| MapData::info(map_data(map)?).ok())
+            .map_or(sizes.counters, |info| info.max_entries());
+        let counter_map = CounterMap::new(take_map(&mut ebpf, pins::BACKEND_COUNTERS)?);
+        let mut counter_ids = CounterIds::new(counters_capacity);
         let mut service_ids = ServiceIds::default();
-        let v4 = FamilyMaps::adopt(&mut ebpf, &mut service_ids)?;
-        let v6 = FamilyMaps::adopt(&mut ebpf, &mut service_ids)?;
+        let v4 = FamilyMaps::adopt(&mut ebpf, &mut service_ids, &mut counter_ids)?;
+        let v6 = FamilyMaps::adopt(&mut ebpf, &mut service_ids, &mut counter_ids)?;
+        counter_ids.adoption_done();
+        let flow_metrics = Arc::new(FlowMetrics::default());
+        let counters_pin = pin_dir.path().join(pins::BACKEND_COUNTERS);
+        let stats_pin = pin_dir.path().join(pins::DATAPATH_STATS);
+        let collector = CounterMap::open(&counters_pin)
+            .and_then(|counters| Ok((counters, StatsMap::open(&stats_pin)?)))
+            .map(|(counters, stats)| {
+                Arc::new(DatapathCollector::new(counter_ids.table(), counters, stats, flow_metrics.clone()))
+            })
+            .map_err(|error| warn!("datapath counters are not exported: {error:#}"))
+            .ok();
         Ok(Self {
             v4,
             v6,
             reaper: reaper::Reaper::start(
-                pin_dir.path().join(pins::FLOWS4),
-                pin_dir.path().join(pins::FLOWS6),
+                reaper::ReaperOptions {
+                    flows4_pin: pin_dir.path().join(pins::FLOWS4),
+                    flows6_pin: pin_dir.path().join(pins::FLOWS6),
+                    stats_pin,
+                    timeouts: options.conntrack,
+                },
+                flow_metrics,
             ),
+            counter_ids,
+            counter_map,
+            collector,
             first_sync: true,
+            wanted: Wanted::default(),
+            synced: None,
             ebpf,
             pin_dir,
             devices: options.devices.clone(),
+            xdp,
             service_ids,
+            balancing: options.balancing,
             host_traffic,
+            snat,
         })
     }
 
@@ -157,30 +232,94 @@ impl Dataplane for EbpfDataplane {
             }
         }
         attach::detach_stale_links(&self.pin_dir, &served)?;
+        self.xdp.serve(&mut self.ebpf, &self.pin_dir, &served)?;
         self.devices = served;
         Ok(())
     }
 
     fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
-        let wanted = encode(state, &mut self.service_ids);
-        let mut report = SyncReport { unsupported: wanted.unsupported.clone(), ..SyncReport::default() };
+        self.sync_changes(state, &StateChanges::default())
+    }
+
+    fn sync_changes(&mut self, state: &DesiredState, changes: &StateChanges) -> anyhow::Result<SyncReport> {
+        let incremental = changes.since.is_some() && changes.since == self.synced;
+        // Whatever happens below, the maps are only known to match a generation once it is done.
+        self.synced = None;
+        let touched = if incremental {
+            Some(encode_changes(
+                &mut self.wanted,
+                state,
+                &changes.frontends,
+                changes.classifiers,
+                self.balancing,
+                &mut self.service_ids,
+                &mut self.counter_ids,
+            ))
+        } else {
+            self.wanted = encode(state, self.balancing, &mut self.service_ids, &mut self.counter_ids);
+            None
+        };
+        let wanted = &self.wanted;
+        let mut report = SyncReport {
+            unsupported: wanted.unsupported.values().cloned().collect(),
+            ..SyncReport::default()
+        };
+        // Before any slot carries them: a reused index must not show its earlier pair's count.
+        self.counter_map.zero_many(&self.counter_ids.take_fresh());
         if let Some(host_traffic) = &mut self.host_traffic {
             host_traffic.refresh();
         }
+        self.snat.refresh();
         // Classification and filtering maps first: a new service entry must never be matched
         // with the previous state's source classes or ranges.
-        self.v4.sync_classifiers(&wanted.v4, &mut report);
-        self.v6.sync_classifiers(&wanted.v6, &mut report);
-        self.reaper.keep(&state.listed_endpoints);
-        self.v4.sync_services(&wanted.v4, &mut report);
-        self.v6.sync_services(&wanted.v6, &mut report);
-        self.reaper.keep_only(&state.listed_endpoints);
+        let classifiers = touched.is_none() || changes.classifiers;
+        let ranges = touched.as_ref().is_none_or(|(v4, _)| v4.source_ranges);
+        self.v4.sync_classifiers(&wanted.v4, classifiers, ranges, &mut report);
+        self.v6.sync_classifiers(&wanted.v6, classifiers, ranges, &mut report);
+        let counter_map = &self.counter_map;
+        match &touched {
+            Some((v4, v6)) => {
+                self.reaper.keep(&changes.listed_added);
+                let mut released = self.v4.sync_services(&wanted.v4, Some(&v4.keys), &mut report);
+                released.extend(self.v6.sync_services(&wanted.v6, Some(&v6.keys), &mut report));
+                self.reaper.forget(&changes.listed_removed);
+                self.counter_ids.release(&released, |index| counter_map.read(index));
+            }
+            None => {
+                self.reaper.keep(&state.listed_endpoints);
+                self.v4.sync_services(&wanted.v4, None, &mut report);
+                self.v6.sync_services(&wanted.v6, None, &mut report);
+                self.reaper.keep_only(&state.listed_endpoints);
+                let in_use: BTreeSet<u32> =
+                    self.v4.counters_in_use().chain(self.v6.counters_in_use()).collect();
+                self.counter_ids.release_unused(&in_use, |index| counter_map.read(index));
+            }
+        }
         if std::mem::take(&mut self.first_sync) {
             // Endpoints may have gone while no agent ran.
             self.reaper.request_scan();
         }
-        debug!(%report, "ebpf sync");
+        if report.is_complete() {
+            self.synced = Some(changes.generation);
+        }
+        debug!(%report, incremental, "ebpf sync");
         Ok(report)
+    }
+
+    fn collectors(&self) -> Vec<Arc<dyn Collector>> {
+        self.collector.iter().map(|collector| collector.clone() as Arc<dyn Collector>).collect()
+    }
+}
+
+/// Unpins maps of earlier layouts; a map no program uses any more is then freed.
+fn remove_pins(pin_dir: &PinDir, names: &[&str]) {
+    for name in names {
+        let pin = pin_dir.path().join(name);
+        match std::fs::remove_file(&pin) {
+            Ok(()) => info!(pin = %pin.display(), "removed the pin of a retired map layout"),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => warn!(pin = %pin.display(), %error, "cannot remove a retired map's pin"),
+        }
     }
 }
 
@@ -209,7 +348,9 @@ fn warn_about_kept_sizes(ebpf: &Ebpf, wanted: &[(&str, u32)]) {
 
 fn map_data(map: &aya::maps::Map) -> Option<&MapData> {
     match map {
-        aya::maps::Map::HashMap(data) | aya::maps::Map::LruHashMap(data) => Some(data),
+        aya::maps::Map::HashMap(data)
+        | aya::maps::Map::LruHashMap(data)
+        | aya::maps::Map::PerCpuArray(data) => Some(data),
         _ => None,
     }
 }
@@ -266,8 +407,12 @@ impl HostTraffic {
         let attached = netns_cookie()
             .context("cannot read this network namespace's cookie (SO_NETNS_COOKIE)")
             .and_then(|netns_cookie| {
-                let config =
-                    proxy_common::SockConfig { netns_cookie, default_source4: default_source4(), pad: 0 };
+                let config = proxy_common::SockConfig {
+                    netns_cookie,
+                    default_source4: default_source4(),
+                    pad: 0,
+                    default_source6: default_source6(),
+                };
                 config_map.set(0, config, 0).with_context(|| format!("cannot write {}", sock::CONFIG))?;
                 Self::attach(ebpf, pin_dir, &cgroup_root)?;
                 Ok(config)
@@ -284,9 +429,11 @@ impl HostTraffic {
             Err(error) => return Err(error),
         };
         attach::detach_stale_cgroup_links(pin_dir, &sock::HOOKS.map(|hook| hook.link))?;
+        remove_pins(pin_dir, &sock::RETIRED);
         info!(
             netns_cookie = config.netns_cookie,
-            default_source = %std::net::Ipv4Addr::from(config.default_source4),
+            default_source4 = %std::net::Ipv4Addr::from(config.default_source4),
+            default_source6 = %std::net::Ipv6Addr::from(config.default_source6),
             "balancing the node's own connections at the socket level"
         );
         Ok(Some(Self { config_map, config }))
@@ -309,16 +456,23 @@ impl HostTraffic {
         Ok(())
     }
 
-    /// Follows the node's default source address (for source ranges of unbound sockets).
+    /// Follows the node's default source addresses (for source ranges of unbound sockets).
     fn refresh(&mut self) {
-        let default_source4 = default_source4();
-        if default_source4 == self.config.default_source4 {
+        let config = proxy_common::SockConfig {
+            default_source4: default_source4(),
+            default_source6: default_source6(),
+            ..self.config
+        };
+        if config == self.config {
             return;
         }
-        let config = proxy_common::SockConfig { default_source4, ..self.config };
         match self.config_map.set(0, config, 0) {
             Ok(()) => {
-                info!(default_source = %std::net::Ipv4Addr::from(default_source4), "the node's default source changed");
+                info!(
+                    default_source4 = %std::net::Ipv4Addr::from(config.default_source4),
+                    default_source6 = %std::net::Ipv6Addr::from(config.default_source6),
+                    "the node's default source changed"
+                );
                 self.config = config;
             }
             Err(error) => warn!(%error, "cannot update the socket load balancer's settings"),
@@ -391,19 +545,37 @@ fn netns_cookie() -> std::io::Result<u64> {
     Ok(cookie)
 }
 
-/// The source address the kernel picks toward the default route (a UDP connect sends
-/// nothing), or 0.0.0.0 without one.
+/// The source address the kernel picks toward the IPv4 default route, or 0.0.0.0 without one.
 fn default_source4() -> [u8; 4] {
-    let source = std::net::UdpSocket::bind((std::net::Ipv4Addr::UNSPECIFIED, 0)).and_then(|socket| {
-        socket.connect((std::net::Ipv4Addr::new(8, 8, 8, 8), 53))?;
+    match default_source(std::net::Ipv4Addr::new(8, 8, 8, 8).into()) {
+        Some(std::net::IpAddr::V4(source)) => source.octets(),
+        _ => [0; 4],
+    }
+}
+
+/// The same toward the IPv6 default route, or :: without one.
+fn default_source6() -> [u8; 16] {
+    match default_source(std::net::Ipv6Addr::new(0x2001, 0x4860, 0x4860, 0, 0, 0, 0, 0x8888).into()) {
+        Some(std::net::IpAddr::V6(source)) => source.octets(),
+        _ => [0; 16],
+    }
+}
+
+/// The source the kernel picks toward `destination` (a UDP connect routes but sends nothing).
+fn default_source(destination: std::net::IpAddr) -> Option<std::net::IpAddr> {
+    let unspecified: std::net::IpAddr = match destination {
+        std::net::IpAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        std::net::IpAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+    };
+    let source = std::net::UdpSocket::bind((unspecified, 0)).and_then(|socket| {
+        socket.connect((destination, 53))?;
         socket.local_addr()
     });
     match source {
-        Ok(std::net::SocketAddr::V4(source)) => source.ip().octets(),
-        Ok(_) => [0; 4],
+        Ok(source) => Some(source.ip()),
         Err(error) => {
-            debug!(%error, "no IPv4 default route: unbound sockets meet source ranges as 0.0.0.0");
-            [0; 4]
+            debug!(%error, %destination, "no default route: unbound sockets meet source ranges as unspecified");
+            None
         }
     }
 }

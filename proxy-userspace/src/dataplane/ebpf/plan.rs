@@ -86,6 +86,8 @@ pub struct WantedService<F: Family> {
     pub backends: Vec<F::Backend>,
     pub service_id: u32,
     pub flags: u32,
+    /// Seconds of ClientIP session affinity; 0 for none.
+    pub affinity_timeout: u32,
 }
 
 /// Map operations, applied in field order.
@@ -124,8 +126,8 @@ impl SetIds {
         Self { next: highest.wrapping_add(1).max(1) }
     }
 
-    fn allocate(&mut self, in_use: &BTreeSet<u32>) -> u32 {
-        while self.next == 0 || in_use.contains(&self.next) {
+    fn allocate(&mut self, in_use: impl Fn(u32) -> bool) -> u32 {
+        while self.next == 0 || in_use(self.next) {
             self.next = self.next.wrapping_add(1);
         }
         let id = self.next;
@@ -140,18 +142,49 @@ pub fn plan<F: Family>(
     wanted: &BTreeMap<F::ServiceKey, WantedService<F>>,
     ids: &mut SetIds,
 ) -> Plan<F> {
-    let mut in_use: BTreeSet<u32> = programmed.sets.keys().copied().collect();
     let existing = programmed.content_index();
+    let gone = programmed.services.keys().filter(|key| !wanted.contains_key(key)).map(|key| (key, None));
+    let entries = wanted.iter().map(|(key, want)| (key, Some(want))).chain(gone);
+    plan_entries(programmed, |backends| existing.get(backends).copied(), entries, ids)
+}
+
+/// [`plan`] for the entries under `keys` only, the others being as programmed already;
+/// `content` indexes the programmed sets by their backends.
+pub fn plan_changes<F: Family>(
+    programmed: &Programmed<F>,
+    content: &HashMap<Vec<F::Backend>, u32>,
+    wanted: &BTreeMap<F::ServiceKey, WantedService<F>>,
+    keys: &BTreeSet<F::ServiceKey>,
+    ids: &mut SetIds,
+) -> Plan<F> {
+    let entries = keys.iter().map(|key| (key, wanted.get(key)));
+    plan_entries(programmed, |backends| content.get(backends).copied(), entries, ids)
+}
+
+/// Plans each entry: its wanted value, or `None` for one that should not exist.
+fn plan_entries<'a, F: Family + 'a>(
+    programmed: &Programmed<F>,
+    existing: impl Fn(&[F::Backend]) -> Option<u32>,
+    entries: impl Iterator<Item = (&'a F::ServiceKey, Option<&'a WantedService<F>>)>,
+    ids: &mut SetIds,
+) -> Plan<F> {
     let mut new_sets: HashMap<&[F::Backend], u32> = HashMap::new();
+    let mut new_ids: BTreeSet<u32> = BTreeSet::new();
     let mut plan = Plan::default();
-    for (key, want) in wanted {
+    for (key, want) in entries {
+        let Some(want) = want else {
+            if programmed.services.contains_key(key) {
+                plan.deletes.push(*key);
+            }
+            continue;
+        };
         let backends = want.backends.as_slice();
-        let set = match existing.get(backends).or_else(|| new_sets.get(backends)) {
+        let set = match existing(backends).or_else(|| new_sets.get(backends).copied()) {
             _ if backends.is_empty() => NO_BACKENDS,
-            Some(set) => *set,
+            Some(set) => set,
             None => {
-                let id = ids.allocate(&in_use);
-                in_use.insert(id);
+                let id = ids.allocate(|id| programmed.sets.contains_key(&id) || new_ids.contains(&id));
+                new_ids.insert(id);
                 new_sets.insert(backends, id);
                 plan.fills.push((id, want.backends.clone()));
                 id
@@ -162,12 +195,13 @@ pub fn plan<F: Family>(
             backend_count: backends.len() as u32,
             service_id: want.service_id,
             flags: want.flags,
+            affinity_timeout: want.affinity_timeout,
+            pad: 0,
         };
         if programmed.services.get(key) != Some(&service) {
             plan.stores.push((*key, service));
         }
     }
-    plan.deletes = programmed.services.keys().filter(|key| !wanted.contains_key(key)).copied().collect();
     plan
 }
 
@@ -204,7 +238,7 @@ mod tests {
     }
 
     fn backend(last: u8) -> Backend4 {
-        Backend4 { addr: [10, 0, 0, last], port: 8080, pad: 0 }
+        Backend4 { addr: [10, 0, 0, last], port: 8080, pad: 0, counter: u32::from(last) }
     }
 
     fn wanted(entries: &[(ServiceKey4, u32, &[u8])]) -> BTreeMap<ServiceKey4, WantedService> {
@@ -212,7 +246,7 @@ mod tests {
             .iter()
             .map(|(key, id, backends)| {
                 let backends = backends.iter().map(|b| backend(*b)).collect();
-                (*key, WantedService { service_id: *id, flags: 0, backends })
+                (*key, WantedService { service_id: *id, flags: 0, affinity_timeout: 0, backends })
             })
             .collect()
     }
@@ -319,7 +353,10 @@ mod tests {
 
     #[test]
     fn adoption_reads_back_the_maps_and_finds_orphans() {
-        let services = [(key(1, 0), Service { backend_set: 5, backend_count: 2, service_id: 1, flags: 0 })];
+        let services = [(
+            key(1, 0),
+            Service { backend_set: 5, backend_count: 2, service_id: 1, flags: 0, ..Service::default() },
+        )];
         let slots = [
             (BackendSlot { backend_set: 5, slot: 0 }, backend(1)),
             (BackendSlot { backend_set: 5, slot: 1 }, backend(2)),
@@ -330,12 +367,15 @@ mod tests {
         assert_eq!(unused_sets(&adopted), vec![(9, 1)]);
         let mut ids = SetIds::after(&adopted);
         assert!(plan(&adopted, &wanted(&[(key(1, 0), 1, &[1, 2])]), &mut ids).is_empty());
-        assert!(ids.allocate(&BTreeSet::new()) > 9, "new sets never collide with adopted ones");
+        assert!(ids.allocate(|_| false) > 9, "new sets never collide with adopted ones");
     }
 
     #[test]
     fn an_incomplete_adopted_set_is_replaced_and_cleared_whole() {
-        let services = [(key(1, 0), Service { backend_set: 5, backend_count: 3, service_id: 1, flags: 0 })];
+        let services = [(
+            key(1, 0),
+            Service { backend_set: 5, backend_count: 3, service_id: 1, flags: 0, ..Service::default() },
+        )];
         let slots = [(BackendSlot { backend_set: 5, slot: 2 }, backend(2))];
         let adopted = Programmed::from_entries(services, slots);
         let mut ids = SetIds::after(&adopted);
@@ -351,8 +391,8 @@ mod tests {
     fn set_ids_skip_ids_in_use_and_zero_on_wraparound() {
         let mut ids = SetIds { next: u32::MAX };
         let in_use = BTreeSet::from([1]);
-        assert_eq!(ids.allocate(&in_use), u32::MAX);
-        assert_eq!(ids.allocate(&in_use), 2);
+        assert_eq!(ids.allocate(|id| in_use.contains(&id)), u32::MAX);
+        assert_eq!(ids.allocate(|id| in_use.contains(&id)), 2);
     }
 
     /// The same planner on IPv6 keys and backends: an incomplete adopted set is marked with
@@ -373,16 +413,24 @@ mod tests {
             addr: [0xfd, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, last],
             port: 8080,
             pad: 0,
+            counter: 0,
         };
-        let services = [(key(0), Service { backend_set: 5, backend_count: 2, service_id: 1, flags: 0 })];
+        let services = [(
+            key(0),
+            Service { backend_set: 5, backend_count: 2, service_id: 1, flags: 0, ..Service::default() },
+        )];
         let adopted = super::Programmed::<V6>::from_entries(
             services,
             [(BackendSlot { backend_set: 5, slot: 1 }, backend(2))],
         );
         assert_eq!(adopted.sets[&5], vec![V6::INCOMPLETE; 2]);
         let mut ids = SetIds::after(&adopted);
-        let wanted_service =
-            super::WantedService::<V6> { backends: vec![backend(1), backend(2)], service_id: 1, flags: 0 };
+        let wanted_service = super::WantedService::<V6> {
+            backends: vec![backend(1), backend(2)],
+            service_id: 1,
+            flags: 0,
+            affinity_timeout: 0,
+        };
         let want = BTreeMap::from([(key(0), wanted_service.clone()), (key(1), wanted_service)]);
         let plan = plan(&adopted, &want, &mut ids);
         assert_eq!(plan.fills, vec![(6, vec![backend(1), backend(2)])]);

@@ -8,27 +8,69 @@
 //! void, and a UDP "connection" moves to a live backend at once (kube-proxy clears stale UDP
 //! conntrack entries for the same reason).
 //!
+//! The same thread ends connections that are over, as the kernel's conntrack does with its
+//! timeouts (kube-proxy's `--conntrack-*` flags, [`ConntrackTimeouts`]): every
+//! [`Timing::interval`] it deletes both entries of each connection idle for longer than its
+//! state allows — TCP established, TCP with a FIN one way (close-wait), TCP with a FIN both ways
+//! or an RST (closed), UDP never answered, UDP answered (stream). The datapath keeps each
+//! entry's last packet time (to a second) and the FIN/RST it saw in [`FlowTrack`]. Between two
+//! passes an expired connection lives on, so entries last up to one interval past their timeout.
+//! The same pass logs, at most once a minute, new flow-insert failures of the datapath.
+//!
 //! Scanning the flows map takes a while at scale, so it runs on its own thread, off the sync
 //! path.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashSet},
+    hash::Hash,
     net::IpAddr,
     path::{Path, PathBuf},
     sync::{
-        mpsc::{self, Receiver, Sender},
+        mpsc::{self, Receiver, RecvTimeoutError, Sender},
         Arc, Mutex,
     },
     thread::JoinHandle,
+    time::{Duration, Instant},
 };
 
 use aya::{
     maps::{HashMap, Map, MapData},
     Pod,
 };
-use proxy_common::{flow_flags, Flow4, Flow6, FlowKey4, FlowKey6};
+use proxy_common::{flow_flags, flow_state, proto, Flow4, Flow6, FlowKey4, FlowKey6, FlowTrack};
 use tracing::{debug, info, warn};
 
-use crate::model::Backend;
+use super::counters::{FlowMetrics, StatsMap, INSERT_FAILURES};
+use crate::{config::ConntrackTimeouts, model::Backend};
+
+/// Where the reaper finds the maps, and how long connections live.
+#[derive(Clone, Debug)]
+pub struct ReaperOptions {
+    pub flows4_pin: PathBuf,
+    pub flows6_pin: PathBuf,
+    /// The datapath's statistics, for the insert-failure log.
+    pub stats_pin: PathBuf,
+    pub timeouts: ConntrackTimeouts,
+}
+
+/// How often the expiry pass runs: as often as the shortest timeout, so that entries outlive
+/// it by at most that much, but no more than every second (each pass walks the whole map) and
+/// at least every minute.
+fn interval(timeouts: &ConntrackTimeouts) -> Duration {
+    [
+        timeouts.tcp_established,
+        timeouts.tcp_close_wait,
+        timeouts.tcp_closed,
+        timeouts.udp,
+        timeouts.udp_stream,
+    ]
+    .into_iter()
+    .min()
+    .unwrap_or(Duration::from_secs(60))
+    .clamp(Duration::from_secs(1), Duration::from_secs(60))
+}
+
+/// The insert-failure log's rate limit.
+const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Endpoints whose connections must be kept. The sync widens it before it programs new
 /// backends and narrows it afterwards, so a scan never sees a connection to a backend that
@@ -42,14 +84,15 @@ pub struct Reaper {
 }
 
 impl Reaper {
-    /// Starts the scanning thread on the pinned IPv4 and IPv6 flows maps.
-    pub fn start(flows4_pin: PathBuf, flows6_pin: PathBuf) -> Self {
+    /// Starts the scanning thread on the pinned IPv4 and IPv6 flows maps; it counts what it
+    /// deletes in `metrics`.
+    pub fn start(options: ReaperOptions, metrics: Arc<FlowMetrics>) -> Self {
         let listed = Listed::default();
         let (scan, requests) = mpsc::channel();
         let shared = listed.clone();
         let thread = std::thread::Builder::new()
             .name("flow-reaper".into())
-            .spawn(move || scan_on_request(&flows4_pin, &flows6_pin, &shared, &requests))
+            .spawn(move || run(&options, &shared, &requests, &metrics))
             .map_err(
                 |error| warn!(%error, "cannot start the flow reaper; gone endpoints keep their connections"),
             )
@@ -69,6 +112,18 @@ impl Reaper {
             let before = listed.len();
             listed.retain(|endpoint| endpoints.contains(endpoint));
             before != listed.len()
+        };
+        if dropped {
+            self.request_scan();
+        }
+    }
+
+    /// Call after programming: connections of `endpoints`, no longer listed, are broken off
+    /// ([`Self::keep_only`] for a sync that knows what it dropped).
+    pub fn forget(&self, endpoints: &BTreeSet<Backend>) {
+        let dropped = {
+            let mut listed = lock(&self.listed);
+            endpoints.iter().fold(false, |dropped, endpoint| listed.remove(endpoint) | dropped)
         };
         if dropped {
             self.request_scan();
@@ -97,30 +152,76 @@ fn lock(listed: &Listed) -> std::sync::MutexGuard<'_, BTreeSet<Backend>> {
     listed.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn scan_on_request(flows4_pin: &Path, flows6_pin: &Path, listed: &Listed, requests: &Receiver<()>) {
-    while requests.recv().is_ok() {
-        // Requests that queued up during a scan are served by the next one.
-        while requests.try_recv().is_ok() {}
-        for (family, reaped) in
-            [("IPv4", reap::<Flow4>(flows4_pin, listed)), ("IPv6", reap::<Flow6>(flows6_pin, listed))]
-        {
-            match reaped {
-                Ok(0) => debug!(family, "no connection to a gone endpoint"),
-                Ok(reaped) => {
-                    info!(family, entries = reaped, "broke off connections to endpoints that are gone")
-                }
-                Err(error) => warn!(family, "cannot scan the flows map: {error:#}"),
+fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metrics: &FlowMetrics) {
+    let interval = interval(&options.timeouts);
+    let mut next_expiry = Instant::now() + interval;
+    let mut expiry4 = Expiry::default();
+    let mut expiry6 = Expiry::default();
+    let mut failures = FailureLog::default();
+    loop {
+        match requests.recv_timeout(next_expiry.saturating_duration_since(Instant::now())) {
+            Ok(()) => {
+                // Requests that queued up during a scan are served by the next one.
+                while requests.try_recv().is_ok() {}
+                reap_gone(options, listed, metrics);
             }
+            Err(RecvTimeoutError::Timeout) => {
+                let now = monotonic_coarse_ns();
+                for (family, expired) in [
+                    ("IPv4", expiry4.pass::<Flow4>(&options.flows4_pin, &options.timeouts, now, metrics)),
+                    ("IPv6", expiry6.pass::<Flow6>(&options.flows6_pin, &options.timeouts, now, metrics)),
+                ] {
+                    match expired {
+                        Ok(0) => {}
+                        Ok(entries) => {
+                            debug!(family, entries, "deleted the entries of idle or closed connections")
+                        }
+                        Err(error) => warn!(family, "cannot expire flows: {error:#}"),
+                    }
+                }
+                failures.check(&options.stats_pin);
+                next_expiry = Instant::now() + interval;
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
         }
     }
 }
 
+fn reap_gone(options: &ReaperOptions, listed: &Listed, metrics: &FlowMetrics) {
+    for (family, reaped) in [
+        ("IPv4", reap::<Flow4>(&options.flows4_pin, listed)),
+        ("IPv6", reap::<Flow6>(&options.flows6_pin, listed)),
+    ] {
+        match reaped {
+            Ok(0) => debug!(family, "no connection to a gone endpoint"),
+            Ok(reaped) => {
+                metrics.reaped_gone_endpoint.add(reaped as u64);
+                info!(family, entries = reaped, "broke off connections to endpoints that are gone")
+            }
+            Err(error) => warn!(family, "cannot scan the flows map: {error:#}"),
+        }
+    }
+}
+
+/// CLOCK_MONOTONIC_COARSE, the clock of the datapath's `bpf_ktime_get_coarse_ns`.
+fn monotonic_coarse_ns() -> u64 {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `now` is valid for writes; CLOCK_MONOTONIC_COARSE always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut now) };
+    (now.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(now.tv_nsec as u64)
+}
+
 /// A flows-map value of one family, with its key type.
 trait TrackedFlow: Pod {
-    type Key: Pod;
+    type Key: Pod + Eq + Hash;
 
     /// The backend a flow entry leads to (forward) or comes from (reply).
     fn backend(key: &Self::Key, flow: &Self) -> Backend;
+    /// The key of the other direction's entry of the same connection.
+    fn partner(key: &Self::Key, flow: &Self) -> Self::Key;
+    fn track(&self) -> FlowTrack;
+    fn is_reply(&self) -> bool;
+    fn proto(key: &Self::Key) -> u8;
 }
 
 macro_rules! tracked_flow {
@@ -136,12 +237,66 @@ macro_rules! tracked_flow {
                 };
                 Backend { ip: IpAddr::from(addr), port }
             }
+
+            /// A forward entry's packets leave rewritten to `flow`'s destination (and source,
+            /// masqueraded): its reply comes back from there to there. A reply entry's packets
+            /// leave with `flow`'s source (and destination), which is the forward key's
+            /// destination (and source).
+            fn partner(key: &$key, flow: &$flow) -> $key {
+                let rewrites_source = flow.flags & flow_flags::REWRITE_SOURCE != 0;
+                let rewrites_destination = flow.flags & flow_flags::REWRITE_DESTINATION != 0;
+                let (src, src_port) = if rewrites_source {
+                    (flow.src_addr, flow.src_port)
+                } else {
+                    (key.src_addr, key.src_port)
+                };
+                let (dst, dst_port) = if rewrites_destination {
+                    (flow.dst_addr, flow.dst_port)
+                } else {
+                    (key.dst_addr, key.dst_port)
+                };
+                // The other direction travels the rewritten tuple backwards.
+                <$key>::from_parts(dst, src, dst_port, src_port, key.proto)
+            }
+
+            fn track(&self) -> FlowTrack {
+                self.track
+            }
+
+            fn is_reply(&self) -> bool {
+                self.flags & flow_flags::REPLY != 0
+            }
+
+            fn proto(key: &$key) -> u8 {
+                key.proto
+            }
         }
     };
 }
 
 tracked_flow!(Flow4, FlowKey4);
 tracked_flow!(Flow6, FlowKey6);
+
+/// Builds a flow key from its fields.
+trait FromParts: Sized {
+    type Addr;
+    fn from_parts(src: Self::Addr, dst: Self::Addr, src_port: u16, dst_port: u16, proto: u8) -> Self;
+}
+
+macro_rules! from_parts {
+    ($key:ty, $addr:ty) => {
+        impl FromParts for $key {
+            type Addr = $addr;
+
+            fn from_parts(src_addr: $addr, dst_addr: $addr, src_port: u16, dst_port: u16, proto: u8) -> Self {
+                Self { src_addr, dst_addr, src_port, dst_port, proto, pad: [0; 3] }
+            }
+        }
+    };
+}
+
+from_parts!(FlowKey4, [u8; 4]);
+from_parts!(FlowKey6, [u8; 16]);
 
 fn reap<F: TrackedFlow>(flows_pin: &Path, listed: &Listed) -> anyhow::Result<usize> {
     let map = MapData::from_pin(flows_pin)?;
@@ -165,6 +320,142 @@ fn reap<F: TrackedFlow>(flows_pin: &Path, listed: &Listed) -> anyhow::Result<usi
     Ok(reaped)
 }
 
+/// How long a connection may stay idle, from what both its entries saw.
+fn timeout(
+    protocol: u8,
+    forward: Option<FlowTrack>,
+    reply: Option<FlowTrack>,
+    timeouts: &ConntrackTimeouts,
+) -> Duration {
+    let state = forward.map_or(0, |track| track.state) | reply.map_or(0, |track| track.state);
+    if protocol == proto::TCP {
+        let fin_both_ways = forward.is_some_and(|track| track.state & flow_state::FIN != 0)
+            && reply.is_some_and(|track| track.state & flow_state::FIN != 0);
+        if state & flow_state::RST != 0 || fin_both_ways {
+            timeouts.tcp_closed
+        } else if state & flow_state::FIN != 0 {
+            timeouts.tcp_close_wait
+        } else {
+            timeouts.tcp_established
+        }
+    } else if reply.is_some_and(|track| track.last_seen != 0) {
+        // Answered: a stream.
+        timeouts.udp_stream
+    } else {
+        timeouts.udp
+    }
+}
+
+/// The shortest timeout an entry of `protocol` can have: younger entries are not looked at.
+fn shortest(protocol: u8, timeouts: &ConntrackTimeouts) -> Duration {
+    if protocol == proto::TCP {
+        timeouts.tcp_closed.min(timeouts.tcp_close_wait).min(timeouts.tcp_established)
+    } else {
+        timeouts.udp.min(timeouts.udp_stream)
+    }
+}
+
+/// The expiry passes over one family's flows map.
+#[derive(Default)]
+struct Expiry<K> {
+    /// Entries without any packet time (a reply entry whose forward entry is missing) seen by
+    /// the previous pass: deleted when the next pass finds them still alone, since a new
+    /// connection's reply entry is stored just before its forward entry.
+    unstamped: HashSet<K>,
+}
+
+impl<K: Pod + Eq + Hash> Expiry<K> {
+    /// One pass at time `now` (CLOCK_MONOTONIC_COARSE ns); returns the entries deleted.
+    fn pass<F: TrackedFlow<Key = K>>(
+        &mut self,
+        flows_pin: &Path,
+        timeouts: &ConntrackTimeouts,
+        now: u64,
+        metrics: &FlowMetrics,
+    ) -> anyhow::Result<usize> {
+        let map = MapData::from_pin(flows_pin)?;
+        let mut flows: HashMap<MapData, K, F> = HashMap::try_from(Map::LruHashMap(map))?;
+        let age = |track: &FlowTrack| Duration::from_nanos(now.saturating_sub(track.last_seen));
+        // Collected first: deleting while iterating would restart the kernel's key walk. Only
+        // entries older than the shortest timeout of their protocol can have expired.
+        let candidates: Vec<K> = flows
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, flow)| age(&flow.track()) > shortest(F::proto(key), timeouts))
+            .map(|(key, _)| key)
+            .collect();
+        let mut unstamped = HashSet::new();
+        let mut deleted = 0;
+        for key in candidates {
+            // Re-read: the entry may have seen a packet, or gone with its partner, meanwhile.
+            let Ok(flow) = flows.get(&key, 0) else { continue };
+            let partner_key = F::partner(&key, &flow);
+            let partner = flows.get(&partner_key, 0).ok();
+            let (forward, reply) = match (flow.is_reply(), partner.map(|partner| partner.track())) {
+                (false, partner) => (Some(flow.track()), partner),
+                (true, partner) => (partner, Some(flow.track())),
+            };
+            let last_seen =
+                forward.map_or(0, |track| track.last_seen).max(reply.map_or(0, |track| track.last_seen));
+            if last_seen == 0 && !self.unstamped.contains(&key) {
+                unstamped.insert(key);
+                continue;
+            }
+            let limit = timeout(F::proto(&key), forward, reply, timeouts);
+            if Duration::from_nanos(now.saturating_sub(last_seen)) <= limit {
+                continue;
+            }
+            let mut removed = usize::from(flows.remove(&key).is_ok());
+            if partner.is_some() {
+                removed += usize::from(flows.remove(&partner_key).is_ok());
+            }
+            let counter = if F::proto(&key) != proto::TCP {
+                &metrics.expired_udp
+            } else if limit == timeouts.tcp_closed {
+                &metrics.expired_tcp_closed
+            } else {
+                &metrics.expired_tcp_idle
+            };
+            counter.add(removed as u64);
+            deleted += removed;
+        }
+        self.unstamped = unstamped;
+        Ok(deleted)
+    }
+}
+
+/// Logs new datapath insert failures, at most once per [`FAILURE_LOG_INTERVAL`].
+#[derive(Default)]
+struct FailureLog {
+    logged: [u64; INSERT_FAILURES.len()],
+    last: Option<Instant>,
+}
+
+impl FailureLog {
+    fn check(&mut self, stats_pin: &Path) {
+        if self.last.is_some_and(|last| last.elapsed() < FAILURE_LOG_INTERVAL) {
+            return;
+        }
+        let Ok(stats) = StatsMap::open(stats_pin) else { return };
+        let now: Vec<u64> = INSERT_FAILURES.iter().map(|(index, _)| stats.read(*index)).collect();
+        let new: Vec<String> = INSERT_FAILURES
+            .iter()
+            .zip(now.iter().zip(&self.logged))
+            .filter(|(_, (now, logged))| now > logged)
+            .map(|((_, cause), (now, logged))| format!("{cause}: {}", now - logged))
+            .collect();
+        if !new.is_empty() {
+            warn!(
+                failures = new.join(", "),
+                "the datapath could not track new connections (is the flows map full? see \
+                 vipr_datapath_flow_insert_failures_total, --bpf-flows-max)"
+            );
+            self.last = Some(Instant::now());
+        }
+        self.logged.copy_from_slice(&now);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,6 +477,7 @@ mod tests {
             src_port: 0,
             dst_port: 8080,
             flags: flow_flags::REWRITE_DESTINATION,
+            track: FlowTrack::default(),
         };
         let reply_key = FlowKey4 {
             src_addr: [10, 1, 0, 2],
@@ -201,8 +493,151 @@ mod tests {
             src_port: 80,
             dst_port: 0,
             flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
+            track: FlowTrack::default(),
         };
         assert_eq!(Flow4::backend(&forward_key, &forward), backend);
         assert_eq!(Flow4::backend(&reply_key, &reply), backend);
+        assert_eq!(Flow4::partner(&forward_key, &forward), reply_key);
+        assert_eq!(Flow4::partner(&reply_key, &reply), forward_key);
+    }
+
+    /// Both entries of a connection from `client_port` to 10.96.0.1:80 balanced to
+    /// 10.1.0.2:8080, with the given state bits and packet times.
+    fn connection(
+        protocol: u8,
+        client_port: u16,
+        forward: (u32, u64),
+        reply: (u32, u64),
+    ) -> [(FlowKey4, Flow4); 2] {
+        let key = |src_addr, src_port, dst_addr, dst_port| FlowKey4 {
+            src_addr,
+            dst_addr,
+            src_port,
+            dst_port,
+            proto: protocol,
+            pad: [0; 3],
+        };
+        let (client, frontend, backend) = ([10, 0, 0, 9], [10, 96, 0, 1], [10, 1, 0, 2]);
+        [
+            (
+                key(client, client_port, frontend, 80),
+                Flow4 {
+                    src_addr: [0; 4],
+                    dst_addr: backend,
+                    src_port: 0,
+                    dst_port: 8080,
+                    flags: flow_flags::REWRITE_DESTINATION,
+                    track: FlowTrack { counter: 1, state: forward.0, last_seen: forward.1 },
+                },
+            ),
+            (
+                key(backend, 8080, client, client_port),
+                Flow4 {
+                    src_addr: frontend,
+                    dst_addr: [0; 4],
+                    src_port: 80,
+                    dst_port: 0,
+                    flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
+                    track: FlowTrack { counter: 1, state: reply.0, last_seen: reply.1 },
+                },
+            ),
+        ]
+    }
+
+    /// A private bpffs with vipr's maps pinned in it; unmounted and removed on drop.
+    struct Maps {
+        ebpf: Option<aya::Ebpf>,
+        root: PathBuf,
+    }
+
+    impl Maps {
+        fn new() -> Self {
+            static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let root = std::env::temp_dir().join(format!("vipr-reaper-test-{}-{n}", std::process::id()));
+            std::fs::create_dir_all(&root).unwrap();
+            let pin_dir = super::super::PinDir::new(&root);
+            pin_dir.create(&root).unwrap();
+            let ebpf =
+                aya::EbpfLoader::new().default_map_pin_directory(pin_dir.path()).load(crate::EBPF_OBJECT);
+            // From here on, Drop unmounts whatever happens.
+            let mut maps = Self { ebpf: None, root };
+            maps.ebpf = Some(ebpf.unwrap());
+            maps
+        }
+
+        fn flows4_pin(&self) -> PathBuf {
+            self.root.join(proxy_common::pins::DIR).join(proxy_common::pins::FLOWS4)
+        }
+    }
+
+    impl Drop for Maps {
+        fn drop(&mut self) {
+            drop(self.ebpf.take());
+            let target = std::ffi::CString::new(self.root.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: a valid NUL-terminated path.
+            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+
+    /// With short timeouts: unanswered UDP idle past `udp`, TCP closed (FIN both ways, or an
+    /// RST) idle past `tcp_closed`, and TCP idle past `tcp_established` lose both entries;
+    /// answered UDP, half-closed TCP and recently active connections keep theirs. A lone reply
+    /// entry without a time goes at the second pass.
+    #[test]
+    fn idle_and_closed_connections_expire_while_active_ones_stay() {
+        const S: u64 = 1_000_000_000;
+        let timeouts = ConntrackTimeouts {
+            tcp_established: Duration::from_secs(100),
+            tcp_close_wait: Duration::from_secs(50),
+            tcp_closed: Duration::from_secs(2),
+            udp: Duration::from_secs(3),
+            udp_stream: Duration::from_secs(20),
+        };
+        let now = 1_000 * S;
+        let (fin, rst) = (flow_state::FIN, flow_state::RST);
+        let expire = [
+            connection(proto::UDP, 1, (0, now - 5 * S), (0, 0)),
+            connection(proto::TCP, 2, (fin, now - 3 * S), (fin, now - 3 * S)),
+            connection(proto::TCP, 3, (0, now - 4 * S), (rst, now - 3 * S)),
+            connection(proto::TCP, 4, (0, now - 150 * S), (0, now - 150 * S)),
+        ];
+        let stay = [
+            connection(proto::UDP, 11, (0, now - S), (0, 0)),
+            connection(proto::UDP, 12, (0, now - 5 * S), (0, now - 5 * S)),
+            connection(proto::TCP, 13, (fin, now - 3 * S), (0, now - 3 * S)),
+            connection(proto::TCP, 14, (0, now - 3 * S), (0, now - 90 * S)),
+            // Closed, but its last packet is recent.
+            connection(proto::TCP, 15, (fin, now - S), (fin, now - S)),
+        ];
+        let [_, orphan] = connection(proto::UDP, 21, (0, 0), (0, 0));
+
+        let maps = Maps::new();
+        let pin = maps.flows4_pin();
+        let mut flows: HashMap<MapData, FlowKey4, Flow4> =
+            HashMap::try_from(Map::LruHashMap(MapData::from_pin(&pin).unwrap())).unwrap();
+        for (key, flow) in expire.iter().chain(&stay).flatten().chain([&orphan]) {
+            flows.insert(key, flow, 0).unwrap();
+        }
+        let keys = |flows: &HashMap<MapData, FlowKey4, Flow4>| -> BTreeSet<(u16, u16)> {
+            flows.keys().map(|key| key.unwrap()).map(|key| (key.src_port, key.dst_port)).collect()
+        };
+        let staying: BTreeSet<(u16, u16)> =
+            stay.iter().flatten().map(|(key, _)| (key.src_port, key.dst_port)).collect();
+
+        let metrics = FlowMetrics::default();
+        let mut expiry = Expiry::default();
+        assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap(), 8);
+        let mut after_first = staying.clone();
+        after_first.insert((orphan.0.src_port, orphan.0.dst_port));
+        assert_eq!(keys(&flows), after_first);
+        assert_eq!(metrics.expired_udp.get(), 2);
+        assert_eq!(metrics.expired_tcp_closed.get(), 4);
+        assert_eq!(metrics.expired_tcp_idle.get(), 2);
+
+        assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap(), 1);
+        assert_eq!(keys(&flows), staying);
+        assert_eq!(metrics.expired_udp.get(), 3);
     }
 }

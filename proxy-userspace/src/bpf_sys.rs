@@ -1,0 +1,116 @@
+//! The raw `bpf()` commands vipr needs beyond what aya 0.14 wraps: the kernel probes of auto
+//! mode, batched counter reads, the pinned cgroup links, and the benchmarks' test runs. Each
+//! attribute is the leading part of `union bpf_attr` that its command reads; the kernel
+//! treats the bytes after it as zero.
+use std::{
+    io,
+    os::fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+};
+
+/// Command numbers (`enum bpf_cmd`).
+pub mod cmd {
+    use libc::c_long;
+
+    pub const MAP_CREATE: c_long = 0;
+    pub const PROG_LOAD: c_long = 5;
+    pub const OBJ_GET: c_long = 7;
+    pub const PROG_TEST_RUN: c_long = 10;
+    pub const OBJ_GET_INFO_BY_FD: c_long = 15;
+    pub const MAP_LOOKUP_BATCH: c_long = 24;
+    pub const MAP_UPDATE_BATCH: c_long = 26;
+    pub const LINK_CREATE: c_long = 28;
+    pub const LINK_UPDATE: c_long = 29;
+}
+
+/// Runs `bpf(command, attr)`: the kernel's non-negative result, or the error it set.
+///
+/// # Safety
+/// `attr` must be the attribute `command` reads, and every pointer in it must stay valid for
+/// whatever the kernel reads or writes through it during the call.
+pub unsafe fn bpf<T>(command: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
+    // SAFETY: the caller's promise; the size passed is the attribute's own.
+    let result = unsafe {
+        libc::syscall(libc::SYS_bpf, command, std::ptr::from_mut(attr).cast::<u8>(), size_of::<T>() as u32)
+    };
+    if result < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(result)
+    }
+}
+
+/// The descriptor a successful `bpf()` returned, owned from now on.
+pub fn owned_fd(result: libc::c_long) -> io::Result<OwnedFd> {
+    let fd = i32::try_from(result).map_err(|_| io::Error::other(format!("bpf() returned {result}")))?;
+    // SAFETY: the kernel just returned this descriptor and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `BPF_PROG_LOAD`.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct ProgLoadAttr {
+    pub prog_type: u32,
+    pub insn_cnt: u32,
+    pub insns: u64,
+    pub license: u64,
+    pub log_level: u32,
+    pub log_size: u32,
+    pub log_buf: u64,
+    pub kern_version: u32,
+    pub prog_flags: u32,
+    pub prog_name: [u8; 16],
+    pub prog_ifindex: u32,
+    pub expected_attach_type: u32,
+}
+
+/// `BPF_MAP_CREATE`.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct MapCreateAttr {
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+    pub map_flags: u32,
+}
+
+/// `BPF_MAP_LOOKUP_BATCH` and the other batch commands.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct MapBatchAttr {
+    pub in_batch: u64,
+    pub out_batch: u64,
+    pub keys: u64,
+    pub values: u64,
+    pub count: u32,
+    pub map_fd: u32,
+    pub elem_flags: u64,
+    pub flags: u64,
+}
+
+/// Writes `keys[i]` → the i-th value of `values` into `map` with one `BPF_MAP_UPDATE_BATCH`
+/// (Linux 5.6), instead of a system call per entry. For a per-CPU map, `values` holds one value
+/// per possible CPU for each key, CPU after CPU. On an error the kernel may have written a
+/// prefix of the entries; callers fall back to single updates, which name the failing entry.
+pub fn update_batch<K: Copy, V: Copy>(map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> io::Result<()> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let count = u32::try_from(keys.len()).map_err(io::Error::other)?;
+    let mut attr = MapBatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count,
+        map_fd: map.as_raw_fd() as u32,
+        ..MapBatchAttr::default()
+    };
+    // SAFETY: `keys` holds `count` keys and `values` their values (the caller's layout), both
+    // outliving the call; the kernel only reads them.
+    unsafe { bpf(cmd::MAP_UPDATE_BATCH, &mut attr) }?;
+    if attr.count == count {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!("wrote {} of {count} entries", attr.count)))
+    }
+}

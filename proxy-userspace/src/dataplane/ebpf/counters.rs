@@ -1,0 +1,590 @@
+//! Per-service and per-backend packet and byte counters, read from the datapath.
+//!
+//! Each (service port, backend) pair gets an index into the per-CPU array
+//! `vipr_bcnt_v1`, chosen here. The index travels in the backend slot's value and is copied into
+//! both flow entries of every connection to that backend, so the datapath counts a packet with
+//! an array access (inlined by the kernel) instead of a hash lookup. What is counted: every
+//! packet of a balanced connection that passes vipr's TC program, both directions, and its IP
+//! length (header and payload, no link-layer header) — the first packet when it is balanced,
+//! the later ones when their flow entry matches. Connections of the node's own processes are
+//! balanced in the socket hooks and have no flow entry, so they are not counted.
+//!
+//! A service's totals are the sum of its backends' counters plus what backends that left the
+//! service had counted ([`CounterTable::retired`]), so they never go down. An index is handed
+//! out again only after it is zeroed, least recently released first; connections of a released
+//! pair that still pass count into the index until they end, which is why fresh indices are
+//! used before released ones.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
+    mem::size_of,
+    net::{IpAddr, SocketAddr},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
+    path::Path,
+    sync::{Arc, Mutex, PoisonError},
+};
+
+use aya::maps::{IterableMap as _, Map, MapData, PerCpuArray, PerCpuValues};
+use proxy_common::{datapath_stat, Counters};
+use tracing::warn;
+
+use crate::{
+    bpf_sys::{bpf, cmd, update_batch, MapBatchAttr},
+    metrics::{Collector, Counter, MetricFamily, MetricKind, Sample, SampleValue},
+    model::ServicePortName,
+};
+
+/// A counter index: 0 is the slot of pairs that could not get one of their own.
+pub const NOT_COUNTED: u32 = 0;
+
+/// What one index counts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pair {
+    pub service: ServicePortName,
+    pub endpoint: SocketAddr,
+}
+
+/// The labels of every index in use, and the totals of pairs that left their service; read by
+/// the collector when `/metrics` is scraped.
+#[derive(Debug, Default)]
+pub struct CounterTable {
+    pub pairs: BTreeMap<u32, Pair>,
+    pub retired: BTreeMap<ServicePortName, Counters>,
+}
+
+pub type SharedTable = Arc<Mutex<CounterTable>>;
+
+fn lock(table: &SharedTable) -> std::sync::MutexGuard<'_, CounterTable> {
+    table.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Hands out counter indices to (service port, backend) pairs.
+#[derive(Debug)]
+pub struct CounterIds {
+    capacity: u32,
+    /// (service id, backend address, backend port) -> index.
+    by_pair: HashMap<(u32, IpAddr, u16), u32>,
+    /// The reverse of `by_pair`, and how many pairs each service port has: a release of a
+    /// few indices then costs what they do.
+    pairs: HashMap<u32, (u32, IpAddr, u16)>,
+    pairs_per_service: HashMap<ServicePortName, usize>,
+    /// Indices found in the backends map at start, consumed on first use.
+    adopted: HashMap<(u32, IpAddr, u16), u32>,
+    /// Released indices, least recently released first.
+    free: VecDeque<u32>,
+    /// The lowest index never handed out.
+    next: u32,
+    /// Indices handed out since [`Self::take_fresh`]: the caller zeroes them before any slot
+    /// carries them.
+    fresh: Vec<u32>,
+    exhausted_logged: bool,
+    table: SharedTable,
+}
+
+impl CounterIds {
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            capacity,
+            by_pair: HashMap::new(),
+            pairs: HashMap::new(),
+            pairs_per_service: HashMap::new(),
+            adopted: HashMap::new(),
+            free: VecDeque::new(),
+            next: 1,
+            fresh: Vec::new(),
+            exhausted_logged: false,
+            table: SharedTable::default(),
+        }
+    }
+
+    pub fn table(&self) -> SharedTable {
+        self.table.clone()
+    }
+
+    /// Remembers the index a backend slot carries for the service `service_id`, so that an
+    /// agent restart keeps counting where the last one stopped.
+    pub fn adopt(&mut self, service_id: u32, ip: IpAddr, port: u16, index: u32) {
+        if index != NOT_COUNTED && index < self.capacity {
+            self.adopted.insert((service_id, ip, port), index);
+            self.next = self.next.max(index + 1);
+        }
+    }
+
+    /// Call once after every adoption: indices below the highest adopted one that no slot
+    /// carries are free.
+    pub fn adoption_done(&mut self) {
+        let adopted: BTreeSet<u32> = self.adopted.values().copied().collect();
+        self.free = (1..self.next).filter(|index| !adopted.contains(index)).collect();
+    }
+
+    /// The index of `service`'s (id `service_id`) backend `ip:port`, handing one out if it has
+    /// none; [`NOT_COUNTED`] when the map is full.
+    pub fn index(&mut self, service: &ServicePortName, service_id: u32, ip: IpAddr, port: u16) -> u32 {
+        let key = (service_id, ip, port);
+        if let Some(index) = self.by_pair.get(&key) {
+            return *index;
+        }
+        let index = match self.adopted.remove(&key) {
+            Some(index) => index,
+            None => match self.allocate() {
+                Some(index) => {
+                    self.fresh.push(index);
+                    index
+                }
+                None => {
+                    if !std::mem::replace(&mut self.exhausted_logged, true) {
+                        warn!(
+                            capacity = self.capacity,
+                            "the counters map is full: further backends are counted together, unlabelled \
+                             (raise --bpf-counters-max)"
+                        );
+                    }
+                    return NOT_COUNTED;
+                }
+            },
+        };
+        self.by_pair.insert(key, index);
+        self.pairs.insert(index, key);
+        *self.pairs_per_service.entry(service.clone()).or_default() += 1;
+        lock(&self.table)
+            .pairs
+            .insert(index, Pair { service: service.clone(), endpoint: SocketAddr::new(ip, port) });
+        index
+    }
+
+    fn allocate(&mut self) -> Option<u32> {
+        if self.next < self.capacity {
+            self.next += 1;
+            return Some(self.next - 1);
+        }
+        self.free.pop_front()
+    }
+
+    /// Indices handed out since the last call, to zero before they are programmed.
+    pub fn take_fresh(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.fresh)
+    }
+
+    /// Releases every index no programmed slot carries any more (and adopted ones no service
+    /// claimed): what it counted goes to its service's retired totals (`last` reads it), and
+    /// the index is free again.
+    pub fn release_unused(&mut self, in_use: &BTreeSet<u32>, last: impl Fn(u32) -> Option<Counters>) {
+        let released: Vec<u32> =
+            self.by_pair.values().filter(|index| !in_use.contains(index)).copied().collect();
+        self.release(&released, &last);
+        // Adopted indices no service claimed are free once no slot carries them.
+        let unclaimed: Vec<_> =
+            self.adopted.iter().filter(|(_, index)| !in_use.contains(index)).map(|(key, _)| *key).collect();
+        for key in unclaimed {
+            if let Some(index) = self.adopted.remove(&key) {
+                self.free.push_back(index);
+            }
+        }
+    }
+
+    /// Releases `indices`, which no programmed slot carries any more; as
+    /// [`Self::release_unused`] for those only.
+    pub fn release(&mut self, indices: &[u32], last: impl Fn(u32) -> Option<Counters>) {
+        let mut table = lock(&self.table);
+        for index in indices {
+            let Some(key) = self.pairs.remove(index) else { continue };
+            self.by_pair.remove(&key);
+            if let Some(pair) = table.pairs.remove(index) {
+                if let Some(counted) = last(*index) {
+                    let retired = table.retired.entry(pair.service.clone()).or_default();
+                    retired.packets += counted.packets;
+                    retired.bytes += counted.bytes;
+                }
+                // A service that is gone takes its retired totals with it.
+                if let Some(count) = self.pairs_per_service.get_mut(&pair.service) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.pairs_per_service.remove(&pair.service);
+                        table.retired.remove(&pair.service);
+                    }
+                }
+            }
+            self.free.push_back(*index);
+        }
+    }
+}
+
+/// The counters map as the agent reads and zeroes it.
+pub struct CounterMap {
+    map: PerCpuArray<MapData, Counters>,
+}
+
+impl CounterMap {
+    pub fn new(map: PerCpuArray<MapData, Counters>) -> Self {
+        Self { map }
+    }
+
+    pub fn open(pin: &Path) -> anyhow::Result<Self> {
+        let data = MapData::from_pin(pin)?;
+        Ok(Self { map: PerCpuArray::try_from(Map::PerCpuArray(data))? })
+    }
+
+    /// The map for the batched system calls aya does not offer.
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.map.map().fd().as_fd()
+    }
+
+    /// The CPU sums of every index in `indices`. A scrape at 10k services × 10 endpoints reads
+    /// 100k indices: in batches of [`BATCH`] per system call where the kernel allows
+    /// (`BPF_MAP_LOOKUP_BATCH`, Linux 5.6), one call per index otherwise.
+    pub fn read_many(&self, indices: &BTreeSet<u32>) -> BTreeMap<u32, Counters> {
+        let Some(&highest) = indices.last() else { return BTreeMap::new() };
+        if let Some(all) = read_batched(self.fd(), highest) {
+            return indices.iter().filter_map(|index| Some((*index, *all.get(*index as usize)?))).collect();
+        }
+        indices.iter().filter_map(|index| Some((*index, self.read(*index)?))).collect()
+    }
+
+    /// The sum over every CPU.
+    pub fn read(&self, index: u32) -> Option<Counters> {
+        let values = self.map.get(&index, 0).ok()?;
+        Some(values.iter().fold(Counters::default(), |sum, cpu| Counters {
+            packets: sum.packets + cpu.packets,
+            bytes: sum.bytes + cpu.bytes,
+        }))
+    }
+
+    pub fn zero(&mut self, index: u32) -> anyhow::Result<()> {
+        let cpus = aya::util::nr_cpus().map_err(|(what, error)| anyhow::anyhow!("{what}: {error}"))?;
+        let zeros = PerCpuValues::try_from(vec![Counters::default(); cpus])?;
+        self.map.set(index, zeros, 0)?;
+        Ok(())
+    }
+
+    /// Zeroes every index in `indices`: in one batched update where the kernel takes it (a
+    /// first sync hands out every index at once), else one update each. Errors are logged.
+    pub fn zero_many(&mut self, indices: &[u32]) {
+        let Ok(cpus) = aya::util::nr_cpus() else { return };
+        for chunk in indices.chunks(BATCH as usize) {
+            let zeros = vec![Counters::default(); chunk.len() * cpus];
+            if update_batch(self.fd(), chunk, &zeros).is_ok() {
+                continue;
+            }
+            for &index in chunk {
+                if let Err(error) = self.zero(index) {
+                    warn!(index, "cannot zero a counter: {error:#}");
+                }
+            }
+        }
+    }
+}
+
+/// Elements per `BPF_MAP_LOOKUP_BATCH` call.
+const BATCH: u32 = 4096;
+
+/// Indices `0..=highest` of a per-CPU [`Counters`] array, summed over the CPUs; `None` when the
+/// kernel refuses batched lookups.
+fn read_batched(fd: BorrowedFd<'_>, highest: u32) -> Option<Vec<Counters>> {
+    let cpus = aya::util::nr_cpus().ok()?;
+    // The kernel lays out a per-CPU value as one 8-byte-aligned copy per possible CPU.
+    const _: () = assert!(size_of::<Counters>().is_multiple_of(8));
+    let mut keys = vec![0u32; BATCH as usize];
+    let mut values = vec![Counters::default(); BATCH as usize * cpus];
+    let mut sums = Vec::with_capacity(highest as usize + 1);
+    let (mut cursor, mut next) = (0u32, 0u32);
+    let mut first = true;
+    while sums.len() <= highest as usize {
+        let mut attr = MapBatchAttr {
+            in_batch: if first { 0 } else { std::ptr::from_ref(&cursor) as u64 },
+            out_batch: std::ptr::from_mut(&mut next) as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: BATCH,
+            map_fd: fd.as_raw_fd() as u32,
+            ..MapBatchAttr::default()
+        };
+        // SAFETY: the attribute points to buffers of `count` keys and `count × cpus` values,
+        // which the kernel fills.
+        let done = match unsafe { bpf(cmd::MAP_LOOKUP_BATCH, &mut attr) } {
+            Ok(_) => false,
+            // The last batch: what it holds is valid, and there is no more.
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => true,
+            Err(_) => return None,
+        };
+        for (slot, per_cpu) in values.chunks(cpus).take(attr.count as usize).enumerate() {
+            if keys[slot] as usize != sums.len() {
+                return None;
+            }
+            sums.push(per_cpu.iter().fold(Counters::default(), |sum, cpu| Counters {
+                packets: sum.packets + cpu.packets,
+                bytes: sum.bytes + cpu.bytes,
+            }));
+        }
+        if done {
+            break;
+        }
+        cursor = next;
+        first = false;
+    }
+    sums.truncate(highest as usize + 1);
+    Some(sums)
+}
+
+/// The datapath statistics array (`proxy_common::datapath_stat`).
+pub struct StatsMap {
+    map: PerCpuArray<MapData, u64>,
+}
+
+impl StatsMap {
+    pub fn open(pin: &Path) -> anyhow::Result<Self> {
+        let data = MapData::from_pin(pin)?;
+        Ok(Self { map: PerCpuArray::try_from(Map::PerCpuArray(data))? })
+    }
+
+    /// The sum over every CPU of one statistic.
+    pub fn read(&self, index: u32) -> u64 {
+        self.map.get(&index, 0).map(|values| values.iter().sum()).unwrap_or(0)
+    }
+}
+
+/// Counts the agent keeps about the flows map (its reaper's work).
+#[derive(Debug, Default)]
+pub struct FlowMetrics {
+    /// Entries deleted because their connection was idle or closed, by protocol and reason.
+    pub expired_tcp_idle: Counter,
+    pub expired_tcp_closed: Counter,
+    pub expired_udp: Counter,
+    /// Entries deleted because their endpoint left the EndpointSlices.
+    pub reaped_gone_endpoint: Counter,
+}
+
+/// `/metrics` families of the datapath's counters.
+pub struct DatapathCollector {
+    table: SharedTable,
+    counters: Mutex<CounterMap>,
+    stats: Mutex<StatsMap>,
+    flows: Arc<FlowMetrics>,
+}
+
+impl DatapathCollector {
+    pub fn new(table: SharedTable, counters: CounterMap, stats: StatsMap, flows: Arc<FlowMetrics>) -> Self {
+        Self { table, counters: Mutex::new(counters), stats: Mutex::new(stats), flows }
+    }
+}
+
+/// The insert failures of `datapath_stat`, with their `cause` label.
+pub const INSERT_FAILURES: [(u32, &str); 3] = [
+    (datapath_stat::FLOW_INSERT_FORWARD, "forward_entry"),
+    (datapath_stat::FLOW_INSERT_REPLY, "reply_entry"),
+    (datapath_stat::SNAT_PORT_EXHAUSTED, "snat_port_exhausted"),
+];
+
+fn service_labels(service: &ServicePortName) -> Vec<(String, String)> {
+    vec![
+        ("service".to_owned(), format!("{}/{}", service.namespace, service.name)),
+        ("port".to_owned(), service.port.clone()),
+        ("protocol".to_owned(), service.protocol.to_string()),
+    ]
+}
+
+fn family(name: &str, help: &str, samples: Vec<Sample>) -> MetricFamily {
+    MetricFamily { name: name.to_owned(), help: help.to_owned(), kind: MetricKind::Counter, samples }
+}
+
+fn sample(labels: Vec<(String, String)>, value: u64) -> Sample {
+    Sample { labels, value: SampleValue::Number(value as f64) }
+}
+
+impl Collector for DatapathCollector {
+    fn collect(&self) -> Vec<MetricFamily> {
+        // Copied out, so a scrape never holds up a sync while it reads the map.
+        let (pairs, retired) = {
+            let table = lock(&self.table);
+            (table.pairs.clone(), table.retired.clone())
+        };
+        let mut by_service: BTreeMap<ServicePortName, Counters> = retired;
+        let (mut backend_packets, mut backend_bytes) = (Vec::new(), Vec::new());
+        {
+            let indices: BTreeSet<u32> = pairs.keys().copied().collect();
+            let counted_by_index =
+                self.counters.lock().unwrap_or_else(PoisonError::into_inner).read_many(&indices);
+            for (index, pair) in &pairs {
+                let counted = counted_by_index.get(index).copied().unwrap_or_default();
+                let total = by_service.entry(pair.service.clone()).or_default();
+                total.packets += counted.packets;
+                total.bytes += counted.bytes;
+                let mut labels = service_labels(&pair.service);
+                labels.push(("endpoint".to_owned(), pair.endpoint.to_string()));
+                backend_packets.push(sample(labels.clone(), counted.packets));
+                backend_bytes.push(sample(labels, counted.bytes));
+            }
+        }
+        let (mut service_packets, mut service_bytes) = (Vec::new(), Vec::new());
+        for (service, total) in &by_service {
+            service_packets.push(sample(service_labels(service), total.packets));
+            service_bytes.push(sample(service_labels(service), total.bytes));
+        }
+        let failures = {
+            let stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+            INSERT_FAILURES
+                .iter()
+                .map(|(index, cause)| {
+                    sample(vec![("cause".to_owned(), (*cause).to_owned())], stats.read(*index))
+                })
+                .collect()
+        };
+        let expired = [
+            ("TCP", "idle", &self.flows.expired_tcp_idle),
+            ("TCP", "closed", &self.flows.expired_tcp_closed),
+            ("UDP", "idle", &self.flows.expired_udp),
+        ]
+        .into_iter()
+        .map(|(protocol, reason, counter)| {
+            sample(
+                vec![("protocol".to_owned(), protocol.to_owned()), ("reason".to_owned(), reason.to_owned())],
+                counter.get(),
+            )
+        })
+        .collect();
+        vec![
+            family(
+                "vipr_service_packets_total",
+                "Packets of the service port's balanced connections through the eBPF datapath, both directions",
+                service_packets,
+            ),
+            family(
+                "vipr_service_bytes_total",
+                "Bytes (IP length) of the service port's balanced connections through the eBPF datapath, both \
+                 directions",
+                service_bytes,
+            ),
+            family(
+                "vipr_backend_packets_total",
+                "Packets of the connections the eBPF datapath balanced to this endpoint of the service port, both \
+                 directions",
+                backend_packets,
+            ),
+            family(
+                "vipr_backend_bytes_total",
+                "Bytes (IP length) of the connections the eBPF datapath balanced to this endpoint of the service \
+                 port, both directions",
+                backend_bytes,
+            ),
+            family(
+                "vipr_datapath_flow_insert_failures_total",
+                "New connections whose flow entry the datapath could not store, by cause (snat_port_exhausted \
+                 drops the packet)",
+                failures,
+            ),
+            family(
+                "vipr_flow_entries_expired_total",
+                "Flow entries the agent deleted because their connection was idle or closed",
+                expired,
+            ),
+            family(
+                "vipr_flow_entries_reaped_total",
+                "Flow entries the agent deleted because their endpoint left the EndpointSlices",
+                vec![sample(Vec::new(), self.flows.reaped_gone_endpoint.get())],
+            ),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{bpf_sys::MapCreateAttr, model::Protocol};
+
+    fn service(name: &str) -> ServicePortName {
+        ServicePortName {
+            namespace: "ns".into(),
+            name: name.into(),
+            port: "http".into(),
+            protocol: Protocol::Tcp,
+        }
+    }
+
+    #[test]
+    fn indices_are_per_pair_and_reused_only_after_release() {
+        let ip: IpAddr = "10.1.0.1".parse().unwrap();
+        let other: IpAddr = "10.1.0.2".parse().unwrap();
+        let mut ids = CounterIds::new(4);
+        let (web, api) = (service("web"), service("api"));
+        let a = ids.index(&web, 1, ip, 8080);
+        assert_eq!(ids.index(&web, 1, ip, 8080), a, "stable while in use");
+        let b = ids.index(&api, 2, ip, 8080);
+        let c = ids.index(&web, 1, other, 8080);
+        assert_eq!([a, b, c], [1, 2, 3]);
+        assert_eq!(ids.take_fresh(), [1, 2, 3]);
+        // Full (index 0 is never handed out).
+        assert_eq!(ids.index(&web, 1, other, 9090), NOT_COUNTED);
+
+        // `b` leaves: its count goes to api's retired total and its index is free again.
+        ids.release_unused(&BTreeSet::from([a, c]), |index| {
+            Some(Counters { packets: u64::from(index) * 10, bytes: 100 })
+        });
+        assert_eq!(lock(&ids.table).retired.get(&api), None, "api has no backend left: it is gone");
+        assert_eq!(ids.index(&web, 1, other, 9090), b);
+        assert_eq!(ids.take_fresh(), [b], "a reused index is zeroed too");
+
+        // web's backend `c` leaves while web stays: its count is kept in web's total.
+        ids.release_unused(&BTreeSet::from([a, b]), |_| Some(Counters { packets: 7, bytes: 700 }));
+        assert_eq!(lock(&ids.table).retired[&web], Counters { packets: 7, bytes: 700 });
+        assert_eq!(lock(&ids.table).pairs.len(), 2);
+    }
+
+    #[test]
+    fn adopted_indices_are_kept_and_the_rest_is_free() {
+        let ip: IpAddr = "10.1.0.1".parse().unwrap();
+        let mut ids = CounterIds::new(100);
+        ids.adopt(5, ip, 8080, 7);
+        ids.adoption_done();
+        assert_eq!(ids.index(&service("web"), 5, ip, 8080), 7);
+        assert!(ids.take_fresh().is_empty(), "an adopted index keeps its count");
+        // Fresh indices first (8...), then the gaps below the adopted one.
+        assert_eq!(ids.index(&service("web"), 5, ip, 1), 8);
+        assert_eq!(ids.free.iter().copied().collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
+    }
+
+    /// A per-CPU array like `vipr_bcnt_v1`, created directly (needs root).
+    fn counters_array(entries: u32) -> CounterMap {
+        const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+        let mut attr = MapCreateAttr {
+            map_type: BPF_MAP_TYPE_PERCPU_ARRAY,
+            key_size: 4,
+            value_size: size_of::<Counters>() as u32,
+            max_entries: entries,
+            map_flags: 0,
+        };
+        // SAFETY: the attribute holds no pointers.
+        let fd = unsafe { bpf(cmd::MAP_CREATE, &mut attr) }.and_then(crate::bpf_sys::owned_fd);
+        let fd = fd.expect("BPF_MAP_CREATE");
+        let data = MapData::from_fd(fd).expect("map from fd");
+        CounterMap::new(PerCpuArray::try_from(Map::PerCpuArray(data)).expect("per-CPU array"))
+    }
+
+    #[test]
+    fn batched_reads_agree_with_single_reads() {
+        // Over two batches, with a gap of untouched indices.
+        let mut counters = counters_array(2 * BATCH + 100);
+        let cpus = aya::util::nr_cpus().expect("cpus");
+        for index in [1, 2, BATCH - 1, BATCH, BATCH + 1, 2 * BATCH + 7] {
+            let per_cpu: Vec<Counters> = (0..cpus as u64)
+                .map(|cpu| Counters { packets: u64::from(index) + cpu, bytes: 1000 * u64::from(index) + cpu })
+                .collect();
+            counters.map.set(index, PerCpuValues::try_from(per_cpu).expect("values"), 0).expect("set");
+        }
+        let wanted: BTreeSet<u32> = [0, 1, 2, 3, BATCH - 1, BATCH, BATCH + 1, 2 * BATCH + 7].into();
+        let batched = read_batched(counters.fd(), 2 * BATCH + 7).expect("this kernel has batched lookups");
+        assert_eq!(batched.len(), 2 * BATCH as usize + 8);
+        let many = counters.read_many(&wanted);
+        for index in wanted {
+            let single = counters.read(index).expect("single read");
+            assert_eq!(many[&index], single, "index {index}");
+            assert_eq!(batched[index as usize], single, "index {index}");
+        }
+        assert_eq!(many[&1].packets, (0..cpus as u64).map(|cpu| 1 + cpu).sum::<u64>());
+
+        // Zeroing in batches, across the batch boundary; other indices keep their counts.
+        counters.zero_many(&[1, BATCH - 1, BATCH, 2 * BATCH + 7]);
+        for index in [1, BATCH - 1, BATCH, 2 * BATCH + 7] {
+            assert_eq!(counters.read(index), Some(Counters::default()), "index {index}");
+        }
+        assert_ne!(counters.read(2), Some(Counters::default()));
+        assert_ne!(counters.read(BATCH + 1), Some(Counters::default()));
+    }
+}

@@ -1,0 +1,244 @@
+//! The incremental translator against the full one, over random sequences of changes.
+use serde_json::{json, Value};
+
+use super::*;
+use crate::model::kubernetes::desired_state;
+
+/// xorshift64: reproducible without a dependency.
+struct Random(u64);
+
+impl Random {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+}
+
+/// Metadata, with a fresh resourceVersion most of the time (the API server's objects) and
+/// none otherwise (a file's).
+fn metadata(random: &mut Random, version: &mut u64, name: &str, labels: Value) -> Value {
+    *version += 1;
+    let mut metadata = json!({"name": name, "namespace": random.pick(&["a", "b"]), "labels": labels});
+    if random.chance(80) {
+        metadata["resourceVersion"] = json!(version.to_string());
+        metadata["uid"] = json!(format!("uid-{name}"));
+    }
+    metadata
+}
+
+/// Services that share cluster IPs, external IPs and NodePorts, so that frontends conflict.
+fn random_service(random: &mut Random, version: &mut u64) -> Service {
+    let name = format!("s{}", random.below(4));
+    let cluster_ips: &[&[&str]] =
+        &[&["10.96.0.1"], &["10.96.0.2"], &["10.96.0.1", "fd00::1"], &["fd00::2"], &["None"]];
+    let ports: Vec<Value> = (0..1 + random.below(2))
+        .map(|_| {
+            let (name, port, protocol) =
+                *random.pick(&[("http", 80, "TCP"), ("", 80, "TCP"), ("dns", 53, "UDP"), ("bad", 81, "XYZ")]);
+            json!({"name": name, "port": port, "protocol": protocol,
+                   "nodePort": *random.pick(&[0, 30001, 30002])})
+        })
+        .collect();
+    let mut spec = json!({
+        "type": random.pick(&["ClusterIP", "NodePort", "LoadBalancer"]),
+        "clusterIPs": random.pick(cluster_ips),
+        "ports": ports,
+        "externalTrafficPolicy": random.pick(&["Cluster", "Local"]),
+        "internalTrafficPolicy": random.pick(&["Cluster", "Local"]),
+    });
+    if random.chance(30) {
+        spec["externalIPs"] = json!([random.pick(&["10.96.0.2", "192.0.2.1", "2001:db8::5"])]);
+    }
+    if random.chance(30) {
+        spec["loadBalancerSourceRanges"] = json!([random.pick(&["192.168.0.0/16", "203.0.113.0/24"])]);
+    }
+    if random.chance(30) {
+        spec["trafficDistribution"] = json!("PreferClose");
+    }
+    if random.chance(20) {
+        spec["sessionAffinity"] = json!("ClientIP");
+    }
+    let labels = json!({});
+    serde_json::from_value(json!({
+        "metadata": metadata(random, version, &name, labels),
+        "spec": spec,
+        "status": {"loadBalancer": {"ingress": [{"ip": random.pick(&["1.2.3.4", "192.0.2.1"])}]}},
+    }))
+    .unwrap()
+}
+
+fn random_slice(random: &mut Random, version: &mut u64) -> EndpointSlice {
+    let name = format!("e{}", random.below(6));
+    let ipv4 = random.chance(70);
+    let endpoints: Vec<Value> = (0..random.below(4))
+        .map(|_| {
+            let address = if ipv4 {
+                format!("10.1.0.{}", 1 + random.below(5))
+            } else {
+                format!("fd00:1::{}", 1 + random.below(5))
+            };
+            let mut endpoint = json!({
+                "addresses": [address],
+                "nodeName": random.pick(&["node-a", "node-b"]),
+                "conditions": {"ready": random.chance(70), "serving": random.chance(80),
+                               "terminating": random.chance(30)},
+            });
+            if random.chance(50) {
+                endpoint["hints"] = json!({"forZones": [{"name": random.pick(&["zone-1", "zone-2"])}]});
+            }
+            endpoint
+        })
+        .collect();
+    let ports: Vec<Value> = (0..1 + random.below(2))
+        .map(|_| {
+            let (name, port, protocol) =
+                *random.pick(&[("http", 8080, "TCP"), ("", 8080, "TCP"), ("dns", 5353, "UDP")]);
+            json!({"name": name, "port": port, "protocol": protocol})
+        })
+        .collect();
+    // Now and then a slice the model rejects.
+    let address_type = if random.chance(5) {
+        "Bogus"
+    } else if ipv4 {
+        "IPv4"
+    } else {
+        "IPv6"
+    };
+    let labels = json!({SERVICE_NAME_LABEL: format!("s{}", random.below(4))});
+    serde_json::from_value(json!({
+        "metadata": metadata(random, version, &name, labels),
+        "addressType": address_type,
+        "endpoints": endpoints,
+        "ports": ports,
+    }))
+    .unwrap()
+}
+
+fn random_node(random: &mut Random) -> NodeContext {
+    let ip = |text: &str| text.parse::<IpAddr>().unwrap();
+    NodeContext {
+        name: random.pick(&["node-a", "node-b"]).to_string(),
+        zone: random.chance(50).then(|| "zone-1".to_owned()),
+        cluster_cidrs: if random.chance(70) { vec!["10.0.0.0/8".parse().unwrap()] } else { Vec::new() },
+        masquerade_all: random.chance(20),
+        node_ips: [ip("192.168.0.2"), ip("2001:db8::1")].into(),
+        primary_ips: vec![ip("192.168.0.2"), ip("2001:db8::1")],
+        node_port_ips: if random.chance(50) { [ip("192.168.0.2")].into() } else { BTreeSet::new() },
+        service_cidrs: vec!["10.96.0.0/16".parse().unwrap()],
+    }
+}
+
+/// Replaces, adds (possibly a second object of a name already there) or deletes one object.
+fn change<T>(random: &mut Random, objects: &mut Vec<T>, make: impl FnOnce(&mut Random) -> T) {
+    match random.below(4) {
+        0 if !objects.is_empty() => {
+            let index = random.below(objects.len());
+            objects.remove(index);
+        }
+        1 if !objects.is_empty() => {
+            let index = random.below(objects.len());
+            objects[index] = make(random);
+        }
+        _ => objects.push(make(random)),
+    }
+}
+
+fn sorted(rejected: Vec<Rejection>) -> Vec<String> {
+    let mut rejected: Vec<String> = rejected.iter().map(ToString::to_string).collect();
+    rejected.sort();
+    rejected
+}
+
+#[test]
+fn incremental_translation_equals_the_full_one_and_reports_every_change() {
+    for seed in 1..=60u64 {
+        let mut random = Random(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut version = 0;
+        let mut services = Vec::new();
+        let mut slices = Vec::new();
+        let mut node = random_node(&mut random);
+        let mut translator = Translator::new();
+        let mut previous = DesiredState::default();
+        let mut generation = None;
+        for step in 0..50 {
+            match random.below(10) {
+                0..=3 => change(&mut random, &mut services, |r| random_service(r, &mut version)),
+                4..=8 => change(&mut random, &mut slices, |r| random_slice(r, &mut version)),
+                _ => node = random_node(&mut random),
+            }
+            let changes = translator.translate(&services, &slices, &node);
+            let full = desired_state(&services, &slices, &node);
+            let context = format!("seed {seed}, step {step}");
+            assert_eq!(translator.state(), &full.state, "{context}");
+            assert_eq!(sorted(translator.rejected()), sorted(full.rejected), "{context}");
+
+            // The changes lead from the previous state to this one.
+            assert_eq!(changes.generation, generation.map_or(1, |g: u64| g + 1), "{context}");
+            if changes.since.is_some() {
+                assert_eq!(changes.since, generation, "{context}");
+                for frontend in &changes.frontends {
+                    match full.state.frontends.get(frontend) {
+                        Some(entry) => previous.frontends.insert(*frontend, entry.clone()),
+                        None => previous.frontends.remove(frontend),
+                    };
+                }
+                previous.listed_endpoints.extend(&changes.listed_added);
+                previous.listed_endpoints.retain(|backend| !changes.listed_removed.contains(backend));
+                if changes.classifiers {
+                    previous.cluster_ips = full.state.cluster_ips.clone();
+                }
+                assert_eq!(previous, full.state, "{context}: {changes:?}");
+            }
+            previous = full.state;
+            generation = Some(changes.generation);
+        }
+    }
+}
+
+#[test]
+fn an_unchanged_snapshot_changes_nothing_and_one_slice_changes_its_service_only() {
+    let mut random = Random(7);
+    let mut version = 0;
+    let node = random_node(&mut random);
+    let services: Vec<Service> = (0..4)
+        .map(|i| {
+            let mut service = random_service(&mut random, &mut version);
+            service.metadata.name = Some(format!("s{i}"));
+            service.metadata.namespace = Some("a".into());
+            service.spec.as_mut().unwrap().cluster_ips = Some(vec![format!("10.96.1.{i}")]);
+            service
+        })
+        .collect();
+    let mut translator = Translator::new();
+    assert_eq!(translator.translate(&services, &[], &node).since, None);
+    let unchanged = translator.translate(&services, &[], &node);
+    assert_eq!(unchanged.since, Some(1));
+    assert!(unchanged.frontends.is_empty() && !unchanged.classifiers, "{unchanged:?}");
+
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": "e", "namespace": "a", "resourceVersion": "1",
+                     "labels": {SERVICE_NAME_LABEL: "s2"}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["10.1.0.9"]}],
+        "ports": [{"name": "http", "port": 8080}, {"name": "", "port": 8080}, {"name": "dns", "port": 5353, "protocol": "UDP"}],
+    }))
+    .unwrap();
+    let changes = translator.translate(&services, std::slice::from_ref(&slice), &node);
+    assert!(!changes.frontends.is_empty(), "{changes:?}");
+    assert!(changes.frontends.iter().all(|f| translator.state().frontends[f].service.name == "s2"));
+    assert!(!changes.classifiers);
+}
