@@ -99,7 +99,7 @@ fn known_differences_are_iptables_only_and_documented() {
         .expect("docs/conformance.md exists");
     for known in KNOWN_DIFFERENCES {
         assert!(known.file_id.starts_with("iptables."), "{known:?}: only iptables files may differ");
-        assert_ne!(known.vipr, Verdict::DNAT, "{known:?}: a substituted expectation carries no endpoints");
+        assert_ne!(known.outcome, Verdict::DNAT, "{known:?}: a substituted expectation carries no endpoints");
         let row = format!("| `{}` | {:?} | {} |", known.file_id, known.case, known.flow);
         assert!(docs.contains(&row), "docs/conformance.md has no row starting {row}");
     }

@@ -30,8 +30,9 @@ fn every_ipvs_difference_names_one_recorded_flow() {
                     let Some(difference) = ipvs_difference_of(&file, case, stage, flow) else { continue };
                     let index = IPVS_DIFFERENCES.iter().position(|d| std::ptr::eq(d, difference)).unwrap();
                     used[index] += 1;
-                    let outcome = difference.outcome(flow).unwrap_or_else(|error| panic!("{error:#}"));
-                    if let (IpvsOutcome::Dnat { .. }, Verdict::DNAT) = (difference.ipvs, difference.recorded)
+                    let outcome = difference.outcome_for(flow).unwrap_or_else(|error| panic!("{error:#}"));
+                    if let (IpvsOutcome::Dnat { .. }, Verdict::DNAT) =
+                        (difference.outcome, difference.recorded)
                     {
                         // IPVS picks among fewer endpoints, never others.
                         let outcome = outcome.unwrap();
@@ -57,7 +58,7 @@ fn ipvs_differences_are_documented() {
     for difference in IPVS_DIFFERENCES {
         let row = format!("| `{}` | {:?} | {} |", difference.file_id, difference.case, difference.flow);
         assert!(docs.contains(&row), "docs/conformance.md has no row starting {row}");
-        if difference.ipvs == IpvsOutcome::AsRecorded {
+        if difference.outcome == IpvsOutcome::AsRecorded {
             assert!(
                 difference.file_id.starts_with("iptables."),
                 "{difference:?}: only iptables files are followed"

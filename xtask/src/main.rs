@@ -29,7 +29,8 @@ enum Task {
     Build,
     /// Run clippy, denying warnings, on the host crates and on the eBPF crate.
     Lint,
-    /// Everything CI checks: setup, build, lint, then the workspace tests (root: they load BPF).
+    /// Everything CI checks: setup, build, lint, the workspace tests, then the conformance cases
+    /// in every mode (root: they load BPF and build network namespaces).
     Test,
     /// Build vipr and run the network-namespace demo; exits with the demo's exit code.
     Demo {
@@ -70,7 +71,17 @@ enum Task {
 }
 
 /// The steps of `cargo xtask test`, in order. A new suite is one more line here.
-const TEST_STEPS: &[Step] = &[SETUP, BUILD, HOST_CLIPPY, EBPF_CLIPPY, WORKSPACE_TESTS];
+const TEST_STEPS: &[Step] = &[
+    SETUP,
+    BUILD,
+    HOST_CLIPPY,
+    EBPF_CLIPPY,
+    WORKSPACE_TESTS,
+    CONFORMANCE_EBPF,
+    CONFORMANCE_IPTABLES,
+    CONFORMANCE_IPVS,
+    CONFORMANCE_AUTO_WITHOUT_BPF,
+];
 
 const LINT_STEPS: &[Step] = &[HOST_CLIPPY, EBPF_CLIPPY];
 
@@ -110,6 +121,37 @@ const WORKSPACE_TESTS: Step = Step {
     name: "workspace tests",
     // Every test binary runs even after one fails, so one CI run reports every failure.
     run: |workspace| cmd::run_tests(workspace.cargo().args(["test", "--workspace", "--no-fail-fast"])),
+    on_failure: OnFailure::Continue,
+};
+
+/// The case directories every conformance step runs (relative to the workspace root).
+const CONFORMANCE_CASES: [&str; 2] = ["tests/conformance/kube-proxy-flows", "tests/conformance/vipr"];
+
+/// A `cargo xtask test` step that runs the conformance runner in one `--proxy-mode` over
+/// [`CONFORMANCE_CASES`] and fails on any failed flow. Another mode is one line:
+/// `const CONFORMANCE_EBPF: Step = conformance_step!("ebpf", "conformance: ebpf");`.
+macro_rules! conformance_step {
+    ($mode:literal, $name:literal) => {
+        Step {
+            name: $name,
+            run: |workspace| conformance_suite(workspace, $mode, &[]),
+            on_failure: OnFailure::Continue,
+        }
+    };
+}
+
+/// vipr's own datapath on the host kernel (TC programs and the cgroup socket hooks).
+const CONFORMANCE_EBPF: Step = conformance_step!("ebpf", "conformance: ebpf");
+/// On the host kernel (iptables-nft here, whatever the system's iptables is elsewhere).
+const CONFORMANCE_IPTABLES: Step = conformance_step!("iptables", "conformance: iptables");
+/// This kernel has no IPVS: the runner moves into User-Mode Linux guests (installed by setup).
+const CONFORMANCE_IPVS: Step = conformance_step!("ipvs", "conformance: ipvs (UML guest)");
+/// `--proxy-mode=auto` with `bpf()` denied by a seccomp filter, as on a kernel without the BPF
+/// features: vipr must fall back (to iptables on this kernel, which has no IPVS) and pass the
+/// cases with that mode's semantics.
+const CONFORMANCE_AUTO_WITHOUT_BPF: Step = Step {
+    name: "conformance: auto mode without BPF (falls back to iptables)",
+    run: |workspace| conformance_suite(workspace, "iptables", &["--deny-bpf"]),
     on_failure: OnFailure::Continue,
 };
 
@@ -213,6 +255,29 @@ fn conformance(
             .args(paths),
     )?;
     Ok(exit_code_of(status))
+}
+
+/// One conformance step: the binaries of the build step, every case directory, the runner's
+/// own output (a line per flow and the counts) in the log.
+fn conformance_suite(workspace: &Workspace, mode: &str, runner_args: &[&str]) -> Result<()> {
+    // Without IPVS here and without a guest kernel the runner would skip every flow, which
+    // must not read as a pass in CI.
+    if mode == "ipvs" && !Path::new("/proc/net/ip_vs").exists() && uml::kernel().is_none() {
+        anyhow::bail!(
+            "this kernel has no IPVS and no User-Mode Linux kernel is installed (`cargo xtask setup`)"
+        );
+    }
+    let binaries = workspace.target_dir().join("debug");
+    // Exit code 1: a flow failed (the lines above say which); 2: the runner could not run.
+    cmd::run(
+        Command::new(binaries.join("vipr-conformance"))
+            .current_dir(&workspace.root)
+            .arg(format!("--mode={mode}"))
+            .arg("--vipr")
+            .arg(binaries.join("vipr"))
+            .args(runner_args)
+            .args(CONFORMANCE_CASES),
+    )
 }
 
 fn run_in_uml(workspace: &Workspace, memory_mb: u32, timeout: u64, command: &[OsString]) -> Result<ExitCode> {

@@ -39,6 +39,10 @@ struct Args {
     /// Copy each case's vipr log into this directory (as <file>.<case index>.log)
     #[arg(long, value_name = "DIR")]
     logs: Option<PathBuf>,
+    /// Run vipr with --proxy-mode=auto and bpf() denied (a seccomp filter), as on a node without
+    /// BPF; --mode is then the mode it must fall back to and whose outcomes are checked
+    #[arg(long)]
+    deny_bpf: bool,
     /// Case files, or directories of them (*.json)
     #[arg(required = true, value_name = "DIR_OR_FILE")]
     paths: Vec<PathBuf>,
@@ -72,6 +76,7 @@ fn main_result() -> Result<ExitCode> {
         filter: args.filter,
         logs: args.logs,
         interrupted: interrupted.clone(),
+        deny_bpf: args.deny_bpf,
     };
     let summary = run(&args.paths, &options)?;
     // Best effort, as every line: the exit code carries the result.

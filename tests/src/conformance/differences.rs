@@ -5,12 +5,16 @@
 //! checked against the nftables outcome instead of the recorded one, by the runner and by
 //! the model-level test alike. The list is explicit, flow by flow, and each entry also names
 //! the recorded verdict: a case file that changes under it is an error, not a silent pass.
-//! docs/conformance.md explains each reason.
+//! docs/conformance.md explains each reason. Other modes have their own lists;
+//! [`expectation_in`] gives any mode's expectation.
 
 use anyhow::{ensure, Result};
 
 use super::{
     case::{Case, CaseFile, Flow, Stage, Verdict},
+    flags::Mode,
+    iptables::iptables_difference_of,
+    ipvs::ipvs_difference_of,
     model::Outcome,
 };
 
@@ -26,19 +30,70 @@ pub const NODE_PORTS_ON_EVERY_ADDRESS: &str =
 pub const LOCALHOST_NODE_PORTS: &str =
     "iptables serves IPv4 NodePorts on 127.0.0.1 (localhost_node_ports); nftables and vipr never on loopback";
 
+/// One flow of a case file that a mode checks against another outcome than the recorded one:
+/// an entry of [`KNOWN_DIFFERENCES`], [`super::iptables::IPTABLES_DIFFERENCES`] or
+/// [`super::ipvs::IPVS_DIFFERENCES`], whose `outcome` type is the list's own.
 #[derive(Clone, Copy, Debug)]
-pub struct KnownDifference {
+pub struct Listed<O> {
     /// The case file's `id`.
     pub file_id: &'static str,
     pub case: &'static str,
     pub stage: &'static str,
     pub flow: u32,
-    /// What the file says, to notice a file that changed under this list.
+    /// What the file says, to notice a file that changed under the list.
     pub recorded: Verdict,
-    /// What vipr does instead (never DNAT).
-    pub vipr: Verdict,
+    pub outcome: O,
     pub why: &'static str,
 }
+
+/// An entry for a flow of the stage "initial".
+pub const fn listed<O>(
+    file_id: &'static str,
+    case: &'static str,
+    flow: u32,
+    recorded: Verdict,
+    outcome: O,
+    why: &'static str,
+) -> Listed<O> {
+    Listed { file_id, case, stage: "initial", flow, recorded, outcome, why }
+}
+
+impl<O> Listed<O> {
+    /// The entry of `list` for `flow`, if any.
+    pub fn find<'a>(
+        list: &'a [Listed<O>],
+        file: &CaseFile,
+        case: &Case,
+        stage: &Stage,
+        flow: &Flow,
+    ) -> Option<&'a Listed<O>> {
+        list.iter().find(|known| {
+            known.file_id == file.id
+                && known.case == case.case_name
+                && known.stage == stage.label
+                && known.flow == flow.id
+        })
+    }
+
+    /// An error when the file no longer records what the list (named `list`) expects.
+    pub fn check_recorded(&self, flow: &Flow, list: &str) -> Result<()> {
+        ensure!(
+            flow.expect.verdict == self.recorded,
+            "{} {:?} {:?} flow {}: the {list} list expects a recorded {}, the file says {}",
+            self.file_id,
+            self.case,
+            self.stage,
+            self.flow,
+            self.recorded,
+            flow.expect.verdict
+        );
+        Ok(())
+    }
+}
+
+/// Where vipr follows nftables against an iptables file: the verdict it gives instead (never
+/// DNAT).
+pub type KnownDifference = Listed<Verdict>;
 
 const fn difference(
     file_id: &'static str,
@@ -48,7 +103,7 @@ const fn difference(
     vipr: Verdict,
     why: &'static str,
 ) -> KnownDifference {
-    KnownDifference { file_id, case, stage: "initial", flow, recorded, vipr, why }
+    listed(file_id, case, flow, recorded, vipr, why)
 }
 
 pub static KNOWN_DIFFERENCES: &[KnownDifference] = &[
@@ -116,12 +171,7 @@ pub fn known_difference(
     stage: &Stage,
     flow: &Flow,
 ) -> Option<&'static KnownDifference> {
-    KNOWN_DIFFERENCES.iter().find(|known| {
-        known.file_id == file.id
-            && known.case == case.case_name
-            && known.stage == stage.label
-            && known.flow == flow.id
-    })
+    Listed::find(KNOWN_DIFFERENCES, file, case, stage, flow)
 }
 
 /// What vipr must do with `flow`: the recorded expectation, or the nftables outcome where the
@@ -135,15 +185,76 @@ pub fn expectation(
     let Some(known) = known_difference(file, case, stage, flow) else {
         return Ok((Outcome::expected(&flow.expect), None));
     };
-    ensure!(
-        flow.expect.verdict == known.recorded,
-        "{} {:?} {:?} flow {}: the known-differences list expects a recorded {}, the file says {}",
-        file.id,
-        case.case_name,
-        stage.label,
-        flow.id,
-        known.recorded,
-        flow.expect.verdict
-    );
-    Ok((Outcome::of(known.vipr), Some(known)))
+    known.check_recorded(flow, "known-differences")?;
+    Ok((Outcome::of(known.outcome), Some(known)))
+}
+
+/// Where a mode's checked outcome is not the recorded one: whose behaviour it is (`nftables`,
+/// `iptables`, `ipvs`), what the file records, and why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Difference {
+    pub whose: &'static str,
+    pub recorded: Verdict,
+    pub why: &'static str,
+}
+
+/// What a flow is checked against in one mode.
+#[derive(Clone, Debug)]
+pub struct ModeExpectation {
+    pub outcome: Outcome,
+    /// Set when the outcome is not the recorded one.
+    pub difference: Option<Difference>,
+    /// Why the flow cannot be reproduced on the lab in this mode (it is skipped).
+    pub skip: Option<&'static str>,
+}
+
+/// What vipr must do with `flow` when it runs in `mode`, the dataplane actually serving (a
+/// run that let vipr choose its mode passes the one vipr chose):
+/// - `ebpf`: the recorded outcome, or the nftables one for [`KNOWN_DIFFERENCES`];
+/// - `iptables`: the recorded outcome (the iptables files are authoritative), or kube-proxy's
+///   iptables behaviour for the nftables-semantics flows where the backends disagree
+///   ([`super::iptables::IPTABLES_DIFFERENCES`]);
+/// - `ipvs`: kube-proxy's IPVS behaviour for [`super::ipvs::IPVS_DIFFERENCES`], else as ebpf.
+pub fn expectation_in(
+    mode: Mode,
+    file: &CaseFile,
+    case: &Case,
+    stage: &Stage,
+    flow: &Flow,
+) -> Result<ModeExpectation> {
+    let recorded =
+        || ModeExpectation { outcome: Outcome::expected(&flow.expect), difference: None, skip: None };
+    match mode {
+        Mode::Iptables => Ok(match iptables_difference_of(file, case, stage, flow) {
+            Some(known) => ModeExpectation {
+                outcome: known.outcome_for(flow)?,
+                difference: Some(Difference { whose: "iptables", recorded: known.recorded, why: known.why }),
+                skip: None,
+            },
+            None => recorded(),
+        }),
+        Mode::Ebpf | Mode::Ipvs => {
+            let (outcome, known) = expectation(file, case, stage, flow)?;
+            let mut expect = ModeExpectation {
+                outcome,
+                difference: known.map(|known| Difference {
+                    whose: "nftables",
+                    recorded: known.recorded,
+                    why: known.why,
+                }),
+                skip: None,
+            };
+            if mode == Mode::Ipvs {
+                if let Some(ipvs) = ipvs_difference_of(file, case, stage, flow) {
+                    expect.difference =
+                        Some(Difference { whose: "ipvs", recorded: ipvs.recorded, why: ipvs.why });
+                    match ipvs.outcome_for(flow)? {
+                        Some(outcome) => expect.outcome = outcome,
+                        None => expect.skip = Some("not reproducible on this lab in ipvs mode"),
+                    }
+                }
+            }
+            Ok(expect)
+        }
+    }
 }

@@ -29,9 +29,9 @@ impl Mode {
 /// - `--nodeport-addresses`: the recorded list verbatim (other-family entries included, as
 ///   kube-proxy is given them); absent when `null`, so vipr's default applies;
 /// - `--service-cluster-ip-range`: the nftables `service_cidrs`; absent when `null`;
+/// - `--iptables-localhost-nodeports`: `localhost_node_ports`; absent when `null`, so vipr's
+///   default (true, as kube-proxy's) applies. Given in every mode: only iptables mode uses it;
 /// - `--devices`: every interface of the node but loopback.
-///
-/// `localhost_node_ports` has no vipr flag: vipr never serves NodePorts on loopback.
 pub fn vipr_args(
     node: &Node,
     mode: Mode,
@@ -57,6 +57,9 @@ pub fn vipr_args(
     }
     if let Some(cidrs) = &node.service_cidrs {
         args.push(format!("--service-cluster-ip-range={}", cidrs.join(",")));
+    }
+    if let Some(enabled) = node.localhost_node_ports {
+        args.push(format!("--iptables-localhost-nodeports={enabled}"));
     }
     args.push("-v".to_owned());
     args

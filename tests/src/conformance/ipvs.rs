@@ -14,10 +14,11 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, Context, Result};
 
 use super::{
     case::{Case, CaseFile, Flow, Stage, Verdict},
+    differences::{listed, Listed},
     flags::Mode,
     model::Outcome,
     run::{Options, Summary},
@@ -49,18 +50,8 @@ pub enum IpvsOutcome {
     Skip,
 }
 
-#[derive(Clone, Copy, Debug)]
-pub struct IpvsDifference {
-    /// The case file's `id`.
-    pub file_id: &'static str,
-    pub case: &'static str,
-    pub stage: &'static str,
-    pub flow: u32,
-    /// What the file says, to notice a file that changed under this list.
-    pub recorded: Verdict,
-    pub ipvs: IpvsOutcome,
-    pub why: &'static str,
-}
+/// A flow ipvs mode checks against another outcome than the recorded one.
+pub type IpvsDifference = Listed<IpvsOutcome>;
 
 const fn ipvs_difference(
     file_id: &'static str,
@@ -70,7 +61,7 @@ const fn ipvs_difference(
     ipvs: IpvsOutcome,
     why: &'static str,
 ) -> IpvsDifference {
-    IpvsDifference { file_id, case, stage: "initial", flow, recorded, ipvs, why }
+    listed(file_id, case, flow, recorded, ipvs, why)
 }
 
 /// With no local endpoint, kube-proxy's IPVS mode sends a Local policy's outside clients to
@@ -241,7 +232,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
         stage: "only a remote terminating endpoint",
         flow: 1,
         recorded: Verdict::DROP,
-        ipvs: IpvsOutcome::Dnat { endpoints: &["10.180.0.1:80"], masquerade: false },
+        outcome: IpvsOutcome::Dnat { endpoints: &["10.180.0.1:80"], masquerade: false },
         why: REMOTE_WHEN_NO_LOCAL,
     },
     IpvsDifference {
@@ -250,7 +241,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
         stage: "initial",
         flow: 12,
         recorded: Verdict::DROP,
-        ipvs: IpvsOutcome::Dnat { endpoints: &["[fd00:10:180::3]:80"], masquerade: false },
+        outcome: IpvsOutcome::Dnat { endpoints: &["[fd00:10:180::3]:80"], masquerade: false },
         why: REMOTE_WHEN_NO_LOCAL,
     },
 ];
@@ -261,28 +252,14 @@ pub fn ipvs_difference_of(
     stage: &Stage,
     flow: &Flow,
 ) -> Option<&'static IpvsDifference> {
-    IPVS_DIFFERENCES.iter().find(|known| {
-        known.file_id == file.id
-            && known.case == case.case_name
-            && known.stage == stage.label
-            && known.flow == flow.id
-    })
+    Listed::find(IPVS_DIFFERENCES, file, case, stage, flow)
 }
 
 impl IpvsDifference {
     /// What ipvs mode must do with `flow` (`None`: skipped).
-    pub fn outcome(&self, flow: &Flow) -> Result<Option<Outcome>> {
-        ensure!(
-            flow.expect.verdict == self.recorded,
-            "{} {:?} {:?} flow {}: the ipvs differences list expects a recorded {}, the file says {}",
-            self.file_id,
-            self.case,
-            self.stage,
-            self.flow,
-            self.recorded,
-            flow.expect.verdict
-        );
-        Ok(match self.ipvs {
+    pub fn outcome_for(&self, flow: &Flow) -> Result<Option<Outcome>> {
+        self.check_recorded(flow, "ipvs differences")?;
+        Ok(match self.outcome {
             IpvsOutcome::AsRecorded => Some(Outcome::expected(&flow.expect)),
             IpvsOutcome::Skip => None,
             IpvsOutcome::Dnat { endpoints, masquerade } => {

@@ -148,6 +148,12 @@ impl CaseLab {
         }
         r.ip(&["rule", "add", "pref", "1000", "iif", "up0", "lookup", FROM_NODE_TABLE])?;
         r.ip(&["-6", "rule", "add", "pref", "1000", "iif", "up0", "lookup", FROM_NODE_TABLE])?;
+        // Local delivery moves behind the rules of the addresses the router owns only for the
+        // node's packets (add_router_address).
+        for family in ["-4", "-6"] {
+            r.ip(&[family, "rule", "add", "pref", "100", "lookup", "local"])?;
+            r.ip(&[family, "rule", "del", "pref", "0"])?;
+        }
         r.ip(&["route", "add", "unreachable", "default", "table", FROM_NODE_TABLE])?;
         r.ip(&["-6", "route", "add", "unreachable", "default", "table", FROM_NODE_TABLE])?;
         let uplinks: Vec<_> = node.uplinks().collect();
@@ -305,10 +311,24 @@ impl CaseLab {
     }
 
     /// Makes the router own `ip` (on its loopback), so that it is "routed normally" to a
-    /// place where a socket can see it arrive.
+    /// place where a socket can see it arrive. Idempotent (`replace`): several flows that
+    /// pass may share a destination address.
+    ///
+    /// Only packets from the node are delivered there: external clients may send to the same
+    /// address (a cluster IP that passes on some ports and is DNATed on others), and theirs
+    /// must still be routed to the node.
     pub fn add_router_address(&mut self, ip: IpAddr) -> Result<Place> {
-        let net = if ip.is_ipv4() { format!("{ip}/32") } else { format!("{ip}/128") };
-        self.router.ip(&["addr", "add", &net, "dev", "lo"])?;
+        let (net, family) =
+            if ip.is_ipv4() { (format!("{ip}/32"), "-4") } else { (format!("{ip}/128"), "-6") };
+        let owned = self.router.ip(&[family, "addr", "show", "dev", "lo"])?;
+        if owned.contains(&format!(" {net} ")) {
+            return Ok(Place::Router);
+        }
+        // No prefix route: an IPv6 one in main would send the others' packets to lo.
+        self.router.ip(&["addr", "add", &net, "dev", "lo", "noprefixroute"])?;
+        self.router
+            .ip(&[family, "rule", "add", "pref", "10", "iif", "up0", "to", &net, "lookup", "local"])?;
+        self.router.ip(&[family, "rule", "add", "pref", "20", "to", &net, "lookup", "main"])?;
         Ok(Place::Router)
     }
 

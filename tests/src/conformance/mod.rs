@@ -9,12 +9,14 @@
 //! - [`model`]: what vipr's desired state does with a flow;
 //! - [`differences`]: the iptables-file flows where vipr follows nftables instead;
 //! - [`flags`]: a case's node configuration as vipr flags;
+//! - [`iptables`]: the flows `--mode=iptables` checks against kube-proxy's iptables backend;
 //! - [`ipvs`]: `--mode=ipvs` on a kernel without IPVS, in a User-Mode Linux guest;
 //! - [`lab`], [`probe`], [`run`]: the runner's network, its checks on the wire, and the loop.
 
 pub mod case;
 pub mod differences;
 pub mod flags;
+pub mod iptables;
 pub mod ipvs;
 pub mod lab;
 pub mod model;

@@ -17,9 +17,8 @@ use anyhow::{bail, Context, Result};
 
 use super::{
     case::{case_files, Case, CaseFile, Flow, IpFamily, Node, Protocol, Stage, Verdict},
-    differences::{expectation, KnownDifference},
+    differences::{expectation_in, Difference},
     flags::{vipr_args, Mode},
-    ipvs::{ipvs_difference_of, IpvsDifference},
     lab::{CaseLab, LabPlan, LeafPlan, Place, Side},
     model::Outcome,
     objects,
@@ -43,6 +42,9 @@ pub struct Options {
     pub logs: Option<PathBuf>,
     /// Set on SIGINT/SIGTERM: stop after the current stage.
     pub interrupted: Arc<AtomicBool>,
+    /// Run vipr with `--proxy-mode=auto` and `bpf()` denied (`sandbox`); `mode` is then the
+    /// mode it must fall back to, whose outcomes are checked.
+    pub deny_bpf: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,21 +111,16 @@ struct Job<'a> {
     stage: usize,
     flow: &'a Flow,
     expect: Outcome,
-    known: Option<&'static KnownDifference>,
-    /// In ipvs mode: where it does what kube-proxy's IPVS mode does.
-    ipvs: Option<&'static IpvsDifference>,
+    /// Where the mode's outcome is not the recorded one (differences::expectation_in).
+    known: Option<Difference>,
     skip: Option<String>,
 }
 
 impl Job<'_> {
     /// Where the outcome checked is not the recorded one: whose outcome it is (nftables,
-    /// ipvs), what the file records, and why.
+    /// iptables, ipvs), what the file records, and why.
     fn difference(&self) -> Option<(&'static str, Verdict, &'static str)> {
-        match (self.ipvs, self.known) {
-            (Some(ipvs), _) => Some(("ipvs", ipvs.recorded, ipvs.why)),
-            (None, Some(known)) => Some(("nftables", known.recorded, known.why)),
-            (None, None) => None,
-        }
+        self.known.map(|known| (known.whose, known.recorded, known.why))
     }
 }
 
@@ -131,6 +128,9 @@ impl Job<'_> {
 /// counts. Cases run one after the other, each on a fresh lab.
 pub fn run(paths: &[PathBuf], options: &Options) -> Result<Summary> {
     crate::require_root()?;
+    if options.deny_bpf {
+        deny_bpf_to_this_runner(options.mode)?;
+    }
     if super::ipvs::needs_guest(options.mode) {
         return super::ipvs::run_in_guest(paths, options);
     }
@@ -200,19 +200,15 @@ fn run_case(
             if options.filter.as_ref().is_some_and(|filter| !line.contains(filter.as_str())) {
                 continue;
             }
-            let (mut expect, known) = expectation(file, case, stage, flow)?;
-            let mut skip = machine_skip(options.mode, flow);
-            let ipvs =
-                (options.mode == Mode::Ipvs).then(|| ipvs_difference_of(file, case, stage, flow)).flatten();
-            if let Some(ipvs) = ipvs {
-                match ipvs.outcome(flow)? {
-                    Some(outcome) => expect = outcome,
-                    None => {
-                        skip = skip.or_else(|| Some("not reproducible on this lab in ipvs mode".to_owned()))
-                    }
-                }
-            }
-            jobs.push(Job { stage: stage_index, flow, expect, known, ipvs, skip });
+            let expected = expectation_in(options.mode, file, case, stage, flow)?;
+            let skip = machine_skip(options.mode, flow).or_else(|| expected.skip.map(str::to_owned));
+            jobs.push(Job {
+                stage: stage_index,
+                flow,
+                expect: expected.outcome,
+                known: expected.difference,
+                skip,
+            });
         }
     }
     if jobs.is_empty() {
@@ -490,12 +486,18 @@ fn apply_stage(
 ) -> Result<usize> {
     write_atomically(&lab.services_file(), &objects::manifests(stage)?)?;
     if stage_index == 0 {
-        let args = vipr_args(&case.node, options.mode, &lab.services_file(), lab.bpf_root(), lab.devices());
+        let mut args =
+            vipr_args(&case.node, options.mode, &lab.services_file(), lab.bpf_root(), lab.devices());
+        if options.deny_bpf {
+            for arg in args.iter_mut().filter(|arg| arg.starts_with("--proxy-mode=")) {
+                *arg = "--proxy-mode=auto".to_owned();
+            }
+        }
         lab.start_vipr(&options.vipr, &args)?;
     }
     let log = lab.log_path();
     let vipr = lab.vipr().context("vipr is not running")?;
-    wait_for("vipr to sync the services file (a \"synced\" log line)", SYNC_TIMEOUT, || {
+    let synced = wait_for("vipr to sync the services file (a \"synced\" log line)", SYNC_TIMEOUT, || {
         if let Err(error) = vipr.ensure_running() {
             bail!("vipr exited: {}", exit_reason(&log).unwrap_or_else(|| format!("{error:#}")));
         }
@@ -505,7 +507,39 @@ fn apply_stage(
         } else {
             Check::NotYet(format!("{count} syncs logged"))
         })
-    })
+    })?;
+    if options.deny_bpf && stage_index == 0 {
+        ensure_auto_chose(&log, options.mode)?;
+    }
+    Ok(synced)
+}
+
+/// `--deny-bpf`: vipr, started from this thread, inherits a seccomp filter that denies
+/// `bpf()`. The runner itself needs no `bpf()` in the modes that can be checked so.
+fn deny_bpf_to_this_runner(mode: Mode) -> Result<()> {
+    if mode == Mode::Ebpf {
+        bail!(
+            "--deny-bpf with --mode=ebpf: without bpf() vipr cannot run ebpf; give the mode it must fall \
+             back to (iptables here, ipvs on a kernel with IPVS)"
+        );
+    }
+    if super::ipvs::needs_guest(mode) {
+        bail!("--deny-bpf is not carried into the User-Mode Linux guest that ipvs mode needs on this kernel");
+    }
+    crate::sandbox::deny_bpf_to_this_thread().context("cannot install the seccomp filter that denies bpf()")
+}
+
+/// Fails unless vipr's log says auto mode chose `mode` (quoting what it chose instead).
+fn ensure_auto_chose(log: &Path, mode: Mode) -> Result<()> {
+    let text = std::fs::read_to_string(log).with_context(|| format!("cannot read {}", log.display()))?;
+    let choice = text.lines().find(|line| line.contains("proxy mode auto:"));
+    match choice {
+        Some(line) if line.contains(&format!("proxy mode auto: chose {}", mode.name())) => Ok(()),
+        Some(line) => {
+            bail!("vipr in auto mode without bpf() did not choose {}: {}", mode.name(), line.trim())
+        }
+        None => bail!("vipr logged no auto-mode choice (is it a vipr with --proxy-mode=auto probing?)"),
+    }
 }
 
 fn synced_lines(log: &Path) -> usize {
