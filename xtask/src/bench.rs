@@ -1,5 +1,6 @@
-//! `cargo xtask bench <datapath|control-plane|all> [--quick]`: builds `vipr-bench` (release,
-//! so the agent code it times is what ships) and runs the suites. A full run writes
+//! `cargo xtask bench <datapath|control-plane|e2e|all> [--quick]`: builds `vipr-bench` (release,
+//! so the agent code it times is what ships; for `e2e` the `vipr` binary too) and runs the
+//! suites. A full run writes
 //! `docs/bench/<suite>.json`, the plots in `docs/bench/` and rewrites `docs/benchmarks.md`; a
 //! quick one (a smoke test of the suites) writes to `target/bench-quick/` instead.
 
@@ -31,7 +32,9 @@ enum Suite {
     Datapath,
     /// Programming time from a desired state, per endpoint change, and agent memory.
     ControlPlane,
-    /// Both.
+    /// Traffic through the vipr binary between namespaces, by proxy mode and services.
+    E2e,
+    /// All of them.
     All,
 }
 
@@ -40,6 +43,7 @@ impl Suite {
         match self {
             Self::Datapath => "datapath",
             Self::ControlPlane => "control-plane",
+            Self::E2e => "e2e",
             Self::All => "all",
         }
     }
@@ -47,7 +51,12 @@ impl Suite {
 
 pub fn run(workspace: &Workspace, args: &BenchArgs) -> Result<ExitCode> {
     setup::all(setup::Mode::Install)?;
-    cmd::run(workspace.cargo().args(["build", "--release", "-p", "vipr-tests", "--bin", "vipr-bench"]))?;
+    let mut build = vec!["build", "--release", "-p", "vipr-tests", "--bin", "vipr-bench"];
+    if matches!(args.suite, Suite::E2e | Suite::All) {
+        // The agent the e2e suite runs: found next to vipr-bench (target/release/vipr).
+        build.extend(["-p", "proxy-userspace", "--bin", "vipr"]);
+    }
+    cmd::run(workspace.cargo().args(build))?;
     let (out_dir, doc) = match (args.quick, &args.out_dir) {
         (_, Some(dir)) => (dir.clone(), args.doc.clone().unwrap_or_else(|| dir.join("benchmarks.md"))),
         (true, None) => {

@@ -88,6 +88,8 @@ impl Cluster {
         self.replacements += 1;
         let slice = &mut self.slices[service * self.slices_per_service];
         slice.endpoints[0].addresses = vec![address.to_string()];
+        // As the API server does on every write; the agent's change tracking relies on it.
+        slice.metadata.resource_version = Some(format!("r{}", self.replacements));
         address
     }
 
@@ -102,6 +104,10 @@ impl Cluster {
             .collect()
     }
 }
+
+/// The resourceVersion of every generated object; [`Cluster::replace_endpoint`] gives the
+/// changed slice a new one.
+const INITIAL_VERSION: &str = "r0";
 
 fn node_context() -> NodeContext {
     let facts = NodeFacts {
@@ -125,6 +131,8 @@ fn service(i: usize) -> Service {
         metadata: ObjectMeta {
             name: Some(format!("svc-{i}")),
             namespace: Some(NAMESPACE.into()),
+            // Objects from the API server always carry one; the agent's change tracking uses it.
+            resource_version: Some(INITIAL_VERSION.into()),
             ..ObjectMeta::default()
         },
         spec: Some(ServiceSpec {
@@ -153,6 +161,7 @@ fn slice(service: usize, k: usize, addresses: &[Ipv4Addr]) -> EndpointSlice {
                 vipr::model::kubernetes::SERVICE_NAME_LABEL.to_owned(),
                 format!("svc-{service}"),
             )])),
+            resource_version: Some(INITIAL_VERSION.into()),
             ..ObjectMeta::default()
         },
         address_type: "IPv4".into(),

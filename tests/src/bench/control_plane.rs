@@ -5,11 +5,12 @@
 //! control-plane-child`), in a fresh network namespace with one veth device, on a fresh bpffs,
 //! so neither the kernel state nor the memory of one size reaches the next. The child builds
 //! the cluster's Services and EndpointSlices, starts `EbpfDataplane` (load, attach to the
-//! device), translates the objects with the agent's own model code, and times
-//! `EbpfDataplane::sync` of that desired state on the empty maps ("from scratch"). Then it
-//! replaces one endpoint of a random service at a time and times the translation and the
-//! sync of each changed state: the agent re-translates every object on each change, so both
-//! are part of what the agent does before the change is in the maps. It counts the `bpf()`
+//! device), translates the objects with the agent's own incremental translator, and times
+//! `EbpfDataplane::sync_changes` of that desired state on the empty maps ("from scratch").
+//! Then it replaces one endpoint of a random service at a time and times the translation and
+//! the sync of each changed state as the agent does them: the translator re-translates what
+//! changed and hands the dataplane the changes, and both are part of what the agent does
+//! before the change is in the maps. It counts the `bpf()`
 //! and all system calls of each sync with tracepoint perf counters, reads VmRSS / VmHWM from
 //! /proc/self/status, and checks in the pinned maps that the last change is there.
 
@@ -29,6 +30,7 @@ use vipr::{
         ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions, PinDir},
         Dataplane as _,
     },
+    model::kubernetes::incremental::Translator,
 };
 
 use super::{
@@ -265,21 +267,26 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
         bpf_root: bpffs.path().to_owned(),
         devices: vec![sys::DEVICE.to_owned()],
         map_sizes: BpfMapSizes::default(),
+        conntrack: Default::default(),
+        balancing: Default::default(),
+        xdp: Default::default(),
     };
     let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()) };
     let started = Instant::now();
     let mut dataplane = EbpfDataplane::start_with(&options, &host).context("starting the dataplane")?;
     let start_ms = ms(started);
 
+    let mut translator = Translator::new();
     let started = Instant::now();
-    let translation = cluster.translate();
+    let scratch = translator.translate(&cluster.services, &cluster.slices, &cluster.node);
     let translate_ms = ms(started);
-    ensure!(translation.rejected.is_empty(), "the model rejected objects: {:?}", translation.rejected);
+    let rejected = translator.rejected();
+    ensure!(rejected.is_empty(), "the model rejected objects: {rejected:?}");
 
     let (bpf_before, all_before) = counters.read();
     let (user_before, system_before) = sys::cpu_ms();
     let started = Instant::now();
-    let report = dataplane.sync(&translation.state).context("sync from scratch")?;
+    let report = dataplane.sync_changes(translator.state(), &scratch).context("sync from scratch")?;
     let sync_ms = ms(started);
     let (user_after, system_after) = sys::cpu_ms();
     let (bpf_after, all_after) = counters.read();
@@ -291,7 +298,6 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
     );
     let rss_after_sync_kib = sys::status_kib("VmRSS")?;
     let hwm_after_sync_kib = sys::status_kib("VmHWM")?;
-    drop(translation);
 
     let mut random = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut measured = Vec::with_capacity(changes);
@@ -303,11 +309,11 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
         let service = (random % services as u64) as usize;
         let address = cluster.replace_endpoint(service);
         let started = Instant::now();
-        let translation = cluster.translate();
+        let changed = translator.translate(&cluster.services, &cluster.slices, &cluster.node);
         let translate_ms = ms(started);
         let (bpf_before, _) = counters.read();
         let started = Instant::now();
-        let report = dataplane.sync(&translation.state).context("sync of a change")?;
+        let report = dataplane.sync_changes(translator.state(), &changed).context("sync of a change")?;
         let sync_ms = ms(started);
         let (bpf_after, _) = counters.read();
         ensure!(

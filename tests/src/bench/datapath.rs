@@ -364,6 +364,8 @@ impl<'a> CellBench<'a> {
             services: defaults.services.max(u32::try_from(3 * (services + settings.chain) + 1024)?),
             backends: defaults.backends.max(u32::try_from(services * backends + settings.chain + 1024)?),
             flows: defaults.flows,
+            counters: defaults.counters.max(u32::try_from(services * backends + 1)?),
+            ..defaults
         };
         {
             let cluster = Cluster::new(services, backends);
@@ -373,8 +375,14 @@ impl<'a> CellBench<'a> {
                 "the model rejected objects: {:?}",
                 translation.rejected
             );
-            let options =
-                EbpfOptions { bpf_root: bpffs.path().to_owned(), devices: Vec::new(), map_sizes: sizes };
+            let options = EbpfOptions {
+                bpf_root: bpffs.path().to_owned(),
+                devices: Vec::new(),
+                map_sizes: sizes,
+                conntrack: Default::default(),
+                balancing: Default::default(),
+                xdp: Default::default(),
+            };
             let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()) };
             let mut dataplane =
                 EbpfDataplane::start_with(&options, &host).context("starting the dataplane")?;
@@ -420,6 +428,7 @@ impl<'a> CellBench<'a> {
                 dst_addr: vip.octets(),
                 dst_port: SERVICE_PORT,
                 flags: flow_flags::REWRITE_DESTINATION,
+                track: Default::default(),
             },
         )?;
         // Reply: from the connection's backend back to the client, mapped to itself.
@@ -432,6 +441,7 @@ impl<'a> CellBench<'a> {
                 dst_addr: [0; 4],
                 dst_port: 0,
                 flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
+                track: Default::default(),
             },
         )?;
         let method = |kind| match kind {
@@ -688,7 +698,11 @@ impl<'a> Bench<'a> {
         for link in 0..links {
             let next = chain_frontend(link + 1);
             let slot = BackendSlot { backend_set: CHAIN_SETS + link as u32, slot: 0 };
-            backends.insert(slot, Backend4 { addr: next.octets(), port: SERVICE_PORT, pad: 0 }, 0)?;
+            backends.insert(
+                slot,
+                Backend4 { addr: next.octets(), port: SERVICE_PORT, pad: 0, counter: 0 },
+                0,
+            )?;
         }
         let mut services: HashMap<_, ServiceKey4, Service> =
             HashMap::try_from(self.ebpf.map_mut(pins::SERVICES4).context("services map missing")?)?;
@@ -706,6 +720,7 @@ impl<'a> Bench<'a> {
                     backend_count: 1,
                     service_id: CHAIN_SETS + link as u32,
                     flags: masquerade | service_flags::REJECT_WHEN_EMPTY,
+                    ..Service::default()
                 };
                 services.insert(key, service, 0)?;
             }

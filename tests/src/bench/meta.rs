@@ -24,6 +24,9 @@ pub struct RunMeta {
     pub quick: bool,
     /// Whether the benchmark binary (and the agent code it drives) was an optimized build.
     pub optimized: bool,
+    /// The iptables programs and their variants, for suites that use them (None: not used).
+    #[serde(default)]
+    pub iptables: Option<String>,
 }
 
 impl RunMeta {
@@ -40,7 +43,14 @@ impl RunMeta {
             load_end: None,
             quick,
             optimized: !cfg!(debug_assertions),
+            iptables: None,
         }
+    }
+
+    /// Records which iptables programs (and variants) the suite used.
+    pub fn with_iptables(mut self, versions: String) -> Self {
+        self.iptables = Some(versions);
+        self
     }
 
     pub fn finish(&mut self) {

@@ -1,12 +1,15 @@
 //! vipr's benchmark suites (`cargo xtask bench`, issue 6): the datapath's cost per packet with
-//! BPF_PROG_TEST_RUN, and the control plane's programming time and memory. Results go to
+//! BPF_PROG_TEST_RUN, the control plane's programming time and memory, and end-to-end traffic
+//! through the real agent by proxy mode (`e2e`). Results go to
 //! `<out-dir>/<suite>.json`, plots to `<out-dir>/*.png`, and the report (docs/benchmarks.md)
 //! is rewritten from all results there.
 
 mod cluster;
 mod control_plane;
 mod datapath;
+mod e2e;
 mod frame;
+mod load;
 mod meta;
 mod plot;
 mod report;
@@ -34,7 +37,10 @@ enum Cmd {
     Datapath(RunArgs),
     /// Desired state to datapath: sync time from scratch and per endpoint change, agent memory.
     ControlPlane(RunArgs),
-    /// Both suites.
+    /// Traffic through the vipr binary between namespaces: connections/s, latency and UDP
+    /// rates by proxy mode (ebpf, iptables-nft, iptables-legacy) and number of services.
+    E2e(RunArgs),
+    /// All suites.
     All(RunArgs),
     /// Redraw the plots and rewrite the report from the results in --out-dir, measuring nothing.
     Report(Output),
@@ -100,9 +106,10 @@ fn run(command: Cmd) -> Result<()> {
             println!("{}", serde_json::to_string(&result)?);
             return Ok(());
         }
-        Cmd::Datapath(args) => ((true, false), args),
-        Cmd::ControlPlane(args) => ((false, true), args),
-        Cmd::All(args) => ((true, true), args),
+        Cmd::Datapath(args) => ((true, false, false), args),
+        Cmd::ControlPlane(args) => ((false, true, false), args),
+        Cmd::E2e(args) => ((false, false, true), args),
+        Cmd::All(args) => ((true, true, true), args),
     };
     prepare()?;
     let command = args.invoked_as.clone().unwrap_or_else(|| std::env::args().collect::<Vec<_>>().join(" "));
@@ -115,8 +122,14 @@ fn run(command: Cmd) -> Result<()> {
     if suites.1 {
         let settings =
             if args.quick { control_plane::Settings::quick() } else { control_plane::Settings::full() };
-        let results = control_plane::run(meta::RunMeta::start(command, args.quick), settings)?;
+        let results = control_plane::run(meta::RunMeta::start(command.clone(), args.quick), settings)?;
         report::save(dir, report::CONTROL_PLANE_JSON, &results)?;
+    }
+    if suites.2 {
+        let settings = if args.quick { e2e::Settings::quick() } else { e2e::Settings::full() };
+        let meta = meta::RunMeta::start(command, args.quick).with_iptables(e2e::iptables_versions());
+        let results = e2e::run(meta, settings)?;
+        report::save(dir, report::E2E_JSON, &results)?;
     }
     report::write(dir, &args.output.doc())
 }

@@ -8,12 +8,14 @@ use plotters::prelude::*;
 use super::{
     control_plane,
     datapath::{self, PathKind},
+    e2e,
     stats::Summary,
 };
 
 pub const DATAPATH_SERVICES: &str = "datapath-services.png";
 pub const DATAPATH_BACKENDS: &str = "datapath-backends.png";
 pub const CONTROL_PLANE: &str = "control-plane.png";
+pub const E2E: &str = "e2e.png";
 
 const FONT: &str = "sans-serif";
 /// DejaVu Sans (Debian's fonts-dejavu-core): plotters draws text with a font it is given.
@@ -72,6 +74,7 @@ pub fn draw(
     dir: &Path,
     datapath: Option<&datapath::Results>,
     control: Option<&control_plane::Results>,
+    e2e: Option<&e2e::Results>,
 ) -> Result<Vec<&'static str>> {
     register_font()?;
     let mut written = Vec::new();
@@ -119,6 +122,10 @@ pub fn draw(
     if let Some(results) = control {
         control_plot(&dir.join(CONTROL_PLANE), results)?;
         written.push(CONTROL_PLANE);
+    }
+    if let Some(results) = e2e {
+        e2e_plot(&dir.join(E2E), results)?;
+        written.push(E2E);
     }
     Ok(written)
 }
@@ -200,6 +207,89 @@ fn thousands(x: f64) -> String {
     }
 }
 
+const CONTROL_X: &str = "services (10 endpoints each)";
+
+/// Four panels over the number of services, one line per mode: TCP connections/s and p99
+/// latency to the cluster IP, UDP transactions/s to the cluster IP and to the NodePort.
+fn e2e_plot(path: &Path, results: &e2e::Results) -> Result<()> {
+    let root = BitMapBackend::new(path, (1400, 1000)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((2, 2));
+    let (x_low, x_high) = x_range(results.cells.iter().map(|cell| cell.services as f64));
+    let x_desc = "services (the target has 3 endpoints, the others 1)";
+    let series = |kind: e2e::Kind, value: fn(&e2e::Measurement) -> Summary| -> Vec<Series> {
+        e2e::Mode::ALL
+            .into_iter()
+            .map(|mode| {
+                let points = results
+                    .cells
+                    .iter()
+                    .filter(|cell| cell.mode == mode)
+                    .filter_map(|cell| Some((cell.services as f64, value(cell.measurement(kind)?))))
+                    .collect();
+                (mode.label().to_owned(), points)
+            })
+            .filter(|(_, points): &Series| !points.is_empty())
+            .collect()
+    };
+    let tcp_rate = series(e2e::Kind::TcpClusterIp, |m| m.rate);
+    // The ratio targets, drawn where they apply: 1.5x iptables's rate at 10k, 1.1x ebpf's own
+    // p99 at 1 service.
+    let at = |series: &[Series], label: &str, x: f64| -> Option<f64> {
+        let (_, points) = series.iter().find(|(l, _)| l == label)?;
+        points.iter().find(|(px, _)| *px == x).map(|(_, s)| s.median)
+    };
+    let mut rate_targets = Vec::new();
+    if let Some(iptables) = at(&tcp_rate, e2e::Mode::IptablesNft.label(), 10_000.0) {
+        rate_targets.push((10_000.0, iptables * 1.5, "target: ebpf >= 1.5x iptables at 10k"));
+    }
+    log_panel(
+        &panels[0],
+        "TCP connections/s to a cluster IP",
+        "connections/s",
+        (x_low, x_high),
+        &tcp_rate,
+        &rate_targets,
+        x_desc,
+    )?;
+    let p99 = series(e2e::Kind::TcpClusterIp, |m| m.p99_us);
+    let mut p99_targets = Vec::new();
+    if let Some(one) = at(&p99, e2e::Mode::Ebpf.label(), 1.0) {
+        p99_targets.push((30_000.0, one * 1.1, "target: ebpf p99 at 30k <= 1.1x at 1"));
+    }
+    log_panel(
+        &panels[1],
+        "TCP transaction p99 latency (connect to reply)",
+        "µs",
+        (x_low, x_high),
+        &p99,
+        &p99_targets,
+        x_desc,
+    )?;
+    let udp = series(e2e::Kind::UdpClusterIp, |m| m.rate);
+    log_panel(
+        &panels[2],
+        "UDP request/response to a cluster IP",
+        "transactions/s",
+        (x_low, x_high),
+        &udp,
+        &[],
+        x_desc,
+    )?;
+    let node_port = series(e2e::Kind::UdpNodePort, |m| m.rate);
+    log_panel(
+        &panels[3],
+        "UDP request/response to a NodePort, from outside (TC)",
+        "transactions/s",
+        (x_low, x_high),
+        &node_port,
+        &[],
+        x_desc,
+    )?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
 fn control_plot(path: &Path, results: &control_plane::Results) -> Result<()> {
     let root = BitMapBackend::new(path, (1500, 520)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -221,6 +311,7 @@ fn control_plot(path: &Path, results: &control_plane::Results) -> Result<()> {
             ("translation (objects -> desired state)".into(), translate),
         ],
         &[(10_000.0, 1_000.0, "target: 10k x 10 in < 1 s")],
+        CONTROL_X,
     )?;
     // One endpoint change.
     let change_sync: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.change_sync_ms)).collect();
@@ -232,6 +323,7 @@ fn control_plot(path: &Path, results: &control_plane::Results) -> Result<()> {
         (x_low, x_high),
         &[("sync of the changed state".into(), change_sync), ("translation + sync".into(), change_total)],
         &[(10_000.0, 10.0, "target: < 10 ms at 10k")],
+        CONTROL_X,
     )?;
     // Memory.
     let rss: Vec<(f64, Summary)> = sizes.iter().map(|s| (x(s), s.rss_after_sync_mib)).collect();
@@ -248,6 +340,7 @@ fn control_plot(path: &Path, results: &control_plane::Results) -> Result<()> {
             ("RSS of the objects alone".into(), before),
         ],
         &[(10_000.0, 150.0, "target: < 150 MiB at 10k")],
+        CONTROL_X,
     )?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -261,6 +354,7 @@ fn log_panel(
     (x_low, x_high): (f64, f64),
     series: &[Series],
     targets: &[(f64, f64, &str)],
+    x_desc: &str,
 ) -> Result<()> {
     let values = series.iter().flat_map(|(_, points)| points.iter().flat_map(|(_, s)| [s.min, s.max]));
     let values = values.chain(targets.iter().map(|(_, y, _)| *y));
@@ -275,7 +369,7 @@ fn log_panel(
         .build_cartesian_2d((x_low..x_high).log_scale(), (y_low..y_high).log_scale())?;
     chart
         .configure_mesh()
-        .x_desc("services (10 endpoints each)")
+        .x_desc(x_desc)
         .y_desc(unit)
         .x_label_formatter(&|x| thousands(*x))
         .label_style((FONT, 13))

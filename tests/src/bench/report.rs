@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use super::{
     control_plane,
     datapath::{self, PathKind},
+    e2e,
     meta::RunMeta,
     plot,
     stats::Summary,
@@ -21,6 +22,7 @@ use super::{
 
 pub const DATAPATH_JSON: &str = "datapath.json";
 pub const CONTROL_PLANE_JSON: &str = "control-plane.json";
+pub const E2E_JSON: &str = "e2e.json";
 const NOTES_BEGIN: &str = "<!-- bench:notes:begin -->";
 const NOTES_END: &str = "<!-- bench:notes:end -->";
 
@@ -45,10 +47,11 @@ fn load<T: DeserializeOwned>(path: &Path) -> Result<Option<T>> {
 pub fn write(dir: &Path, doc: &Path) -> Result<()> {
     let datapath: Option<datapath::Results> = load(&dir.join(DATAPATH_JSON))?;
     let control: Option<control_plane::Results> = load(&dir.join(CONTROL_PLANE_JSON))?;
-    let plots = plot::draw(dir, datapath.as_ref(), control.as_ref())?;
+    let e2e: Option<e2e::Results> = load(&dir.join(E2E_JSON))?;
+    let plots = plot::draw(dir, datapath.as_ref(), control.as_ref(), e2e.as_ref())?;
     let notes = fs::read_to_string(doc).ok().and_then(|text| notes_of(&text)).unwrap_or_else(default_notes);
     let plot_dir = relative_dir(dir, doc);
-    let text = render(datapath.as_ref(), control.as_ref(), &plots, &plot_dir, &notes);
+    let text = render(datapath.as_ref(), control.as_ref(), e2e.as_ref(), &plots, &plot_dir, &notes);
     if let Some(parent) = doc.parent().filter(|parent| !parent.as_os_str().is_empty()) {
         fs::create_dir_all(parent)?;
     }
@@ -157,7 +160,11 @@ fn limit(what: &'static str, value: Option<(f64, String)>, max: f64, unit: &str)
     }
 }
 
-fn targets(datapath: Option<&datapath::Results>, control: Option<&control_plane::Results>) -> Vec<Target> {
+fn targets(
+    datapath: Option<&datapath::Results>,
+    control: Option<&control_plane::Results>,
+    e2e: Option<&e2e::Results>,
+) -> Vec<Target> {
     let mut rows = Vec::new();
     let services_axis = |kind: PathKind| -> Vec<(usize, f64)> {
         let Some(results) = datapath else { return Vec::new() };
@@ -249,7 +256,66 @@ fn targets(datapath: Option<&datapath::Results>, control: Option<&control_plane:
         150.0,
         "MiB",
     ));
+    rows.extend(e2e_targets(e2e));
     rows
+}
+
+/// A minimum: met when `value >= min`.
+fn at_least(what: &'static str, value: Option<(f64, String)>, min: f64) -> Target {
+    match value {
+        None => Target { what, measured: "not measured".into(), status: Status::NotMeasured },
+        Some((value, measured)) if value >= min => Target { what, measured, status: Status::Met },
+        Some((value, measured)) => Target {
+            what,
+            measured,
+            status: Status::Missed(format!("({:.2}× short of {min}×)", value / min)),
+        },
+    }
+}
+
+fn e2e_targets(results: Option<&e2e::Results>) -> Vec<Target> {
+    let metric = |mode, services, f: fn(&e2e::Measurement) -> f64| -> Option<f64> {
+        results?.cell(mode, services)?.measurement(e2e::Kind::TcpClusterIp).map(f)
+    };
+    let rate = |mode| metric(mode, 10_000, |m| m.rate.median);
+    let ebpf = rate(e2e::Mode::Ebpf);
+    let versus: Vec<(e2e::Mode, f64)> = [e2e::Mode::IptablesNft, e2e::Mode::IptablesLegacy]
+        .into_iter()
+        .filter_map(|mode| Some((mode, rate(mode)?)))
+        .collect();
+    let conn_ratio = ebpf.and_then(|ebpf| {
+        let (worst_mode, worst) = versus.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1))?;
+        let all: Vec<String> = versus
+            .iter()
+            .map(|(mode, rate)| format!("{:.2}× {} ({} conn/s)", ebpf / rate, mode.label(), count(*rate)))
+            .collect();
+        Some((
+            ebpf / worst,
+            format!(
+                "{:.2}× against {} (ebpf {} conn/s; {})",
+                ebpf / worst,
+                worst_mode.label(),
+                count(ebpf),
+                all.join(", ")
+            ),
+        ))
+    });
+    let p99 = |services| metric(e2e::Mode::Ebpf, services, |m| m.p99_us.median);
+    let p99_ratio = match (p99(1), p99(30_000)) {
+        (Some(one), Some(many)) if one > 0.0 => {
+            Some((many / one, format!("{:.2}× ({} µs vs {} µs)", many / one, num(many), num(one))))
+        }
+        _ => None,
+    };
+    vec![
+        at_least("e2e: at 10k services, ebpf connections/s ≥ 1.5× iptables mode", conn_ratio, 1.5),
+        limit(
+            "e2e: ebpf p99 connection latency at 30k services ≤ 1.1× its p99 at 1 service",
+            p99_ratio,
+            1.1,
+            "×",
+        ),
+    ]
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -258,6 +324,7 @@ fn targets(datapath: Option<&datapath::Results>, control: Option<&control_plane:
 fn render(
     datapath: Option<&datapath::Results>,
     control: Option<&control_plane::Results>,
+    e2e: Option<&e2e::Results>,
     plots: &[&str],
     plot_dir: &str,
     notes: &str,
@@ -272,18 +339,19 @@ fn render(
     );
     let _ = writeln!(
         w,
-        "Latest results of `cargo xtask bench <datapath|control-plane|all> [--quick]` (issue 6, item 3). \
+        "Latest results of `cargo xtask bench <datapath|control-plane|e2e|all> [--quick]` (issue 6, item 3). \
          Each suite writes its results to `{plot_dir}<suite>.json` and this file is regenerated from \
          whichever suites have results, so each section states its own command, date and machine. \
          `--quick` runs a short smoke version into `target/bench-quick/` and leaves this file alone. \
          The suites run as root in a network namespace and a mount namespace of their own \
          (one veth device, private bpffs mounts, an empty cgroup for the socket hooks), so they \
-         leave nothing behind. The `e2e` suite is not written yet.\n"
+         leave nothing behind; the `e2e` suite's labs are network namespaces of their own around the \
+         real `vipr` binary.\n"
     );
 
     let _ = writeln!(w, "## Targets\n");
     let _ = writeln!(w, "| target | measured | status |\n|---|---|---|");
-    for target in targets(datapath, control) {
+    for target in targets(datapath, control, e2e) {
         let status = match &target.status {
             Status::Met => "met".to_owned(),
             Status::Missed(by) => format!("**missed** {by}"),
@@ -312,6 +380,12 @@ fn render(
             let _ = writeln!(w, "## Control plane\n\nNo results yet: `cargo xtask bench control-plane`.\n");
         }
     }
+    match e2e {
+        Some(results) => render_e2e(w, results, plots, plot_dir),
+        None => {
+            let _ = writeln!(w, "## End to end\n\nNo results yet: `cargo xtask bench e2e`.\n");
+        }
+    }
     doc
 }
 
@@ -331,12 +405,13 @@ fn render_meta(w: &mut String, meta: &RunMeta) {
     );
     let _ = writeln!(
         w,
-        "- build: {}; iptables: not used by these suites\n",
+        "- build: {}; iptables: {}\n",
         if meta.optimized {
             "release"
         } else {
             "debug (not optimized: the agent-side numbers are not representative)"
-        }
+        },
+        meta.iptables.as_deref().unwrap_or("not used by these suites")
     );
 }
 
@@ -577,6 +652,216 @@ fn render_control(w: &mut String, results: &control_plane::Results, plots: &[&st
          before the dataplane starts, holding the generated objects, as the agent holds its watch \
          caches.\n",
         s.changes
+    );
+}
+
+fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: &str) {
+    let s = &results.settings;
+    let _ = writeln!(w, "## End to end\n");
+    render_meta(w, &results.meta);
+    let _ = writeln!(
+        w,
+        "Traffic between network namespaces through the `vipr` binary, to the last-inserted service \
+         (3 endpoints) among N services (the others have 1 endpoint each). Median over {} repetitions \
+         of {} s each (min–max in brackets), then p50 / p99 latency of a transaction in µs (medians \
+         of the repetitions' percentiles). TCP: {} closed-loop clients, a new connection per \
+         transaction (connect, 16-byte request, reply, close); UDP: {} closed-loop clients, one flow \
+         each, a datagram and its reply per transaction (two packets through the node).\n",
+        s.repetitions, s.seconds, s.tcp_workers, s.udp_workers
+    );
+    let modes: Vec<e2e::Mode> = e2e::Mode::ALL.into_iter().filter(|mode| s.modes.contains(mode)).collect();
+    for kind in e2e::Kind::ALL {
+        let _ = writeln!(w, "### {} ({})\n", kind.label(), kind.unit());
+        let _ = write!(w, "| mode | hook |");
+        for &services in &s.services_axis {
+            let _ = write!(w, " {} |", plural(services, "service"));
+        }
+        let _ = write!(w, "\n|---|---|");
+        for _ in &s.services_axis {
+            let _ = write!(w, "---|");
+        }
+        let _ = writeln!(w);
+        for &mode in &modes {
+            let hook = results
+                .cells
+                .iter()
+                .filter(|cell| cell.mode == mode)
+                .find_map(|cell| cell.measurement(kind))
+                .map_or("—", |m| m.hook.label());
+            let _ = write!(w, "| {} | {hook} |", mode.label());
+            for &services in &s.services_axis {
+                let text = match results.cell(mode, services).and_then(|cell| cell.measurement(kind)) {
+                    Some(m) => format!(
+                        "{} ({}–{}) · {} / {} µs",
+                        count(m.rate.median),
+                        count(m.rate.min),
+                        count(m.rate.max),
+                        num(m.p50_us.median),
+                        num(m.p99_us.median)
+                    ),
+                    None if results.skipped.iter().any(|x| x.mode == mode && x.services == services) => {
+                        "not run (see below)".into()
+                    }
+                    None => "—".into(),
+                };
+                let _ = write!(w, " {text} |");
+            }
+            let _ = writeln!(w);
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(
+        w,
+        "*hook*: where the node handles the packets. The NodePort rows are where an XDP variant \
+         (`--xdp=native|off`) will add an ebpf row; today vipr's datapath is its TC programs only.\n"
+    );
+    if plots.contains(&plot::E2E) {
+        let _ = writeln!(w, "![end to end: connections/s, latency, UDP rates]({plot_dir}{})\n", plot::E2E);
+    }
+
+    let _ = writeln!(w, "### Ratios (same run)\n");
+    let rate = |mode, services, kind| -> Option<f64> {
+        Some(results.cell(mode, services)?.measurement(kind)?.rate.median)
+    };
+    let p99 = |mode, services| -> Option<f64> {
+        Some(results.cell(mode, services)?.measurement(e2e::Kind::TcpClusterIp)?.p99_us.median)
+    };
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
+        _ => "—".into(),
+    };
+    let iptables: Vec<e2e::Mode> = modes.iter().copied().filter(|m| *m != e2e::Mode::Ebpf).collect();
+    let _ = write!(w, "| services |");
+    for mode in &iptables {
+        let _ = write!(w, " TCP conn/s ebpf ÷ {} |", mode.label());
+    }
+    for mode in &iptables {
+        let _ = write!(w, " UDP cluster IP ebpf ÷ {} |", mode.label());
+    }
+    for mode in &modes {
+        let _ = write!(w, " {} TCP p99 ÷ its p99 at 1 service |", mode.label());
+    }
+    let _ = write!(w, "\n|---|");
+    for _ in 0..iptables.len() * 2 + modes.len() {
+        let _ = write!(w, "---|");
+    }
+    let _ = writeln!(w);
+    for &services in &s.services_axis {
+        let _ = write!(w, "| {} |", count(services as f64));
+        for &mode in &iptables {
+            let k = e2e::Kind::TcpClusterIp;
+            let _ = write!(w, " {} |", ratio(rate(e2e::Mode::Ebpf, services, k), rate(mode, services, k)));
+        }
+        for &mode in &iptables {
+            let k = e2e::Kind::UdpClusterIp;
+            let _ = write!(w, " {} |", ratio(rate(e2e::Mode::Ebpf, services, k), rate(mode, services, k)));
+        }
+        for &mode in &modes {
+            let _ = write!(w, " {} |", ratio(p99(mode, services), p99(mode, 1)));
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(w);
+
+    let _ = writeln!(w, "### Programming\n");
+    let _ = writeln!(
+        w,
+        "From vipr's start to its log saying the first sync is done, in s (vipr's own measure of that \
+         sync in brackets, ms): reading and parsing the services file, translation, and the dataplane's \
+         programming (BPF maps, or one `iptables-restore` per family).\n"
+    );
+    let _ = write!(w, "| mode |");
+    for &services in &s.services_axis {
+        let _ = write!(w, " {} |", plural(services, "service"));
+    }
+    let _ = write!(w, "\n|---|");
+    for _ in &s.services_axis {
+        let _ = write!(w, "---|");
+    }
+    let _ = writeln!(w);
+    for &mode in &modes {
+        let _ = write!(w, "| {} |", mode.label());
+        for &services in &s.services_axis {
+            let text = match results.cell(mode, services) {
+                Some(cell) => match cell.sync_ms {
+                    Some(ms) => format!("{} ({})", num(cell.programming_seconds), num(ms)),
+                    None => num(cell.programming_seconds),
+                },
+                None => "not run".into(),
+            };
+            let _ = write!(w, " {text} |");
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(w);
+    for skipped in &results.skipped {
+        let _ = writeln!(
+            w,
+            "- {} at {}: {}.",
+            skipped.mode.label(),
+            plural(skipped.services, "service"),
+            skipped.reason
+        );
+    }
+    for cell in &results.cells {
+        let errors: u64 = cell.measurements.iter().map(|m| m.errors).sum();
+        if errors > 0 {
+            let by_kind: Vec<String> = cell
+                .measurements
+                .iter()
+                .filter(|m| m.errors > 0)
+                .map(|m| {
+                    format!(
+                        "{:?} {} of {}",
+                        m.kind,
+                        count(m.errors as f64),
+                        count((m.transactions + m.errors) as f64)
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                w,
+                "- {} at {}: failed transactions (timeouts of 500 ms, resets): {}.",
+                cell.mode.label(),
+                plural(cell.services, "service"),
+                by_kind.join(", ")
+            );
+        }
+        for note in &cell.notes {
+            let _ = writeln!(w, "- {} at {}: {note}.", cell.mode.label(), plural(cell.services, "service"));
+        }
+    }
+    let _ = writeln!(w);
+
+    let _ = writeln!(w, "### Method\n");
+    let _ = writeln!(
+        w,
+        "- Each cell (mode × services) is a lab of network namespaces of its own: a node running `vipr` \
+         (release build, `--services-file`), a client in the cluster CIDR (a pod), an external client \
+         outside it (masqueraded toward the backends), and three backend namespaces with echo servers \
+         (accepting threads, no thread per connection). The services file holds N−1 ClusterIP services \
+         with one TCP port and one endpoint each, then the target: a NodePort service (TCP 80 and UDP 53, \
+         NodePorts {} and {} on the node's address toward the external client) with the three backends. \
+         Traffic goes to the target, the last service inserted: for iptables, the end of the \
+         KUBE-SERVICES list each new connection walks.\n\
+         - Modes: `--proxy-mode=ebpf` (TC programs on every node interface; socket hooks on an empty \
+         cgroup of the suite's own, which the clients are not in); `--proxy-mode=iptables` with the \
+         system's iptables (iptables-nft here), which writes kube-proxy's chain structure and so stands \
+         for kube-proxy's iptables mode; and the same ruleset through iptables-legacy (vipr has no flag \
+         for the variant: `iptables*` wrappers that exec `iptables-legacy*` are put first on its PATH, \
+         and the suite checks the variant vipr logs).\n\
+         - All cells are set up first, one after the other (so programming times do not overlap), then \
+         measured round robin: each repetition measures every kind of traffic on every cell, so slow \
+         phases of the machine fall on all cells alike. One uncounted 0.2 s round warms every path first.\n\
+         - TCP clients close with `SO_LINGER` 0 (an RST) and the servers close after replying, so no \
+         TIME_WAIT builds up and ports never run out; a transaction that takes over 500 ms counts as \
+         failed. Clients, servers and the node share the machine's CPUs ({}); nothing is pinned.\n\
+         - iptables-nft cells above {} services are not run: programming them would take longer than the \
+         whole suite should (see the list above).\n",
+        30080,
+        30053,
+        results.meta.cpus,
+        count(s.nft_max_services as f64),
     );
 }
 

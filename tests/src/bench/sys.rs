@@ -186,28 +186,9 @@ impl Drop for PrivateCgroup {
 // ---------------------------------------------------------------------------------------------
 // Raw bpf(): an empty TC program and BPF_PROG_TEST_RUN.
 
-const BPF_PROG_LOAD: libc::c_long = 5;
-const BPF_PROG_TEST_RUN: libc::c_long = 10;
-const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+use vipr::bpf_sys::{self, bpf, cmd, ProgLoadAttr};
 
-/// The head of `union bpf_attr` for BPF_PROG_LOAD (the kernel takes a shorter attr as long
-/// as the fields it knows beyond are zero).
-#[repr(C)]
-#[derive(Default)]
-struct ProgLoadAttr {
-    prog_type: u32,
-    insn_cnt: u32,
-    insns: u64,
-    license: u64,
-    log_level: u32,
-    log_size: u32,
-    log_buf: u64,
-    kern_version: u32,
-    prog_flags: u32,
-    prog_name: [u8; 16],
-    prog_ifindex: u32,
-    expected_attach_type: u32,
-}
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 
 /// `union bpf_attr` for BPF_PROG_TEST_RUN.
 #[repr(C)]
@@ -231,18 +212,6 @@ struct TestRunAttr {
     pad: u32,
 }
 
-fn bpf<T>(command: libc::c_long, attr: &mut T) -> std::io::Result<libc::c_long> {
-    // SAFETY: `attr` is a valid, initialised bpf_attr prefix of the size passed, and every
-    // pointer in it points to memory that outlives the call.
-    let rc = unsafe {
-        libc::syscall(libc::SYS_bpf, command, std::ptr::from_mut(attr).cast::<u8>(), size_of::<T>() as u32)
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(rc)
-}
-
 /// A TC classifier that only returns TC_ACT_UNSPEC: `r0 = -1; exit`. Loaded from two raw
 /// instructions, so the baseline needs no BPF object of its own.
 pub fn load_empty_tc_program() -> Result<OwnedFd> {
@@ -260,9 +229,9 @@ pub fn load_empty_tc_program() -> Result<OwnedFd> {
         prog_name: name,
         ..ProgLoadAttr::default()
     };
-    let fd = bpf(BPF_PROG_LOAD, &mut attr).context("loading the empty TC program")?;
-    // SAFETY: BPF_PROG_LOAD returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    // SAFETY: the instructions, license and name outlive the call.
+    let fd = unsafe { bpf(cmd::PROG_LOAD, &mut attr) }.and_then(bpf_sys::owned_fd);
+    fd.context("loading the empty TC program")
 }
 
 /// One BPF_PROG_TEST_RUN.
@@ -287,7 +256,8 @@ pub fn test_run(program: BorrowedFd<'_>, frame: &[u8], out: &mut [u8], repeat: u
         repeat,
         ..TestRunAttr::default()
     };
-    bpf(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN")?;
+    // SAFETY: the frame and the output buffer outlive the call, at the sizes given.
+    unsafe { bpf(cmd::PROG_TEST_RUN, &mut attr) }.context("BPF_PROG_TEST_RUN")?;
     Ok(Run { verdict: attr.retval, ns: attr.duration, out_len: attr.data_size_out as usize })
 }
 
