@@ -118,6 +118,27 @@ pub struct ClusterIpService {
 }
 
 impl ClusterIpService {
+    /// `default/web` at `cluster_ip`, the service of most end-to-end tests: TCP 80 ("http")
+    /// to `target_ports.0` and UDP 53 ("dns") to `target_ports.1`, served by `endpoints`.
+    pub fn web(cluster_ip: Ipv4Addr, target_ports: (u16, u16), endpoints: Vec<Endpoint>) -> Self {
+        let port = |name: &str, protocol, port, target_port| ServicePort {
+            name: name.to_owned(),
+            protocol,
+            port,
+            target_port,
+        };
+        Self {
+            namespace: "default".to_owned(),
+            name: "web".to_owned(),
+            cluster_ip,
+            ports: vec![
+                port("http", Protocol::Tcp, 80, target_ports.0),
+                port("dns", Protocol::Udp, 53, target_ports.1),
+            ],
+            endpoints,
+        }
+    }
+
     pub fn frontend(&self, port: &ServicePort) -> Frontend {
         Frontend { addr: SocketAddrV4::new(self.cluster_ip, port.port), protocol: port.protocol }
     }

@@ -5,8 +5,7 @@
 //! proxy-userspace`, or VIPR_BIN).
 
 use std::{
-    io::{Read as _, Write as _},
-    net::{Ipv4Addr, SocketAddr, TcpStream},
+    net::{Ipv4Addr, SocketAddr},
     time::{Duration, Instant, SystemTime},
 };
 
@@ -15,8 +14,10 @@ use aya::maps::{HashMap, Map, MapData, MapInfo};
 use proxy_common::{pins, proto, Service, ServiceKey4};
 use serde_json::Value;
 use testbed::{
-    locate_vipr, manifest, wait_for, write_atomically, Check, ClusterIpService, Endpoint, Lab, LabConfig,
-    LeafSpec, Netns, Protocol, ServicePort, Vipr,
+    count_by_backend, exchanges,
+    http::{get, HttpAnswer},
+    locate_vipr, manifest, wait_for, write_atomically, Check, ClusterIpService, Endpoint, Frontend, Lab,
+    LabConfig, LeafSpec, Netns, Protocol, ServicePort, Vipr,
 };
 
 /// vipr's default `--healthz-bind-address` (0.0.0.0:10256), seen from inside the node.
@@ -82,43 +83,9 @@ fn start_vipr(lab: &Lab, flags: &[&str]) -> Vipr {
 }
 
 /// An HTTP answer.
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    content_type: String,
-    body: String,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|error| panic!("{error}: {:?}", self.body))
-    }
-
-    /// The value of the unlabelled sample `name` (or `name{labels}`) in a Prometheus text body.
-    fn metric(&self, name: &str) -> Option<f64> {
-        self.body.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-    }
-}
-
-/// `GET path` on `address`, connecting from inside `netns`.
-fn get(netns: &Netns, address: SocketAddr, path: &str) -> Result<Answer> {
-    let mut stream = netns.run(|| Ok(TcpStream::connect_timeout(&address, TIMEOUT)?))?;
-    stream.set_read_timeout(Some(TIMEOUT))?;
-    // HTTP/1.0: the server closes after answering and never chunks the body.
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw)?;
-    let (head, body) = raw.split_once("\r\n\r\n").with_context(|| format!("no header end in {raw:?}"))?;
-    let status =
-        head.split(' ').nth(1).and_then(|code| code.parse().ok()).with_context(|| format!("{head:?}"))?;
-    let content_type = head
-        .lines()
-        .find_map(|line| {
-            let (field, value) = line.split_once(':')?;
-            field.eq_ignore_ascii_case("content-type").then(|| value.trim().to_owned())
-        })
-        .unwrap_or_default();
-    Ok(Answer { status, content_type, body: body.to_owned() })
+/// The JSON body of an answer.
+fn json(answer: &HttpAnswer) -> Value {
+    serde_json::from_str(&answer.body).unwrap_or_else(|error| panic!("{error}: {:?}", answer.body))
 }
 
 /// Polls `GET path` until `done` accepts the answer.
@@ -128,8 +95,8 @@ fn wait_for_answer(
     address: SocketAddr,
     path: &str,
     what: &str,
-    done: impl Fn(&Answer) -> bool,
-) -> Answer {
+    done: impl Fn(&HttpAnswer) -> bool,
+) -> HttpAnswer {
     wait_for(what, SETTLE, || {
         agent.ensure_running()?;
         Ok(match get(netns, address, path) {
@@ -171,7 +138,7 @@ fn health_metrics_and_proxy_mode_answer_as_kube_proxy_does() {
     let healthz =
         wait_for_answer(&mut agent, node, HEALTHZ, "/healthz", "/healthz", |answer| answer.status == 200);
     assert_eq!(healthz.content_type, "application/json");
-    let body = healthz.json();
+    let body = json(&healthz);
     assert_eq!(body.as_object().unwrap().len(), 3, "{body}");
     assert_eq!(body["nodeEligible"], true);
     // Healthy: lastUpdated is reported as the current time, as kube-proxy does.
@@ -180,7 +147,7 @@ fn health_metrics_and_proxy_mode_answer_as_kube_proxy_does() {
 
     let livez = get(node, HEALTHZ, "/livez").unwrap();
     assert_eq!(livez.status, 200);
-    let body = livez.json();
+    let body = json(&livez);
     assert_eq!(body.as_object().unwrap().keys().collect::<Vec<_>>(), ["currentTime", "lastUpdated"]);
 
     let mode = get(node, METRICS, "/proxyMode").unwrap();
@@ -229,6 +196,55 @@ fn health_metrics_and_proxy_mode_answer_as_kube_proxy_does() {
     // The metrics server listens on the node's loopback only, as kube-proxy's default.
     let outside = SocketAddr::from((Ipv4Addr::new(10, 10, 0, 1), METRICS.port()));
     assert!(get(lab.client(), outside, "/metrics").is_err(), "metrics reachable from outside the node");
+}
+
+/// The eBPF datapath counts the packets and bytes of each (service port, endpoint) pair, both
+/// directions, and `/metrics` reports them per endpoint and summed per service.
+#[test]
+fn datapath_counters_reach_the_metrics() {
+    const CONNECTIONS: usize = 8;
+    let mut lab = lab("http-counters");
+    let mut agent = start_vipr(&lab, &[]);
+    lab.wait_programmed().unwrap();
+    let frontend = Frontend {
+        addr: std::net::SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80),
+        protocol: Protocol::Tcp,
+    };
+    let done = lab.client().run(|| exchanges(frontend, CONNECTIONS, TIMEOUT)).unwrap();
+    let answered = count_by_backend(&done);
+
+    let service = r#"service="default/web",port="http",protocol="TCP""#;
+    let service_packets = format!("vipr_service_packets_total{{{service}}}");
+    // A connection is at least SYN, SYN-ACK, the request and its answer; the closing packets
+    // may still be on their way.
+    let metrics = wait_for_answer(&mut agent, lab.node(), METRICS, "/metrics", "the counters", |answer| {
+        answer.metric(&service_packets).is_some_and(|packets| packets >= (4 * CONNECTIONS) as f64)
+    });
+    let mut sum = (0.0, 0.0);
+    for (name, addr) in [("b1", BACKEND), ("b2", OTHER_BACKEND)] {
+        let labels = format!(r#"{{{service},endpoint="{addr}:8080"}}"#);
+        let packets = metrics.metric(&format!("vipr_backend_packets_total{labels}")).unwrap();
+        let bytes = metrics.metric(&format!("vipr_backend_bytes_total{labels}")).unwrap();
+        let connections = answered.get(name).copied().unwrap_or(0) as f64;
+        assert!(packets >= 4.0 * connections, "{name}: {packets} packets for {connections} connections");
+        assert_eq!(packets == 0.0, connections == 0.0, "{name} counted packets without connections, or none");
+        // Every packet carries at least an IPv4 and a TCP header.
+        assert!(bytes >= 40.0 * packets, "{name}: {bytes} bytes in {packets} packets");
+        sum = (sum.0 + packets, sum.1 + bytes);
+    }
+    assert_eq!(metrics.metric(&service_packets), Some(sum.0), "{}", metrics.body);
+    assert_eq!(metrics.metric(&format!("vipr_service_bytes_total{{{service}}}")), Some(sum.1));
+    for family in ["vipr_datapath_flow_insert_failures_total", "vipr_flow_entries_expired_total"] {
+        assert!(
+            metrics.body.contains(&format!("# TYPE {family} counter")),
+            "no {family} in\n{}",
+            metrics.body
+        );
+    }
+    assert_eq!(
+        metrics.metric(r#"vipr_datapath_flow_insert_failures_total{cause="forward_entry"}"#),
+        Some(0.0)
+    );
 }
 
 /// vipr's services map filled to capacity with entries for addresses nobody uses, as on a
@@ -296,7 +312,7 @@ fn healthz_turns_unhealthy_while_a_change_cannot_be_programmed_and_healthy_after
         wait_for_answer(&mut agent, node, HEALTHZ, "/healthz", "/healthz to turn 503", |a| a.status == 503);
     let waited = changed.elapsed();
     assert!(waited >= Duration::from_millis(3500), "unhealthy after {waited:?}, before the 4 s timeout");
-    let body = stalled.json();
+    let body = json(&stalled);
     assert_eq!(body["nodeEligible"], true);
     // Unhealthy: lastUpdated is the last successful sync, from before the change.
     let since_last_sync = go_time_seconds(&body["currentTime"]) - go_time_seconds(&body["lastUpdated"]);
@@ -377,7 +393,7 @@ fn health_check_node_port_answers_with_the_local_endpoints() {
     });
     assert_eq!(healthy.content_type, "application/json");
     assert_eq!(
-        healthy.json(),
+        json(&healthy),
         serde_json::json!({
             "service": {"namespace": "default", "name": "lb"},
             "localEndpoints": 1,
@@ -395,7 +411,7 @@ fn health_check_node_port_answers_with_the_local_endpoints() {
     let failing = wait_for_answer(&mut agent, client, health_check, "/", "the health check to fail", |a| {
         a.status == 503
     });
-    assert_eq!(failing.json()["localEndpoints"], 0);
+    assert_eq!(json(&failing)["localEndpoints"], 0);
 
     write_atomically(lab.services_file(), &manifest::render(lab.services())).unwrap();
     wait_for("the health check port to close", SETTLE, || {

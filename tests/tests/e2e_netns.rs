@@ -34,19 +34,8 @@ fn backend_addr(name: &str) -> Ipv4Addr {
 
 /// Service `web`: TCP 80 -> 8080 ("http") and UDP 53 -> 5353 ("dns"), served by `endpoints`.
 fn web_service(endpoints: &[&str]) -> ClusterIpService {
-    let port = |name: &str, protocol, port, target_port| ServicePort {
-        name: name.to_owned(),
-        protocol,
-        port,
-        target_port,
-    };
-    ClusterIpService {
-        namespace: "default".to_owned(),
-        name: "web".to_owned(),
-        cluster_ip: VIP,
-        ports: vec![port("http", Protocol::Tcp, 80, 8080), port("dns", Protocol::Udp, 53, 5353)],
-        endpoints: endpoints.iter().map(|name| Endpoint::ready(backend_addr(name), name)).collect(),
-    }
+    let endpoints = endpoints.iter().map(|name| Endpoint::ready(backend_addr(name), name)).collect();
+    ClusterIpService::web(VIP, (8080, 5353), endpoints)
 }
 
 fn http() -> Frontend {
@@ -315,4 +304,92 @@ fn connections_of_an_endpoint_that_is_gone_are_broken_off_and_udp_moves_on() {
         assert!(asked.elapsed() < TIMEOUT, "broken off only by a timeout ({error:#}), not actively");
     }
     assert_still_served(&mut kept, "after b3 was removed");
+}
+
+/// A second cluster IP, programmed after the lab's echo servers started (so none listens on
+/// its target ports): `refused` (UDP 54 -> 5454) has no listener at all, `big` (UDP 55 ->
+/// 7777) is answered by a test's own echo socket in b1.
+fn probe_service() -> ClusterIpService {
+    let port = |name: &str, port, target_port| ServicePort {
+        name: name.to_owned(),
+        protocol: Protocol::Udp,
+        port,
+        target_port,
+    };
+    ClusterIpService {
+        namespace: "default".to_owned(),
+        name: "probe".to_owned(),
+        cluster_ip: Ipv4Addr::new(10, 96, 0, 11),
+        ports: vec![port("refused", 54, 5454), port("big", 55, 7777)],
+        endpoints: vec![Endpoint::ready(backend_addr("b1"), "b1")],
+    }
+}
+
+/// A UDP socket of the client connected to `dst`: it gets only datagrams from `dst`, and the
+/// ICMP errors about its own.
+fn connected_udp(dst: SocketAddr) -> anyhow::Result<std::net::UdpSocket> {
+    let socket = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    socket.set_read_timeout(Some(TIMEOUT))?;
+    socket.connect(dst)?;
+    Ok(socket)
+}
+
+/// ICMP errors and IPv4 fragments through a VIP: the port unreachable of an endpoint without
+/// a listener reaches the client's connected socket as ECONNREFUSED (reverse-NATed to the
+/// frontend, or the socket would not match it), and a 4000-byte datagram crosses 1500-byte
+/// veths in fragments, arrives whole at the endpoint, and its echo returns whole.
+#[test]
+fn icmp_errors_and_fragments_cross_the_vip() {
+    let mut lab = running_lab("e2e-icmp-frag");
+    lab.set_services(vec![web_service(&ENDPOINTS), probe_service()]).unwrap();
+    lab.wait_programmed().unwrap();
+    let refused = probe_service().frontend_named("refused").unwrap().socket_addr();
+    let big = probe_service().frontend_named("big").unwrap().socket_addr();
+    for netns in [lab.client(), &lab.topology().leaf("b1").unwrap().netns] {
+        let link = netns.ip(&["link", "show", "eth0"]).unwrap();
+        assert!(link.contains("mtu 1500"), "the test needs 1500-byte links: {link}");
+    }
+
+    let error = lab
+        .client()
+        .run(|| {
+            let socket = connected_udp(refused)?;
+            socket.send(b"anyone?")?;
+            let mut reply = [0u8; 64];
+            Ok(socket.recv(&mut reply).expect_err("an answer from a port nobody listens on"))
+        })
+        .unwrap();
+    assert_eq!(error.kind(), std::io::ErrorKind::ConnectionRefused, "{refused}: {error}");
+
+    // The endpoint's echo, bound in b1 before the datagram is sent; it answers one datagram.
+    let echo = lab
+        .topology()
+        .leaf("b1")
+        .unwrap()
+        .netns
+        .run(|| Ok(std::net::UdpSocket::bind((backend_addr("b1"), 7777))?))
+        .unwrap();
+    echo.set_read_timeout(Some(TIMEOUT)).unwrap();
+    let server = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+        let mut datagram = vec![0u8; 65536];
+        let (len, peer) = echo.recv_from(&mut datagram)?;
+        datagram.truncate(len);
+        echo.send_to(&datagram, peer)?;
+        Ok(datagram)
+    });
+    let sent: Vec<u8> = (0..4000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let echoed = lab
+        .client()
+        .run(|| {
+            let socket = connected_udp(big)?;
+            socket.send(&sent)?;
+            let mut reply = vec![0u8; 65536];
+            let len = socket.recv(&mut reply)?;
+            reply.truncate(len);
+            Ok(reply)
+        })
+        .unwrap();
+    let received = server.join().unwrap().expect("b1 received the datagram");
+    assert!(received == sent, "b1 received {} bytes, not the 4000 sent", received.len());
+    assert!(echoed == sent, "the echo came back as {} bytes, not the 4000 sent", echoed.len());
 }

@@ -1,13 +1,15 @@
 //! Traffic from the node itself, end to end on the real kernel: processes in the node
 //! namespace reach a ClusterIP service through vipr's socket-level load balancer (cgroup
 //! sock_addr programs on the cgroup v2 root), which must leave every other namespace alone.
-//! BPF_PROG_TEST_RUN does not run sock_addr programs, so this file is their fixture.
+//! BPF_PROG_TEST_RUN does not run sock_addr programs, so this file is their fixture. IPv6 sockets
+//! (and dual-stack ones talking to IPv4-mapped addresses) are checked on the same labs with
+//! IPv6 added to the backends' links.
 //! Needs root, a cgroup2 mount and a built vipr (`cargo build -p proxy-userspace`, or VIPR_BIN).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::ErrorKind,
-    net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket},
     path::Path,
     process::Command,
     time::Duration,
@@ -16,8 +18,8 @@ use std::{
 use proxy_common::{pins, sock};
 use serde_json::Value;
 use testbed::{
-    exchange, locate_vipr, tcp_exchange, wait_for, Answer, Check, ClusterIpService, Endpoint, Frontend, Lab,
-    LabConfig, LeafSpec, Protocol, ServicePort, TcpSession,
+    exchange, locate_vipr, manifest, tcp_exchange, wait_for, write_atomically, Answer, Check,
+    ClusterIpService, EchoServer, Endpoint, Frontend, Lab, LabConfig, LeafSpec, TcpSession,
 };
 
 /// Bound on every connect, request and reply.
@@ -30,6 +32,8 @@ const CONNECTIONS: usize = 60;
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// The cluster IP of service `web6`, the IPv6 twin of `web`.
+const VIP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x10);
 
 /// The backends of one lab: names, and the second octet of their addresses.
 #[derive(Clone, Copy)]
@@ -47,48 +51,53 @@ const WEB: Backends =
 
 impl Backends {
     fn addr(self, name: &str) -> Ipv4Addr {
+        Ipv4Addr::new(10, self.net, self.index(name), 2)
+    }
+
+    /// A backend's IPv6 address, once [`add_ipv6`] gave it one: `fd00:<net>:<index>::2`.
+    fn addr6(self, name: &str) -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, self.net.into(), self.index(name).into(), 0, 0, 0, 0, 2)
+    }
+
+    /// 1 for the first backend, the decoy last.
+    fn index(self, name: &str) -> u8 {
         let index = self
             .endpoints
             .iter()
             .chain([&self.decoy])
             .position(|candidate| *candidate == name)
             .expect("a known backend");
-        Ipv4Addr::new(10, self.net, u8::try_from(index + 1).expect("few backends"), 2)
+        u8::try_from(index + 1).expect("few backends")
     }
 
     /// Service `web`: TCP 80 ("http") and UDP 53 ("dns"), served by `endpoints`.
     fn service(self, endpoints: &[&str]) -> ClusterIpService {
-        let port = |name: &str, protocol, port, target_port| ServicePort {
-            name: name.to_owned(),
-            protocol,
-            port,
-            target_port,
-        };
-        ClusterIpService {
-            namespace: "default".to_owned(),
-            name: "web".to_owned(),
-            cluster_ip: VIP,
-            ports: vec![
-                port("http", Protocol::Tcp, 80, self.ports.0),
-                port("dns", Protocol::Udp, 53, self.ports.1),
-            ],
-            endpoints: endpoints.iter().map(|name| Endpoint::ready(self.addr(name), name)).collect(),
-        }
+        let endpoints = endpoints.iter().map(|name| Endpoint::ready(self.addr(name), name)).collect();
+        ClusterIpService::web(VIP, self.ports, endpoints)
     }
 
     fn all(self) -> BTreeSet<String> {
         self.endpoints.iter().map(|name| (*name).to_owned()).collect()
     }
 
-    /// The node's addresses toward the backends: what a backend sees a node socket come from.
-    fn node_addrs(self) -> BTreeSet<Ipv4Addr> {
-        self.endpoints.iter().chain([&self.decoy]).map(|name| gateway(self.addr(name))).collect()
+    /// The node's addresses toward the backends, both families: what a backend sees a node
+    /// socket come from.
+    fn node_addrs(self) -> BTreeSet<IpAddr> {
+        let names = self.endpoints.iter().chain([&self.decoy]);
+        names
+            .flat_map(|name| [IpAddr::from(gateway(self.addr(name))), gateway6(self.addr6(name)).into()])
+            .collect()
     }
 }
 
 fn gateway(addr: Ipv4Addr) -> Ipv4Addr {
     let [a, b, c, _] = addr.octets();
     Ipv4Addr::new(a, b, c, 1)
+}
+
+fn gateway6(addr: Ipv6Addr) -> Ipv6Addr {
+    let [a, b, c, d, ..] = addr.segments();
+    Ipv6Addr::new(a, b, c, d, 0, 0, 0, 1)
 }
 
 fn http() -> Frontend {
@@ -133,24 +142,20 @@ struct NodeExchange {
 
 impl NodeExchange {
     /// The peer must be the frontend, and the backend must see this socket itself, from one
-    /// of the node's addresses toward the backends.
-    fn verify(&self, frontend: Frontend, backends: Backends) {
-        assert_eq!(
-            self.peer,
-            frontend.socket_addr(),
-            "{frontend}: the socket's peer is not the frontend: {self:?}"
-        );
+    /// of the node's addresses toward the backends. (A dual-stack socket that asked for an
+    /// IPv4-mapped frontend shows IPv4-mapped addresses; the backend sees plain IPv4.)
+    fn verify(&self, frontend: SocketAddr, backends: Backends) {
+        assert_eq!(self.peer, frontend, "{frontend}: the socket's peer is not the frontend: {self:?}");
         let observed = self.answer.observed_client;
         assert_eq!(observed.port(), self.local.port(), "{frontend}: the backend saw another port: {self:?}");
-        let IpAddr::V4(observed_ip) = observed.ip() else { panic!("IPv6 client address {observed}") };
         assert!(
-            backends.node_addrs().contains(&observed_ip),
+            backends.node_addrs().contains(&observed.ip()),
             "{frontend}: the backend saw {observed}: {self:?}"
         );
         if !self.local.ip().is_unspecified() {
             assert_eq!(
                 observed.ip(),
-                self.local.ip(),
+                self.local.ip().to_canonical(),
                 "{frontend}: the backend saw another address: {self:?}"
             );
         }
@@ -164,9 +169,16 @@ enum NodeSocket {
     UnconnectedUdp,
 }
 
+/// The unspecified address of `dst`'s family, port 0: where a client socket binds.
+fn any_port(dst: SocketAddr) -> SocketAddr {
+    match dst {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    }
+}
+
 /// One exchange from a fresh socket; call it inside the node namespace.
-fn node_exchange(kind: NodeSocket, frontend: Frontend) -> anyhow::Result<NodeExchange> {
-    let dst = frontend.socket_addr();
+fn node_exchange(kind: NodeSocket, dst: SocketAddr) -> anyhow::Result<NodeExchange> {
     match kind {
         NodeSocket::Tcp => {
             let mut session = TcpSession::connect(dst, TIMEOUT)?;
@@ -174,7 +186,7 @@ fn node_exchange(kind: NodeSocket, frontend: Frontend) -> anyhow::Result<NodeExc
             Ok(NodeExchange { answer, local: session.local_addr()?, peer: session.peer_addr()? })
         }
         NodeSocket::ConnectedUdp => {
-            let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+            let socket = UdpSocket::bind(any_port(dst))?;
             socket.set_read_timeout(Some(TIMEOUT))?;
             socket.connect(dst)?;
             socket.send(b"who are you?")?;
@@ -186,7 +198,7 @@ fn node_exchange(kind: NodeSocket, frontend: Frontend) -> anyhow::Result<NodeExc
             Ok(NodeExchange { answer, local: socket.local_addr()?, peer })
         }
         NodeSocket::UnconnectedUdp => {
-            let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+            let socket = UdpSocket::bind(any_port(dst))?;
             socket.set_read_timeout(Some(TIMEOUT))?;
             socket.send_to(b"who are you?", dst)?;
             let mut reply = [0u8; 1500];
@@ -203,7 +215,7 @@ fn node_spread(
     lab: &Lab,
     backends: Backends,
     kind: NodeSocket,
-    frontend: Frontend,
+    frontend: SocketAddr,
 ) -> BTreeMap<String, usize> {
     let exchanges = lab
         .node()
@@ -305,12 +317,13 @@ fn lab_hooks_now(lab: &Lab) -> BTreeMap<String, (u64, u64)> {
         .collect()
 }
 
-/// [`lab_hooks_now`], failing unless there are exactly the four hooks, one link each.
+/// [`lab_hooks_now`], failing unless there are exactly the eight hooks (four per family), one
+/// link each.
 fn lab_hooks(lab: &Lab) -> BTreeMap<String, (u64, u64)> {
     let links = links_using(map_id(lab.bpf_root(), sock::CONFIG));
     let hooks: BTreeMap<String, (u64, u64)> =
         links.iter().map(|(link, program, attach_type)| (attach_type.clone(), (*link, *program))).collect();
-    assert_eq!(links.len(), 4, "not exactly four cgroup links of this lab: {links:?}");
+    assert_eq!(links.len(), sock::HOOKS.len(), "not exactly one cgroup link per hook: {links:?}");
     let attach_types: BTreeSet<&str> = hooks.keys().map(String::as_str).collect();
     assert_eq!(
         attach_types,
@@ -318,7 +331,11 @@ fn lab_hooks(lab: &Lab) -> BTreeMap<String, (u64, u64)> {
             "cgroup_inet4_connect",
             "cgroup_udp4_sendmsg",
             "cgroup_udp4_recvmsg",
-            "cgroup_inet4_getpeername"
+            "cgroup_inet4_getpeername",
+            "cgroup_inet6_connect",
+            "cgroup_udp6_sendmsg",
+            "cgroup_udp6_recvmsg",
+            "cgroup_inet6_getpeername",
         ]),
         "{hooks:?}"
     );
@@ -331,6 +348,7 @@ fn node_sockets_reach_the_endpoints_and_see_the_frontend() {
     for (kind, frontend) in
         [(NodeSocket::Tcp, http()), (NodeSocket::ConnectedUdp, dns()), (NodeSocket::UnconnectedUdp, dns())]
     {
+        let frontend = frontend.socket_addr();
         let counts = node_spread(&lab, WEB, kind, frontend);
         assert_eq!(
             names(&counts),
@@ -366,7 +384,7 @@ fn node_sockets_reach_the_endpoints_and_see_the_frontend() {
 fn another_namespace_is_left_to_the_tc_datapath() {
     let lab = running_lab("host-other-ns", WEB);
     // Node sockets first, so that the reverse map has entries of its own.
-    node_spread(&lab, WEB, NodeSocket::Tcp, http());
+    node_spread(&lab, WEB, NodeSocket::Tcp, http().socket_addr());
     let translations = map_entries(lab.bpf_root(), sock::REVERSE4).len();
     assert!(
         translations >= CONNECTIONS,
@@ -420,26 +438,21 @@ fn two_agents_each_balance_only_their_own_node() {
     for _ in 0..2 {
         for (lab, backends) in [(&lab, WEB), (&other, OTHER)] {
             for (kind, frontend) in [(NodeSocket::Tcp, http()), (NodeSocket::UnconnectedUdp, dns())] {
-                let counts = node_spread(lab, backends, kind, frontend);
+                let counts = node_spread(lab, backends, kind, frontend.socket_addr());
                 assert_eq!(names(&counts), backends.all(), "{kind:?} from a node with its own agent");
             }
         }
     }
 }
 
-#[test]
-fn an_empty_service_refuses_node_connections() {
-    let mut lab = running_lab("host-empty", WEB);
-    lab.set_services(vec![WEB.service(&[])]).unwrap();
-    lab.wait_programmed().unwrap();
-    let refusals = lab
-        .node()
+/// How a TCP connect to `tcp`, a UDP connect to `udp` and a datagram sent to `udp` from the
+/// node fail (`None`: they did not fail).
+fn node_errors(lab: &Lab, tcp: SocketAddr, udp: SocketAddr) -> [Option<ErrorKind>; 3] {
+    lab.node()
         .run(|| {
-            let tcp = TcpSession::connect(http().socket_addr(), TIMEOUT).map(drop);
-            let connected = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?.connect(dns().socket_addr());
-            let unconnected = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?
-                .send_to(b"who are you?", dns().socket_addr())
-                .map(drop);
+            let tcp = TcpSession::connect(tcp, TIMEOUT).map(drop);
+            let connected = UdpSocket::bind(any_port(udp))?.connect(udp);
+            let unconnected = UdpSocket::bind(any_port(udp))?.send_to(b"who are you?", udp).map(drop);
             let kind = |result: std::io::Result<()>| result.err().map(|error| error.kind());
             Ok([
                 tcp.err().and_then(|error| error.downcast_ref::<std::io::Error>().map(std::io::Error::kind)),
@@ -447,10 +460,21 @@ fn an_empty_service_refuses_node_connections() {
                 kind(unconnected),
             ])
         })
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn an_empty_service_refuses_node_connections() {
+    let mut lab = running_lab("host-empty", WEB);
+    lab.set_services(vec![WEB.service(&[])]).unwrap();
+    lab.wait_programmed().unwrap();
     // kube-proxy rejects with ICMP port unreachable, which a TCP or connected UDP socket
     // reports as ECONNREFUSED; the hooks refuse the call itself with that error.
-    assert_eq!(refusals, [Some(ErrorKind::ConnectionRefused); 3], "TCP, connected UDP, unconnected UDP");
+    assert_eq!(
+        node_errors(&lab, http().socket_addr(), dns().socket_addr()),
+        [Some(ErrorKind::ConnectionRefused); 3],
+        "TCP, connected UDP, unconnected UDP"
+    );
     // A client elsewhere still meets the TC program's reject.
     let error = lab.client().run(|| tcp_exchange(http().socket_addr(), TIMEOUT)).unwrap_err();
     let refused = error.chain().any(|cause| {
@@ -463,7 +487,7 @@ fn an_empty_service_refuses_node_connections() {
     // Endpoints again: served again.
     lab.set_services(vec![WEB.service(WEB.endpoints)]).unwrap();
     lab.wait_programmed().unwrap();
-    assert_eq!(names(&node_spread(&lab, WEB, NodeSocket::Tcp, http())), WEB.all());
+    assert_eq!(names(&node_spread(&lab, WEB, NodeSocket::Tcp, http().socket_addr())), WEB.all());
 }
 
 #[test]
@@ -479,7 +503,11 @@ fn restarts_update_the_hooks_in_place_and_cleanup_removes_them() {
     let status = lab.stop_vipr().unwrap();
     assert!(status.success(), "vipr exited with {status} on SIGTERM");
     assert_eq!(lab_hooks(&lab), hooks, "SIGTERM changed the hooks");
-    assert_eq!(names(&node_spread(&lab, WEB, NodeSocket::Tcp, http())), WEB.all(), "while vipr is stopped");
+    assert_eq!(
+        names(&node_spread(&lab, WEB, NodeSocket::Tcp, http().socket_addr())),
+        WEB.all(),
+        "while vipr is stopped"
+    );
     assert_eq!(session.ask().unwrap().backend, backend);
 
     // Restarted: the same links, now running the new agent's programs; no second set.
@@ -488,11 +516,15 @@ fn restarts_update_the_hooks_in_place_and_cleanup_removes_them() {
     let old_programs: BTreeSet<u64> = hooks.values().map(|(_, program)| *program).collect();
     let restarted = wait_for("the restarted agent's programs on the links", PROGRAMMING_TIMEOUT, || {
         let now = lab_hooks_now(&lab);
-        Ok(if now.len() == 4 && now.values().all(|(_, program)| !old_programs.contains(program)) {
-            Check::Done(now)
-        } else {
-            Check::NotYet(format!("{now:?}"))
-        })
+        Ok(
+            if now.len() == sock::HOOKS.len()
+                && now.values().all(|(_, program)| !old_programs.contains(program))
+            {
+                Check::Done(now)
+            } else {
+                Check::NotYet(format!("{now:?}"))
+            },
+        )
     })
     .unwrap();
     assert_eq!(
@@ -503,7 +535,11 @@ fn restarts_update_the_hooks_in_place_and_cleanup_removes_them() {
     lab_hooks(&lab);
     // TCP only from here on: an echo server's UDP thread ends on a spurious EINTR (testbed
     // echo.rs), which stopping an agent here provokes now and then.
-    assert_eq!(names(&node_spread(&lab, WEB, NodeSocket::Tcp, http())), WEB.all(), "after the restart");
+    assert_eq!(
+        names(&node_spread(&lab, WEB, NodeSocket::Tcp, http().socket_addr())),
+        WEB.all(),
+        "after the restart"
+    );
     assert_eq!(session.ask().unwrap().backend, backend, "an open connection moved");
     assert_eq!(session.peer_addr().unwrap(), http().socket_addr(), "the reverse translation was lost");
 
@@ -517,6 +553,140 @@ fn restarts_update_the_hooks_in_place_and_cleanup_removes_them() {
         assert!(!attached.contains(program), "{attach_type}: program {program} is still on the cgroup root");
     }
     drop(session);
-    let after = lab.node().run(|| Ok(node_exchange(NodeSocket::Tcp, http()))).unwrap();
+    let after = lab.node().run(|| Ok(node_exchange(NodeSocket::Tcp, http().socket_addr()))).unwrap();
     assert!(after.is_err(), "the cluster IP is still balanced after vipr --cleanup: {after:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// IPv6: `AF_INET6` sockets of the node reach an IPv6 service through the `*6` hooks; a dual-stack
+// socket naming the IPv4 service by its IPv4-mapped address goes through them too, and is
+// balanced with the IPv4 maps (its packets are IPv4).
+
+fn http6() -> SocketAddr {
+    (VIP6, 80).into()
+}
+
+fn dns6() -> SocketAddr {
+    (VIP6, 53).into()
+}
+
+/// `addr` as a dual-stack socket names it: IPv4-mapped.
+fn mapped(addr: SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V4(v4) => (v4.ip().to_ipv6_mapped(), v4.port()).into(),
+        v6 @ SocketAddr::V6(_) => v6,
+    }
+}
+
+/// Gives every backend of the lab an IPv6 address on its link (the node takes `::1` of each
+/// /64) and IPv6 echo servers on the target ports; the servers stop when dropped.
+fn add_ipv6(lab: &Lab, backends: Backends) -> Vec<EchoServer> {
+    let names = backends.endpoints.iter().chain([&backends.decoy]);
+    names
+        .map(|name| {
+            let leaf = lab.topology().leaf(name).unwrap();
+            let addr = backends.addr6(name);
+            // nodad: usable at once, not after duplicate address detection.
+            let add = |netns: &testbed::Netns, addr: Ipv6Addr, device: &str| {
+                netns.ip(&["-6", "addr", "add", &format!("{addr}/64"), "dev", device, "nodad"]).unwrap()
+            };
+            add(&leaf.netns, addr, &leaf.spec.leaf_interface);
+            add(lab.node(), gateway6(addr), &leaf.spec.node_interface);
+            let (tcp, udp) = ([(addr, backends.ports.0).into()], [(addr, backends.ports.1).into()]);
+            EchoServer::start(&leaf.netns, name, &tcp, &udp).unwrap()
+        })
+        .collect()
+}
+
+/// Writes the services file: the lab's services, and `web6` (`web`'s ports on VIP6, IPv6 only)
+/// served by `endpoints`' IPv6 addresses.
+fn write_services_with_web6(lab: &Lab, backends: Backends, endpoints: &[&str]) {
+    let endpoints: String = endpoints
+        .iter()
+        .map(|name| format!("\n- addresses: [\"{}\"]\n  conditions: {{ready: true}}", backends.addr6(name)))
+        .collect();
+    let endpoints = if endpoints.is_empty() { " []".to_owned() } else { endpoints };
+    let (http, dns) = backends.ports;
+    let web6 = format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: web6, namespace: default}}
+spec:
+  type: ClusterIP
+  clusterIP: "{VIP6}"
+  clusterIPs: ["{VIP6}"]
+  ipFamilies: [IPv6]
+  ports:
+  - {{name: http, protocol: TCP, port: 80, targetPort: {http}}}
+  - {{name: dns, protocol: UDP, port: 53, targetPort: {dns}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web6-slice
+  namespace: default
+  labels: {{kubernetes.io/service-name: web6}}
+addressType: IPv6
+ports:
+- {{name: http, protocol: TCP, port: {http}}}
+- {{name: dns, protocol: UDP, port: {dns}}}
+endpoints:{endpoints}
+"#
+    );
+    let services = format!("{}---\n{web6}", manifest::render(lab.services()));
+    write_atomically(lab.services_file(), &services).unwrap();
+}
+
+/// Waits until node sockets meet `web6` as `expected` says: answered, or failing with that
+/// error for TCP, connected UDP and unconnected UDP alike.
+fn wait_for_web6(lab: &Lab, expected: Option<ErrorKind>) {
+    wait_for("vipr to program web6", PROGRAMMING_TIMEOUT, || {
+        let errors = node_errors(lab, http6(), dns6());
+        Ok(if errors == [expected; 3] { Check::Done(()) } else { Check::NotYet(format!("{errors:?}")) })
+    })
+    .unwrap();
+}
+
+#[test]
+fn ipv6_node_sockets_reach_the_endpoints_and_see_the_frontend() {
+    let lab = running_lab("host-v6", WEB);
+    let _servers6 = add_ipv6(&lab, WEB);
+    write_services_with_web6(&lab, WEB, WEB.endpoints);
+    wait_for_web6(&lab, None);
+    let cases = [
+        (NodeSocket::Tcp, http6()),
+        (NodeSocket::ConnectedUdp, dns6()),
+        (NodeSocket::UnconnectedUdp, dns6()),
+        // A dual-stack socket naming the IPv4 service.
+        (NodeSocket::Tcp, mapped(http().socket_addr())),
+        (NodeSocket::ConnectedUdp, mapped(dns().socket_addr())),
+        (NodeSocket::UnconnectedUdp, mapped(dns().socket_addr())),
+    ];
+    for (kind, frontend) in cases {
+        let counts = node_spread(&lab, WEB, kind, frontend);
+        assert_eq!(
+            names(&counts),
+            WEB.all(),
+            "{kind:?} to {frontend} must reach every endpoint and nothing else"
+        );
+    }
+    // Each family's translations went to its own reverse map (the mapped ones to IPv4's), and
+    // no node connection passed the TC program.
+    for (reverse, at_least) in [(sock::REVERSE6, 2 * CONNECTIONS), (sock::REVERSE4, 2 * CONNECTIONS)] {
+        let translations = map_entries(lab.bpf_root(), reverse).len();
+        assert!(translations >= at_least, "{reverse}: {translations} translations, want {at_least}");
+    }
+    for flows in [pins::FLOWS4, pins::FLOWS6] {
+        let tracked = map_entries(lab.bpf_root(), flows);
+        assert!(tracked.is_empty(), "node connections were tracked by the TC program: {tracked:?}");
+    }
+
+    // No endpoint: refused as the IPv4 hooks refuse.
+    write_services_with_web6(&lab, WEB, &[]);
+    wait_for_web6(&lab, Some(ErrorKind::ConnectionRefused));
+    // Endpoints again: served again.
+    write_services_with_web6(&lab, WEB, &WEB.endpoints[..1]);
+    wait_for_web6(&lab, None);
+    let counts = node_spread(&lab, WEB, NodeSocket::Tcp, http6());
+    assert_eq!(names(&counts), BTreeSet::from([WEB.endpoints[0].to_owned()]));
 }

@@ -22,6 +22,7 @@ use testbed::{
 };
 use vipr::{
     dataplane::{
+        iptables::conntrack,
         ipvs::{
             client::{Destination, Ipvs, ServiceKey, ServiceSettings, Timeouts, VirtualServer},
             link::DUMMY_INTERFACE,
@@ -286,6 +287,12 @@ fn guest_a_synced_cluster_ip_balances_masquerades_and_drains() {
             anyhow::bail!("no connection landed on b1")
         })
         .unwrap();
+    // UDP "connections" to both backends, in conntrack: those to b1 must go with it.
+    let udp_53 = SocketAddr::V4(SocketAddrV4::new(VIP, 53));
+    let udp_keep: conntrack::Keep = [(udp_53, [SocketAddr::V4(SocketAddrV4::new(B2, 5353))].into())].into();
+    client.run(|| exchanges(udp_frontend(53), 20, TIMEOUT)).unwrap();
+    let to_b1 = node.run(|| Ok(conntrack::count_stale_udp(&udp_keep)?)).unwrap();
+    assert!(to_b1 > 0, "no UDP conntrack entry leads to b1 before it leaves");
     // b1 is terminating: still listed, no longer used.
     let only_b2 = state(
         &[backend(B2, 8080)],
@@ -300,6 +307,8 @@ fn guest_a_synced_cluster_ip_balances_masquerades_and_drains() {
     let b1_tcp = SocketAddr::V4(SocketAddrV4::new(B1, 8080));
     assert_eq!(weights(node, key).get(&b1_tcp), Some(&0), "TCP: weight 0 while connections last");
     assert_eq!(weights(node, udp_key).len(), 1, "UDP: removed at once");
+    let left = node.run(|| Ok(conntrack::count_stale_udp(&udp_keep)?)).unwrap();
+    assert_eq!(left, 0, "the sync deleted the {to_b1} UDP conntrack entries that led to b1");
     assert_eq!(session.ask().unwrap(), "b1", "the open connection goes on");
     let seen = client.run(|| exchanges(tcp_frontend(DRAIN_PORT), 10, TIMEOUT)).unwrap();
     assert_eq!(count_by_backend(&seen).keys().collect::<Vec<_>>(), ["b2"], "new connections avoid b1");

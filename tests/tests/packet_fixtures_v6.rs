@@ -44,7 +44,7 @@ use harness6::{
     set_unmatched6,
 };
 use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
-use proxy_common::{service_flags, source_class, unmatched, Flow6, FlowKey6, Service};
+use proxy_common::{service_flags, snat, source_class, unmatched, Flow6, FlowKey6, Service, SnatPorts};
 
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
 const TC_ACT_REDIRECT: u32 = 7;
@@ -499,7 +499,8 @@ fn fixtures() -> Vec<Fixture> {
             "missing_backend_slot_is_dropped",
             |h: &Harness| {
                 standard_world(h)?;
-                let service = Service { backend_set: 9, backend_count: 1, service_id: 9, flags: 0 };
+                let service =
+                    Service { backend_set: 9, backend_count: 1, service_id: 9, ..Service::default() };
                 set_service6(h, service_key6(ep6(VIP, 443), IPPROTO_TCP, source_class::OUTSIDE), service)
             },
             Packet6::tcp(CLIENT, ep6(VIP, 443)).build(),
@@ -655,10 +656,32 @@ fn source_ranges_admit_or_drop() {
 
 const MASQUERADED: Ep6 = ep6(ip6([0xfd00, 0x10, 0x96, 0], 0x1e), 80);
 
+/// The masquerade range of the harness's program: `vipr_snat_v1`, as the agent writes it.
+fn set_snat_ports(h: &Harness, first: u32, count: u32) -> Result<()> {
+    let path = h.bpffs().join(snat::PORTS);
+    let data = aya::maps::MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    let mut map: aya::maps::Array<_, SnatPorts> = aya::maps::Map::from_map_data(data)?.try_into()?;
+    map.set(0, SnatPorts { first, count }, 0)?;
+    Ok(())
+}
+
+/// Runs a new masqueraded connection's first packet from `client`; the node side it got.
+fn masqueraded(h: &Harness, client: Ep6) -> Result<Ep6> {
+    let input = Packet6::tcp(client, MASQUERADED);
+    let (verdict, out) = h.run(&input.build())?;
+    ensure!(verdict == TC_ACT_REDIRECT, "{client}: verdict {}", verdict_name(verdict));
+    let view = parse_ipv6(&out).map_err(|e| anyhow!("{client}: {e}{}", hex(&out)))?;
+    ensure!(view.l4_checksum == L4Checksum::Valid, "{client}: checksum {:?}", view.l4_checksum);
+    ensure!(view.src == NODE && view.destination() == WEB_BACKEND, "{client}: {:?}", view);
+    let expected = input.to(WEB_BACKEND).from(view.source());
+    compare_frames6(&expected.build(), &out).map_err(|e| anyhow!("{client}: {e}"))?;
+    Ok(view.source())
+}
+
 /// A MASQUERADE frontend: the source becomes the node's address toward the backend (the FIB's
-/// preferred source), on the client's port while it is free, on another one when it is not;
-/// replies to the node come back as from the frontend to the client. The packet is redirected
-/// to the route's interface.
+/// preferred source) on a port of the masquerade range, the client's own when it is in the
+/// range and free; replies to the node come back as from the frontend to the client. The
+/// packet is redirected to the route's interface.
 #[test]
 fn masquerade_takes_the_route_source_and_claims_ports() {
     in_fresh_netns(|| {
@@ -674,36 +697,54 @@ fn masquerade_takes_the_route_source_and_claims_ports() {
             &[WEB_BACKEND],
             service_flags::MASQUERADE,
         )?;
-        let first = Packet6::tcp(CLIENT, MASQUERADED);
-        let node_side = ep6(NODE, CLIENT.port);
-        let expected = first.clone().to(WEB_BACKEND).from(node_side);
-        check(&h, &first.build(), TC_ACT_REDIRECT, Expect::Frame(&expected.build()))
-            .context("first client")?;
+        // No range written yet: the default one, below Linux's ephemeral ports. The client's
+        // port (40000) is an ephemeral one, which a node socket to the same backend could take
+        // too: it is not kept.
+        let default_range = snat::DEFAULT_FIRST..snat::DEFAULT_FIRST + snat::DEFAULT_COUNT;
+        let node_side = masqueraded(&h, CLIENT).context("first client")?;
+        ensure!(
+            default_range.contains(&node_side.port.into()),
+            "first client got node port {}",
+            node_side.port
+        );
         let mut flows = masqueraded_entries6(CLIENT, MASQUERADED, WEB_BACKEND, node_side, IPPROTO_TCP);
         expect_flows(&h, &flows)?;
 
-        // Another client on the same port: that node port is taken toward this backend.
-        let other = ep6(ip6([0x2001, 0xdb8, 1, 0], 0x200), CLIENT.port);
-        let (verdict, out) = h.run(&Packet6::tcp(other, MASQUERADED).build())?;
-        ensure!(verdict == TC_ACT_REDIRECT, "second client: verdict {}", verdict_name(verdict));
-        let view = parse_ipv6(&out).map_err(|e| anyhow!("second client: {e}{}", hex(&out)))?;
-        ensure!(view.l4_checksum == L4Checksum::Valid, "second client: checksum {:?}", view.l4_checksum);
-        ensure!(view.src == NODE && view.destination() == WEB_BACKEND, "second client: {:?}", view);
-        ensure!((32768..61000).contains(&view.sport), "second client got node port {}", view.sport);
-        let expected = Packet6::tcp(other, MASQUERADED).to(WEB_BACKEND).from(view.source());
-        compare_frames6(&expected.build(), &out).map_err(|e| anyhow!("second client: {e}"))?;
-        flows.extend(masqueraded_entries6(other, MASQUERADED, WEB_BACKEND, view.source(), IPPROTO_TCP));
+        // A client port inside the range is kept while it is free; another client on the same
+        // port toward this backend gets another one.
+        let in_range = ep6(ip6([0x2001, 0xdb8, 1, 0], 0x200), 20000);
+        let other = ep6(ip6([0x2001, 0xdb8, 1, 0], 0x300), in_range.port);
+        let kept = masqueraded(&h, in_range).context("client in the range")?;
+        ensure!(kept == ep6(NODE, in_range.port), "the client's port was not kept: {kept}");
+        let moved = masqueraded(&h, other).context("second client on that port")?;
+        ensure!(
+            moved.port != in_range.port && default_range.contains(&moved.port.into()),
+            "second client got node port {}",
+            moved.port
+        );
+        for (client, node) in [(in_range, kept), (other, moved)] {
+            flows.extend(masqueraded_entries6(client, MASQUERADED, WEB_BACKEND, node, IPPROTO_TCP));
+        }
         expect_flows(&h, &flows)?;
 
         // The backend's replies go back to each client, as from the frontend. There is no route
         // toward the clients here, so the stack gets them.
-        for (client, node) in [(CLIENT, node_side), (other, view.source())] {
+        for (client, node) in [(CLIENT, node_side), (in_range, kept), (other, moved)] {
             let reply = Packet6::tcp(WEB_BACKEND, node).payload(b"HTTP/1.1 200 OK\r\n\r\n");
             let expected = reply.clone().from(MASQUERADED).to(client);
             check(&h, &reply.build(), TC_ACT_OK, Expect::Frame(&expected.build()))
                 .with_context(|| format!("reply to {client}"))?;
         }
-        expect_flows(&h, &flows)
+        expect_flows(&h, &flows)?;
+
+        // The agent's range is used as written: with one port, the first client keeps it and a
+        // second finds nothing free (dropped; its retransmission tries again).
+        set_snat_ports(&h, 50000, 1)?;
+        let only = ep6(ip6([0x2001, 0xdb8, 2, 0], 0x100), 40001);
+        ensure!(masqueraded(&h, only)? == ep6(NODE, 50000), "not the range's only port");
+        let crowded = ep6(ip6([0x2001, 0xdb8, 2, 0], 0x200), 50000);
+        check(&h, &Packet6::tcp(crowded, MASQUERADED).build(), TC_ACT_SHOT, Expect::Unchanged)
+            .context("no port left")
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
 }
@@ -716,7 +757,8 @@ fn hairpin_is_masqueraded() {
         route_to_pods()?;
         let h = Harness::new()?;
         standard_world(&h)?;
-        let pod = ep6(WEB_BACKEND.addr, 43000);
+        // A port of the masquerade range, so that the pod keeps it (see above).
+        let pod = ep6(WEB_BACKEND.addr, 23000);
         let input = Packet6::udp(pod, ep6(VIP, 8080)).payload(b"to myself");
         add_service6(&h, ep6(VIP, 8080), IPPROTO_UDP, source_class::OUTSIDE, 40, &[WEB_BACKEND], 0)?;
         let node_side = ep6(NODE, pod.port);
