@@ -107,7 +107,7 @@ fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
         let Some(route) = &route else {
             return TC_ACT_SHOT;
         };
-        match track_masqueraded(&packet, &backend, counter, route.source) {
+        match track_masqueraded(&packet, &backend, counter, route.source, now) {
             Some(forward) => forward,
             None => {
                 stat(datapath_stat::SNAT_PORT_EXHAUSTED);
@@ -115,7 +115,7 @@ fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
             }
         }
     } else {
-        track(&packet, &backend, counter)
+        track(&packet, &backend, counter, now)
     };
     count(ctx, counter);
     send(apply(ctx, &packet, &forward), route.as_ref())
@@ -234,9 +234,10 @@ fn no_backend<A: Family>(ctx: &TcContext, packet: &Packet<A>, service: &Service)
 }
 
 /// Records both directions of a new connection that keeps its source. A failed insert only
-/// costs a fresh balancing decision for the next packet, so it does not drop this one.
+/// costs a fresh balancing decision for the next packet, so it does not drop this one. `now`
+/// is the clock reading the caller took for the whole decision (affinity, `last_seen`).
 #[inline(always)]
-pub(crate) fn track<A: Family>(packet: &Packet<A>, backend: &Endpoint<A>, counter: u32) -> Nat<A> {
+pub(crate) fn track<A: Family>(packet: &Packet<A>, backend: &Endpoint<A>, counter: u32, now: u64) -> Nat<A> {
     let client = &packet.flow;
     let reply_key = Tuple {
         src: backend.addr,
@@ -261,7 +262,7 @@ pub(crate) fn track<A: Family>(packet: &Packet<A>, backend: &Endpoint<A>, counte
         dst_port: backend.port,
         flags: flow_flags::REWRITE_DESTINATION,
         counter,
-        last_seen: unsafe { bpf_ktime_get_coarse_ns() },
+        last_seen: now,
     };
     if A::record(&reply_key, &reply).is_err() {
         stat(datapath_stat::FLOW_INSERT_REPLY);
@@ -281,6 +282,7 @@ pub(crate) fn track_masqueraded<A: Family>(
     backend: &Endpoint<A>,
     counter: u32,
     node_addr: A,
+    now: u64,
 ) -> Option<Nat<A>> {
     let client = &packet.flow;
     let reply = Nat {
@@ -300,7 +302,7 @@ pub(crate) fn track_masqueraded<A: Family>(
         dst_port: backend.port,
         flags: flow_flags::REWRITE_DESTINATION | flow_flags::REWRITE_SOURCE,
         counter,
-        last_seen: unsafe { bpf_ktime_get_coarse_ns() },
+        last_seen: now,
     };
     if A::record(client, &forward).is_err() {
         stat(datapath_stat::FLOW_INSERT_FORWARD);

@@ -203,7 +203,7 @@ fn fast_path(ctx: &XdpContext) -> Option<u32> {
     }
     let out = egress(ctx, backend.addr, tot_len)?;
     let forward = if service.flags & service_flags::MASQUERADE != 0 {
-        match track_masqueraded(&packet, &backend, counter, out.source) {
+        match track_masqueraded(&packet, &backend, counter, out.source, now) {
             Some(forward) => forward,
             None => {
                 // TC drops it (and counts) the same way.
@@ -212,7 +212,7 @@ fn fast_path(ctx: &XdpContext) -> Option<u32> {
             }
         }
     } else {
-        track(&packet, &backend, counter)
+        track(&packet, &backend, counter, now)
     };
     affinity::remember(&service, &packet.flow.src, &backend, now);
     count(ctx, counter);
