@@ -6,6 +6,8 @@
 //! order, so `bpftool map dump` prints `[10,96,0,10]` and `80` rather than opaque integers.
 #![no_std]
 
+pub mod sctp;
+
 /// Names of the pinned maps and where they live. The version suffix is part of the name so a
 /// later format can be introduced beside the old one and migrated, never reinterpreted.
 pub mod pins {
@@ -19,9 +21,12 @@ pub mod pins {
     /// Backend slots of a backend set: [`crate::BackendSlot`] -> [`crate::Backend4`].
     /// (`_v1` had no counter index.)
     pub const BACKENDS4: &str = "vipr_back4_v2";
-    /// Connection tracking and NAT state: [`crate::FlowKey4`] -> [`crate::Flow4`].
-    /// (`_v1` had no [`crate::FlowTrack`].)
-    pub const FLOWS4: &str = "vipr_flow4_v2";
+    /// Connection tracking and NAT state: [`crate::FlowKey4`] -> [`crate::Flow4`], a plain
+    /// hash map whose entries only the agent's expiry deletes: a full map refuses new
+    /// connections (counted, logged) and never evicts a live one. (`_v1` had no
+    /// [`crate::FlowTrack`]; `_v2` was an LRU hash, whose eviction silently broke live
+    /// connections and whose inserts cost ~125 ns against ~47 ns.)
+    pub const FLOWS4: &str = "vipr_flow4_v3";
     /// The node's own addresses: `[u8; 4]` -> `u8` (unused value); sources here are
     /// [`crate::source_class::NODE`].
     pub const NODE_IPS4: &str = "vipr_node4_v1";
@@ -36,7 +41,7 @@ pub mod pins {
     /// The IPv6 maps, the same as their IPv4 namesakes with the `*6` types.
     pub const SERVICES6: &str = "vipr_svc6_v2";
     pub const BACKENDS6: &str = "vipr_back6_v2";
-    pub const FLOWS6: &str = "vipr_flow6_v2";
+    pub const FLOWS6: &str = "vipr_flow6_v3";
     pub const NODE_IPS6: &str = "vipr_node6_v1";
     pub const POD_CIDRS6: &str = "vipr_pod6_v1";
     pub const UNMATCHED6: &str = "vipr_unm6_v1";
@@ -50,8 +55,16 @@ pub mod pins {
     /// Earlier layouts of the maps above, which the agent unpins once the new program serves
     /// (their content is never reinterpreted: connections tracked by the earlier layout are
     /// balanced anew, as after a flows-map eviction).
-    pub const RETIRED: [&str; 6] =
-        ["vipr_svc4_v1", "vipr_back4_v1", "vipr_flow4_v1", "vipr_svc6_v1", "vipr_back6_v1", "vipr_flow6_v1"];
+    pub const RETIRED: [&str; 8] = [
+        "vipr_svc4_v1",
+        "vipr_back4_v1",
+        "vipr_flow4_v1",
+        "vipr_flow4_v2",
+        "vipr_svc6_v1",
+        "vipr_back6_v1",
+        "vipr_flow6_v1",
+        "vipr_flow6_v2",
+    ];
     /// ClientIP session affinity: the backend a client's latest new connection to a service
     /// port went to, and when: LRU [`crate::AffinityKey4`] -> [`crate::Affinity4`].
     pub const AFFINITY4: &str = "vipr_aff4_v1";
@@ -185,7 +198,11 @@ pub struct FlowKey4 {
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
-    pub pad: [u8; 3],
+    /// Two padding fields rather than a `[u8; 3]`: the kernel programs build a key per packet,
+    /// and zeroing a 3-byte array compiles to a call to `memset` (a loop on BPF); a byte and a
+    /// half-word are two plain stores.
+    pub pad8: u8,
+    pub pad16: u16,
 }
 
 /// Bits of [`FlowTrack::state`]: what the datapath saw of a TCP connection's end, per
@@ -538,7 +555,9 @@ pub struct FlowKey6 {
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
-    pub pad: [u8; 3],
+    /// See [`FlowKey4::pad8`].
+    pub pad8: u8,
+    pub pad16: u16,
 }
 
 /// [`Flow4`] for an IPv6 connection.

@@ -86,7 +86,7 @@ pub trait Family: Maps + Copy {
     /// See [`ipv4_address_checksums`] and [`ipv6_address_checksums`].
     fn address_checksums(
         ctx: &TcContext,
-        l4_csum: usize,
+        l4_csum: Option<usize>,
         old: Self,
         new: Self,
         mangled: u64,
@@ -161,7 +161,7 @@ impl Family for Ipv4 {
     #[inline(always)]
     fn address_checksums(
         ctx: &TcContext,
-        l4_csum: usize,
+        l4_csum: Option<usize>,
         old: Self,
         new: Self,
         mangled: u64,
@@ -232,7 +232,7 @@ impl Family for Ipv6 {
     #[inline(always)]
     fn address_checksums(
         ctx: &TcContext,
-        l4_csum: usize,
+        l4_csum: Option<usize>,
         old: Self,
         new: Self,
         mangled: u64,
@@ -296,7 +296,8 @@ macro_rules! family_maps {
                     src_port: key.src_port,
                     dst_port: key.dst_port,
                     proto: key.proto,
-                    pad: [0; 3],
+                    pad8: 0,
+                    pad16: 0,
                 }
             }
         }

@@ -31,7 +31,9 @@
 //! ICMP errors arriving at TC ingress were built by another host (or namespace) with a full
 //! checksum, never CHECKSUM_PARTIAL.
 //!
-//! Left alone: errors quoting anything but TCP/UDP, or a later fragment (no ports), or less
+//! An SCTP quote gets its addresses and ports rewritten and keeps its quoted checksum.
+//!
+//! Left alone: errors quoting anything but TCP/UDP/SCTP, or a later fragment (no ports), or less
 //! than the ports (bytes after the IP packet, Ethernet padding, are not the quote); fragmented
 //! errors; IPv6 extension headers in either header (not parsed, as for every IPv6 packet);
 //! errors about no tracked flow. IPv4 options in either header are fine. An error is not
@@ -155,8 +157,12 @@ fn quoted_transport<A: Family>(
     end: usize,
 ) -> Option<IcmpError<A>> {
     let csum_at = match protocol {
-        proto::TCP => inner_l4 + TCP_CSUM_AT,
-        proto::UDP => inner_l4 + UDP_CSUM_AT,
+        proto::TCP => Some(inner_l4 + TCP_CSUM_AT),
+        proto::UDP => Some(inner_l4 + UDP_CSUM_AT),
+        // A quoted SCTP checksum covers the whole original packet, which the quote does not
+        // hold; it stays as quoted (nf_nat recomputes it over the truncated quote, which makes
+        // it no truer; no receiver checks it).
+        proto::SCTP => None,
         _ => return None,
     };
     // The ports must lie inside the message: bytes after it (Ethernet padding) are no part of
@@ -166,11 +172,14 @@ fn quoted_transport<A: Family>(
     }
     let ports = unsafe { *bytes_at::<4>(ctx, inner_l4)? };
     // Beyond the quote, or (UDP) 0: no checksum to follow the changes.
-    let inner_l4_csum = match bytes_at::<2>(ctx, csum_at) {
-        Some(csum) if csum_at + 2 <= end && (protocol == proto::TCP || unsafe { *csum } != [0, 0]) => {
-            Some(csum_at)
-        }
-        _ => None,
+    let inner_l4_csum = match csum_at {
+        Some(csum_at) => match bytes_at::<2>(ctx, csum_at) {
+            Some(csum) if csum_at + 2 <= end && (protocol == proto::TCP || unsafe { *csum } != [0, 0]) => {
+                Some(csum_at)
+            }
+            _ => None,
+        },
+        None => None,
     };
     let mut key = Tuple {
         src: A::UNSPECIFIED,

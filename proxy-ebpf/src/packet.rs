@@ -1,5 +1,5 @@
-//! Ethernet/IPv4/IPv6/TCP/UDP parsing with direct packet access, and address rewriting with the
-//! kernel's checksum helpers.
+//! Ethernet/IPv4/IPv6/TCP/UDP/SCTP parsing with direct packet access, and address rewriting with
+//! the kernel's checksum helpers (and, for SCTP, proxy-common's CRC32c update).
 //!
 //! Direct access costs a bounds check per header instead of a helper call per field. The
 //! rewrite must use `bpf_l3_csum_replace`/`bpf_l4_csum_replace`: on veth, locally generated
@@ -10,7 +10,9 @@
 //! What this parser refuses (the caller then tries icmp_error.rs and fragment.rs, and leaves
 //! the rest untouched): other ethertypes and protocols, truncated headers, later IPv4
 //! fragments (a first fragment carries the L4 header and is parsed, see [`Packet::first_fragment`]),
-//! and IPv6 packets whose next header is not TCP or UDP. That last rule covers every IPv6 extension header (hop-by-hop, routing,
+//! fragmented SCTP (its checksum covers the whole datagram, which no fragment shows; SCTP
+//! avoids fragmentation by its own path MTU discovery), and IPv6 packets whose next header is
+//! not TCP, UDP or SCTP. That last rule covers every IPv6 extension header (hop-by-hop, routing,
 //! fragment, destination options, AH, ESP): such packets are passed to the stack as they are,
 //! so IPv6 fragments are never balanced either. Kubernetes service traffic does not carry
 //! extension headers; walking them would cost a bounded loop per packet for nothing. A UDP/IPv6
@@ -21,7 +23,7 @@ use aya_ebpf::{
     helpers::bpf_csum_diff,
     programs::TcContext,
 };
-use proxy_common::proto;
+use proxy_common::{proto, sctp};
 
 use crate::family::Family;
 
@@ -43,6 +45,9 @@ const TCP_FLAGS_OFF: usize = 13;
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_RST: u8 = 0x04;
 const UDP_CSUM_OFF: usize = 6;
+/// IPv4 total length and IPv6 payload length, from the start of the IP header.
+const IPV4_TOTAL_LEN_OFF: usize = 2;
+const IPV6_PAYLOAD_LEN_OFF: usize = 4;
 /// `bpf_l4_csum_replace`: the checksum belongs to IPv6, so a CHECKSUM_COMPLETE skb's `csum`
 /// is not adjusted for a pseudo-header change (IPv6 has no header checksum to balance it).
 /// Linux 6.16 and later; older kernels refuse the flag with EINVAL.
@@ -59,11 +64,14 @@ pub struct Tuple<A> {
     pub proto: u8,
 }
 
-/// The fields of a TCP/UDP packet that load balancing needs.
+/// The fields of a TCP/UDP/SCTP packet that load balancing needs.
 pub struct Packet<A> {
     pub flow: Tuple<A>,
-    /// Offset of the TCP/UDP header from the start of the frame.
+    /// Offset of the TCP/UDP/SCTP header from the start of the frame.
     pub l4_offset: usize,
+    /// Bytes from the L4 header to the end of the IP packet, as the IP header says (the frame
+    /// may carry Ethernet padding after it): what an SCTP checksum covers.
+    pub l4_len: u32,
     /// The TCP flags byte (FIN, SYN, RST, ...); 0 for UDP.
     pub tcp_flags: u8,
     /// The IP identification of an IPv4 first fragment (offset 0, more fragments), whose
@@ -109,8 +117,13 @@ pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
     }
     let src = [ip[12], ip[13], ip[14], ip[15]];
     let dst = [ip[16], ip[17], ip[18], ip[19]];
-    let mut packet = transport(ctx, ETH_HLEN + header_len, ip[9], src, dst)?;
+    let total_len = u16::from_be_bytes([ip[IPV4_TOTAL_LEN_OFF], ip[IPV4_TOTAL_LEN_OFF + 1]]);
+    let l4_len = u32::from(total_len).checked_sub(header_len as u32)?;
+    let mut packet = transport(ctx, ETH_HLEN + header_len, l4_len, ip[9], src, dst)?;
     if fragment & IP_MF != 0 {
+        if packet.flow.proto == proto::SCTP {
+            return None;
+        }
         packet.first_fragment = Some(u16::from_be_bytes([ip[4], ip[5]]));
     }
     Some(packet)
@@ -120,13 +133,16 @@ pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
 #[inline(always)]
 pub fn parse_ipv6(ctx: &TcContext) -> Option<Packet<[u8; 16]>> {
     let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
-    let (version, next_header) = unsafe { ((*ip)[0] >> 4, (*ip)[6]) };
+    let (version, next_header, payload_len) = unsafe {
+        let ip = &*ip;
+        (ip[0] >> 4, ip[6], u16::from_be_bytes([ip[IPV6_PAYLOAD_LEN_OFF], ip[IPV6_PAYLOAD_LEN_OFF + 1]]))
+    };
     if version != 6 {
         return None;
     }
     let src = unsafe { *bytes_at::<16>(ctx, IPV6_SADDR_OFF)? };
     let dst = unsafe { *bytes_at::<16>(ctx, IPV6_DADDR_OFF)? };
-    let packet = transport(ctx, ETH_HLEN + IPV6_HLEN, next_header, src, dst)?;
+    let packet = transport(ctx, ETH_HLEN + IPV6_HLEN, u32::from(payload_len), next_header, src, dst)?;
     if packet.flow.proto == proto::UDP {
         let csum = unsafe { *bytes_at::<2>(ctx, l4_csum_offset(packet.l4_offset, proto::UDP))? };
         if csum == [0, 0] {
@@ -136,15 +152,25 @@ pub fn parse_ipv6(ctx: &TcContext) -> Option<Packet<[u8; 16]>> {
     Some(packet)
 }
 
-/// The TCP/UDP part of parsing, shared by both families: the ports, and the checksum field
+/// The L4 part of parsing, shared by both families: the ports, and the checksum field
 /// present too, or the rewrite could not fix it.
 #[inline(always)]
-fn transport<A>(ctx: &TcContext, l4_offset: usize, protocol: u8, src: A, dst: A) -> Option<Packet<A>> {
-    if protocol != proto::TCP && protocol != proto::UDP {
-        return None;
-    }
+fn transport<A>(
+    ctx: &TcContext,
+    l4_offset: usize,
+    l4_len: u32,
+    protocol: u8,
+    src: A,
+    dst: A,
+) -> Option<Packet<A>> {
+    let csum_end = match protocol {
+        proto::TCP => l4_offset + TCP_CSUM_OFF + 2,
+        proto::UDP => l4_offset + UDP_CSUM_OFF + 2,
+        // The checksum update needs the packet's own length, which must cover the header.
+        proto::SCTP if l4_len >= sctp::HEADER_LEN as u32 => l4_offset + sctp::HEADER_LEN,
+        _ => return None,
+    };
     let ports = unsafe { *bytes_at::<4>(ctx, l4_offset)? };
-    let csum_end = l4_csum_offset(l4_offset, protocol) + 2;
     if ctx.data() + csum_end > ctx.data_end() {
         return None;
     }
@@ -164,6 +190,7 @@ fn transport<A>(ctx: &TcContext, l4_offset: usize, protocol: u8, src: A, dst: A)
             proto: protocol,
         },
         l4_offset,
+        l4_len,
         tcp_flags,
         first_fragment: None,
     })
@@ -182,12 +209,12 @@ pub enum Side {
 }
 
 /// The checksum side of an IPv4 address change `old` -> `new`: the header checksum, and the L4
-/// checksum at `l4_csum` (the address is part of the pseudo header). `mangled` is
-/// `BPF_F_MARK_MANGLED_0` for UDP, else 0.
+/// checksum at `l4_csum` (the address is part of the pseudo header; SCTP's checksum has none,
+/// `None`). `mangled` is `BPF_F_MARK_MANGLED_0` for UDP, else 0.
 #[inline(always)]
 pub fn ipv4_address_checksums(
     ctx: &TcContext,
-    l4_csum: usize,
+    l4_csum: Option<usize>,
     old: [u8; 4],
     new: [u8; 4],
     mangled: u64,
@@ -195,7 +222,10 @@ pub fn ipv4_address_checksums(
     // Checksum helpers take the changed words exactly as they lie in the packet.
     let (old, new) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
     ctx.l3_csum_replace(IPV4_CSUM_OFF, old, new, 4)?;
-    ctx.l4_csum_replace(l4_csum, old, new, BPF_F_PSEUDO_HDR as u64 | mangled | 4)
+    match l4_csum {
+        Some(l4_csum) => ctx.l4_csum_replace(l4_csum, old, new, BPF_F_PSEUDO_HDR as u64 | mangled | 4),
+        None => Ok(()),
+    }
 }
 
 /// The checksum side of an IPv6 address change: IPv6 has no header checksum, and the 16-byte
@@ -205,11 +235,14 @@ pub fn ipv4_address_checksums(
 #[inline(always)]
 pub fn ipv6_address_checksums(
     ctx: &TcContext,
-    l4_csum: usize,
+    l4_csum: Option<usize>,
     old: [u8; 16],
     new: [u8; 16],
     mangled: u64,
 ) -> Result<(), i64> {
+    let Some(l4_csum) = l4_csum else {
+        return Ok(());
+    };
     let mut old: [u32; 4] = unsafe { core::mem::transmute(old) };
     let mut new: [u32; 4] = unsafe { core::mem::transmute(new) };
     let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
@@ -226,7 +259,7 @@ pub fn ipv6_address_checksums(
 }
 
 /// Rewrites the source or destination address and port of a parsed packet, keeping the IP and
-/// TCP/UDP checksums right.
+/// TCP/UDP/SCTP checksums right.
 #[inline(always)]
 pub fn rewrite<A: Family>(
     ctx: &TcContext,
@@ -245,14 +278,45 @@ pub fn rewrite<A: Family>(
         *addr_field = addr;
         *port_field = port.to_be_bytes();
     }
+    if packet.flow.proto == proto::SCTP {
+        A::address_checksums(ctx, None, old_addr, addr, 0)?;
+        return sctp_port_checksum(ctx, packet, side, port);
+    }
     let (old_port, new_port) =
         (u16::from_ne_bytes(old_port.to_be_bytes()) as u64, u16::from_ne_bytes(port.to_be_bytes()) as u64);
     // A UDP checksum of 0 means "none" (IPv4) and must stay 0; a computed 0 is sent as 0xffff.
     let mangled = if packet.flow.proto == proto::UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
     let l4_csum = l4_csum_offset(packet.l4_offset, packet.flow.proto);
-    A::address_checksums(ctx, l4_csum, old_addr, addr, mangled)?;
+    A::address_checksums(ctx, Some(l4_csum), old_addr, addr, mangled)?;
     ctx.l4_csum_replace(l4_csum, old_port, new_port, mangled | 2)?;
     Ok(())
+}
+
+/// Updates an SCTP packet's CRC32c for one of its ports becoming `port`. Only the XOR of old
+/// and new port bytes matters (the CRC is linear), so the other side's port may already have
+/// been rewritten. A CHECKSUM_PARTIAL packet (a local SCTP socket over a device with CRC
+/// offload) holds no checksum yet; whoever computes it later overwrites this one.
+#[inline(always)]
+fn sctp_port_checksum<A>(ctx: &TcContext, packet: &Packet<A>, side: Side, port: u16) -> Result<(), i64> {
+    let (old_port, shift) = match side {
+        Side::Source => (packet.flow.src_port, 0),
+        Side::Destination => (packet.flow.dst_port, 16),
+    };
+    // The port's big-endian bytes within the first four bytes read little-endian.
+    let difference = u32::from((old_port ^ port).swap_bytes()) << shift;
+    if difference == 0 {
+        return Ok(());
+    }
+    let change = sctp_checksum_change(difference, packet.l4_len);
+    let csum = bytes_at::<4>(ctx, packet.l4_offset + sctp::CHECKSUM_OFFSET).ok_or(-1i64)?;
+    unsafe { *csum = (u32::from_le_bytes(*csum) ^ change).to_le_bytes() };
+    Ok(())
+}
+
+/// [`sctp::header_change`] as a BPF function of its own: its loops stay out of every caller.
+#[inline(never)]
+fn sctp_checksum_change(difference: u32, length: u32) -> u32 {
+    sctp::header_change(difference, length)
 }
 
 /// A change to checksummed data, kept as the ones' complement sum of `!old + new` over the

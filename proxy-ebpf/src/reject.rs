@@ -14,7 +14,8 @@
 //! ```
 //!
 //! **The quote** is the original IP header as it arrived (options and all) followed by the
-//! first bytes of its L4 header: 8 for UDP (the whole header), 20 for TCP (the header without
+//! first bytes of its L4 header: 8 for UDP (the whole header), 12 for SCTP (the common header,
+//! up to the end of its checksum field, for TCP's reason below), 20 for TCP (the header without
 //! options). RFC 792 asks for at least 8 bytes and RFC 1812 for as much as fits in 576; the
 //! receiving kernel matches the error to its socket by the addresses and ports in the quote,
 //! and TCP also checks the quoted sequence number, all within the first 8 bytes. TCP quotes 20
@@ -35,11 +36,15 @@
 //! `2f = !S`, `f = rotr1(!S)`. Whether the skb was CHECKSUM_PARTIAL or not, and whether an
 //! offload runs or not, the frame on the wire is then the same and its ICMP checksum is valid.
 //! No receiver validates a quoted checksum (Linux's tcp_v4_err/udp_err ignore it; conntrack's
-//! NAT of ICMP errors at most updates it incrementally).
+//! NAT of ICMP errors at most updates it incrementally). SCTP's CRC32c has no such fixed
+//! point: a CHECKSUM_PARTIAL SCTP packet (a local SCTP socket over a device with CRC offload)
+//! that meets a device without that offload on its way back gets a CRC written into its quote
+//! and an ICMP checksum that no longer matches. Over veth, the path pods use, the offload
+//! stays pending and the receiver trusts it.
 //!
 //! Only unfragmented packets or first fragments may be rejected (the caller's parser passes
 //! no fragment at all today): a later fragment carries no ports to quote. Every helper failure,
-//! and anything this code cannot quote (not TCP/UDP, an IPv4 header whose length disagrees
+//! and anything this code cannot quote (not TCP/UDP/SCTP, an IPv4 header whose length disagrees
 //! with `l4_offset`, IPv6 extension headers), drops the packet: a drop is the safe fallback,
 //! and once the packet has been resized there is nothing else to do with it.
 //!
@@ -91,6 +96,9 @@ const TCP_QUOTE: usize = 20;
 const TCP_CSUM_AT: usize = 16;
 const UDP_QUOTE: usize = 8;
 const UDP_CSUM_AT: usize = 6;
+/// SCTP's common header: the ports and the verification tag the sender matches the error to,
+/// and the checksum field, so that a checksum offload still pending lands inside the packet.
+const SCTP_QUOTE: usize = 12;
 const MAX_L4_QUOTE: usize = TCP_QUOTE;
 
 /// The largest ICMP message (header + quote) each family builds.
@@ -221,6 +229,7 @@ fn quoted_l4(protocol: u8) -> Option<usize> {
     match protocol {
         proto::TCP => Some(TCP_QUOTE),
         proto::UDP => Some(UDP_QUOTE),
+        proto::SCTP => Some(SCTP_QUOTE),
         _ => None,
     }
 }
@@ -259,9 +268,10 @@ fn settle_quoted_l4_checksum(ctx: &TcContext, l4: usize, protocol: u8) -> Option
     // One fixed-size branch per protocol, each writing through the pointer its own bounds
     // check covers: a separate check for the write could be merged into this one by the
     // compiler and leave the verifier a pointer without a known range.
+    // SCTP's checksum is no ones' complement sum; there is no fixed point to settle on.
     if protocol == proto::TCP {
         settle::<TCP_QUOTE, TCP_CSUM_AT>(bytes_at::<TCP_QUOTE>(ctx, l4)?);
-    } else {
+    } else if protocol == proto::UDP {
         settle::<UDP_QUOTE, UDP_CSUM_AT>(bytes_at::<UDP_QUOTE>(ctx, l4)?);
     }
     Some(())

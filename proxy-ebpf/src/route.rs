@@ -10,6 +10,8 @@
 //! Both families take the same path: the lookup is `bpf_fib_lookup` with `AF_INET` or
 //! `AF_INET6` (the family fills its address fields, see [`Family::fib_destination`]), and
 //! `bpf_redirect_neigh` resolves an IPv4 or IPv6 neighbour by the packet's own protocol.
+use core::mem::MaybeUninit;
+
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC},
     helpers::{bpf_fib_lookup as fib_lookup, bpf_get_prandom_u32, bpf_redirect_neigh},
@@ -40,18 +42,15 @@ pub struct Route<A> {
 /// then handles the packet as it would have.
 #[inline(always)]
 pub fn route_to<A: Family>(ctx: &TcContext, destination: A) -> Option<Route<A>> {
-    // Zeroed as eight words: `mem::zeroed()` compiles to a byte-at-a-time memset on BPF,
-    // which cost ~45 ns on every rewritten packet (docs/benchmarks.md).
-    const _: () = assert!(size_of::<bpf_fib_lookup>() == size_of::<[u64; 8]>());
-    // SAFETY: bpf_fib_lookup is plain data of exactly this size; all-zero is a valid value.
-    let mut params: bpf_fib_lookup = unsafe { core::mem::transmute::<[u64; 8], bpf_fib_lookup>([0; 8]) };
+    let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
+    let params = zeroed_fib_params(&mut params);
     // SAFETY: ctx wraps a valid __sk_buff for the whole program run.
     params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    A::fib_destination(&mut params, destination);
+    A::fib_destination(params, destination);
     let result = unsafe {
         fib_lookup(
             ctx.as_ptr(),
-            &mut params,
+            params,
             size_of::<bpf_fib_lookup>() as i32,
             BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH,
         )
@@ -59,7 +58,26 @@ pub fn route_to<A: Family>(ctx: &TcContext, destination: A) -> Option<Route<A>> 
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
         return None;
     }
-    Some(Route { ifindex: params.ifindex, source: A::fib_source(&params) })
+    Some(Route { ifindex: params.ifindex, source: A::fib_source(params) })
+}
+
+/// Zeroes FIB lookup parameters in place, one 32-bit store at a time. Any zeroing the compiler
+/// can see whole (`mem::zeroed()`, a transmuted `[0u64; 8]`, a struct literal) becomes a call
+/// to `memset`, which on BPF stores one byte per loop iteration: ~45 ns on every rewritten
+/// packet (docs/benchmarks.md). Volatile stores cannot be merged back into that call.
+#[inline(always)]
+pub fn zeroed_fib_params(params: &mut MaybeUninit<bpf_fib_lookup>) -> &mut bpf_fib_lookup {
+    const WORDS: usize = size_of::<bpf_fib_lookup>() / 4;
+    const _: () = assert!(size_of::<bpf_fib_lookup>().is_multiple_of(4) && align_of::<bpf_fib_lookup>() >= 4);
+    let words = params.as_mut_ptr().cast::<u32>();
+    let mut i = 0;
+    while i < WORDS {
+        // SAFETY: inside the parameters, 4-aligned (asserted above).
+        unsafe { words.add(i).write_volatile(0) };
+        i += 1;
+    }
+    // SAFETY: every byte was written; all-zero is a valid bpf_fib_lookup.
+    unsafe { params.assume_init_mut() }
 }
 
 /// Sends the packet out of `route`'s interface; the kernel resolves the next hop's address.

@@ -6,7 +6,7 @@
 //! simple and safe; everything else is passed on (`XDP_PASS`) untouched, and the TC program
 //! then handles it exactly as without XDP:
 //!
-//! - only IPv4 TCP/UDP, whole packets (no fragments, no ICMP, no IPv6);
+//! - only IPv4 TCP/UDP, whole packets (no fragments, no ICMP, no SCTP, no IPv6);
 //! - only sources of class OUTSIDE (not the node, not a pod): a packet generated on the node
 //!   or in a pod is CHECKSUM_PARTIAL on veth, and XDP cannot see that (see below);
 //! - only the client-to-backend direction (replies from backends pass to TC);
@@ -20,7 +20,10 @@
 //! with the pseudo header. That is right only for packets whose checksums are complete, which
 //! is what a NIC delivers; a locally generated veth packet's L4 checksum field holds only the
 //! pseudo-header seed (CHECKSUM_PARTIAL), which XDP cannot tell apart and an incremental update
-//! corrupts. Hence the OUTSIDE-only rule, and `--xdp` off by default (docs/ARCHITECTURE.md).
+//! corrupts. Hence the OUTSIDE-only rule, and by default XDP only on hardware-backed devices,
+//! whose packets come from the wire (docs/ARCHITECTURE.md).
+use core::mem::MaybeUninit;
+
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC},
     helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_coarse_ns},
@@ -36,6 +39,7 @@ use crate::{
     family::{Family, Ipv4, Maps, Nat},
     maps::BACKEND_COUNTERS,
     packet::{Change, Packet, Tuple, ETH_P_IP},
+    route::zeroed_fib_params,
     tc::{choose_slot, classify, stat, touch, track, track_masqueraded},
 };
 
@@ -106,6 +110,7 @@ fn parse(ctx: &XdpContext) -> Option<Parsed> {
     let ports = unsafe { *at::<[u8; 4]>(ctx, l4_offset)? };
     let tcp_flags =
         if protocol == proto::TCP { unsafe { *at::<u8>(ctx, l4_offset + TCP_FLAGS_OFF)? } } else { 0 };
+    let tot_len = u16::from_be_bytes([ip[2], ip[3]]);
     Some(Parsed {
         packet: Packet {
             flow: Tuple {
@@ -116,10 +121,11 @@ fn parse(ctx: &XdpContext) -> Option<Parsed> {
                 proto: protocol,
             },
             l4_offset,
+            l4_len: u32::from(tot_len).saturating_sub(header_len as u32),
             tcp_flags,
             first_fragment: None,
         },
-        tot_len: u16::from_be_bytes([ip[2], ip[3]]),
+        tot_len,
     })
 }
 
@@ -137,17 +143,15 @@ struct Egress {
 /// a device XDP can send on.
 #[inline(always)]
 fn egress(ctx: &XdpContext, destination: Ipv4, tot_len: u16) -> Option<Egress> {
-    const _: () = assert!(size_of::<bpf_fib_lookup>() == size_of::<[u64; 8]>());
-    // SAFETY: plain data of exactly this size; all-zero is a valid value (see route.rs).
-    let mut params: bpf_fib_lookup = unsafe { core::mem::transmute::<[u64; 8], bpf_fib_lookup>([0; 8]) };
+    let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
+    let params = zeroed_fib_params(&mut params);
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
     params.ifindex = ingress;
     // With the length the lookup checks the egress MTU: a packet too big passes to the stack.
     params.__bindgen_anon_1.tot_len = tot_len;
-    Ipv4::fib_destination(&mut params, destination);
-    let result = unsafe {
-        fib_lookup(ctx.as_ptr(), &mut params, size_of::<bpf_fib_lookup>() as i32, BPF_FIB_LOOKUP_SRC)
-    };
+    Ipv4::fib_destination(params, destination);
+    let result =
+        unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, BPF_FIB_LOOKUP_SRC) };
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
         return None;
     }
@@ -163,7 +167,7 @@ fn egress(ctx: &XdpContext, destination: Ipv4, tot_len: u16) -> Option<Egress> {
         ifindex: params.ifindex,
         smac: params.smac,
         dmac: params.dmac,
-        source: Ipv4::fib_source(&params),
+        source: Ipv4::fib_source(params),
     })
 }
 

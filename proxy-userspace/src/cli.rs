@@ -22,11 +22,20 @@ pub enum LbAlgorithm {
 }
 
 /// `--xdp`: where the XDP fast path for traffic from outside the node runs.
+///
+/// `Default` is `Off`, for the library's embedders (benchmarks and tests that start the
+/// dataplane themselves): they opt in. The agent without `--xdp` runs `Auto`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub enum XdpMode {
-    /// In the driver; falls back to generic, then off, where the driver refuses.
+    /// No `--xdp` given: native, on the devices backed by hardware whose driver supports it;
+    /// none elsewhere, and no generic fallback. Not a value of the flag: it names no mode of
+    /// its own, and leaving the flag out says it.
+    #[value(skip)]
+    Auto,
+    /// On every served device, in the driver; falls back to generic, then off, where the
+    /// driver refuses.
     Native,
-    /// In the kernel's generic (skb) XDP path.
+    /// On every served device, in the kernel's generic (skb) XDP path.
     Generic,
     /// No XDP: the TC program does everything.
     #[default]
@@ -118,11 +127,13 @@ pub struct Args {
     pub bpf_affinity_max: Option<u32>,
 
     /// The eBPF datapath's XDP fast path for NodePort, load-balancer and external-IP traffic
-    /// from outside the node on the --devices: `native` (in the driver, falling back to
-    /// `generic` and then `off` where the driver refuses), `generic`, or `off`. Only for
-    /// interfaces whose packets carry full checksums (NICs): see docs/ARCHITECTURE.md, "XDP".
-    #[arg(long, value_enum, value_name = "MODE", default_value = "off")]
-    pub xdp: XdpMode,
+    /// from outside the node: `native` on every served device (in the driver, falling back to
+    /// `generic` and then to none where the driver refuses), `generic`, or `off`. Only for
+    /// interfaces whose packets carry full checksums (NICs): see docs/ARCHITECTURE.md, "XDP
+    /// fast path" [default: native on the devices backed by hardware whose driver supports it,
+    /// none on the others].
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub xdp: Option<XdpMode>,
 
     /// How the eBPF datapath picks a new connection's backend: `random` (as kube-proxy), or
     /// `maglev` (consistent hashing of the flow: every node picks the same backend for a flow,

@@ -135,7 +135,8 @@ pub struct Settings {
     pub conntrack: ConntrackTimeouts,
     /// `--lb-algorithm` and `--maglev-table-size`: how the eBPF datapath picks backends.
     pub balancing: Balancing,
-    /// `--xdp`: the eBPF datapath's XDP fast path.
+    /// `--xdp`: the eBPF datapath's XDP fast path; `Auto` without the flag (the
+    /// KubeProxyConfiguration has no such setting).
     pub xdp: XdpMode,
     pub cleanup: bool,
     /// `/healthz` and `/livez`; `None` disables the server (an empty address, as kube-proxy).
@@ -301,7 +302,7 @@ impl Settings {
             bpf_map_sizes: BpfMapSizes::resolve(args)?,
             conntrack: ConntrackTimeouts::resolve(args, &file)?,
             balancing: balancing(args)?,
-            xdp: args.xdp,
+            xdp: args.xdp.unwrap_or(XdpMode::Auto),
             cleanup: args.cleanup,
             healthz_bind_address,
             metrics_bind_address,
@@ -392,6 +393,10 @@ pub struct ConntrackTimeouts {
     /// TCP connections with a FIN both ways or an RST, idle: the kernel's CLOSE state (10 s)
     /// rather than TIME_WAIT (120 s), since the backend keeps its own TIME_WAIT. No flag.
     pub tcp_closed: Duration,
+    /// TCP connections the backend never answered, idle: the kernel's SYN_SENT (120 s). No
+    /// flag. Without it a SYN flood's entries would hold the flows map for a day: the map is
+    /// not LRU, so as not to evict live connections.
+    pub tcp_unanswered: Duration,
     /// UDP flows never answered.
     pub udp: Duration,
     /// UDP flows answered at least once.
@@ -404,6 +409,7 @@ impl Default for ConntrackTimeouts {
             tcp_established: Duration::from_secs(24 * 3600),
             tcp_close_wait: Duration::from_secs(3600),
             tcp_closed: Duration::from_secs(10),
+            tcp_unanswered: Duration::from_secs(120),
             udp: Duration::from_secs(30),
             udp_stream: Duration::from_secs(120),
         }
@@ -437,6 +443,7 @@ impl ConntrackTimeouts {
                 defaults.tcp_close_wait,
             )?,
             tcp_closed: defaults.tcp_closed,
+            tcp_unanswered: defaults.tcp_unanswered,
             udp: timeout(
                 args.conntrack_udp_timeout,
                 "conntrack.udpTimeout",
@@ -1232,5 +1239,18 @@ logging:
     fn sync_period_must_be_positive_and_hostname_not_empty() {
         assert!(settings(&["--sync-period=0s"]).is_err());
         assert!(settings(&["--hostname-override= "]).is_err());
+    }
+
+    #[test]
+    fn xdp_without_the_flag_is_auto_and_the_flag_names_three_modes() {
+        assert_eq!(settings(&[]).unwrap().xdp, XdpMode::Auto);
+        for (flag, mode) in
+            [("native", XdpMode::Native), ("generic", XdpMode::Generic), ("off", XdpMode::Off)]
+        {
+            assert_eq!(settings(&[&format!("--xdp={flag}")]).unwrap().xdp, mode);
+        }
+        assert!(settings(&["--xdp=auto"]).is_err(), "auto is what no flag means, not a value of it");
+        // The library's embedders start without XDP unless they ask.
+        assert_eq!(XdpMode::default(), XdpMode::Off);
     }
 }

@@ -22,7 +22,7 @@
 //!   packet, measures; and the program runs with the caches and branch predictors the
 //!   system call left it, which makes these numbers an upper bound.
 //!
-//! The flows map is emptied before every new-flow measurement, so the LRU map never evicts.
+//! The flows map is emptied before every new-flow measurement, so it never fills.
 //! Every run's verdict and output frame are checked, so a path measures what it claims.
 
 use std::{
@@ -813,7 +813,7 @@ fn flow_key(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> FlowKey4 {
         src_port: src.1,
         dst_port: dst.1,
         proto: PROTO_TCP,
-        pad: [0; 3],
+        pad8: 0, pad16: 0,
     }
 }
 

@@ -31,8 +31,6 @@ pub type LpmKey<D> = (u32, D);
 pub struct Wanted {
     pub v4: FamilyWanted<V4>,
     pub v6: FamilyWanted<V6>,
-    /// Frontends (or parts of them) this dataplane cannot express, with the reason.
-    pub unsupported: BTreeMap<Frontend, String>,
 }
 
 /// What one family's maps should hold.
@@ -119,7 +117,6 @@ pub fn encode_changes(
     let mut touched = (Touched::<V4>::default(), Touched::<V6>::default());
     let mut ranges = false;
     for frontend in changed {
-        wanted.unsupported.remove(frontend);
         ranges |= match frontend.ip {
             IpAddr::V4(_) => wanted.v4.remove_frontend(frontend, &mut touched.0.keys),
             IpAddr::V6(_) => wanted.v6.remove_frontend(frontend, &mut touched.1.keys),
@@ -135,7 +132,7 @@ pub fn encode_changes(
         wanted.v6.source_ranges.clear();
         for (frontend, entry) in state.frontends.iter().filter(|(_, entry)| !entry.allowed_sources.is_empty())
         {
-            let Some(protocol) = ip_protocol(frontend.protocol) else { continue };
+            let protocol = ip_protocol(frontend.protocol);
             let service_id = service_ids.id_for(&entry.service, (frontend.ip, frontend.port, protocol));
             wanted.v4.add_source_ranges(service_id, entry);
             wanted.v6.add_source_ranges(service_id, entry);
@@ -159,11 +156,7 @@ impl Wanted {
         service_ids: &mut ServiceIds,
         counters: &mut CounterIds,
     ) {
-        let Some(protocol) = ip_protocol(frontend.protocol) else {
-            self.unsupported
-                .insert(*frontend, format!("{frontend} ({}): only TCP and UDP are supported", entry.service));
-            return;
-        };
+        let protocol = ip_protocol(frontend.protocol);
         let service_id = service_ids.id_for(&entry.service, (frontend.ip, frontend.port, protocol));
         match frontend.ip {
             IpAddr::V4(_) => self.v4.add_frontend(frontend, entry, protocol, service_id, balancing, counters),
@@ -176,9 +169,10 @@ impl<F: Family> FamilyWanted<F> {
     /// Takes a frontend's entries out and adds their keys to `keys`; says whether they were
     /// filtered by source ranges.
     fn remove_frontend(&mut self, frontend: &Frontend, keys: &mut BTreeSet<F::ServiceKey>) -> bool {
-        let (Some(addr), Some(protocol)) = (F::addr(frontend.ip), ip_protocol(frontend.protocol)) else {
+        let Some(addr) = F::addr(frontend.ip) else {
             return false;
         };
+        let protocol = ip_protocol(frontend.protocol);
         let mut ranged = false;
         for (_, class_code) in CLASSES {
             let key = F::service_key(addr, frontend.port, protocol, class_code);
@@ -291,11 +285,11 @@ fn maglev_table<F: Family>(backends: &[F::Backend], size: u32) -> Vec<F::Backend
     maglev::table(&identities, size).into_iter().map(|owner| backends[owner]).collect()
 }
 
-fn ip_protocol(protocol: Protocol) -> Option<u8> {
+fn ip_protocol(protocol: Protocol) -> u8 {
     match protocol {
-        Protocol::Tcp => Some(proto::TCP),
-        Protocol::Udp => Some(proto::UDP),
-        Protocol::Sctp => None,
+        Protocol::Tcp => proto::TCP,
+        Protocol::Udp => proto::UDP,
+        Protocol::Sctp => proto::SCTP,
     }
 }
 
@@ -408,7 +402,6 @@ mod tests {
     fn a_dual_stack_service_programs_each_family_with_its_own_endpoints() {
         let wanted =
             encode(&dual_stack(&[]), Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
-        assert!(wanted.unsupported.is_empty(), "{:?}", wanted.unsupported);
         // One service port, one endpoint per family: a counter each.
         let v4_backend = Backend4 { addr: [10, 1, 0, 1], port: 8080, pad: 0, counter: 1 };
         let v6_backend = Backend6 { addr: octets6("fd00:10:244::1"), port: 8080, pad: 0, counter: 2 };
@@ -536,7 +529,6 @@ mod tests {
             entry.affinity = Some(std::time::Duration::from_secs(600));
         }
         let wanted = encode(&state, Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
-        assert!(wanted.unsupported.is_empty(), "{:?}", wanted.unsupported);
         assert_eq!(affinity_timeouts(&wanted), BTreeSet::from([600]));
 
         let plain =

@@ -260,10 +260,7 @@ impl Dataplane for EbpfDataplane {
             None
         };
         let wanted = &self.wanted;
-        let mut report = SyncReport {
-            unsupported: wanted.unsupported.values().cloned().collect(),
-            ..SyncReport::default()
-        };
+        let mut report = SyncReport::default();
         // Before any slot carries them: a reused index must not show its earlier pair's count.
         self.counter_map.zero_many(&self.counter_ids.take_fresh());
         if let Some(host_traffic) = &mut self.host_traffic {

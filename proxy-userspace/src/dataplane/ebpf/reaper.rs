@@ -11,8 +11,11 @@
 //! The same thread ends connections that are over, as the kernel's conntrack does with its
 //! timeouts (kube-proxy's `--conntrack-*` flags, [`ConntrackTimeouts`]): every
 //! [`Timing::interval`] it deletes both entries of each connection idle for longer than its
-//! state allows — TCP established, TCP with a FIN one way (close-wait), TCP with a FIN both ways
-//! or an RST (closed), UDP never answered, UDP answered (stream). The datapath keeps each
+//! state allows — TCP never answered (SYN sent), TCP established, TCP with a FIN one way
+//! (close-wait), TCP with a FIN both ways or an RST (closed), UDP (and SCTP) never answered,
+//! answered (stream). The flows map is a plain hash map, so these deletions are the only way
+//! its entries go: a full map refuses new connections (counted and logged below) instead of
+//! evicting live ones. The datapath keeps each
 //! entry's last packet time (to a second) and the FIN/RST it saw in [`FlowTrack`]. Between two
 //! passes an expired connection lives on, so entries last up to one interval past their timeout.
 //! The same pass logs, at most once a minute, new flow-insert failures of the datapath.
@@ -60,6 +63,7 @@ fn interval(timeouts: &ConntrackTimeouts) -> Duration {
         timeouts.tcp_established,
         timeouts.tcp_close_wait,
         timeouts.tcp_closed,
+        timeouts.tcp_unanswered,
         timeouts.udp,
         timeouts.udp_stream,
     ]
@@ -289,7 +293,7 @@ macro_rules! from_parts {
             type Addr = $addr;
 
             fn from_parts(src_addr: $addr, dst_addr: $addr, src_port: u16, dst_port: u16, proto: u8) -> Self {
-                Self { src_addr, dst_addr, src_port, dst_port, proto, pad: [0; 3] }
+                Self { src_addr, dst_addr, src_port, dst_port, proto, pad8: 0, pad16: 0 }
             }
         }
     };
@@ -300,7 +304,7 @@ from_parts!(FlowKey6, [u8; 16]);
 
 fn reap<F: TrackedFlow>(flows_pin: &Path, listed: &Listed) -> anyhow::Result<usize> {
     let map = MapData::from_pin(flows_pin)?;
-    let mut flows: HashMap<MapData, F::Key, F> = HashMap::try_from(Map::LruHashMap(map))?;
+    let mut flows: HashMap<MapData, F::Key, F> = HashMap::try_from(Map::HashMap(map))?;
     let is_gone = |key: &F::Key, flow: &F| !lock(listed).contains(&F::backend(key, flow));
     // Collected first: deleting while iterating would restart the kernel's key walk.
     let gone: Vec<F::Key> = flows
@@ -331,8 +335,11 @@ fn timeout(
     if protocol == proto::TCP {
         let fin_both_ways = forward.is_some_and(|track| track.state & flow_state::FIN != 0)
             && reply.is_some_and(|track| track.state & flow_state::FIN != 0);
+        let answered = reply.is_some_and(|track| track.last_seen != 0);
         if state & flow_state::RST != 0 || fin_both_ways {
             timeouts.tcp_closed
+        } else if !answered {
+            timeouts.tcp_unanswered.min(timeouts.tcp_established)
         } else if state & flow_state::FIN != 0 {
             timeouts.tcp_close_wait
         } else {
@@ -349,7 +356,11 @@ fn timeout(
 /// The shortest timeout an entry of `protocol` can have: younger entries are not looked at.
 fn shortest(protocol: u8, timeouts: &ConntrackTimeouts) -> Duration {
     if protocol == proto::TCP {
-        timeouts.tcp_closed.min(timeouts.tcp_close_wait).min(timeouts.tcp_established)
+        timeouts
+            .tcp_closed
+            .min(timeouts.tcp_close_wait)
+            .min(timeouts.tcp_established)
+            .min(timeouts.tcp_unanswered)
     } else {
         timeouts.udp.min(timeouts.udp_stream)
     }
@@ -374,7 +385,7 @@ impl<K: Pod + Eq + Hash> Expiry<K> {
         metrics: &FlowMetrics,
     ) -> anyhow::Result<usize> {
         let map = MapData::from_pin(flows_pin)?;
-        let mut flows: HashMap<MapData, K, F> = HashMap::try_from(Map::LruHashMap(map))?;
+        let mut flows: HashMap<MapData, K, F> = HashMap::try_from(Map::HashMap(map))?;
         let age = |track: &FlowTrack| Duration::from_nanos(now.saturating_sub(track.last_seen));
         // Collected first: deleting while iterating would restart the kernel's key walk. Only
         // entries older than the shortest timeout of their protocol can have expired.
@@ -469,7 +480,8 @@ mod tests {
             src_port: 40000,
             dst_port: 80,
             proto: 6,
-            pad: [0; 3],
+            pad8: 0,
+            pad16: 0,
         };
         let forward = Flow4 {
             src_addr: [0; 4],
@@ -485,7 +497,8 @@ mod tests {
             src_port: 8080,
             dst_port: 40000,
             proto: 6,
-            pad: [0; 3],
+            pad8: 0,
+            pad16: 0,
         };
         let reply = Flow4 {
             src_addr: [10, 96, 0, 1],
@@ -515,7 +528,8 @@ mod tests {
             src_port,
             dst_port,
             proto: protocol,
-            pad: [0; 3],
+            pad8: 0,
+            pad16: 0,
         };
         let (client, frontend, backend) = ([10, 0, 0, 9], [10, 96, 0, 1], [10, 1, 0, 2]);
         [
@@ -582,7 +596,8 @@ mod tests {
     }
 
     /// With short timeouts: unanswered UDP idle past `udp`, TCP closed (FIN both ways, or an
-    /// RST) idle past `tcp_closed`, and TCP idle past `tcp_established` lose both entries;
+    /// RST) idle past `tcp_closed`, unanswered TCP idle past `tcp_unanswered`, and TCP idle
+    /// past `tcp_established` lose both entries;
     /// answered UDP, half-closed TCP and recently active connections keep theirs. A lone reply
     /// entry without a time goes at the second pass.
     #[test]
@@ -592,6 +607,7 @@ mod tests {
             tcp_established: Duration::from_secs(100),
             tcp_close_wait: Duration::from_secs(50),
             tcp_closed: Duration::from_secs(2),
+            tcp_unanswered: Duration::from_secs(10),
             udp: Duration::from_secs(3),
             udp_stream: Duration::from_secs(20),
         };
@@ -602,6 +618,7 @@ mod tests {
             connection(proto::TCP, 2, (fin, now - 3 * S), (fin, now - 3 * S)),
             connection(proto::TCP, 3, (0, now - 4 * S), (rst, now - 3 * S)),
             connection(proto::TCP, 4, (0, now - 150 * S), (0, now - 150 * S)),
+            connection(proto::TCP, 5, (0, now - 12 * S), (0, 0)),
         ];
         let stay = [
             connection(proto::UDP, 11, (0, now - S), (0, 0)),
@@ -610,13 +627,15 @@ mod tests {
             connection(proto::TCP, 14, (0, now - 3 * S), (0, now - 90 * S)),
             // Closed, but its last packet is recent.
             connection(proto::TCP, 15, (fin, now - S), (fin, now - S)),
+            // Not answered yet, but its SYN is recent.
+            connection(proto::TCP, 16, (0, now - 5 * S), (0, 0)),
         ];
         let [_, orphan] = connection(proto::UDP, 21, (0, 0), (0, 0));
 
         let maps = Maps::new();
         let pin = maps.flows4_pin();
         let mut flows: HashMap<MapData, FlowKey4, Flow4> =
-            HashMap::try_from(Map::LruHashMap(MapData::from_pin(&pin).unwrap())).unwrap();
+            HashMap::try_from(Map::HashMap(MapData::from_pin(&pin).unwrap())).unwrap();
         for (key, flow) in expire.iter().chain(&stay).flatten().chain([&orphan]) {
             flows.insert(key, flow, 0).unwrap();
         }
@@ -628,13 +647,13 @@ mod tests {
 
         let metrics = FlowMetrics::default();
         let mut expiry = Expiry::default();
-        assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap(), 8);
+        assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap(), 10);
         let mut after_first = staying.clone();
         after_first.insert((orphan.0.src_port, orphan.0.dst_port));
         assert_eq!(keys(&flows), after_first);
         assert_eq!(metrics.expired_udp.get(), 2);
         assert_eq!(metrics.expired_tcp_closed.get(), 4);
-        assert_eq!(metrics.expired_tcp_idle.get(), 2);
+        assert_eq!(metrics.expired_tcp_idle.get(), 4);
 
         assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap(), 1);
         assert_eq!(keys(&flows), staying);
