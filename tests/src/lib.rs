@@ -27,6 +27,7 @@ pub mod manifest;
 mod maps;
 mod netns;
 pub mod sandbox;
+pub mod sctp;
 mod topology;
 mod vipr;
 mod workdir;

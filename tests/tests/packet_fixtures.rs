@@ -30,7 +30,7 @@ use harness::{
     describe_flows, flow_key, is_einval, nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT,
     TC_ACT_UNSPEC,
 };
-use proxy_common::{datapath_stat, flow_state, pins, Counters, Flow4, FlowKey4, FlowTrack};
+use proxy_common::{capacity, datapath_stat, flow_state, pins, Counters, Flow4, FlowKey4, FlowTrack};
 use table::{run_table, Outcome};
 
 // ---------------------------------------------------------------------------------------------
@@ -598,6 +598,49 @@ fn counters() -> Result<()> {
     ] {
         ensure!(h.datapath_stat(stat)? == 0, "no {name} insert can have failed");
     }
+    Ok(())
+}
+
+/// A full flows map refuses a new connection's entries, and counts that; the packet is still
+/// balanced. Nothing is evicted (the map is a plain hash map, not LRU): the connection tracked
+/// before the map filled keeps both its entries, so its packets and replies are still NATed.
+#[test]
+fn a_full_flows_map_refuses_new_connections_and_keeps_tracked_ones() {
+    full_flows_map().unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+fn full_flows_map() -> Result<()> {
+    let mut h = Harness::new()?;
+    standard_world(&mut h)?;
+    let first = Packet::tcp(CLIENT, WEB);
+    check(&h, &first.build(), TC_ACT_OK, Expect::Frame(&first.clone().to(WEB_BACKEND).build()))
+        .context("the connection tracked before the map fills")?;
+    // The rest of the map: distinct clients of some other address, none of them recent.
+    let (_, filler) = nat_entries(CLIENT, WEB, WEB_BACKEND, IPPROTO_TCP)[0];
+    for i in 0..capacity::FLOWS - 2 {
+        let [_, a, b, c] = i.to_be_bytes();
+        h.insert_flow(flow_key(ep([100, a, b, c], 1), ep([10, 96, 9, 9], 80), IPPROTO_TCP), filler)
+            .with_context(|| format!("filling entry {i}"))?;
+    }
+
+    let newcomer = Packet::tcp(ep([192, 168, 1, 200], 41000), WEB);
+    check(&h, &newcomer.build(), TC_ACT_OK, Expect::Frame(&newcomer.clone().to(WEB_BACKEND).build()))
+        .context("a new connection while the map is full")?;
+    for (stat, name) in
+        [(datapath_stat::FLOW_INSERT_FORWARD, "forward"), (datapath_stat::FLOW_INSERT_REPLY, "reply")]
+    {
+        ensure!(
+            h.datapath_stat(stat)? == 1,
+            "the {name} entry of the new connection must be refused, counted once"
+        );
+    }
+
+    let later = Packet::tcp(CLIENT, WEB).payload(b"still tracked");
+    check(&h, &later.build(), TC_ACT_OK, Expect::Frame(&later.clone().to(WEB_BACKEND).build()))
+        .context("the tracked connection's next packet")?;
+    let reply = Packet::tcp(WEB_BACKEND, CLIENT).payload(b"HTTP/1.1 200 OK\r\n\r\n");
+    check(&h, &reply.build(), TC_ACT_OK, Expect::Frame(&reply.clone().from(WEB).build()))
+        .context("the tracked connection's reply")?;
     Ok(())
 }
 

@@ -348,8 +348,9 @@ fn run_file_in_guest(file: &Path, options: &Options) -> Result<Summary> {
         memory_mb: 1536,
         stream: true,
         interrupt: Some(options.interrupted.clone()),
-        // The runner has no SCTP client or server: without SCTP the guest skips those flows
-        // as the host does, where a guest kernel that loads it would fail them.
+        // The runner speaks SCTP over raw sockets (crate::sctp), which IPVS and conntrack
+        // handle without the kernel's SCTP stack; loaded, that stack would abort the
+        // associations it does not know, so the guest must not load it on demand.
         refuse_modules: vec!["sctp".to_owned(), "proto-132".to_owned()],
         // This run prints the counts of all files at its end.
         hide_line: Some(|line| parse_summary(line).is_some()),

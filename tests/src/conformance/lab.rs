@@ -30,7 +30,7 @@ use std::{
 use anyhow::{bail, ensure, Context, Result};
 
 use super::case::{parse_cidr, IpFamily, Node, Protocol};
-use crate::{cmd, left_by_dead_process, unique_name, BpfFs, EchoServer, Netns, Vipr, WorkDir};
+use crate::{cmd, left_by_dead_process, sctp, unique_name, BpfFs, EchoServer, Netns, Vipr, WorkDir};
 
 /// The gateway address IPv4 leaves route through; answered by proxy ARP, owned by no one.
 const LEAF_GATEWAY_V4: &str = "169.254.1.1";
@@ -89,6 +89,7 @@ struct Leaf {
 pub struct CaseLab {
     vipr: Option<Vipr>,
     servers: Vec<EchoServer>,
+    sctp_servers: Vec<sctp::Server>,
     leaves: Vec<Leaf>,
     router: Netns,
     node: Netns,
@@ -116,6 +117,7 @@ impl CaseLab {
         let mut lab = Self {
             vipr: None,
             servers: Vec::new(),
+            sctp_servers: Vec::new(),
             leaves: Vec::new(),
             router,
             node: node_ns,
@@ -348,8 +350,9 @@ impl CaseLab {
         self.bpffs.path()
     }
 
-    /// Starts (or reuses) an echo server answering as `name` on `socket` in `place`; returns
-    /// the name of whoever answers there.
+    /// Starts (or reuses) an echo server answering as `name` on `socket` in `place` (for SCTP
+    /// a raw-socket server, `crate::sctp`, whose INIT-ACK carries the answer); returns the name
+    /// of whoever answers there.
     pub fn listen(
         &mut self,
         place: Place,
@@ -360,14 +363,19 @@ impl CaseLab {
         if let Some(existing) = self.listeners.get(&(socket, protocol)) {
             return Ok(existing.clone());
         }
-        let (tcp, udp) = match protocol {
-            Protocol::TCP => (vec![socket], vec![]),
-            Protocol::UDP => (vec![], vec![socket]),
-            Protocol::SCTP => bail!("no SCTP server: this kernel has no SCTP"),
+        let netns = self.netns(place);
+        let started = match protocol {
+            Protocol::TCP => {
+                EchoServer::start(netns, name, &[socket], &[]).map(|server| self.servers.push(server))
+            }
+            Protocol::UDP => {
+                EchoServer::start(netns, name, &[], &[socket]).map(|server| self.servers.push(server))
+            }
+            Protocol::SCTP => {
+                sctp::Server::echo(netns, name, socket).map(|server| self.sctp_servers.push(server))
+            }
         };
-        let server = EchoServer::start(self.netns(place), name, &tcp, &udp)
-            .with_context(|| format!("cannot listen on {socket}/{protocol}"))?;
-        self.servers.push(server);
+        started.with_context(|| format!("cannot listen on {socket}/{protocol}"))?;
         self.listeners.insert((socket, protocol), name.to_owned());
         Ok(name.to_owned())
     }

@@ -15,7 +15,10 @@ use super::{
     case::{Protocol, Verdict},
     model::Outcome,
 };
-use crate::Answer;
+use crate::{
+    sctp::{self, Reply},
+    Answer,
+};
 
 /// How long a connection that should work may take.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_millis(1500);
@@ -49,7 +52,8 @@ fn answered_attempt(protocol: Protocol, source: IpAddr, dest: SocketAddr) -> Att
     }
 }
 
-/// What one new connection (TCP) or one datagram and its reply (UDP) came to.
+/// What one new connection (TCP), one datagram and its reply (UDP) or one INIT and its
+/// INIT-ACK (SCTP) came to.
 #[derive(Debug)]
 pub enum Attempt {
     Answered {
@@ -91,7 +95,40 @@ pub fn attempt(protocol: Protocol, source: IpAddr, dest: SocketAddr, timeout: Du
     match protocol {
         Protocol::TCP => tcp_attempt(source, dest, timeout),
         Protocol::UDP => udp_attempt(source, dest, timeout),
-        Protocol::SCTP => Attempt::Failed("SCTP is not supported by this kernel".to_owned()),
+        Protocol::SCTP => sctp_attempt(source, dest, timeout),
+    }
+}
+
+/// An INIT from a raw socket (`crate::sctp`): the INIT-ACK's State Cookie holds the answer,
+/// an ICMP port unreachable is a refusal, silence a timeout. A reply with a wrong checksum
+/// (a NAT that rewrote the ports and left the CRC32c) is a failure, not an answer.
+fn sctp_attempt(source: IpAddr, dest: SocketAddr, timeout: Duration) -> Attempt {
+    let exchange = match sctp::send_init(source, dest, timeout) {
+        Ok(exchange) => exchange,
+        Err(error) => return classify(&error),
+    };
+    match exchange.reply {
+        Reply::InitAck { from, cookie: Some(cookie) } => match std::str::from_utf8(&cookie)
+            .map_err(|e| e.to_string())
+            .and_then(|text| text.parse::<Answer>().map_err(|e| format!("{e:#}")))
+        {
+            Ok(answer) => Attempt::Answered { answer, client: exchange.client, replied_from: from },
+            Err(error) => {
+                Attempt::Failed(format!("garbled State Cookie in the INIT-ACK from {from}: {error}"))
+            }
+        },
+        Reply::InitAck { from, cookie: None } => {
+            Attempt::Failed(format!("the INIT-ACK from {from} has no State Cookie"))
+        }
+        Reply::Icmp(icmp) if icmp.port_unreachable() => Attempt::Refused,
+        Reply::Icmp(icmp) => Attempt::Failed(icmp.to_string()),
+        Reply::BadChecksum { from, kind } => Attempt::Failed(format!(
+            "bad SCTP checksum (CRC32c) on the answer from {from} (chunk type {}): ports rewritten without \
+             fixing it?",
+            kind.map_or_else(|| "none".to_owned(), |kind| kind.to_string())
+        )),
+        Reply::Unexpected { from, what } => Attempt::Failed(format!("{from} answered the INIT with {what}")),
+        Reply::Silence => Attempt::TimedOut,
     }
 }
 

@@ -164,25 +164,10 @@ fn machine_skip(mode: Mode, flow: &Flow) -> Option<String> {
                 .to_owned(),
         );
     }
-    if flow.protocol == Protocol::SCTP && !sctp_supported() {
-        return Some(
-            "this kernel has no SCTP (CONFIG_IP_SCTP is not set): no SCTP socket can connect or answer"
-                .to_owned(),
-        );
+    if flow.protocol == Protocol::SCTP {
+        return crate::sctp::unavailable();
     }
     None
-}
-
-fn sctp_supported() -> bool {
-    // SAFETY: plain system calls on a descriptor we own.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, libc::IPPROTO_SCTP);
-        if fd < 0 {
-            return false;
-        }
-        libc::close(fd);
-    }
-    true
 }
 
 fn run_case(
@@ -321,7 +306,9 @@ fn prepare(case: &Case, jobs: &[Job]) -> Result<(CaseLab, Vec<Option<String>>)> 
     let control_port =
         CONTROL_PORTS.clone().find(|port| !used_ports.contains(port)).context("no free control port")?;
 
-    // Endpoints answer with their address and port, on every port their slices list.
+    // Endpoints answer with their address and port, on every port their slices list (SCTP
+    // ones only where SCTP flows are checked: its servers need raw sockets).
+    let serve_sctp = crate::sctp::unavailable().is_none();
     for stage in &case.stages {
         for slice in &stage.endpoint_slices {
             for endpoint in &slice.endpoints {
@@ -329,7 +316,8 @@ fn prepare(case: &Case, jobs: &[Job]) -> Result<(CaseLab, Vec<Option<String>>)> 
                     let Ok(ip) = address.parse::<IpAddr>() else { continue };
                     let place = lab.owner(ip).with_context(|| format!("no namespace owns endpoint {ip}"))?;
                     for port in &slice.ports {
-                        let (Ok(number), true) = (u16::try_from(port.port), port.protocol != Protocol::SCTP)
+                        let (Ok(number), true) =
+                            (u16::try_from(port.port), port.protocol != Protocol::SCTP || serve_sctp)
                         else {
                             continue;
                         };
@@ -554,6 +542,20 @@ fn exit_reason(log: &Path) -> Option<String> {
     error.or(lines.last()).map(|line| (*line).to_owned())
 }
 
+/// [`probe::check`], and once more after a pause when it fails: on a loaded machine (CI runs
+/// every stage's flows at once, beside other work) a flow can miss its time bounds now and
+/// then, which a broken dataplane does every time. A pass on the second check says what the
+/// first one saw, so flakiness stays visible in the output (docs/conformance.md).
+fn checked_twice(check: &probe::FlowCheck) -> Result<String, String> {
+    probe::check(check).or_else(|first| {
+        std::thread::sleep(SECOND_CHECK_PAUSE);
+        probe::check(check).map(|detail| format!("{detail} (on the second check; the first: {first})"))
+    })
+}
+
+/// Long enough for the burst of a stage's concurrent checks to pass.
+const SECOND_CHECK_PAUSE: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn check_stage(
     lab: &CaseLab,
     case: &Case,
@@ -575,7 +577,7 @@ fn check_stage(
                     let Some(place) = lab.owner(check.source) else {
                         return (Status::Fail, format!("testbed: no namespace owns {}", check.source));
                     };
-                    let outcome = lab.netns(place).run(|| Ok(probe::check(&check)));
+                    let outcome = lab.netns(place).run(|| Ok(checked_twice(&check)));
                     let mut reported = match outcome {
                         Ok(Ok(detail)) => match control {
                             Some(control) => (Status::Fail, control),
