@@ -32,6 +32,36 @@ pub fn tally() -> Tally {
 /// Runs a test runner like [`run`], echoing its stdout while adding up its result lines:
 /// libtest's `test result: ok. 5 passed; 1 failed; ...` and the plain `N passed, N failed`.
 pub fn run_tests(cmd: &mut Command) -> Result<()> {
+    run_echoing(cmd, |line| {
+        if let Some(counts) = parse_result_line(line) {
+            let mut tally = TALLY.lock().unwrap_or_else(|poison| poison.into_inner());
+            tally.passed += counts.passed;
+            tally.failed += counts.failed;
+        }
+    })
+}
+
+/// Runs a checker like [`run`], echoing its stdout; its failure lines are kept for the summary
+/// (see [`failure_lines`]) but its counts are not tests.
+pub fn run_checker(cmd: &mut Command) -> Result<()> {
+    run_echoing(cmd, |_| {})
+}
+
+/// Lines that named a failure, over every [`run_tests`] and [`run_checker`] of this xtask run:
+/// a CI log is read from its end, and thousands of lines above it is where a failing flow or
+/// test would otherwise be.
+pub fn failure_lines() -> Vec<String> {
+    FAILURE_LINES.lock().unwrap_or_else(|poison| poison.into_inner()).clone()
+}
+
+static FAILURE_LINES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// libtest's `test name ... FAILED` and the conformance runner's `... VERDICT FAIL reason`.
+fn names_a_failure(line: &str) -> bool {
+    (line.starts_with("test ") && line.ends_with(" ... FAILED")) || line.contains(" FAIL ")
+}
+
+fn run_echoing(cmd: &mut Command, mut on_line: impl FnMut(&str)) -> Result<()> {
     echo(cmd);
     let mut child = cmd
         .stdout(Stdio::piped())
@@ -40,13 +70,12 @@ pub fn run_tests(cmd: &mut Command) -> Result<()> {
     let stdout = child.stdout.take().context("no stdout pipe")?;
     let mut out = std::io::stdout();
     for line in BufReader::new(stdout).lines() {
-        let line = line.context("reading the test runner's output")?;
+        let line = line.context("reading the runner's output")?;
         writeln!(out, "{line}")?;
-        if let Some(counts) = parse_result_line(&line) {
-            let mut tally = TALLY.lock().unwrap_or_else(|poison| poison.into_inner());
-            tally.passed += counts.passed;
-            tally.failed += counts.failed;
+        if names_a_failure(&line) {
+            FAILURE_LINES.lock().unwrap_or_else(|poison| poison.into_inner()).push(line.clone());
         }
+        on_line(&line);
     }
     let status = child.wait().with_context(|| format!("waiting for: {}", shell_line(cmd)))?;
     if !status.success() {
@@ -191,6 +220,15 @@ mod tests {
     fn a_failing_command_is_named_in_the_error() {
         let err = run(Command::new("sh").args(["-c", "exit 3"])).unwrap_err();
         assert_eq!(err.to_string(), "command failed (exit code 3): sh -c 'exit 3'");
+    }
+
+    #[test]
+    fn failure_lines_of_libtest_and_the_conformance_runner_are_recognized() {
+        assert!(names_a_failure("test fixture_table ... FAILED"));
+        assert!(names_a_failure(r#"a.json "case" "stage" 3:"pod to VIP" DNAT FAIL connection 2: no answer"#));
+        assert!(!names_a_failure("test fixture_table ... ok"));
+        assert!(!names_a_failure(r#"a.json "case" "stage" 3:"pod to VIP" DNAT PASS 12 connections"#));
+        assert!(!names_a_failure("test result: FAILED. 1 passed; 7 failed"));
     }
 
     #[test]

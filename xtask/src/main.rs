@@ -269,7 +269,7 @@ fn conformance_suite(workspace: &Workspace, mode: &str, runner_args: &[&str]) ->
     }
     let binaries = workspace.target_dir().join("debug");
     // Exit code 1: a flow failed (the lines above say which); 2: the runner could not run.
-    cmd::run(
+    cmd::run_checker(
         Command::new(binaries.join("vipr-conformance"))
             .current_dir(&workspace.root)
             .arg(format!("--mode={mode}"))

@@ -72,6 +72,17 @@ pub fn run_all(workspace: &Workspace, steps: &[Step]) -> Result<()> {
         .filter(|(_, (outcome, _))| matches!(outcome, Outcome::Failed))
         .map(|(step, _)| step.name)
         .collect();
+    let failure_lines = crate::cmd::failure_lines();
+    if !failure_lines.is_empty() {
+        eprintln!("==== what failed (from the output above) ====");
+        const SHOWN: usize = 50;
+        for line in failure_lines.iter().take(SHOWN) {
+            eprintln!("{line}");
+        }
+        if failure_lines.len() > SHOWN {
+            eprintln!("... and {} more", failure_lines.len() - SHOWN);
+        }
+    }
     let tests = crate::cmd::tally();
     if tests != crate::cmd::Tally::default() {
         // CI reads the last line of the log for the number of tests that ran.
