@@ -179,7 +179,9 @@ struct ServiceSpec {
 /// One port of a service, validated.
 #[derive(Clone, Debug)]
 struct ServicePortSpec {
-    name: ServicePortName,
+    /// Shared by everything that names this port: the incremental translator's claims, the
+    /// dataplanes' counters.
+    name: Arc<ServicePortName>,
     service: Arc<ServiceSpec>,
     port: u16,
     node_port: Option<u16>,
@@ -237,7 +239,7 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &Node
     // every node and every sync.
     ports.sort_by(|a, b| a.name.cmp(&b.name));
     for port in ports {
-        let endpoints = endpoints.get(&port.name).map(Vec::as_slice).unwrap_or_default();
+        let endpoints = endpoints.get(&*port.name).map(Vec::as_slice).unwrap_or_default();
         state.cluster_ips.extend(port.service.cluster_ips.iter().copied());
         state.listed_endpoints.extend(endpoints.iter().map(|endpoint| endpoint.backend));
         for (frontend, entry) in frontends(&port, endpoints, node) {
@@ -331,7 +333,7 @@ fn family_frontends(
         masquerade,
     };
     let entry = |kind, from_pod, from_node, from_outside| FrontendEntry {
-        service: port.name.clone(),
+        service: ServicePortName::clone(&port.name),
         kind,
         from_pod,
         from_node,
@@ -571,12 +573,12 @@ fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
             return Err(format!("{field}: port name {port_name:?} is used twice for {protocol}"));
         }
         ports.push(ServicePortSpec {
-            name: ServicePortName {
+            name: Arc::new(ServicePortName {
                 namespace: namespace.clone(),
                 name: name.clone(),
                 port: port_name,
                 protocol,
-            },
+            }),
             service: spec.clone(),
             port: number,
             node_port: node_port.transpose()?,

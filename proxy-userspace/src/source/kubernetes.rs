@@ -48,7 +48,7 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 use tracing::{debug, info};
 
-use self::decoded::Decoded;
+use self::decoded::{Decoded, Slim};
 use super::{Objects, SourceEvent};
 use crate::model::kubernetes::Rejection;
 
@@ -284,7 +284,7 @@ fn reflect<K>(
     collection: Collection,
 ) -> (Store<Decoded<K>>, impl Stream<Item = Progress>)
 where
-    K: Resource + Metadata<Ty = ObjectMeta> + DeserializeOwned + Clone + Debug + Send + Sync + 'static,
+    K: Resource + Metadata<Ty = ObjectMeta> + DeserializeOwned + Slim + Clone + Debug + Send + Sync + 'static,
 {
     let (store, writer) = reflector::store();
     let progress = watcher(api, config).default_backoff().reflect(writer).filter_map(move |event| {

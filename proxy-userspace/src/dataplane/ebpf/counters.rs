@@ -17,7 +17,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
     mem::size_of,
-    net::{IpAddr, SocketAddr},
+    net::IpAddr,
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
     path::Path,
     sync::{Arc, Mutex, PoisonError},
@@ -30,25 +30,48 @@ use tracing::warn;
 use crate::{
     bpf_sys::{bpf, cmd, update_batch, MapBatchAttr},
     metrics::{Collector, Counter, MetricFamily, MetricKind, Sample, SampleValue},
-    model::ServicePortName,
+    model::{Backend, ServicePortName},
 };
 
 /// A counter index: 0 is the slot of pairs that could not get one of their own.
 pub const NOT_COUNTED: u32 = 0;
 
-/// What one index counts.
+/// What one index counts. There is one per endpoint of every service port (100k at 10k
+/// services × 10 endpoints): the name is shared, not copied.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pair {
-    pub service: ServicePortName,
-    pub endpoint: SocketAddr,
+    pub service: Arc<ServicePortName>,
+    /// With `endpoint`, the key [`CounterIds`] handed the index out for.
+    pub service_id: u32,
+    pub endpoint: Backend,
 }
 
 /// The labels of every index in use, and the totals of pairs that left their service; read by
 /// the collector when `/metrics` is scraped.
 #[derive(Debug, Default)]
 pub struct CounterTable {
-    pub pairs: BTreeMap<u32, Pair>,
-    pub retired: BTreeMap<ServicePortName, Counters>,
+    /// By index: indices are handed out densely from 1, so a vector is the smallest map.
+    pub pairs: Vec<Option<Pair>>,
+    pub retired: BTreeMap<Arc<ServicePortName>, Counters>,
+}
+
+impl CounterTable {
+    fn insert(&mut self, index: u32, pair: Pair) {
+        let index = index as usize;
+        if self.pairs.len() <= index {
+            self.pairs.resize(index + 1, None);
+        }
+        self.pairs[index] = Some(pair);
+    }
+
+    fn remove(&mut self, index: u32) -> Option<Pair> {
+        self.pairs.get_mut(index as usize)?.take()
+    }
+
+    /// The indices in use and their pairs, by index.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &Pair)> {
+        self.pairs.iter().enumerate().filter_map(|(index, pair)| Some((index as u32, pair.as_ref()?)))
+    }
 }
 
 pub type SharedTable = Arc<Mutex<CounterTable>>;
@@ -61,12 +84,12 @@ fn lock(table: &SharedTable) -> std::sync::MutexGuard<'_, CounterTable> {
 #[derive(Debug)]
 pub struct CounterIds {
     capacity: u32,
-    /// (service id, backend address, backend port) -> index.
+    /// (service id, backend address, backend port) -> index; the table's pairs are the
+    /// reverse.
     by_pair: HashMap<(u32, IpAddr, u16), u32>,
-    /// The reverse of `by_pair`, and how many pairs each service port has: a release of a
-    /// few indices then costs what they do.
-    pairs: HashMap<u32, (u32, IpAddr, u16)>,
-    pairs_per_service: HashMap<ServicePortName, usize>,
+    /// How many pairs each service port has: a release of a few indices then costs what they
+    /// do.
+    pairs_per_service: HashMap<Arc<ServicePortName>, usize>,
     /// Indices found in the backends map at start, consumed on first use.
     adopted: HashMap<(u32, IpAddr, u16), u32>,
     /// Released indices, least recently released first.
@@ -85,7 +108,6 @@ impl CounterIds {
         Self {
             capacity,
             by_pair: HashMap::new(),
-            pairs: HashMap::new(),
             pairs_per_service: HashMap::new(),
             adopted: HashMap::new(),
             free: VecDeque::new(),
@@ -118,7 +140,7 @@ impl CounterIds {
 
     /// The index of `service`'s (id `service_id`) backend `ip:port`, handing one out if it has
     /// none; [`NOT_COUNTED`] when the map is full.
-    pub fn index(&mut self, service: &ServicePortName, service_id: u32, ip: IpAddr, port: u16) -> u32 {
+    pub fn index(&mut self, service: &Arc<ServicePortName>, service_id: u32, ip: IpAddr, port: u16) -> u32 {
         let key = (service_id, ip, port);
         if let Some(index) = self.by_pair.get(&key) {
             return *index;
@@ -143,11 +165,9 @@ impl CounterIds {
             },
         };
         self.by_pair.insert(key, index);
-        self.pairs.insert(index, key);
         *self.pairs_per_service.entry(service.clone()).or_default() += 1;
-        lock(&self.table)
-            .pairs
-            .insert(index, Pair { service: service.clone(), endpoint: SocketAddr::new(ip, port) });
+        let pair = Pair { service: service.clone(), service_id, endpoint: Backend { ip, port } };
+        lock(&self.table).insert(index, pair);
         index
     }
 
@@ -186,21 +206,19 @@ impl CounterIds {
     pub fn release(&mut self, indices: &[u32], last: impl Fn(u32) -> Option<Counters>) {
         let mut table = lock(&self.table);
         for index in indices {
-            let Some(key) = self.pairs.remove(index) else { continue };
-            self.by_pair.remove(&key);
-            if let Some(pair) = table.pairs.remove(index) {
-                if let Some(counted) = last(*index) {
-                    let retired = table.retired.entry(pair.service.clone()).or_default();
-                    retired.packets += counted.packets;
-                    retired.bytes += counted.bytes;
-                }
-                // A service that is gone takes its retired totals with it.
-                if let Some(count) = self.pairs_per_service.get_mut(&pair.service) {
-                    *count -= 1;
-                    if *count == 0 {
-                        self.pairs_per_service.remove(&pair.service);
-                        table.retired.remove(&pair.service);
-                    }
+            let Some(pair) = table.remove(*index) else { continue };
+            self.by_pair.remove(&(pair.service_id, pair.endpoint.ip, pair.endpoint.port));
+            if let Some(counted) = last(*index) {
+                let retired = table.retired.entry(pair.service.clone()).or_default();
+                retired.packets += counted.packets;
+                retired.bytes += counted.bytes;
+            }
+            // A service that is gone takes its retired totals with it.
+            if let Some(count) = self.pairs_per_service.get_mut(&pair.service) {
+                *count -= 1;
+                if *count == 0 {
+                    self.pairs_per_service.remove(&pair.service);
+                    table.retired.remove(&pair.service);
                 }
             }
             self.free.push_back(*index);
@@ -394,12 +412,13 @@ impl Collector for DatapathCollector {
         // Copied out, so a scrape never holds up a sync while it reads the map.
         let (pairs, retired) = {
             let table = lock(&self.table);
-            (table.pairs.clone(), table.retired.clone())
+            let pairs: Vec<(u32, Pair)> = table.iter().map(|(index, pair)| (index, pair.clone())).collect();
+            (pairs, table.retired.clone())
         };
-        let mut by_service: BTreeMap<ServicePortName, Counters> = retired;
+        let mut by_service: BTreeMap<Arc<ServicePortName>, Counters> = retired;
         let (mut backend_packets, mut backend_bytes) = (Vec::new(), Vec::new());
         {
-            let indices: BTreeSet<u32> = pairs.keys().copied().collect();
+            let indices: BTreeSet<u32> = pairs.iter().map(|(index, _)| *index).collect();
             let counted_by_index =
                 self.counters.lock().unwrap_or_else(PoisonError::into_inner).read_many(&indices);
             for (index, pair) in &pairs {
@@ -489,13 +508,13 @@ mod tests {
     use super::*;
     use crate::{bpf_sys::MapCreateAttr, model::Protocol};
 
-    fn service(name: &str) -> ServicePortName {
-        ServicePortName {
+    fn service(name: &str) -> Arc<ServicePortName> {
+        Arc::new(ServicePortName {
             namespace: "ns".into(),
             name: name.into(),
             port: "http".into(),
             protocol: Protocol::Tcp,
-        }
+        })
     }
 
     #[test]
@@ -524,7 +543,8 @@ mod tests {
         // web's backend `c` leaves while web stays: its count is kept in web's total.
         ids.release_unused(&BTreeSet::from([a, b]), |_| Some(Counters { packets: 7, bytes: 700 }));
         assert_eq!(lock(&ids.table).retired[&web], Counters { packets: 7, bytes: 700 });
-        assert_eq!(lock(&ids.table).pairs.len(), 2);
+        assert_eq!(lock(&ids.table).iter().map(|(index, _)| index).collect::<Vec<_>>(), [a, b]);
+        assert_eq!(ids.by_pair.len(), 2);
     }
 
     #[test]

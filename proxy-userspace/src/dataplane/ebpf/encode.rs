@@ -9,6 +9,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
+    sync::Arc,
 };
 
 use proxy_common::{proto, service_flags, source_class, unmatched};
@@ -20,7 +21,8 @@ use super::{
     plan::WantedService,
 };
 use crate::model::{
-    DesiredState, Frontend, FrontendEntry, Protocol, ServicePortName, SourceClass, Treatment, WhenEmpty,
+    Backend, DesiredState, Frontend, FrontendEntry, Protocol, ServicePortName, SourceClass, Treatment,
+    WhenEmpty,
 };
 
 /// A key of an LPM trie: prefix length in bits and the data it applies to.
@@ -157,10 +159,12 @@ impl Wanted {
         counters: &mut CounterIds,
     ) {
         let protocol = ip_protocol(frontend.protocol);
-        let service_id = service_ids.id_for(&entry.service, (frontend.ip, frontend.port, protocol));
+        let (service_id, name) =
+            service_ids.named_id_for(&entry.service, (frontend.ip, frontend.port, protocol));
+        let service = ServiceRef { id: service_id, name: &name };
         match frontend.ip {
-            IpAddr::V4(_) => self.v4.add_frontend(frontend, entry, protocol, service_id, balancing, counters),
-            IpAddr::V6(_) => self.v6.add_frontend(frontend, entry, protocol, service_id, balancing, counters),
+            IpAddr::V4(_) => self.v4.add_frontend(frontend, entry, protocol, service, balancing, counters),
+            IpAddr::V6(_) => self.v6.add_frontend(frontend, entry, protocol, service, balancing, counters),
         }
     }
 }
@@ -199,11 +203,12 @@ impl<F: Family> FamilyWanted<F> {
         frontend: &Frontend,
         entry: &FrontendEntry,
         protocol: u8,
-        service_id: u32,
+        service: ServiceRef<'_>,
         balancing: Balancing,
         counters: &mut CounterIds,
     ) {
         let Some(addr) = F::addr(frontend.ip) else { return };
+        let service_id = service.id;
         let mut flags_common = 0;
         // The API bounds the timeout to 1-86400 s; saturate rather than wrap whatever comes.
         let affinity_timeout =
@@ -211,23 +216,24 @@ impl<F: Family> FamilyWanted<F> {
         if self.add_source_ranges(service_id, entry) {
             flags_common |= service_flags::SOURCE_RANGES;
         }
+        // The source classes' treatments nearly always share their backends: encoded once, and
+        // the entries share the encoding.
+        let mut encoded: Vec<Encoded<'_, F>> = Vec::with_capacity(1);
+        let balancing_flag = match balancing {
+            Balancing::Maglev { .. } => service_flags::MAGLEV,
+            Balancing::Random => 0,
+        };
         for (class, class_code) in CLASSES {
             let treatment = entry.treatment(class);
-            let backends: Vec<F::Backend> = treatment
-                .backends
-                .iter()
-                .filter_map(|backend| {
-                    let addr = F::addr(backend.ip)?;
-                    let counter = counters.index(&entry.service, service_id, backend.ip, backend.port);
-                    Some(F::backend(addr, backend.port, counter))
-                })
-                .collect();
-            let (backends, balancing_flag) = match balancing {
-                Balancing::Maglev { table_size } if !backends.is_empty() => {
-                    (maglev_table::<F>(&backends, table_size), service_flags::MAGLEV)
+            let backends = match encoded.iter().find(|(source, _)| **source == treatment.backends) {
+                Some((_, backends)) => backends.clone(),
+                None => {
+                    let backends = encode_backends::<F>(&treatment.backends, service, balancing, counters);
+                    encoded.push((&treatment.backends, backends.clone()));
+                    backends
                 }
-                _ => (backends, 0),
             };
+            let balancing_flag = if backends.is_empty() { 0 } else { balancing_flag };
             self.services.insert(
                 F::service_key(addr, frontend.port, protocol, class_code),
                 WantedService {
@@ -252,6 +258,40 @@ impl<F: Family> FamilyWanted<F> {
                 self.unmatched.insert((F::BITS, addr), unmatched::REJECT);
             }
         }
+    }
+}
+
+/// A treatment's backends and their encoding.
+type Encoded<'a, F> = (&'a Arc<[Backend]>, Arc<[<F as Family>::Backend]>);
+
+/// A service port as the encoding names it: its id in the maps and its name for the counters.
+#[derive(Clone, Copy)]
+struct ServiceRef<'a> {
+    id: u32,
+    name: &'a Arc<ServicePortName>,
+}
+
+/// The backends of this family with their counter indices, as a Maglev table with
+/// `--lb-algorithm=maglev`.
+fn encode_backends<F: Family>(
+    backends: &[Backend],
+    service: ServiceRef<'_>,
+    balancing: Balancing,
+    counters: &mut CounterIds,
+) -> Arc<[F::Backend]> {
+    let backends: Vec<F::Backend> = backends
+        .iter()
+        .filter_map(|backend| {
+            let addr = F::addr(backend.ip)?;
+            let counter = counters.index(service.name, service.id, backend.ip, backend.port);
+            Some(F::backend(addr, backend.port, counter))
+        })
+        .collect();
+    match balancing {
+        Balancing::Maglev { table_size } if !backends.is_empty() => {
+            maglev_table::<F>(&backends, table_size).into()
+        }
+        _ => backends.into(),
     }
 }
 
@@ -297,7 +337,8 @@ fn ip_protocol(protocol: Protocol) -> u8 {
 /// kept ([`ServiceIds::adopt`]), so adopted entries are not rewritten just to renumber them.
 #[derive(Debug, Default)]
 pub struct ServiceIds {
-    ids: HashMap<ServicePortName, u32>,
+    /// Also the one copy of each name that the counters' labels share.
+    ids: HashMap<Arc<ServicePortName>, u32>,
     used: BTreeSet<u32>,
     /// Ids found in the maps, by frontend address, port and protocol; consumed on first use.
     adopted: HashMap<(IpAddr, u16, u8), u32>,
@@ -323,7 +364,7 @@ impl ServiceIds {
                 break self.next;
             }
         };
-        self.ids.insert(name.clone(), id);
+        self.ids.insert(Arc::new(name.clone()), id);
         self.used.insert(id);
         id
     }
@@ -332,11 +373,23 @@ impl ServiceIds {
     pub fn id_for(&mut self, name: &ServicePortName, frontend: (IpAddr, u16, u8)) -> u32 {
         if !self.ids.contains_key(name) {
             if let Some(id) = self.adopted.remove(&frontend).filter(|id| !self.used.contains(id)) {
-                self.ids.insert(name.clone(), id);
+                self.ids.insert(Arc::new(name.clone()), id);
                 self.used.insert(id);
             }
         }
         self.id(name)
+    }
+
+    /// [`Self::id_for`], with the shared copy of the name.
+    fn named_id_for(
+        &mut self,
+        name: &ServicePortName,
+        frontend: (IpAddr, u16, u8),
+    ) -> (u32, Arc<ServicePortName>) {
+        let id = self.id_for(name, frontend);
+        let shared =
+            self.ids.get_key_value(name).map_or_else(|| Arc::new(name.clone()), |(name, _)| name.clone());
+        (id, shared)
     }
 }
 
@@ -408,8 +461,8 @@ mod tests {
         // Cluster IP and load-balancer IP, three source classes each.
         assert_eq!(wanted.v4.services.len(), 6);
         assert_eq!(wanted.v6.services.len(), 6);
-        assert!(wanted.v4.services.values().all(|service| service.backends == [v4_backend]));
-        assert!(wanted.v6.services.values().all(|service| service.backends == [v6_backend]));
+        assert!(wanted.v4.services.values().all(|service| *service.backends == [v4_backend]));
+        assert!(wanted.v6.services.values().all(|service| *service.backends == [v6_backend]));
 
         // The two families' entries of one frontend kind and source class are the same but for
         // the address: one service port, one id.

@@ -9,7 +9,10 @@
 //!
 //! Generic over the address family: each family's services and backends maps are planned on
 //! their own, with their own backend set ids.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    sync::Arc,
+};
 
 use proxy_common::{BackendSlot, Service};
 
@@ -83,7 +86,8 @@ fn incomplete_marker<F: Family>(slots: &BTreeMap<u32, F::Backend>) -> Vec<F::Bac
 /// choice).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WantedService<F: Family> {
-    pub backends: Vec<F::Backend>,
+    /// Shared by the entries of a frontend whose source classes use the same backends.
+    pub backends: Arc<[F::Backend]>,
     pub service_id: u32,
     pub flags: u32,
     /// Seconds of ClientIP session affinity; 0 for none.
@@ -178,7 +182,7 @@ fn plan_entries<'a, F: Family + 'a>(
             }
             continue;
         };
-        let backends = want.backends.as_slice();
+        let backends = &*want.backends;
         let set = match existing(backends).or_else(|| new_sets.get(backends).copied()) {
             _ if backends.is_empty() => NO_BACKENDS,
             Some(set) => set,
@@ -186,7 +190,7 @@ fn plan_entries<'a, F: Family + 'a>(
                 let id = ids.allocate(|id| programmed.sets.contains_key(&id) || new_ids.contains(&id));
                 new_ids.insert(id);
                 new_sets.insert(backends, id);
-                plan.fills.push((id, want.backends.clone()));
+                plan.fills.push((id, want.backends.to_vec()));
                 id
             }
         };
@@ -426,7 +430,7 @@ mod tests {
         assert_eq!(adopted.sets[&5], vec![V6::INCOMPLETE; 2]);
         let mut ids = SetIds::after(&adopted);
         let wanted_service = super::WantedService::<V6> {
-            backends: vec![backend(1), backend(2)],
+            backends: vec![backend(1), backend(2)].into(),
             service_id: 1,
             flags: 0,
             affinity_timeout: 0,

@@ -11,6 +11,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
+    sync::Arc,
 };
 
 use k8s_openapi::{
@@ -32,9 +33,13 @@ use crate::model::{
 type Key = (String, String);
 /// Where a claim on a frontend stands in the full translation's order: ports by name, and
 /// within one service (or several objects of one name) in the order they were generated.
-type ClaimOrder = (ServicePortName, u32);
+type ClaimOrder = (Arc<ServicePortName>, u32);
 /// A slice's endpoints, by the service port they belong to.
 type EndpointsByPort = Vec<(ServicePortName, Vec<EndpointSpec>)>;
+/// The usable slices of one name: the service each belongs to, and its endpoints.
+type ParsedSlices = Vec<(Key, EndpointsByPort)>;
+/// The objects of one snapshot by namespace and name.
+type Groups<'a, T> = HashMap<(&'a str, &'a str), Vec<&'a T>>;
 
 /// The identity of one version of an object.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,7 +62,7 @@ fn version<T: Serialize>(object: &T, metadata: &ObjectMeta) -> Version {
 }
 
 fn unchanged<T: Serialize>(
-    stored: Option<&Vec<Version>>,
+    stored: Option<&[Version]>,
     objects: &[&T],
     metadata: impl Fn(&T) -> &ObjectMeta,
 ) -> bool {
@@ -83,46 +88,62 @@ fn owned((namespace, name): (&str, &str)) -> Key {
 }
 
 /// Objects of one snapshot grouped by name, in their order (a file may repeat a name).
-fn group<T>(objects: &[T], metadata: impl Fn(&T) -> &ObjectMeta) -> HashMap<(&str, &str), Vec<&T>> {
-    let mut grouped: HashMap<(&str, &str), Vec<&T>> = HashMap::with_capacity(objects.len());
+fn group<T>(objects: &[T], metadata: impl Fn(&T) -> &ObjectMeta) -> Groups<'_, T> {
+    let mut grouped: Groups<'_, T> = HashMap::with_capacity(objects.len());
     for object in objects {
         grouped.entry(key_of(metadata(object))).or_default().push(object);
     }
     grouped
 }
 
-/// The EndpointSlices of one name and what they say.
+/// The EndpointSlices of one name. Their endpoints are not kept: at 10k services they would
+/// be a copy of every endpoint of the cluster, and the snapshot holds them anyway. A service
+/// re-translated for another reason than its slices parses them again from the snapshot.
 #[derive(Debug, Default)]
 struct SliceRecord {
-    versions: Vec<Version>,
-    /// The service each usable slice belongs to, and its endpoints by service port.
-    parsed: Vec<(Key, EndpointsByPort)>,
+    versions: Box<[Version]>,
+    /// The service each usable slice belongs to.
+    services: Box<[Key]>,
     rejected: Vec<Rejection>,
 }
 
-/// What one service (all Service objects of one name) contributes to the state.
+/// What one service (all Service objects of one name) contributes to the state. Boxed slices:
+/// a record is built once and kept as it is until its service changes.
 #[derive(Debug, Default)]
 struct ServiceRecord {
-    versions: Vec<Version>,
-    claims: Vec<(Frontend, ClaimOrder)>,
+    versions: Box<[Version]>,
+    claims: Box<[(Frontend, ClaimOrder)]>,
     /// With repetitions, one per port, as the full translation adds them.
-    cluster_ips: Vec<IpAddr>,
-    listed: Vec<Backend>,
+    cluster_ips: Box<[IpAddr]>,
+    listed: Box<[Backend]>,
     rejected: Vec<Rejection>,
 }
 
+/// One service port's claim on a frontend.
 #[derive(Debug)]
 struct Claim {
     order: ClaimOrder,
-    entry: FrontendEntry,
+    /// The entry the claim would give the frontend; `None` for the owner (the first claim),
+    /// whose entry is the state's, so that an entry is held once.
+    entry: Option<Box<FrontendEntry>>,
 }
 
 /// The values touched entries had before this translation, to report only real changes.
+/// Not tracked when everything changes anyway.
 #[derive(Default)]
 struct Before {
+    track: bool,
     frontends: HashMap<Frontend, Option<FrontendEntry>>,
     listed: HashMap<Backend, bool>,
     cluster_ips: HashMap<IpAddr, bool>,
+}
+
+impl Before {
+    fn frontend(&mut self, frontend: Frontend, state: &DesiredState) {
+        if self.track {
+            self.frontends.entry(frontend).or_insert_with(|| state.frontends.get(&frontend).cloned());
+        }
+    }
 }
 
 /// Keeps the last translation and updates it by what changed; see the module documentation.
@@ -131,14 +152,17 @@ pub struct Translator {
     node: Option<NodeContext>,
     services: HashMap<Key, ServiceRecord>,
     slices: HashMap<Key, SliceRecord>,
-    /// Which slice names list endpoints of each service.
-    slices_of: HashMap<Key, BTreeSet<Key>>,
+    /// Which slice names list endpoints of each service (a few each: a small vector).
+    slices_of: HashMap<Key, Vec<Key>>,
     /// Every service port that claims each frontend, first in the full translation's order
     /// first: the first one owns it, the others are rejected.
     claims: HashMap<Frontend, Vec<Claim>>,
     contested: BTreeSet<Frontend>,
-    cluster_ip_refs: HashMap<IpAddr, usize>,
-    listed_refs: HashMap<Backend, usize>,
+    /// Holders of a cluster IP or listed endpoint beyond the first: the state's set holds
+    /// it while it has one, and nearly every item has exactly one, so only the others are
+    /// counted.
+    cluster_ip_extra: HashMap<IpAddr, usize>,
+    listed_extra: HashMap<Backend, usize>,
     state: DesiredState,
     generation: u64,
 }
@@ -164,7 +188,7 @@ impl Translator {
             };
             rejected.extend(others.iter().map(|claim| Rejection {
                 object: format!("Service {}/{}", claim.order.0.namespace, claim.order.0.name),
-                reason: format!("frontend {frontend} is already served by {}", owner.entry.service),
+                reason: format!("frontend {frontend} is already served by {}", owner.order.0),
             }));
         }
         rejected
@@ -212,19 +236,26 @@ impl Translator {
                 self.forget_slice(&key, &record, &mut dirty);
             }
         }
+        // The endpoints of the slices that changed, parsed once for their services' records.
+        let mut parsed: HashMap<Key, ParsedSlices> = HashMap::new();
         for (key, objects) in &slice_groups {
             let key = owned(*key);
-            if unchanged(self.slices.get(&key).map(|r| &r.versions), objects, |s| &s.metadata) {
+            if unchanged(self.slices.get(&key).map(|r| &*r.versions), objects, |s| &s.metadata) {
                 continue;
             }
             if let Some(record) = self.slices.remove(&key) {
                 self.forget_slice(&key, &record, &mut dirty);
             }
-            let record = slice_record(objects, node);
-            for (service, _) in &record.parsed {
+            let (record, endpoints) = slice_record(objects, node);
+            for service in &record.services {
                 dirty.insert(service.clone());
-                self.slices_of.entry(service.clone()).or_default().insert(key.clone());
+                let names = self.slices_of.entry(service.clone()).or_default();
+                if !names.contains(&key) {
+                    names.reserve_exact(1);
+                    names.push(key.clone());
+                }
             }
+            parsed.insert(key.clone(), endpoints);
             self.slices.insert(key, record);
         }
 
@@ -234,18 +265,19 @@ impl Translator {
         );
         for (key, objects) in &service_groups {
             let key = owned(*key);
-            if !unchanged(self.services.get(&key).map(|r| &r.versions), objects, |s| &s.metadata) {
+            if !unchanged(self.services.get(&key).map(|r| &*r.versions), objects, |s| &s.metadata) {
                 dirty.insert(key);
             }
         }
 
-        let mut before = Before::default();
+        let mut before = Before { track: !everything, ..Before::default() };
+        let mut endpoints = SliceEndpoints { parsed, groups: &slice_groups, node };
         for key in dirty {
             if let Some(record) = self.services.remove(&key) {
                 self.withdraw(&record, &mut before);
             }
             if let Some(objects) = service_groups.get(&(&*key.0, &*key.1)) {
-                let (record, entries) = self.service_record(&key, objects, node);
+                let (record, entries) = self.service_record(&key, objects, &mut endpoints, node);
                 self.contribute(&record, entries, &mut before);
                 self.services.insert(key, record);
             }
@@ -254,10 +286,10 @@ impl Translator {
     }
 
     fn forget_slice(&mut self, key: &Key, record: &SliceRecord, dirty: &mut BTreeSet<Key>) {
-        for (service, _) in &record.parsed {
+        for service in &record.services {
             dirty.insert(service.clone());
             if let Some(names) = self.slices_of.get_mut(service) {
-                names.remove(key);
+                names.retain(|name| name != key);
                 if names.is_empty() {
                     self.slices_of.remove(service);
                 }
@@ -271,59 +303,67 @@ impl Translator {
         &self,
         key: &Key,
         objects: &[&Service],
+        slices: &mut SliceEndpoints<'_>,
         node: &NodeContext,
     ) -> (ServiceRecord, Vec<FrontendEntry>) {
-        let mut record = ServiceRecord {
-            versions: objects.iter().map(|service| version(*service, &service.metadata)).collect(),
-            ..ServiceRecord::default()
-        };
+        let versions = objects.iter().map(|service| version(*service, &service.metadata)).collect();
+        let mut rejected = Vec::new();
         let mut ports = Vec::new();
         for service in objects {
             match service_ports(service) {
                 Ok(service_ports) => ports.extend(service_ports),
                 Err(reason) => {
-                    record.rejected.push(Rejection { object: describe("Service", &service.metadata), reason })
+                    rejected.push(Rejection { object: describe("Service", &service.metadata), reason })
                 }
             }
         }
         let mut entries = Vec::new();
         if ports.is_empty() {
-            return (record, entries);
+            return (ServiceRecord { versions, rejected, ..ServiceRecord::default() }, entries);
         }
-        let mut endpoints: BTreeMap<&ServicePortName, Vec<&EndpointSpec>> = BTreeMap::new();
-        let slices = self.slices_of.get(key).into_iter().flatten().filter_map(|name| self.slices.get(name));
-        for (service, by_port) in slices.flat_map(|record| &record.parsed) {
-            if service == key {
-                for (name, found) in by_port {
-                    endpoints.entry(name).or_default().extend(found);
+        let mut endpoints: BTreeMap<ServicePortName, Vec<EndpointSpec>> = BTreeMap::new();
+        for name in self.slices_of.get(key).into_iter().flatten() {
+            for (service, by_port) in slices.take(name) {
+                if service == *key {
+                    for (port, found) in by_port {
+                        endpoints.entry(port).or_default().extend(found);
+                    }
                 }
             }
         }
         ports.sort_by(|a, b| a.name.cmp(&b.name));
+        let (mut claims, mut cluster_ips, mut listed) = (Vec::new(), Vec::new(), Vec::new());
         let mut sequence = 0;
         for port in ports {
-            let endpoints: Vec<EndpointSpec> =
-                endpoints.get(&port.name).into_iter().flatten().map(|e| (*e).clone()).collect();
-            record.cluster_ips.extend(port.service.cluster_ips.iter().copied());
-            record.listed.extend(endpoints.iter().map(|endpoint| endpoint.backend));
-            for (frontend, entry) in frontends(&port, &endpoints, node) {
-                record.claims.push((frontend, (port.name.clone(), sequence)));
+            let endpoints = endpoints.get(&*port.name).map(Vec::as_slice).unwrap_or_default();
+            cluster_ips.extend(port.service.cluster_ips.iter().copied());
+            listed.extend(endpoints.iter().map(|endpoint| endpoint.backend));
+            for (frontend, entry) in frontends(&port, endpoints, node) {
+                claims.push((frontend, (port.name.clone(), sequence)));
                 sequence += 1;
                 entries.push(entry);
             }
         }
+        let record = ServiceRecord {
+            versions,
+            claims: claims.into_boxed_slice(),
+            cluster_ips: cluster_ips.into_boxed_slice(),
+            listed: listed.into_boxed_slice(),
+            rejected,
+        };
         (record, entries)
     }
 
     fn withdraw(&mut self, record: &ServiceRecord, before: &mut Before) {
         for (frontend, order) in &record.claims {
-            before.frontends.entry(*frontend).or_insert_with(|| self.state.frontends.get(frontend).cloned());
+            before.frontend(*frontend, &self.state);
             let Some(claims) = self.claims.get_mut(frontend) else { continue };
             let Some(position) = claims.iter().position(|claim| claim.order == *order) else { continue };
             claims.remove(position);
             if position == 0 {
-                match claims.first() {
-                    Some(next) => self.state.frontends.insert(*frontend, next.entry.clone()),
+                // The next claim, if any, becomes the owner and its entry the state's.
+                match claims.first_mut().and_then(|next| next.entry.take()) {
+                    Some(entry) => self.state.frontends.insert(*frontend, *entry),
                     None => self.state.frontends.remove(frontend),
                 };
             }
@@ -334,32 +374,46 @@ impl Translator {
                 self.claims.remove(frontend);
             }
         }
+        let track = before.track;
         for ip in &record.cluster_ips {
-            release(&mut self.cluster_ip_refs, &mut self.state.cluster_ips, &mut before.cluster_ips, *ip);
+            let before = track.then_some(&mut before.cluster_ips);
+            release(&mut self.cluster_ip_extra, &mut self.state.cluster_ips, before, *ip);
         }
         for backend in &record.listed {
-            release(&mut self.listed_refs, &mut self.state.listed_endpoints, &mut before.listed, *backend);
+            let before = track.then_some(&mut before.listed);
+            release(&mut self.listed_extra, &mut self.state.listed_endpoints, before, *backend);
         }
     }
 
     fn contribute(&mut self, record: &ServiceRecord, entries: Vec<FrontendEntry>, before: &mut Before) {
         for ((frontend, order), entry) in record.claims.iter().zip(entries) {
-            before.frontends.entry(*frontend).or_insert_with(|| self.state.frontends.get(frontend).cloned());
-            let claims = self.claims.entry(*frontend).or_default();
+            before.frontend(*frontend, &self.state);
+            // Nearly every frontend has one claim: room for exactly one.
+            let claims = self.claims.entry(*frontend).or_insert_with(|| Vec::with_capacity(1));
             let position = claims.partition_point(|claim| claim.order < *order);
+            let entry = if position == 0 {
+                // The new owner's entry goes to the state; the old owner keeps its own.
+                let previous = self.state.frontends.insert(*frontend, entry);
+                if let Some(owner) = claims.first_mut() {
+                    owner.entry = previous.map(Box::new);
+                }
+                None
+            } else {
+                Some(Box::new(entry))
+            };
             claims.insert(position, Claim { order: order.clone(), entry });
-            if position == 0 {
-                self.state.frontends.insert(*frontend, claims[0].entry.clone());
-            }
             if claims.len() > 1 {
                 self.contested.insert(*frontend);
             }
         }
+        let track = before.track;
         for ip in &record.cluster_ips {
-            hold(&mut self.cluster_ip_refs, &mut self.state.cluster_ips, &mut before.cluster_ips, *ip);
+            let before = track.then_some(&mut before.cluster_ips);
+            hold(&mut self.cluster_ip_extra, &mut self.state.cluster_ips, before, *ip);
         }
         for backend in &record.listed {
-            hold(&mut self.listed_refs, &mut self.state.listed_endpoints, &mut before.listed, *backend);
+            let before = track.then_some(&mut before.listed);
+            hold(&mut self.listed_extra, &mut self.state.listed_endpoints, before, *backend);
         }
     }
 
@@ -386,59 +440,94 @@ impl Translator {
     }
 }
 
-/// One more holder of `item` in the reference-counted `set`.
+/// One more holder of `item` in `set`; `before` (when tracked) learns whether it was there.
 fn hold<T: Ord + std::hash::Hash + Copy>(
-    refs: &mut HashMap<T, usize>,
+    extra: &mut HashMap<T, usize>,
     set: &mut BTreeSet<T>,
-    before: &mut HashMap<T, bool>,
+    before: Option<&mut HashMap<T, bool>>,
     item: T,
 ) {
-    before.entry(item).or_insert_with(|| set.contains(&item));
-    let count = refs.entry(item).or_default();
-    *count += 1;
-    if *count == 1 {
-        set.insert(item);
+    let added = set.insert(item);
+    if let Some(before) = before {
+        before.entry(item).or_insert(!added);
+    }
+    if !added {
+        *extra.entry(item).or_default() += 1;
     }
 }
 
 /// One holder fewer of `item`; it leaves `set` with its last.
 fn release<T: Ord + std::hash::Hash + Copy>(
-    refs: &mut HashMap<T, usize>,
+    extra: &mut HashMap<T, usize>,
     set: &mut BTreeSet<T>,
-    before: &mut HashMap<T, bool>,
+    before: Option<&mut HashMap<T, bool>>,
     item: T,
 ) {
-    before.entry(item).or_insert_with(|| set.contains(&item));
-    if let Some(count) = refs.get_mut(&item) {
-        *count -= 1;
-        if *count == 0 {
-            refs.remove(&item);
+    if let Some(before) = before {
+        before.entry(item).or_insert_with(|| set.contains(&item));
+    }
+    match extra.get_mut(&item) {
+        Some(count) => {
+            *count -= 1;
+            if *count == 0 {
+                extra.remove(&item);
+            }
+        }
+        None => {
             set.remove(&item);
         }
     }
 }
 
-/// Parses the slices of one name; `node` decides which endpoints are local.
-fn slice_record(objects: &[&EndpointSlice], node: &NodeContext) -> SliceRecord {
-    let mut record = SliceRecord {
+/// Where a service's record finds the endpoints of its slices: parsed in this translation
+/// if they changed, else parsed again from the snapshot.
+struct SliceEndpoints<'a> {
+    parsed: HashMap<Key, ParsedSlices>,
+    groups: &'a Groups<'a, EndpointSlice>,
+    node: &'a NodeContext,
+}
+
+impl SliceEndpoints<'_> {
+    /// The slices of one name. Taken: a name's slices nearly always belong to one service,
+    /// and another service that needs them parses them again.
+    fn take(&mut self, name: &Key) -> ParsedSlices {
+        self.parsed.remove(name).unwrap_or_else(|| {
+            let objects = self.groups.get(&(&*name.0, &*name.1)).map(Vec::as_slice).unwrap_or_default();
+            parse_slices(objects, self.node).0
+        })
+    }
+}
+
+/// The record of the slices of one name, and their endpoints.
+fn slice_record(objects: &[&EndpointSlice], node: &NodeContext) -> (SliceRecord, ParsedSlices) {
+    let (parsed, rejected) = parse_slices(objects, node);
+    let record = SliceRecord {
         versions: objects.iter().map(|slice| version(*slice, &slice.metadata)).collect(),
-        ..SliceRecord::default()
+        services: parsed.iter().map(|(service, _)| service.clone()).collect(),
+        rejected,
     };
+    (record, parsed)
+}
+
+/// Parses the slices of one name; `node` decides which endpoints are local.
+fn parse_slices(objects: &[&EndpointSlice], node: &NodeContext) -> (ParsedSlices, Vec<Rejection>) {
+    let mut parsed = Vec::new();
+    let mut rejected = Vec::new();
     for slice in objects {
         match slice_endpoints(slice, node) {
             Ok(by_port) => {
                 // A usable slice has the label; its namespace is the services'.
                 let service = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
                 if let Some(service) = service {
-                    record.parsed.push(((key_of(&slice.metadata).0.to_owned(), service.clone()), by_port));
+                    parsed.push(((key_of(&slice.metadata).0.to_owned(), service.clone()), by_port));
                 }
             }
             Err(reason) => {
-                record.rejected.push(Rejection { object: describe("EndpointSlice", &slice.metadata), reason })
+                rejected.push(Rejection { object: describe("EndpointSlice", &slice.metadata), reason })
             }
         }
     }
-    record
+    (parsed, rejected)
 }
 
 #[cfg(test)]
