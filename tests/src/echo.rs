@@ -154,10 +154,11 @@ fn serve_udp(socket: &UdpSocket, name: &str, stop: &AtomicBool) {
 }
 
 /// Waits up to `timeout` for `socket` to become readable (for a listener: to have a
-/// connection to accept).
-fn wait_readable(socket: &impl AsRawFd, timeout: Duration) -> std::io::Result<bool> {
+/// connection to accept; for a socket with IP_RECVERR, also when an error is queued).
+pub(crate) fn wait_readable(socket: &impl AsRawFd, timeout: Duration) -> std::io::Result<bool> {
     let mut poll = libc::pollfd { fd: socket.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    let timeout_ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // At least 1 ms: a timeout that rounds to 0 would make poll return at once.
+    let timeout_ms = libc::c_int::try_from(timeout.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
     // SAFETY: `poll` points to one valid pollfd for the duration of the call.
     match unsafe { libc::poll(&mut poll, 1, timeout_ms) } {
         -1 => {

@@ -354,25 +354,6 @@ fn receive<'a>(
     }
 }
 
-/// Waits until `socket` is readable or has a queued error, at most `timeout`.
-fn wait(socket: RawFd, timeout: Duration) -> io::Result<bool> {
-    let mut poll = libc::pollfd { fd: socket, events: libc::POLLIN, revents: 0 };
-    let timeout_ms = libc::c_int::try_from(timeout.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
-    // SAFETY: `poll` points to one valid pollfd for the duration of the call.
-    match unsafe { libc::poll(&mut poll, 1, timeout_ms) } {
-        -1 => {
-            let error = io::Error::last_os_error();
-            if error.kind() == ErrorKind::Interrupted {
-                Ok(false)
-            } else {
-                Err(error)
-            }
-        }
-        0 => Ok(false),
-        _ => Ok(true),
-    }
-}
-
 fn random_u32() -> u32 {
     let mut bytes = [0u8; 4];
     // SAFETY: the buffer is valid for writes of its length.
@@ -499,7 +480,7 @@ fn await_reply(
     let mut buffer = [0u8; RECEIVE_BUFFER];
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || !wait(socket.as_raw_fd(), left)? {
+        if left.is_zero() || !crate::echo::wait_readable(socket, left)? {
             if Instant::now() >= deadline {
                 return Ok(Reply::Silence);
             }
@@ -743,7 +724,7 @@ impl Drop for Server {
 fn serve(socket: &Socket, local: SocketAddr, cookie: &CookieFor, stop: &AtomicBool) {
     let mut buffer = [0u8; RECEIVE_BUFFER];
     while !stop.load(Ordering::Relaxed) {
-        match wait(socket.as_raw_fd(), STOP_POLL) {
+        match crate::echo::wait_readable(socket, STOP_POLL) {
             Ok(true) => {}
             Ok(false) => continue,
             Err(error) => {

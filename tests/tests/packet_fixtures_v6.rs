@@ -23,11 +23,10 @@ mod harness;
 mod harness6;
 #[path = "fixtures/icmp_quote.rs"]
 mod icmp_quote;
+#[path = "fixtures/netns.rs"]
+mod netns;
 
-use std::{
-    collections::{BTreeMap, HashMap, HashSet},
-    process::Command,
-};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use frame::{
@@ -44,6 +43,7 @@ use harness6::{
     set_unmatched6,
 };
 use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
+use netns::{in_fresh_netns, ip};
 use proxy_common::{service_flags, snat, source_class, unmatched, Flow6, FlowKey6, Service, SnatPorts};
 
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
@@ -90,32 +90,6 @@ fn packet(proto: u8, from: Ep6, to: Ep6) -> Packet6 {
         IPPROTO_UDP => Packet6::udp(from, to),
         other => panic!("no builder for protocol {other}"),
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// A network namespace per test.
-
-/// Runs `test` on a thread of its own in a new, empty network namespace, which goes away with
-/// the thread.
-fn in_fresh_netns<T: Send>(test: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-    std::thread::scope(|scope| {
-        scope
-            .spawn(|| {
-                // SAFETY: plain system call; it changes the namespace of this thread only.
-                if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                    bail!("unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
-                }
-                test()
-            })
-            .join()
-            .map_err(|_| anyhow!("the test thread panicked"))?
-    })
-}
-
-fn ip(args: &[&str]) -> Result<()> {
-    let output = Command::new("ip").args(args).output().context("running ip")?;
-    ensure!(output.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&output.stderr));
-    Ok(())
 }
 
 /// The node's address toward the pod network in the masquerade tests.

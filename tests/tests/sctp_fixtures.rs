@@ -41,13 +41,14 @@ mod icmp_error;
 #[allow(dead_code)]
 #[path = "fixtures/icmp_quote.rs"]
 mod icmp_quote;
+#[path = "fixtures/netns.rs"]
+mod netns;
 
 use std::{
     collections::{HashMap, HashSet},
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     ops::Range,
-    process::Command,
 };
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
@@ -67,6 +68,7 @@ use harness::{
 };
 use harness6::{add_service6, describe_flows6, flows6, insert_flow6, masqueraded_entries6, nat_entries6};
 use icmp_error::{icmp4_error, icmp6_error, quote, Quote};
+use netns::{in_fresh_netns, ip};
 use proxy_common::{
     pins, sctp, service_flags, snat, source_class, unmatched, Flow4, Flow6, FlowKey4, FlowKey6, FlowTrack,
     Service,
@@ -860,32 +862,6 @@ fn standard_world(w: &World, h: &mut Harness) -> Result<()> {
     add_service(h, w.silent_front(), IPPROTO_SCTP, EMPTY_SET, &[], 0)?;
     set_unmatched(h, w.vip, unmatched::REJECT)?;
     set_unmatched(h, w.empty_vip, unmatched::REJECT)
-}
-
-// ---------------------------------------------------------------------------------------------
-// A network namespace per test.
-
-/// Runs `test` on a thread of its own in a new, empty network namespace, which goes away with
-/// the thread.
-fn in_fresh_netns<T: Send>(test: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-    std::thread::scope(|scope| {
-        scope
-            .spawn(|| {
-                // SAFETY: plain system call; it changes the namespace of this thread only.
-                if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                    bail!("unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
-                }
-                test()
-            })
-            .join()
-            .map_err(|_| anyhow!("the test thread panicked"))?
-    })
-}
-
-fn ip(args: &[&str]) -> Result<()> {
-    let output = Command::new("ip").args(args).output().context("running ip")?;
-    ensure!(output.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&output.stderr));
-    Ok(())
 }
 
 /// In the current (fresh) namespace: a forwarding node with both worlds' node addresses on an
