@@ -89,6 +89,28 @@ pub struct MapBatchAttr {
     pub flags: u64,
 }
 
+/// `BPF_PROG_TEST_RUN`, for the benchmarks.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct TestRunAttr {
+    pub prog_fd: u32,
+    pub retval: u32,
+    pub data_size_in: u32,
+    pub data_size_out: u32,
+    pub data_in: u64,
+    pub data_out: u64,
+    pub repeat: u32,
+    pub duration: u32,
+    pub ctx_size_in: u32,
+    pub ctx_size_out: u32,
+    pub ctx_in: u64,
+    pub ctx_out: u64,
+    pub flags: u32,
+    pub cpu: u32,
+    pub batch_size: u32,
+    pub pad: u32,
+}
+
 /// Writes `keys[i]` → the i-th value of `values` into `map` with one `BPF_MAP_UPDATE_BATCH`
 /// (Linux 5.6), instead of a system call per entry. For a per-CPU map, `values` holds one value
 /// per possible CPU for each key, CPU after CPU. On an error the kernel may have written a

@@ -24,6 +24,13 @@ pub struct BenchArgs {
     /// The report to rewrite [default: docs/benchmarks.md, or <out-dir>/benchmarks.md].
     #[arg(long)]
     doc: Option<PathBuf>,
+    /// e2e only: these modes (ebpf, ebpf-xdp, iptables-nft, iptables-legacy), comma-separated.
+    /// A selection replaces the suite's results in --out-dir: give another --out-dir to keep them.
+    #[arg(long)]
+    modes: Option<String>,
+    /// e2e only: these numbers of services, comma-separated (e.g. 1,1000).
+    #[arg(long)]
+    services: Option<String>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -85,6 +92,12 @@ pub fn run(workspace: &Workspace, args: &BenchArgs) -> Result<ExitCode> {
         .arg(OsString::from(invoked_as));
     if args.quick {
         bench.arg("--quick");
+    }
+    if let Some(modes) = &args.modes {
+        bench.arg("--modes").arg(modes);
+    }
+    if let Some(services) = &args.services {
+        bench.arg("--services").arg(services);
     }
     Ok(exit_code_of(cmd::status(&mut bench)?))
 }

@@ -813,7 +813,8 @@ fn flow_key(src: (Ipv4Addr, u16), dst: (Ipv4Addr, u16)) -> FlowKey4 {
         src_port: src.1,
         dst_port: dst.1,
         proto: PROTO_TCP,
-        pad8: 0, pad16: 0,
+        pad8: 0,
+        pad16: 0,
     }
 }
 

@@ -9,24 +9,42 @@
 //! backends as endpoints, inserted last (for kube-proxy's rules, the end of the KUBE-SERVICES
 //! list every new connection walks).
 //!
-//! Modes: `ebpf`; `iptables` through the system's iptables (iptables-nft here); and the same
-//! ruleset through iptables-legacy. vipr's iptables mode writes kube-proxy's chain structure
-//! and has no flag for the variant: it runs the `iptables-restore` it finds on its PATH, so
-//! the legacy cell puts wrappers that exec the `iptables-legacy*` programs first on vipr's
-//! PATH (checked: vipr logs the variant it uses).
+//! Modes: `ebpf` (TC programs); `ebpf` with `--xdp=native` (the XDP fast path for traffic
+//! from outside, so only the NodePort measurements); `iptables` through the system's iptables
+//! (iptables-nft here); and the same ruleset through iptables-legacy. vipr's iptables mode
+//! writes kube-proxy's chain structure and has no flag for the variant: it runs the
+//! `iptables-restore` it finds on its PATH, so the legacy cell puts wrappers that exec the
+//! `iptables-legacy*` programs first on vipr's PATH (checked: vipr logs the variant it uses).
+//!
+//! Besides the closed-loop transactions, every cell measures a NodePort packet stream: small
+//! datagrams from the external client as fast as it can send them, counted where they arrive
+//! at the backends (packets/s the node forwards, the measure of issue 6's XDP target). And
+//! the same datagrams as a frame stream, injected as Ethernet frames into the external
+//! client's veth (see `load::inject`): the node then gets them as from a NIC, without the skb
+//! that a veth otherwise hands XDP, which is what XDP saves on real hardware.
+//!
+//! XDP on veth needs two things a NIC gives for free, set up in every lab (so the TC and XDP
+//! cells see the same traffic): full checksums in what the external client sends (tx checksum
+//! offload off there: XDP rewrites checksums incrementally, which corrupts a CHECKSUM_PARTIAL
+//! packet's seed), and NAPI on the backends' veth ends that XDP redirects into (GRO on; the
+//! kernel drops redirected frames otherwise), and on the node's end toward the external
+//! client, which the frame stream is redirected into (without XDP there, in TC cells). In ebpf cells the run counts and run times of
+//! vipr's programs are recorded with every measurement (`BPF_ENABLE_STATS`), which shows
+//! which hook handled the packets: an XDP cell whose XDP program saw nothing, or passed the
+//! stream on to TC, fails.
 //!
 //! All cells are set up first, one after the other (programming time is one of the results),
 //! then measured round robin, one repetition of every cell after the other, so the machine's
 //! slow phases fall on all cells alike. The traffic itself is in `load.rs`.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
-    os::unix::fs::PermissionsExt as _,
-    path::Path,
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    os::{fd::AsRawFd as _, unix::fs::PermissionsExt as _},
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Context as _, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use testbed::{locate_vipr, write_atomically, LeafSpec, Netns, Topology, Vipr, WorkDir};
@@ -51,6 +69,13 @@ const TCP_TARGET_PORT: u16 = 8080;
 const UDP_TARGET_PORT: u16 = 5353;
 const TCP_NODE_PORT: u16 = 30080;
 const UDP_NODE_PORT: u16 = 30053;
+/// The packet stream's own port of the target (UDP), so that its datagrams reach sinks that
+/// only count them and the echo servers' replies do not share the path.
+const STREAM_PORT: u16 = 54;
+const STREAM_TARGET_PORT: u16 = 5454;
+const STREAM_NODE_PORT: u16 = 30054;
+/// The veth end inside every leaf namespace (see `LeafSpec::new`).
+const LEAF_INTERFACE: &str = "eth0";
 /// Server threads per backend socket.
 const SERVER_THREADS: usize = 4;
 
@@ -69,7 +94,10 @@ fn filler_endpoint(service: usize) -> Ipv4Addr {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
+    /// `--proxy-mode=ebpf`: the TC programs.
     Ebpf,
+    /// `--proxy-mode=ebpf --xdp=native`.
+    EbpfXdp,
     /// `--proxy-mode=iptables` with the system's iptables, which is iptables-nft here.
     IptablesNft,
     /// `--proxy-mode=iptables` with iptables-legacy's programs on its PATH.
@@ -77,18 +105,63 @@ pub enum Mode {
 }
 
 impl Mode {
-    pub const ALL: [Self; 3] = [Self::Ebpf, Self::IptablesNft, Self::IptablesLegacy];
+    pub const ALL: [Self; 4] = [Self::Ebpf, Self::EbpfXdp, Self::IptablesNft, Self::IptablesLegacy];
 
+    /// Tells the modes apart (plots, lists).
     pub fn label(self) -> &'static str {
         match self {
             Self::Ebpf => "ebpf",
+            Self::EbpfXdp => "ebpf + XDP",
             Self::IptablesNft => "iptables (nft)",
             Self::IptablesLegacy => "iptables (legacy)",
         }
     }
 
+    /// The dataplane alone, for tables that have a hook column beside it.
+    pub fn proxy_mode(self) -> &'static str {
+        match self {
+            Self::EbpfXdp => Self::Ebpf.label(),
+            mode => mode.label(),
+        }
+    }
+
+    /// The name `--modes` takes (as in the results' JSON).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ebpf => "ebpf",
+            Self::EbpfXdp => "ebpf-xdp",
+            Self::IptablesNft => "iptables-nft",
+            Self::IptablesLegacy => "iptables-legacy",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|mode| mode.name() == name).with_context(|| {
+            let names: Vec<_> = Self::ALL.iter().map(|mode| mode.name()).collect();
+            format!("no e2e mode {name:?} (modes: {})", names.join(", "))
+        })
+    }
+
     fn is_iptables(self) -> bool {
-        self != Self::Ebpf
+        matches!(self, Self::IptablesNft | Self::IptablesLegacy)
+    }
+
+    pub fn is_ebpf(self) -> bool {
+        !self.is_iptables()
+    }
+
+    pub fn hook(self) -> Hook {
+        match self {
+            Self::Ebpf => Hook::Tc,
+            Self::EbpfXdp => Hook::Xdp,
+            Self::IptablesNft | Self::IptablesLegacy => Hook::Netfilter,
+        }
+    }
+
+    /// XDP handles only traffic from outside the node: from a pod, an XDP cell would measure
+    /// the TC cell's path again.
+    pub fn measures(self, kind: Kind) -> bool {
+        self != Self::EbpfXdp || kind.comes_from_outside()
     }
 }
 
@@ -132,7 +205,7 @@ impl Kind {
         }
     }
 
-    fn comes_from_outside(self) -> bool {
+    pub fn comes_from_outside(self) -> bool {
         matches!(self, Self::TcpNodePort | Self::UdpNodePort)
     }
 
@@ -147,14 +220,14 @@ impl Kind {
     }
 }
 
-/// Where the node handles the packets of a measurement. Traffic from outside is where an XDP
-/// program would take over: the NodePort measurements are the ones a `--xdp=native|off`
-/// variant will add a row to (today the eBPF datapath has only its TC programs).
+/// Where the node handles the packets of a measurement.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Hook {
     /// vipr's TC ingress program.
     Tc,
+    /// vipr's XDP program for the packets from outside (their replies: TC).
+    Xdp,
     /// netfilter (iptables nat rules and conntrack).
     Netfilter,
 }
@@ -163,6 +236,7 @@ impl Hook {
     pub fn label(self) -> &'static str {
         match self {
             Self::Tc => "TC",
+            Self::Xdp => "XDP",
             Self::Netfilter => "netfilter",
         }
     }
@@ -181,6 +255,20 @@ pub struct Settings {
     pub program_timeout_seconds: u64,
     pub tcp_workers: usize,
     pub udp_workers: usize,
+    /// The packet stream: connected sockets (flows) of the sender.
+    #[serde(default = "default_stream_flows")]
+    pub stream_flows: usize,
+    /// The packet stream: sending threads.
+    #[serde(default = "default_stream_senders")]
+    pub stream_senders: usize,
+}
+
+fn default_stream_flows() -> usize {
+    16
+}
+
+fn default_stream_senders() -> usize {
+    1
 }
 
 impl Settings {
@@ -194,6 +282,12 @@ impl Settings {
             program_timeout_seconds: 420,
             tcp_workers: 4,
             udp_workers: 4,
+            stream_flows: default_stream_flows(),
+            // One: on veth the node's forwarding and the backends' receive processing run in
+            // the softirq the sender's own transmit raises, on the sender's CPU; the sinks need
+            // the other one. A second sender would compete with them for it, and the stream
+            // would measure the scheduler rather than the path.
+            stream_senders: default_stream_senders(),
         }
     }
 
@@ -224,6 +318,91 @@ pub struct Measurement {
     /// Over all repetitions.
     pub transactions: u64,
     pub errors: u64,
+    /// ebpf cells: what vipr's programs did during the counted repetitions.
+    #[serde(default)]
+    pub bpf: Option<BpfRuns>,
+}
+
+/// Runs and run time of vipr's BPF programs in a lab (the kernel's `run_cnt` and
+/// `run_time_ns`), summed over a measurement's repetitions. One program of each kind serves
+/// all the node's devices, so these count the packets of both directions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BpfRuns {
+    pub tc_runs: u64,
+    pub tc_run_ns: u64,
+    /// `None` where vipr runs without XDP.
+    pub xdp_runs: Option<u64>,
+    pub xdp_run_ns: Option<u64>,
+}
+
+impl BpfRuns {
+    fn since(self, earlier: Self) -> Self {
+        let minus = |a: Option<u64>, b: Option<u64>| Some(a?.saturating_sub(b.unwrap_or(0)));
+        Self {
+            tc_runs: self.tc_runs.saturating_sub(earlier.tc_runs),
+            tc_run_ns: self.tc_run_ns.saturating_sub(earlier.tc_run_ns),
+            xdp_runs: minus(self.xdp_runs, earlier.xdp_runs),
+            xdp_run_ns: minus(self.xdp_run_ns, earlier.xdp_run_ns),
+        }
+    }
+
+    fn plus(self, other: Self) -> Self {
+        let plus = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+        };
+        Self {
+            tc_runs: self.tc_runs + other.tc_runs,
+            tc_run_ns: self.tc_run_ns + other.tc_run_ns,
+            xdp_runs: plus(self.xdp_runs, other.xdp_runs),
+            xdp_run_ns: plus(self.xdp_run_ns, other.xdp_run_ns),
+        }
+    }
+
+    pub fn tc_ns_per_run(&self) -> Option<f64> {
+        (self.tc_runs > 0).then(|| self.tc_run_ns as f64 / self.tc_runs as f64)
+    }
+
+    pub fn xdp_ns_per_run(&self) -> Option<f64> {
+        let runs = self.xdp_runs.filter(|&runs| runs > 0)?;
+        Some(self.xdp_run_ns? as f64 / runs as f64)
+    }
+}
+
+/// The NodePort packet stream of one cell, over its repetitions.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Stream {
+    pub hook: Hook,
+    /// Datagrams per second that reached the backends' sockets.
+    pub delivered: Summary,
+    /// The same, per repetition in order: cells measured in the same round pair up.
+    pub delivered_per_repetition: Vec<f64>,
+    /// Datagrams per second the sender's `sendmmsg` calls took.
+    pub sent: Summary,
+    /// Over all repetitions.
+    pub delivered_total: u64,
+    pub sent_total: u64,
+    /// Datagrams the backends' namespaces dropped for a full socket buffer (UDP
+    /// RcvbufErrors), over all repetitions: what the sinks, not the node, lost.
+    pub rcvbuf_drops: u64,
+    /// Share of the machine's CPU time (all CPUs) that was busy, and that was softirq (where
+    /// the forwarding runs), while the sender sent.
+    pub cpu_busy: Summary,
+    pub cpu_softirq: Summary,
+    /// CPU time per delivered datagram, in ns, of: the sending thread(s), which run the
+    /// node's and the backends' receive processing inline (softirq at the end of their
+    /// system calls); the sinks' threads; the machine's ksoftirqd threads (where softirq work
+    /// goes when there is too much of it, anyone's). Their sum is what a packet costs, which
+    /// other work on the machine does not change the way it changes packets/s.
+    #[serde(default)]
+    pub sender_ns_per_packet: Option<Summary>,
+    #[serde(default)]
+    pub sink_ns_per_packet: Option<Summary>,
+    #[serde(default)]
+    pub ksoftirqd_ns_per_packet: Option<Summary>,
+    #[serde(default)]
+    pub cpu_ns_per_packet: Option<Summary>,
+    pub bpf: Option<BpfRuns>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -235,6 +414,14 @@ pub struct Cell {
     /// What vipr logged as that sync's own duration.
     pub sync_ms: Option<f64>,
     pub measurements: Vec<Measurement>,
+    #[serde(default)]
+    pub stream: Option<Stream>,
+    /// The frame stream (the packet stream's datagrams injected as frames).
+    #[serde(default)]
+    pub frames: Option<Stream>,
+    /// XDP cells: the XDP mode vipr attached in ("native", or "generic" after a fallback).
+    #[serde(default)]
+    pub xdp_attached: Option<String>,
     pub notes: Vec<String>,
 }
 
@@ -275,6 +462,14 @@ fn nft_cap_reason(max: usize) -> String {
 
 pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
     let binary = locate_vipr()?;
+    // Run counts and times of BPF programs while this descriptor is open, restored (to the
+    // kernel.bpf_stats_enabled sysctl's setting) however the suite ends. On for the whole run
+    // so that TC and XDP cells pay its cost (two clock reads per program run) alike.
+    let _bpf_stats = if settings.modes.iter().any(|mode| mode.is_ebpf()) {
+        Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF_ENABLE_STATS")?)
+    } else {
+        None
+    };
     let cgroup = PrivateCgroup::new()?;
     let scratch = WorkDir::create(LABEL)?;
     let legacy_path = legacy_wrappers(scratch.path())?;
@@ -301,18 +496,26 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
         }
     }
     // One short uncounted round: caches, ARP, the first flow entries.
+    let warm_up = Duration::from_millis(200);
     for lab in &labs {
-        for kind in Kind::ALL {
-            let _ = lab.measure(kind, &settings, Duration::from_millis(200));
+        for kind in Kind::ALL.into_iter().filter(|&kind| lab.mode.measures(kind)) {
+            let _ = lab.measure(kind, &settings, warm_up);
+        }
+        for source in Source::ALL {
+            let _ = lab.measure_stream(&settings, source, warm_up);
         }
     }
-    let mut outcomes: Vec<Vec<Vec<Outcome>>> = vec![vec![Vec::new(); Kind::ALL.len()]; labs.len()];
+    let mut outcomes: Vec<Vec<Vec<Measured>>> = vec![vec![Vec::new(); Kind::ALL.len()]; labs.len()];
+    let mut streams: Vec<Vec<Vec<StreamOutcome>>> = vec![vec![Vec::new(); Source::ALL.len()]; labs.len()];
     let mut notes: Vec<Vec<String>> = vec![Vec::new(); labs.len()];
     for repetition in 0..settings.repetitions {
         eprintln!("e2e: repetition {}/{}", repetition + 1, settings.repetitions);
         for (i, lab) in labs.iter_mut().enumerate() {
             lab.ensure_running()?;
             for (k, kind) in Kind::ALL.into_iter().enumerate() {
+                if !lab.mode.measures(kind) {
+                    continue;
+                }
                 match lab.measure(kind, &settings, settings.duration()) {
                     Ok(outcome) => outcomes[i][k].push(outcome),
                     Err(error) => {
@@ -320,10 +523,27 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
                     }
                 }
             }
+            for (s, source) in Source::ALL.into_iter().enumerate() {
+                match lab.measure_stream(&settings, source, settings.duration()) {
+                    Ok(outcome) => {
+                        eprintln!(
+                            "e2e:   {} at {}: {} {:.0}/s delivered",
+                            lab.mode.label(),
+                            lab.services,
+                            source.label(),
+                            outcome.delivered as f64 / outcome.seconds
+                        );
+                        streams[i][s].push(outcome);
+                    }
+                    Err(error) => {
+                        notes[i].push(format!("{}, repetition {}: {error:#}", source.label(), repetition + 1))
+                    }
+                }
+            }
         }
     }
     let mut cells = Vec::new();
-    for ((lab, outcomes), notes) in labs.iter().zip(outcomes).zip(notes) {
+    for (((lab, outcomes), streams), notes) in labs.iter().zip(outcomes).zip(streams).zip(notes) {
         let measurements = Kind::ALL
             .into_iter()
             .zip(outcomes)
@@ -335,6 +555,9 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
             programming_seconds: lab.programming_seconds,
             sync_ms: lab.sync_ms,
             measurements,
+            stream: summarize_stream(lab.mode, &streams[0]),
+            frames: summarize_stream(lab.mode, &streams[1]),
+            xdp_attached: lab.programs.as_ref().and_then(|programs| programs.xdp_mode.clone()),
             notes,
         });
     }
@@ -345,16 +568,89 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
     Ok(Results { meta, settings, cells, skipped })
 }
 
-fn summarize(mode: Mode, kind: Kind, outcomes: &[Outcome]) -> Option<Measurement> {
-    let values = |f: fn(&Outcome) -> f64| outcomes.iter().map(f).collect::<Vec<_>>();
+/// One counted repetition of a request/response measurement.
+#[derive(Clone, Copy, Debug)]
+struct Measured {
+    outcome: Outcome,
+    bpf: Option<BpfRuns>,
+}
+
+fn summarize(mode: Mode, kind: Kind, measured: &[Measured]) -> Option<Measurement> {
+    let values = |f: fn(&Outcome) -> f64| measured.iter().map(|m| f(&m.outcome)).collect::<Vec<_>>();
     Some(Measurement {
         kind,
-        hook: if mode.is_iptables() { Hook::Netfilter } else { Hook::Tc },
+        hook: mode.hook(),
         rate: Summary::of(&values(|o| o.rate))?,
         p50_us: Summary::of(&values(|o| o.p50_us))?,
         p99_us: Summary::of(&values(|o| o.p99_us))?,
-        transactions: outcomes.iter().map(|o| o.transactions).sum(),
-        errors: outcomes.iter().map(|o| o.errors).sum(),
+        transactions: measured.iter().map(|m| m.outcome.transactions).sum(),
+        errors: measured.iter().map(|m| m.outcome.errors).sum(),
+        bpf: sum_bpf(measured.iter().map(|m| m.bpf)),
+    })
+}
+
+fn sum_bpf(runs: impl Iterator<Item = Option<BpfRuns>>) -> Option<BpfRuns> {
+    runs.flatten().reduce(BpfRuns::plus)
+}
+
+/// What a stream measurement sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// Datagrams from the external client's sockets.
+    Sockets,
+    /// The same as Ethernet frames injected into its veth.
+    Frames,
+}
+
+impl Source {
+    /// In the order of `Cell::stream`, `Cell::frames`.
+    const ALL: [Self; 2] = [Self::Sockets, Self::Frames];
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Sockets => "packet stream",
+            Self::Frames => "frame stream",
+        }
+    }
+}
+
+/// One counted repetition of the packet stream.
+#[derive(Clone, Copy, Debug)]
+struct StreamOutcome {
+    sent: u64,
+    delivered: u64,
+    seconds: f64,
+    rcvbuf_drops: u64,
+    cpu: CpuShare,
+    sender_cpu_ns: u64,
+    sink_cpu_ns: u64,
+    ksoftirqd_cpu_ns: u64,
+    bpf: Option<BpfRuns>,
+}
+
+fn summarize_stream(mode: Mode, outcomes: &[StreamOutcome]) -> Option<Stream> {
+    let per_second = |f: fn(&StreamOutcome) -> u64| -> Vec<f64> {
+        outcomes.iter().map(|o| f(o) as f64 / o.seconds).collect()
+    };
+    let delivered = per_second(|o| o.delivered);
+    let per_packet = |f: fn(&StreamOutcome) -> u64| -> Option<Summary> {
+        Summary::of(&outcomes.iter().map(|o| f(o) as f64 / o.delivered.max(1) as f64).collect::<Vec<_>>())
+    };
+    Some(Stream {
+        hook: mode.hook(),
+        delivered: Summary::of(&delivered)?,
+        delivered_per_repetition: delivered,
+        sent: Summary::of(&per_second(|o| o.sent))?,
+        delivered_total: outcomes.iter().map(|o| o.delivered).sum(),
+        sent_total: outcomes.iter().map(|o| o.sent).sum(),
+        rcvbuf_drops: outcomes.iter().map(|o| o.rcvbuf_drops).sum(),
+        cpu_busy: Summary::of(&outcomes.iter().map(|o| o.cpu.busy).collect::<Vec<_>>())?,
+        cpu_softirq: Summary::of(&outcomes.iter().map(|o| o.cpu.softirq).collect::<Vec<_>>())?,
+        sender_ns_per_packet: per_packet(|o| o.sender_cpu_ns),
+        sink_ns_per_packet: per_packet(|o| o.sink_cpu_ns),
+        ksoftirqd_ns_per_packet: per_packet(|o| o.ksoftirqd_cpu_ns),
+        cpu_ns_per_packet: per_packet(|o| o.sender_cpu_ns + o.sink_cpu_ns + o.ksoftirqd_cpu_ns),
+        bpf: sum_bpf(outcomes.iter().map(|o| o.bpf)),
     })
 }
 
@@ -385,10 +681,11 @@ struct LabContext<'a> {
 
 /// One cell's namespaces and processes; dropping it stops vipr and removes everything.
 struct Lab {
-    // Dropped in this order: the agent, the servers (their sockets keep namespaces alive),
-    // the namespaces, the bpffs, the scratch directory.
+    // Dropped in this order: the agent, the servers and sinks (their sockets keep namespaces
+    // alive), the namespaces, the bpffs, the scratch directory.
     vipr: Vipr,
     _servers: Vec<load::Servers>,
+    sinks: Vec<load::Sink>,
     topology: Topology,
     _bpffs: Option<BpfMount>,
     _workdir: WorkDir,
@@ -396,6 +693,45 @@ struct Lab {
     services: usize,
     programming_seconds: f64,
     sync_ms: Option<f64>,
+    /// ebpf cells: vipr's programs, whose run counts each measurement records.
+    programs: Option<Programs>,
+    frames: FrameSource,
+}
+
+/// The frame stream's frames (one per flow) and the external client's device they go out of.
+struct FrameSource {
+    frames: Vec<Vec<u8>>,
+    ifindex: u32,
+}
+
+/// Frames from the external client to the stream's NodePort, `flows` source ports, with the
+/// MAC addresses of the external client's veth pair.
+fn frame_source(topology: &Topology, flows: usize) -> Result<FrameSource> {
+    let ext = topology.leaf("ext")?;
+    let (ifindex, ext_mac) = link(&ext.netns, LEAF_INTERFACE)?;
+    let (_, node_mac) = link(topology.node(), &ext.spec.node_interface)?;
+    let frames = (0..flows)
+        .map(|i| {
+            let port = 40_000 + u16::try_from(i).expect("few flows");
+            let src = std::net::SocketAddrV4::new(EXTERNAL, port);
+            let dst = std::net::SocketAddrV4::new(NODE_EXTERNAL, STREAM_NODE_PORT);
+            load::udp_frame(ext_mac, node_mac, src, dst)
+        })
+        .collect();
+    Ok(FrameSource { frames, ifindex })
+}
+
+/// A device's index and MAC address, from `ip -o link show`.
+fn link(netns: &Netns, device: &str) -> Result<(u32, [u8; 6])> {
+    let line = netns.ip(&["-o", "link", "show", "dev", device])?;
+    let ifindex = line.split(':').next().unwrap_or_default().trim().parse().context("ifindex")?;
+    let mac = line
+        .split("link/ether ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .with_context(|| format!("no MAC address in: {line}"))?;
+    let bytes = mac.split(':').map(|byte| u8::from_str_radix(byte, 16)).collect::<Result<Vec<_>, _>>()?;
+    Ok((ifindex, bytes.try_into().map_err(|_| anyhow::anyhow!("bad MAC address {mac}"))?))
 }
 
 impl Lab {
@@ -412,6 +748,17 @@ impl Lab {
         for name in ["client", "ext"] {
             topology.leaf(name)?.netns.set_sysctl("net.ipv4.ip_local_port_range", "1024 65535")?;
         }
+        // What XDP on veth needs (see the module's documentation), in every mode's lab alike.
+        let ext = &topology.leaf("ext")?.netns;
+        ext.run(|| set_offload(LEAF_INTERFACE, Offload::TxChecksum, false))
+            .context("turning tx checksum offload off for the external client")?;
+        for i in 0..BACKENDS {
+            topology
+                .leaf(&format!("b{i}"))?
+                .netns
+                .run(|| set_offload(LEAF_INTERFACE, Offload::Gro, true))
+                .with_context(|| format!("turning GRO on in backend b{i}"))?;
+        }
         let servers = (0..BACKENDS)
             .map(|i| {
                 let addr = backend_addr(i);
@@ -422,6 +769,24 @@ impl Lab {
                         SERVER_THREADS,
                     )
                 })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // NAPI on the node's end of the external client's veth: the frame stream arrives there as
+        // frames transmitted by XDP, which a veth without NAPI drops (in XDP cells vipr's XDP
+        // program gives it NAPI anyway; GRO on in every cell keeps the traffic the same).
+        let ext_device = topology.leaf("ext")?.spec.node_interface.clone();
+        topology
+            .node()
+            .run(|| set_offload(&ext_device, Offload::Gro, true))
+            .with_context(|| format!("turning GRO on for {ext_device}"))?;
+        let frames = frame_source(&topology, settings.stream_flows)?;
+        let sinks = (0..BACKENDS)
+            .map(|i| {
+                let addr = backend_addr(i);
+                topology
+                    .leaf(&format!("b{i}"))?
+                    .netns
+                    .run(|| load::Sink::start((addr, STREAM_TARGET_PORT).into()))
             })
             .collect::<Result<Vec<_>>>()?;
         let services_file = workdir.path().join("services.yaml");
@@ -437,14 +802,19 @@ impl Lab {
             // No periodic resync in the middle of a measurement.
             "--sync-period=1h".to_owned(),
         ];
-        let bpffs = if mode == Mode::Ebpf {
+        let bpffs = if mode.is_ebpf() {
             let bpffs = BpfMount::new()?;
             args.extend([
                 "--proxy-mode=ebpf".to_owned(),
+                // XDP on every device too: a device XDP redirects to must have it (vipr's
+                // `vipr_xdptx` map holds only devices it attached XDP to).
                 format!("--devices={}", topology.node_interfaces().join(",")),
                 format!("--bpf-root={}", bpffs.path().display()),
                 format!("--cgroup-root={}", context.cgroup.display()),
             ]);
+            if mode == Mode::EbpfXdp {
+                args.push("--xdp=native".to_owned());
+            }
             Some(bpffs)
         } else {
             args.push("--proxy-mode=iptables".to_owned());
@@ -477,9 +847,17 @@ impl Lab {
                 bail!("vipr did not use the {want} of iptables; its log:\n{text}");
             }
         }
+        let programs = match &bpffs {
+            Some(bpffs) => Some(
+                Programs::find(bpffs.path(), &topology.leaf("ext")?.spec.node_interface, mode)
+                    .with_context(|| format!("vipr's programs; its log: {}", log.display()))?,
+            ),
+            None => None,
+        };
         let lab = Self {
             vipr,
             _servers: servers,
+            sinks,
             topology,
             _bpffs: bpffs,
             _workdir: workdir,
@@ -487,8 +865,10 @@ impl Lab {
             services,
             programming_seconds,
             sync_ms,
+            programs,
+            frames,
         };
-        for kind in Kind::ALL {
+        for kind in Kind::ALL.into_iter().filter(|&kind| mode.measures(kind)) {
             let netns = lab.source(kind)?;
             let target = kind.target(services);
             testbed::wait_for(&format!("{target} to answer"), Duration::from_secs(10), || {
@@ -509,13 +889,269 @@ impl Lab {
         self.vipr.ensure_running()
     }
 
-    fn measure(&self, kind: Kind, settings: &Settings, duration: Duration) -> Result<Outcome> {
+    fn measure(&self, kind: Kind, settings: &Settings, duration: Duration) -> Result<Measured> {
         let workers = match kind.traffic() {
             Traffic::TcpConnect => settings.tcp_workers,
             Traffic::UdpRequestResponse => settings.udp_workers,
         };
         let target = kind.target(self.services);
-        self.source(kind)?.run(|| load::run(kind.traffic(), target, workers, duration))
+        let before = self.bpf_runs()?;
+        let outcome = self.source(kind)?.run(|| load::run(kind.traffic(), target, workers, duration))?;
+        let bpf = self.bpf_runs()?.zip(before).map(|(after, before)| after.since(before));
+        if let Some(BpfRuns { xdp_runs: Some(0), .. }) = bpf {
+            bail!("vipr_xdp did not run: XDP saw none of these packets");
+        }
+        Ok(Measured { outcome, bpf })
+    }
+
+    /// The packet or frame stream from the external client to the stream's NodePort, counted
+    /// at the backends. In XDP cells it fails unless XDP took the packets: vipr_xdp ran for
+    /// each of them and TC (which runs on what XDP passes) for almost none.
+    fn measure_stream(
+        &self,
+        settings: &Settings,
+        source: Source,
+        duration: Duration,
+    ) -> Result<StreamOutcome> {
+        let target: SocketAddr = (NODE_EXTERNAL, STREAM_NODE_PORT).into();
+        let ext = &self.topology.leaf("ext")?.netns;
+        let delivered_before = self.delivered();
+        let drops_before = self.rcvbuf_errors()?;
+        let bpf_before = self.bpf_runs()?;
+        let cpu_before = CpuTimes::read()?;
+        let sinks_before = self.sink_cpu_ns();
+        let ksoftirqd_before = ksoftirqd_cpu_ns();
+        let sent = ext.run(|| match source {
+            Source::Sockets => load::stream(target, settings.stream_flows, settings.stream_senders, duration),
+            Source::Frames => load::inject(&self.frames.frames, self.frames.ifindex, duration),
+        })?;
+        let cpu = CpuTimes::read()?.share_since(&cpu_before);
+        let ksoftirqd_cpu_ns = ksoftirqd_cpu_ns().saturating_sub(ksoftirqd_before);
+        // The last batches are still on their way through the node and the sinks' queues.
+        std::thread::sleep(Duration::from_millis(50));
+        let sink_cpu_ns = self.sink_cpu_ns().saturating_sub(sinks_before);
+        let delivered = self.delivered() - delivered_before;
+        let bpf = self.bpf_runs()?.zip(bpf_before).map(|(after, before)| after.since(before));
+        let rcvbuf_drops = self.rcvbuf_errors()?.saturating_sub(drops_before);
+        if delivered == 0 {
+            bail!("none of the {} datagrams sent reached a backend", sent.datagrams);
+        }
+        if let Some(BpfRuns { xdp_runs: Some(xdp), tc_runs, .. }) = bpf {
+            ensure!(xdp >= delivered, "vipr_xdp ran {xdp} times for {delivered} datagrams delivered");
+            ensure!(
+                tc_runs <= delivered / 10,
+                "XDP passed the stream to TC: vipr_tc_ingress ran {tc_runs} times for {delivered} datagrams"
+            );
+        }
+        Ok(StreamOutcome {
+            sent: sent.datagrams,
+            delivered,
+            seconds: sent.seconds,
+            rcvbuf_drops,
+            cpu,
+            sender_cpu_ns: sent.cpu_ns,
+            sink_cpu_ns,
+            ksoftirqd_cpu_ns,
+            bpf,
+        })
+    }
+
+    fn delivered(&self) -> u64 {
+        self.sinks.iter().map(load::Sink::received).sum()
+    }
+
+    fn sink_cpu_ns(&self) -> u64 {
+        self.sinks.iter().map(load::Sink::cpu_ns).sum()
+    }
+
+    /// UDP RcvbufErrors of all backend namespaces.
+    fn rcvbuf_errors(&self) -> Result<u64> {
+        (0..BACKENDS).map(|i| self.topology.leaf(&format!("b{i}"))?.netns.run(udp_rcvbuf_errors)).sum()
+    }
+
+    fn bpf_runs(&self) -> Result<Option<BpfRuns>> {
+        self.programs.as_ref().map(Programs::runs).transpose()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the node and its programs did.
+
+/// vipr's programs in an ebpf lab, found through the links vipr pinned for the external
+/// client's device (each vipr loads its own programs, so the counts are this lab's).
+struct Programs {
+    tc: u32,
+    xdp: Option<u32>,
+    /// "native" or "generic": the mode vipr attached XDP in.
+    xdp_mode: Option<String>,
+}
+
+impl Programs {
+    fn find(bpf_root: &Path, device: &str, mode: Mode) -> Result<Self> {
+        let links = bpf_root.join(proxy_common::pins::DIR).join(proxy_common::pins::LINKS_DIR);
+        let program_of = |pin: &Path| -> Result<u32> {
+            let link = aya::programs::links::FdLink::from(
+                aya::programs::links::PinnedLink::from_pin(pin)
+                    .with_context(|| format!("opening the link pinned at {}", pin.display()))?,
+            );
+            Ok(link.info().with_context(|| format!("the link pinned at {}", pin.display()))?.program_id())
+        };
+        let tc = program_of(&links.join(device))?;
+        if mode != Mode::EbpfXdp {
+            return Ok(Self { tc, xdp: None, xdp_mode: None });
+        }
+        // vipr falls back from native to generic where the driver refuses; veth does not.
+        for xdp_mode in ["native", "generic"] {
+            let pin: PathBuf = links.join(format!("xdp-{xdp_mode}-{device}"));
+            if pin.exists() {
+                return Ok(Self { tc, xdp: Some(program_of(&pin)?), xdp_mode: Some(xdp_mode.to_owned()) });
+            }
+        }
+        bail!(
+            "vipr attached no XDP program to {device} (no xdp-native-{device} link under {})",
+            links.display()
+        )
+    }
+
+    fn runs(&self) -> Result<BpfRuns> {
+        let mut found: Vec<(u32, u64, u64)> = Vec::new();
+        for info in aya::programs::loaded_programs() {
+            // A program unloaded while the list is read is some other test's: skip it.
+            let Ok(info) = info else { continue };
+            if info.id() == self.tc || Some(info.id()) == self.xdp {
+                found.push((info.id(), info.run_count(), info.run_time().as_nanos() as u64));
+            }
+        }
+        let of = |id: u32| -> Result<(u64, u64)> {
+            found
+                .iter()
+                .find(|(found, _, _)| *found == id)
+                .map(|&(_, runs, ns)| (runs, ns))
+                .with_context(|| format!("BPF program {id} is gone"))
+        };
+        let (tc_runs, tc_run_ns) = of(self.tc)?;
+        let xdp = self.xdp.map(of).transpose()?;
+        Ok(BpfRuns { tc_runs, tc_run_ns, xdp_runs: xdp.map(|x| x.0), xdp_run_ns: xdp.map(|x| x.1) })
+    }
+}
+
+/// CPU time of the machine's ksoftirqd threads, in ns.
+fn ksoftirqd_cpu_ns() -> u64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return 0 };
+    entries
+        .flatten()
+        .filter(|entry| {
+            entry.file_name().to_str().is_some_and(|name| name.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter(|entry| {
+            std::fs::read_to_string(entry.path().join("comm"))
+                .is_ok_and(|comm| comm.starts_with("ksoftirqd/"))
+        })
+        .filter_map(|entry| load::task_cpu_ns(&entry.path().join("schedstat").to_string_lossy()))
+        .sum()
+}
+
+/// `RcvbufErrors` of the `Udp:` lines of the calling thread's namespace.
+fn udp_rcvbuf_errors() -> Result<u64> {
+    // thread-self: /proc/net is the namespace of the process's main thread, not ours.
+    let text = std::fs::read_to_string("/proc/thread-self/net/snmp")?;
+    let mut udp = text.lines().filter(|line| line.starts_with("Udp: "));
+    let (names, values) = (udp.next(), udp.next());
+    let (Some(names), Some(values)) = (names, values) else { bail!("no Udp lines in /proc/net/snmp") };
+    let column = names.split_whitespace().position(|name| name == "RcvbufErrors");
+    let value = column.and_then(|column| values.split_whitespace().nth(column));
+    value.context("no Udp RcvbufErrors in /proc/net/snmp")?.parse().context("Udp RcvbufErrors")
+}
+
+/// Shares of the machine's CPU time over an interval.
+#[derive(Clone, Copy, Debug)]
+struct CpuShare {
+    busy: f64,
+    softirq: f64,
+}
+
+/// The `cpu` line of /proc/stat: jiffies by state, all CPUs together.
+struct CpuTimes(Vec<u64>);
+
+impl CpuTimes {
+    fn read() -> Result<Self> {
+        let text = std::fs::read_to_string("/proc/stat")?;
+        let line = text.lines().find(|line| line.starts_with("cpu ")).context("no cpu line in /proc/stat")?;
+        let fields = line.split_whitespace().skip(1).map(str::parse).collect::<Result<Vec<u64>, _>>()?;
+        ensure!(fields.len() >= 7, "short cpu line in /proc/stat: {line}");
+        Ok(Self(fields))
+    }
+
+    /// Fields: user nice system idle iowait irq softirq steal guest guest_nice; guest time is
+    /// in user already.
+    fn share_since(&self, earlier: &Self) -> CpuShare {
+        let delta: Vec<u64> =
+            self.0.iter().zip(&earlier.0).take(8).map(|(now, then)| now.saturating_sub(*then)).collect();
+        let total: u64 = delta.iter().sum();
+        if total == 0 {
+            return CpuShare { busy: f64::NAN, softirq: f64::NAN };
+        }
+        let idle = delta[3] + delta[4];
+        CpuShare { busy: (total - idle) as f64 / total as f64, softirq: delta[6] as f64 / total as f64 }
+    }
+}
+
+/// The offloads the labs set, as the legacy ethtool ioctl commands (set, get) name them.
+#[derive(Clone, Copy, Debug)]
+enum Offload {
+    /// `ethtool -K <if> tx`.
+    TxChecksum,
+    /// `ethtool -K <if> gro`.
+    Gro,
+}
+
+/// `ethtool -K <interface> tx|gro on|off` in the calling thread's namespace, through the
+/// SIOCETHTOOL ioctl (the ethtool program is not among the packages the suites install).
+/// Reads the setting back: a driver may refuse silently.
+fn set_offload(interface: &str, offload: Offload, on: bool) -> Result<()> {
+    // linux/ethtool.h.
+    const ETHTOOL_GTXCSUM: u32 = 0x16;
+    const ETHTOOL_STXCSUM: u32 = 0x17;
+    const ETHTOOL_GGRO: u32 = 0x2b;
+    const ETHTOOL_SGRO: u32 = 0x2c;
+    /// struct ethtool_value.
+    #[repr(C)]
+    struct EthtoolValue {
+        cmd: u32,
+        data: u32,
+    }
+    let (set, get) = match offload {
+        Offload::TxChecksum => (ETHTOOL_STXCSUM, ETHTOOL_GTXCSUM),
+        Offload::Gro => (ETHTOOL_SGRO, ETHTOOL_GGRO),
+    };
+    let socket = UdpSocket::bind(("0.0.0.0", 0)).context("a socket for SIOCETHTOOL")?;
+    let call = |cmd: u32, data: u32| -> Result<u32> {
+        let mut value = EthtoolValue { cmd, data };
+        // SAFETY: all-zero is a valid ifreq.
+        let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
+        ensure!(interface.len() < request.ifr_name.len(), "interface name {interface} too long");
+        for (to, from) in request.ifr_name.iter_mut().zip(interface.bytes()) {
+            *to = from as libc::c_char;
+        }
+        request.ifr_ifru.ifru_data = (&mut value as *mut EthtoolValue).cast();
+        // SAFETY: the request names the interface and points at a live ethtool_value.
+        if unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCETHTOOL, &mut request) } != 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("ethtool command {cmd:#x} on {interface}"));
+        }
+        Ok(value.data)
+    };
+    call(set, u32::from(on))?;
+    let now = call(get, 0)? != 0;
+    ensure!(now == on, "{interface}: {offload:?} stays {} after setting it {}", onoff(now), onoff(on));
+    Ok(())
+}
+
+fn onoff(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
     }
 }
 
@@ -540,7 +1176,8 @@ fn took_ms(line: &str) -> Option<f64> {
 }
 
 /// The services file: `services - 1` fillers (ClusterIP, one TCP port, one endpoint that is
-/// never reached), then the target (NodePort, TCP and UDP, the backends as endpoints). One
+/// never reached), then the target (NodePort, TCP, UDP and the stream's UDP port, the backends
+/// as endpoints). One
 /// JSON document per object: JSON is YAML, and much faster to write and read at 30k.
 fn manifests(services: usize) -> String {
     let mut out = String::with_capacity(services * 900);
@@ -575,7 +1212,9 @@ fn manifests(services: usize) -> String {
                      {"name": "tcp", "protocol": "TCP", "port": TCP_PORT, "targetPort": TCP_TARGET_PORT,
                       "nodePort": TCP_NODE_PORT},
                      {"name": "udp", "protocol": "UDP", "port": UDP_PORT, "targetPort": UDP_TARGET_PORT,
-                      "nodePort": UDP_NODE_PORT}]}
+                      "nodePort": UDP_NODE_PORT},
+                     {"name": "stream", "protocol": "UDP", "port": STREAM_PORT,
+                      "targetPort": STREAM_TARGET_PORT, "nodePort": STREAM_NODE_PORT}]}
     }));
     let endpoints: Vec<_> = (0..BACKENDS)
         .map(|i| json!({"addresses": [backend_addr(i).to_string()], "conditions": {"ready": true}}))
@@ -586,7 +1225,8 @@ fn manifests(services: usize) -> String {
                      "labels": {"kubernetes.io/service-name": "target"}},
         "addressType": "IPv4",
         "ports": [{"name": "tcp", "protocol": "TCP", "port": TCP_TARGET_PORT},
-                  {"name": "udp", "protocol": "UDP", "port": UDP_TARGET_PORT}],
+                  {"name": "udp", "protocol": "UDP", "port": UDP_TARGET_PORT},
+                  {"name": "stream", "protocol": "UDP", "port": STREAM_TARGET_PORT}],
         "endpoints": endpoints
     }));
     out

@@ -68,6 +68,12 @@ struct RunArgs {
     /// The command to record in the report (default: this process's command line).
     #[arg(long)]
     invoked_as: Option<String>,
+    /// e2e: only these modes (ebpf, ebpf-xdp, iptables-nft, iptables-legacy), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    modes: Vec<String>,
+    /// e2e: only these numbers of services, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    services: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -126,7 +132,13 @@ fn run(command: Cmd) -> Result<()> {
         report::save(dir, report::CONTROL_PLANE_JSON, &results)?;
     }
     if suites.2 {
-        let settings = if args.quick { e2e::Settings::quick() } else { e2e::Settings::full() };
+        let mut settings = if args.quick { e2e::Settings::quick() } else { e2e::Settings::full() };
+        if !args.modes.is_empty() {
+            settings.modes = args.modes.iter().map(|name| e2e::Mode::parse(name)).collect::<Result<_>>()?;
+        }
+        if !args.services.is_empty() {
+            settings.services_axis = args.services.clone();
+        }
         let meta = meta::RunMeta::start(command, args.quick).with_iptables(e2e::iptables_versions());
         let results = e2e::run(meta, settings)?;
         report::save(dir, report::E2E_JSON, &results)?;

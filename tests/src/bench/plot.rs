@@ -279,7 +279,7 @@ fn e2e_plot(path: &Path, results: &e2e::Results) -> Result<()> {
     let node_port = series(e2e::Kind::UdpNodePort, |m| m.rate);
     log_panel(
         &panels[3],
-        "UDP request/response to a NodePort, from outside (TC)",
+        "UDP request/response to a NodePort, from outside",
         "transactions/s",
         (x_low, x_high),
         &node_port,

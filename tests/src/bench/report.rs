@@ -268,7 +268,7 @@ fn at_least(what: &'static str, value: Option<(f64, String)>, min: f64) -> Targe
         Some((value, measured)) => Target {
             what,
             measured,
-            status: Status::Missed(format!("({:.2}× short of {min}×)", value / min)),
+            status: Status::Missed(format!("({value:.2}× where {min}× is the target)")),
         },
     }
 }
@@ -315,7 +315,70 @@ fn e2e_targets(results: Option<&e2e::Results>) -> Vec<Target> {
             1.1,
             "×",
         ),
+        at_least(
+            "e2e: NodePort packets/s through XDP ≥ 2× the TC path on the same traffic",
+            results.and_then(xdp_stream_ratio),
+            2.0,
+        ),
     ]
+}
+
+/// The packet stream's XDP ÷ TC rate at each number of services (medians, same run).
+fn xdp_stream_ratios(results: &e2e::Results) -> Vec<(usize, f64, f64, f64)> {
+    let stream = |mode, services| Some(results.cell(mode, services)?.stream.as_ref()?.delivered.median);
+    results
+        .settings
+        .services_axis
+        .iter()
+        .filter_map(|&services| {
+            let tc = stream(e2e::Mode::Ebpf, services)?;
+            let xdp = stream(e2e::Mode::EbpfXdp, services)?;
+            (tc > 0.0).then(|| (services, xdp / tc, xdp, tc))
+        })
+        .collect()
+}
+
+/// The worst of [`xdp_stream_ratios`], as the target's measure; the frame stream's ratios
+/// (the NIC-like input) beside it.
+fn xdp_stream_ratio(results: &e2e::Results) -> Option<(f64, String)> {
+    let ratios = xdp_stream_ratios(results);
+    let &(services, ratio, xdp, tc) = ratios.iter().min_by(|a, b| a.1.total_cmp(&b.1))?;
+    let all: Vec<String> = ratios.iter().map(|(s, r, _, _)| format!("{}: {r:.2}×", short(*s))).collect();
+    let frames: Vec<String> = results
+        .settings
+        .services_axis
+        .iter()
+        .filter_map(|&services| {
+            let of = |mode| results.cell(mode, services)?.frames.as_ref();
+            let (tc, xdp) = (of(e2e::Mode::Ebpf)?, of(e2e::Mode::EbpfXdp)?);
+            let cost = match (tc.cpu_ns_per_packet, xdp.cpu_ns_per_packet) {
+                (Some(tc), Some(xdp)) if xdp.median > 0.0 => {
+                    format!(", {:.2}× per CPU", tc.median / xdp.median)
+                }
+                _ => String::new(),
+            };
+            (tc.delivered.median > 0.0).then(|| {
+                format!("{}: {:.2}×{cost}", short(services), xdp.delivered.median / tc.delivered.median)
+            })
+        })
+        .collect();
+    let frames = if frames.is_empty() {
+        String::new()
+    } else {
+        format!("; frames injected as from a NIC: {}", frames.join(", "))
+    };
+    Some((
+        ratio,
+        format!(
+            "{ratio:.2}× at {} (worst of {}; XDP {} vs TC {} packets/s delivered; by services: {}{frames}; \
+             veth, not a NIC: see the notes)",
+            plural(services, "service"),
+            ratios.len(),
+            count(xdp),
+            count(tc),
+            all.join(", ")
+        ),
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -552,7 +615,7 @@ fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], 
          an upper bound, and \"established, cold\" shows how much this method adds to a path measured \
          both ways.\n\
          - The flow entries every new flow created are deleted after each repetition (each must be \
-         there), so the LRU flows map never evicts during a measurement, and it must hold only the \
+         there), so the flows map never fills during a measurement, and it must hold only the \
          established and reply entries at the end. Every run's verdict and output frame are checked \
          (rewritten to a backend, masqueraded to the node, or unchanged).\n\
          - Cold new flows go to the last-inserted service, from a pod; \"from outside\" comes from outside \
@@ -666,13 +729,22 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
          of {} s each (min–max in brackets), then p50 / p99 latency of a transaction in µs (medians \
          of the repetitions' percentiles). TCP: {} closed-loop clients, a new connection per \
          transaction (connect, 16-byte request, reply, close); UDP: {} closed-loop clients, one flow \
-         each, a datagram and its reply per transaction (two packets through the node).\n",
-        s.repetitions, s.seconds, s.tcp_workers, s.udp_workers
+         each, a datagram and its reply per transaction (two packets through the node). The packet \
+         stream: open loop, 16-byte datagrams from outside to a NodePort over {} flows, sent with \
+         `sendmmsg` by {} thread(s) as fast as the kernel takes them, counted where they arrive at the \
+         backends (`recvmmsg`).\n",
+        s.repetitions, s.seconds, s.tcp_workers, s.udp_workers, s.stream_flows, s.stream_senders
     );
     let modes: Vec<e2e::Mode> = e2e::Mode::ALL.into_iter().filter(|mode| s.modes.contains(mode)).collect();
-    for kind in e2e::Kind::ALL {
-        let _ = writeln!(w, "### {} ({})\n", kind.label(), kind.unit());
-        let _ = write!(w, "| mode | hook |");
+    let xdp_attached = results.cells.iter().find_map(|cell| cell.xdp_attached.clone());
+    let hook_label = |mode: e2e::Mode| -> String {
+        match (mode.hook(), &xdp_attached) {
+            (e2e::Hook::Xdp, Some(attached)) => format!("XDP ({attached})"),
+            (hook, _) => hook.label().to_owned(),
+        }
+    };
+    let header = |w: &mut String, first: &str| {
+        let _ = write!(w, "| {first} |");
         for &services in &s.services_axis {
             let _ = write!(w, " {} |", plural(services, "service"));
         }
@@ -681,14 +753,19 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
             let _ = write!(w, "---|");
         }
         let _ = writeln!(w);
-        for &mode in &modes {
-            let hook = results
-                .cells
-                .iter()
-                .filter(|cell| cell.mode == mode)
-                .find_map(|cell| cell.measurement(kind))
-                .map_or("—", |m| m.hook.label());
-            let _ = write!(w, "| {} | {hook} |", mode.label());
+    };
+    let not_run = |mode: e2e::Mode, services: usize| -> String {
+        if results.skipped.iter().any(|x| x.mode == mode && x.services == services) {
+            "not run (see below)".into()
+        } else {
+            "—".into()
+        }
+    };
+    for kind in e2e::Kind::ALL {
+        let _ = writeln!(w, "### {} ({})\n", kind.label(), kind.unit());
+        header(w, "mode | hook");
+        for &mode in modes.iter().filter(|mode| mode.measures(kind)) {
+            let _ = write!(w, "| {} | {} |", mode.proxy_mode(), hook_label(mode));
             for &services in &s.services_axis {
                 let text = match results.cell(mode, services).and_then(|cell| cell.measurement(kind)) {
                     Some(m) => format!(
@@ -699,10 +776,7 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
                         num(m.p50_us.median),
                         num(m.p99_us.median)
                     ),
-                    None if results.skipped.iter().any(|x| x.mode == mode && x.services == services) => {
-                        "not run (see below)".into()
-                    }
-                    None => "—".into(),
+                    None => not_run(mode, services),
                 };
                 let _ = write!(w, " {text} |");
             }
@@ -710,19 +784,43 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
         }
         let _ = writeln!(w);
     }
+
+    render_stream_table(
+        w,
+        results,
+        &modes,
+        &hook_label,
+        "NodePort packet stream from outside (packets/s delivered to the backends)",
+        "datagrams from the external client's sockets",
+        |cell| cell.stream.as_ref(),
+    );
+    render_stream_table(
+        w,
+        results,
+        &modes,
+        &hook_label,
+        "NodePort frame stream from outside (packets/s delivered to the backends)",
+        "the same datagrams as Ethernet frames injected into the external client's veth, which the node \
+         receives as from a NIC's driver (no skb, no sending socket)",
+        |cell| cell.frames.as_ref(),
+    );
     let _ = writeln!(
         w,
-        "*hook*: where the node handles the packets. The NodePort rows are where an XDP variant \
-         (`--xdp=native|off`) will add an ebpf row; today vipr's datapath is its TC programs only.\n"
+        "*hook*: where the node handles the packets from the client: vipr's TC ingress program, its XDP \
+         program (`--xdp=native`: IPv4 TCP/UDP from outside the node, so only the NodePort rows; the \
+         replies still go through TC), or netfilter (iptables' nat rules and conntrack).\n"
     );
     if plots.contains(&plot::E2E) {
         let _ = writeln!(w, "![end to end: connections/s, latency, UDP rates]({plot_dir}{})\n", plot::E2E);
     }
 
+    render_e2e_bpf(w, results, &modes);
+
     let _ = writeln!(w, "### Ratios (same run)\n");
     let rate = |mode, services, kind| -> Option<f64> {
         Some(results.cell(mode, services)?.measurement(kind)?.rate.median)
     };
+    let stream = |mode, services| -> Option<&e2e::Stream> { results.cell(mode, services)?.stream.as_ref() };
     let p99 = |mode, services| -> Option<f64> {
         Some(results.cell(mode, services)?.measurement(e2e::Kind::TcpClusterIp)?.p99_us.median)
     };
@@ -730,7 +828,9 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}×", a / b),
         _ => "—".into(),
     };
-    let iptables: Vec<e2e::Mode> = modes.iter().copied().filter(|m| *m != e2e::Mode::Ebpf).collect();
+    let iptables: Vec<e2e::Mode> = modes.iter().copied().filter(|m| !m.is_ebpf()).collect();
+    let pod_modes: Vec<e2e::Mode> =
+        modes.iter().copied().filter(|m| m.measures(e2e::Kind::TcpClusterIp)).collect();
     let _ = write!(w, "| services |");
     for mode in &iptables {
         let _ = write!(w, " TCP conn/s ebpf ÷ {} |", mode.label());
@@ -738,11 +838,11 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
     for mode in &iptables {
         let _ = write!(w, " UDP cluster IP ebpf ÷ {} |", mode.label());
     }
-    for mode in &modes {
+    for mode in &pod_modes {
         let _ = write!(w, " {} TCP p99 ÷ its p99 at 1 service |", mode.label());
     }
     let _ = write!(w, "\n|---|");
-    for _ in 0..iptables.len() * 2 + modes.len() {
+    for _ in 0..iptables.len() * 2 + pod_modes.len() {
         let _ = write!(w, "---|");
     }
     let _ = writeln!(w);
@@ -756,12 +856,63 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
             let k = e2e::Kind::UdpClusterIp;
             let _ = write!(w, " {} |", ratio(rate(e2e::Mode::Ebpf, services, k), rate(mode, services, k)));
         }
-        for &mode in &modes {
+        for &mode in &pod_modes {
             let _ = write!(w, " {} |", ratio(p99(mode, services), p99(mode, 1)));
         }
         let _ = writeln!(w);
     }
     let _ = writeln!(w);
+
+    if modes.contains(&e2e::Mode::EbpfXdp) {
+        let _ = writeln!(
+            w,
+            "From outside, by hook: XDP ÷ TC of the medians, for the streams with the min–max of the ratio \
+             of each repetition's pair (measured one right after the other) in brackets; *per CPU* is the \
+             ratio of the CPU time a delivered packet cost (TC ÷ XDP: above 1× means XDP is cheaper), \
+             which other work on the machine does not skew.\n"
+        );
+        let _ = write!(
+            w,
+            "| services | packet stream XDP ÷ TC | per CPU | frame stream XDP ÷ TC | per CPU | UDP NodePort transactions/s XDP ÷ TC | TCP NodePort conn/s XDP ÷ TC |"
+        );
+        for mode in &iptables {
+            let _ = write!(w, " packet stream TC ÷ {} |", mode.label());
+        }
+        let _ = write!(w, "\n|---|---|---|---|---|---|---|");
+        for _ in &iptables {
+            let _ = write!(w, "---|");
+        }
+        let _ = writeln!(w);
+        for &services in &s.services_axis {
+            let _ = write!(w, "| {} |", count(services as f64));
+            for which in [Which::Packets, Which::Frames] {
+                let pick = |mode| which.of(results.cell(mode, services)?);
+                let (tc, xdp) = (pick(e2e::Mode::Ebpf), pick(e2e::Mode::EbpfXdp));
+                let _ = write!(
+                    w,
+                    " {} | {} |",
+                    stream_ratio(tc, xdp),
+                    ratio(
+                        tc.and_then(|x| Some(x.cpu_ns_per_packet?.median)),
+                        xdp.and_then(|x| Some(x.cpu_ns_per_packet?.median))
+                    )
+                );
+            }
+            for kind in [e2e::Kind::UdpNodePort, e2e::Kind::TcpNodePort] {
+                let _ = write!(
+                    w,
+                    " {} |",
+                    ratio(rate(e2e::Mode::EbpfXdp, services, kind), rate(e2e::Mode::Ebpf, services, kind))
+                );
+            }
+            for &mode in &iptables {
+                let delivered = |mode| stream(mode, services).map(|x| x.delivered.median);
+                let _ = write!(w, " {} |", ratio(delivered(e2e::Mode::Ebpf), delivered(mode)));
+            }
+            let _ = writeln!(w);
+        }
+        let _ = writeln!(w);
+    }
 
     let _ = writeln!(w, "### Programming\n");
     let _ = writeln!(
@@ -839,17 +990,40 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
         "- Each cell (mode × services) is a lab of network namespaces of its own: a node running `vipr` \
          (release build, `--services-file`), a client in the cluster CIDR (a pod), an external client \
          outside it (masqueraded toward the backends), and three backend namespaces with echo servers \
-         (accepting threads, no thread per connection). The services file holds N−1 ClusterIP services \
-         with one TCP port and one endpoint each, then the target: a NodePort service (TCP 80 and UDP 53, \
-         NodePorts {} and {} on the node's address toward the external client) with the three backends. \
-         Traffic goes to the target, the last service inserted: for iptables, the end of the \
-         KUBE-SERVICES list each new connection walks.\n\
+         (accepting threads, no thread per connection) and a counting sink for the packet stream. The \
+         services file holds N−1 ClusterIP services with one TCP port and one endpoint each, then the \
+         target: a NodePort service (TCP 80, UDP 53 and the stream's UDP 54, NodePorts {}, {} and {} on \
+         the node's address toward the external client) with the three backends. Traffic goes to the \
+         target, the last service inserted: for iptables, the end of the KUBE-SERVICES list each new \
+         connection walks.\n\
          - Modes: `--proxy-mode=ebpf` (TC programs on every node interface; socket hooks on an empty \
-         cgroup of the suite's own, which the clients are not in); `--proxy-mode=iptables` with the \
+         cgroup of the suite's own, which the clients are not in); the same with `--xdp=native` (XDP \
+         on every node interface too: a device XDP redirects to must have it; measured from outside \
+         only, since XDP leaves pod traffic to TC); `--proxy-mode=iptables` with the \
          system's iptables (iptables-nft here), which writes kube-proxy's chain structure and so stands \
          for kube-proxy's iptables mode; and the same ruleset through iptables-legacy (vipr has no flag \
          for the variant: `iptables*` wrappers that exec `iptables-legacy*` are put first on its PATH, \
          and the suite checks the variant vipr logs).\n\
+         - XDP on veth, set up alike in every lab so that all modes see the same traffic: tx checksum \
+         offload off on the external client's veth (`ethtool -K eth0 tx off`, through the SIOCETHTOOL \
+         ioctl), since XDP updates checksums incrementally and would corrupt a CHECKSUM_PARTIAL packet; \
+         and GRO on at the backends' veth ends (`ethtool -K eth0 gro on`) and at the node's end toward \
+         the external client, which gives them the NAPI context without which the kernel drops frames \
+         XDP redirects into a veth (the frame stream is redirected into the node's end).\n\
+         - Which hook did the work: BPF run statistics are on for the whole run (`BPF_ENABLE_STATS`, \
+         released at the end, so the `kernel.bpf_stats_enabled` sysctl is never changed), and every ebpf \
+         measurement records how often and how long `vipr_tc_ingress` and `vipr_xdp` ran (found \
+         through the links vipr pinned for the external client's device). An XDP measurement fails if \
+         `vipr_xdp` did not run; an XDP stream fails unless `vipr_xdp` ran for every delivered \
+         packet and TC for fewer than a tenth (what XDP passes goes on to TC).\n\
+         - The frame stream: an XDP program of the suite's own (raw instructions) run by \
+         BPF_PROG_TEST_RUN in live-frame mode in the external client's namespace, 65,536 frames per \
+         call, one flow's frame per call in turn, redirected out of the client's veth. It writes the \
+         headers into every frame, since the kernel recycles the frames' pages without restoring what \
+         the node's NAT rewrote. *sent* counts the frames generated.\n\
+         - The packet stream's sinks have 16 MiB receive buffers (`SO_RCVBUFFORCE`) and the backends' \
+         UDP RcvbufErrors are read, so losses at the sinks show apart from the node's. Delivered counts \
+         include what was still in flight 50 ms after the sender stopped.\n\
          - All cells are set up first, one after the other (so programming times do not overlap), then \
          measured round robin: each repetition measures every kind of traffic on every cell, so slow \
          phases of the machine fall on all cells alike. One uncounted 0.2 s round warms every path first.\n\
@@ -860,9 +1034,191 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
          whole suite should (see the list above).\n",
         30080,
         30053,
+        30054,
         results.meta.cpus,
         count(s.nft_max_services as f64),
     );
+}
+
+#[derive(Clone, Copy)]
+enum Which {
+    Packets,
+    Frames,
+}
+
+impl Which {
+    fn of(self, cell: &e2e::Cell) -> Option<&e2e::Stream> {
+        match self {
+            Self::Packets => cell.stream.as_ref(),
+            Self::Frames => cell.frames.as_ref(),
+        }
+    }
+}
+
+/// XDP ÷ TC of two streams' medians, with the spread of the repetitions' pairs.
+fn stream_ratio(tc: Option<&e2e::Stream>, xdp: Option<&e2e::Stream>) -> String {
+    let (Some(tc), Some(xdp)) = (tc, xdp) else { return "—".into() };
+    if tc.delivered.median <= 0.0 {
+        return "—".into();
+    }
+    let mut text = format!("{:.2}×", xdp.delivered.median / tc.delivered.median);
+    if tc.delivered_per_repetition.len() == xdp.delivered_per_repetition.len() {
+        let pairs: Vec<f64> = tc
+            .delivered_per_repetition
+            .iter()
+            .zip(&xdp.delivered_per_repetition)
+            .filter(|(tc, _)| **tc > 0.0)
+            .map(|(tc, xdp)| xdp / tc)
+            .collect();
+        if let Some(pairs) = Summary::of(&pairs) {
+            let _ = write!(text, " ({:.2}–{:.2}×)", pairs.min, pairs.max);
+        }
+    }
+    text
+}
+
+/// One of the stream tables: by mode × services, delivered packets/s, what was sent, and the
+/// CPU a packet cost.
+fn render_stream_table(
+    w: &mut String,
+    results: &e2e::Results,
+    modes: &[e2e::Mode],
+    hook_label: &dyn Fn(e2e::Mode) -> String,
+    title: &str,
+    what: &str,
+    stream: fn(&e2e::Cell) -> Option<&e2e::Stream>,
+) {
+    let s = &results.settings;
+    if !results.cells.iter().any(|cell| stream(cell).is_some()) {
+        return;
+    }
+    let _ = writeln!(w, "### {title}\n");
+    let _ = writeln!(
+        w,
+        "{}{}: delivered packets/s (min–max); what the sender pushed (sent/s); the CPU time a delivered \
+         packet cost in ns, summed over the sending thread (which runs the node's and the backends' \
+         receive processing inline), the sinks and the machine's ksoftirqd threads; and the share of \
+         the machine's CPU time (both CPUs, other work included) that was busy while it sent.\n",
+        what[..1].to_uppercase(),
+        &what[1..]
+    );
+    let _ = write!(w, "| mode | hook |");
+    for &services in &s.services_axis {
+        let _ = write!(w, " {} |", plural(services, "service"));
+    }
+    let _ = write!(w, "\n|---|---|");
+    for _ in &s.services_axis {
+        let _ = write!(w, "---|");
+    }
+    let _ = writeln!(w);
+    for &mode in modes {
+        let _ = write!(w, "| {} | {} |", mode.proxy_mode(), hook_label(mode));
+        for &services in &s.services_axis {
+            let text = match results.cell(mode, services).and_then(stream) {
+                Some(x) => format!(
+                    "{} ({}–{}) · sent {}/s · {} · CPU {:.0}% busy",
+                    count(x.delivered.median),
+                    count(x.delivered.min),
+                    count(x.delivered.max),
+                    count(x.sent.median),
+                    x.cpu_ns_per_packet.map_or("n/a".into(), |ns| format!("{} ns/packet", num(ns.median))),
+                    x.cpu_busy.median * 100.0,
+                ),
+                None if results.skipped.iter().any(|x| x.mode == mode && x.services == services) => {
+                    "not run (see below)".into()
+                }
+                None => "—".into(),
+            };
+            let _ = write!(w, " {text} |");
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(w);
+}
+
+/// What vipr's programs did in the ebpf cells: runs per transaction (per delivered packet for
+/// the stream) and ns per run, from the kernel's BPF run statistics.
+fn render_e2e_bpf(w: &mut String, results: &e2e::Results, modes: &[e2e::Mode]) {
+    let ebpf: Vec<e2e::Mode> = modes.iter().copied().filter(|m| m.is_ebpf()).collect();
+    let any = results.cells.iter().any(|cell| {
+        cell.stream.as_ref().and_then(|x| x.bpf).is_some()
+            || cell.measurements.iter().any(|m| m.bpf.is_some())
+    });
+    if ebpf.is_empty() || !any {
+        return;
+    }
+    let _ = writeln!(w, "### Which program handled the packets (ebpf cells, from outside)\n");
+    let _ = writeln!(
+        w,
+        "Runs of `vipr_xdp` / `vipr_tc_ingress` per transaction (packet stream: per delivered packet) \
+         over all counted repetitions, from the kernel's BPF run statistics; one program of each serves \
+         all the node's devices, so replies count too (a UDP transaction is a request and a reply). \
+         Then the programs' mean run time in ns (the kernel's `run_time_ns`: program alone, stats on).\n"
+    );
+    let _ = writeln!(
+        w,
+        "| mode | services | UDP NodePort: runs XDP / TC | TCP NodePort: runs XDP / TC | packet stream: runs XDP / TC | ns per run XDP / TC | frame stream: runs XDP / TC | ns per run XDP / TC | CPU ns per packet: sender / sinks / ksoftirqd (packet stream; frame stream) |\n|---|---|---|---|---|---|---|---|---|"
+    );
+    let per = |runs: Option<u64>, of: u64| -> String {
+        match runs {
+            Some(runs) if of > 0 => format!("{:.2}", runs as f64 / of as f64),
+            Some(_) => "n/a".into(),
+            None => "—".into(),
+        }
+    };
+    for &mode in &ebpf {
+        for &services in &results.settings.services_axis {
+            let Some(cell) = results.cell(mode, services) else { continue };
+            let _ = write!(w, "| {} | {} |", mode.label(), count(services as f64));
+            for kind in [e2e::Kind::UdpNodePort, e2e::Kind::TcpNodePort] {
+                let text = match cell.measurement(kind).and_then(|m| Some((m, m.bpf?))) {
+                    Some((m, bpf)) => format!(
+                        "{} / {}",
+                        per(bpf.xdp_runs, m.transactions),
+                        per(Some(bpf.tc_runs), m.transactions)
+                    ),
+                    None => "—".into(),
+                };
+                let _ = write!(w, " {text} |");
+            }
+            for which in [Which::Packets, Which::Frames] {
+                let (runs, ns) = match which.of(cell).and_then(|x| Some((x, x.bpf?))) {
+                    Some((stream, bpf)) => (
+                        format!(
+                            "{} / {}",
+                            per(bpf.xdp_runs, stream.delivered_total),
+                            per(Some(bpf.tc_runs), stream.delivered_total)
+                        ),
+                        // A program that ran for a few stray packets only (TC in an XDP cell)
+                        // has a run time of cold caches, not of this traffic's path.
+                        format!(
+                            "{} / {}",
+                            bpf.xdp_ns_per_run()
+                                .filter(|_| bpf.xdp_runs.unwrap_or(0) * 2 >= stream.delivered_total)
+                                .map_or("—".into(), num),
+                            bpf.tc_ns_per_run()
+                                .filter(|_| bpf.tc_runs * 2 >= stream.delivered_total)
+                                .map_or("—".into(), num)
+                        ),
+                    ),
+                    None => ("—".into(), "—".into()),
+                };
+                let _ = write!(w, " {runs} | {ns} |");
+            }
+            let split = |stream: Option<&e2e::Stream>| -> String {
+                let Some(x) = stream else { return "—".into() };
+                let part = |s: Option<Summary>| s.map_or("?".into(), |s| num(s.median));
+                format!(
+                    "{} / {} / {}",
+                    part(x.sender_ns_per_packet),
+                    part(x.sink_ns_per_packet),
+                    part(x.ksoftirqd_ns_per_packet)
+                )
+            };
+            let _ = writeln!(w, " {}; {} |", split(cell.stream.as_ref()), split(cell.frames.as_ref()));
+        }
+    }
+    let _ = writeln!(w);
 }
 
 #[cfg(test)]

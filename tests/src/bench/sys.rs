@@ -186,31 +186,9 @@ impl Drop for PrivateCgroup {
 // ---------------------------------------------------------------------------------------------
 // Raw bpf(): an empty TC program and BPF_PROG_TEST_RUN.
 
-use vipr::bpf_sys::{self, bpf, cmd, ProgLoadAttr};
+use vipr::bpf_sys::{self, bpf, cmd, ProgLoadAttr, TestRunAttr};
 
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
-
-/// `union bpf_attr` for BPF_PROG_TEST_RUN.
-#[repr(C)]
-#[derive(Default)]
-struct TestRunAttr {
-    prog_fd: u32,
-    retval: u32,
-    data_size_in: u32,
-    data_size_out: u32,
-    data_in: u64,
-    data_out: u64,
-    repeat: u32,
-    duration: u32,
-    ctx_size_in: u32,
-    ctx_size_out: u32,
-    ctx_in: u64,
-    ctx_out: u64,
-    flags: u32,
-    cpu: u32,
-    batch_size: u32,
-    pad: u32,
-}
 
 /// A TC classifier that only returns TC_ACT_UNSPEC: `r0 = -1; exit`. Loaded from two raw
 /// instructions, so the baseline needs no BPF object of its own.
