@@ -25,8 +25,10 @@ mod harness6;
 mod icmp_quote;
 #[path = "fixtures/netns.rs"]
 mod netns;
+#[path = "fixtures/table.rs"]
+mod table;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use frame::{
@@ -45,6 +47,7 @@ use harness6::{
 use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
 use netns::{in_fresh_netns, ip};
 use proxy_common::{service_flags, snat, source_class, unmatched, Flow6, FlowKey6, Service, SnatPorts};
+use table::{run_table, Outcome};
 
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
 const TC_ACT_REDIRECT: u32 = 7;
@@ -503,11 +506,6 @@ fn fixtures() -> Vec<Fixture> {
     ]
 }
 
-enum Outcome {
-    Passed,
-    Skipped(&'static str),
-}
-
 fn run_fixture(fixture: &Fixture) -> Result<Outcome> {
     let h = Harness::new()?;
     (fixture.setup)(&h).context("setup")?;
@@ -530,32 +528,12 @@ fn run_fixture(fixture: &Fixture) -> Result<Outcome> {
 #[test]
 fn fixture_table() {
     let fixtures = fixtures();
-    let mut names = HashSet::new();
-    for fixture in &fixtures {
-        assert!(names.insert(fixture.name), "duplicate fixture name {}", fixture.name);
-    }
-    let failures = in_fresh_netns(|| {
-        let mut failures = Vec::new();
-        for fixture in &fixtures {
-            match run_fixture(fixture) {
-                Ok(Outcome::Passed) => println!("PASS {}", fixture.name),
-                Ok(Outcome::Skipped(why)) => println!("SKIP {}: {why}", fixture.name),
-                Err(err) => {
-                    println!("FAIL {}: {err:#}", fixture.name);
-                    failures.push(format!("--- {}: {err:#}", fixture.name));
-                }
-            }
-        }
-        Ok(failures)
+    // A failing table panics on the namespace's thread, after printing every failure.
+    in_fresh_netns(|| {
+        run_table(&fixtures, |fixture| fixture.name, run_fixture);
+        Ok(())
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
-    assert!(
-        failures.is_empty(),
-        "{} of {} fixtures failed:\n{}",
-        failures.len(),
-        fixtures.len(),
-        failures.join("\n")
-    );
 }
 
 // ---------------------------------------------------------------------------------------------

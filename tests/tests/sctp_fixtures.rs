@@ -43,9 +43,12 @@ mod icmp_error;
 mod icmp_quote;
 #[path = "fixtures/netns.rs"]
 mod netns;
+#[allow(dead_code)]
+#[path = "fixtures/table.rs"]
+mod table;
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     ops::Range,
@@ -73,6 +76,7 @@ use proxy_common::{
     pins, sctp, service_flags, snat, source_class, unmatched, Flow4, Flow6, FlowKey4, FlowKey6, FlowTrack,
     Service,
 };
+use table::{run_table, Outcome};
 
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
 const TC_ACT_REDIRECT: u32 = 7;
@@ -1159,31 +1163,16 @@ fn run_fixture(fixture: &Fixture) -> Result<()> {
 #[test]
 fn fixture_table() {
     let fixtures: Vec<Fixture> = fixtures(&V4).into_iter().chain(fixtures(&V6)).collect();
-    let mut names = HashSet::new();
-    for fixture in &fixtures {
-        assert!(names.insert(fixture.name.as_str()), "duplicate fixture name {}", fixture.name);
-    }
-    let failures = in_fresh_netns(|| {
-        let mut failures = Vec::new();
-        for fixture in &fixtures {
-            match run_fixture(fixture) {
-                Ok(()) => println!("PASS {}", fixture.name),
-                Err(err) => {
-                    println!("FAIL {}: {err:#}", fixture.name);
-                    failures.push(format!("--- {}: {err:#}", fixture.name));
-                }
-            }
-        }
-        Ok(failures)
+    // A failing table panics on the namespace's thread, after printing every failure.
+    in_fresh_netns(|| {
+        run_table(
+            &fixtures,
+            |fixture| fixture.name.as_str(),
+            |fixture| run_fixture(fixture).map(|()| Outcome::Passed),
+        );
+        Ok(())
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
-    assert!(
-        failures.is_empty(),
-        "{} of {} fixtures failed:\n{}",
-        failures.len(),
-        fixtures.len(),
-        failures.join("\n")
-    );
 }
 
 // ---------------------------------------------------------------------------------------------
