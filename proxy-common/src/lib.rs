@@ -54,7 +54,7 @@ pub mod pins {
     pub const DATAPATH_STATS: &str = "vipr_dstat_v1";
     /// Earlier layouts of the maps above, which the agent unpins once the new program serves
     /// (their content is never reinterpreted: connections tracked by the earlier layout are
-    /// balanced anew, as after a flows-map eviction).
+    /// balanced anew).
     pub const RETIRED: [&str; 8] = [
         "vipr_svc4_v1",
         "vipr_back4_v1",

@@ -50,15 +50,16 @@ const fn powers(step: u32) -> [u32; 256] {
     table
 }
 
-/// x^(8·n) and x^(8·256·n): a length below 64 KiB is one entry of each.
+/// x^(8·n) and x^(8·256·n) (per byte and per 256-byte block): a length below 64 KiB is one
+/// entry of each.
 static BYTE_POWERS: [u32; 256] = powers(1);
-static KIB_POWERS: [u32; 256] = powers(256);
+static BLOCK_POWERS: [u32; 256] = powers(256);
 
 /// x^(8·bytes) mod POLY, for `bytes` below 64 KiB (an IP packet): the effect of `bytes` zero
 /// bytes on a CRC register.
 #[inline(always)]
 pub fn x_pow_bytes(bytes: u32) -> u32 {
-    multiply(BYTE_POWERS[(bytes & 0xff) as usize], KIB_POWERS[((bytes >> 8) & 0xff) as usize])
+    multiply(BYTE_POWERS[(bytes & 0xff) as usize], BLOCK_POWERS[((bytes >> 8) & 0xff) as usize])
 }
 
 /// What to XOR into the checksum field (read as a little-endian `u32`, the order SCTP

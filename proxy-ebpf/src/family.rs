@@ -112,6 +112,8 @@ pub trait Maps: Sized {
     fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
     /// Stores a flow entry only if `key` is absent: claims it against concurrent flows.
     fn claim(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
+    /// Deletes a flow entry this packet stored, when its partner could not be stored.
+    fn forget(key: &Tuple<Self>);
     /// The services entry of the packet's destination, for one source class.
     fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service>;
     fn backend(slot: &BackendSlot) -> Option<Endpoint<Self>>;
@@ -348,6 +350,11 @@ macro_rules! family_maps {
             #[inline(always)]
             fn claim(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64> {
                 $flows.insert_new(&key.into(), &nat.into())
+            }
+
+            #[inline(always)]
+            fn forget(key: &Tuple<Self>) {
+                let _ = $flows.remove(&key.into());
             }
 
             #[inline(always)]

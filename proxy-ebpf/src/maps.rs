@@ -121,7 +121,6 @@ impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize>
     }
 
     #[inline(always)]
-    #[allow(dead_code)]
     pub fn remove(&self, key: &K) -> Result<(), i64> {
         let result = unsafe { bpf_map_delete_elem(self.as_ptr(), core::ptr::from_ref(key).cast()) };
         if result == 0 {
@@ -303,8 +302,8 @@ pub static SNAT_PORTS: PinnedMap<u32, proxy_common::SnatPorts, ARRAY, 1> = Pinne
 // IPv6: the same maps as the IPv4 ones above, with the `*6` key and value types. The services
 // and backends maps are not preallocated: only the agent writes them, so an allocation never
 // happens on the packet path, and a node without IPv6 services does not set aside the ~120 MiB
-// their capacities would take. The flows map cannot do the same (LRU maps are always
-// preallocated).
+// their capacities would take. The flows map cannot do the same: programs insert into it, and
+// an insert must not allocate on the packet path.
 
 /// Only for maps that programs never write.
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;

@@ -72,7 +72,7 @@ pub struct Packet<A> {
     /// Bytes from the L4 header to the end of the IP packet, as the IP header says (the frame
     /// may carry Ethernet padding after it): what an SCTP checksum covers.
     pub l4_len: u32,
-    /// The TCP flags byte (FIN, SYN, RST, ...); 0 for UDP.
+    /// The TCP flags byte (FIN, SYN, RST, ...); 0 for UDP and SCTP.
     pub tcp_flags: u8,
     /// The IP identification of an IPv4 first fragment (offset 0, more fragments), whose
     /// ports the later fragments need (fragment.rs); `None` for a whole packet.
@@ -117,8 +117,9 @@ pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
     }
     let src = [ip[12], ip[13], ip[14], ip[15]];
     let dst = [ip[16], ip[17], ip[18], ip[19]];
+    // Saturating: a BIG TCP packet over 64 KiB says 0; only SCTP, which has none, reads it.
     let total_len = u16::from_be_bytes([ip[IPV4_TOTAL_LEN_OFF], ip[IPV4_TOTAL_LEN_OFF + 1]]);
-    let l4_len = u32::from(total_len).checked_sub(header_len as u32)?;
+    let l4_len = u32::from(total_len).saturating_sub(header_len as u32);
     let mut packet = transport(ctx, ETH_HLEN + header_len, l4_len, ip[9], src, dst)?;
     if fragment & IP_MF != 0 {
         if packet.flow.proto == proto::SCTP {
@@ -294,8 +295,10 @@ pub fn rewrite<A: Family>(
 
 /// Updates an SCTP packet's CRC32c for one of its ports becoming `port`. Only the XOR of old
 /// and new port bytes matters (the CRC is linear), so the other side's port may already have
-/// been rewritten. A CHECKSUM_PARTIAL packet (a local SCTP socket over a device with CRC
-/// offload) holds no checksum yet; whoever computes it later overwrites this one.
+/// been rewritten. A field of 0 is left alone: that is a CHECKSUM_PARTIAL packet (a pod's
+/// SCTP socket over veth, which offers CRC offload), whose checksum the kernel computes later
+/// over the packet *including* the field, so it must stay 0. A real CRC of 0 (one packet in
+/// 2^32) then keeps its old, wrong value, and its receiver drops it as a loss.
 #[inline(always)]
 fn sctp_port_checksum<A>(ctx: &TcContext, packet: &Packet<A>, side: Side, port: u16) -> Result<(), i64> {
     let (old_port, shift) = match side {
@@ -309,7 +312,10 @@ fn sctp_port_checksum<A>(ctx: &TcContext, packet: &Packet<A>, side: Side, port: 
     }
     let change = sctp_checksum_change(difference, packet.l4_len);
     let csum = bytes_at::<4>(ctx, packet.l4_offset + sctp::CHECKSUM_OFFSET).ok_or(-1i64)?;
-    unsafe { *csum = (u32::from_le_bytes(*csum) ^ change).to_le_bytes() };
+    let stored = u32::from_le_bytes(unsafe { *csum });
+    if stored != 0 {
+        unsafe { *csum = (stored ^ change).to_le_bytes() };
+    }
     Ok(())
 }
 

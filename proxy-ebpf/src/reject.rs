@@ -14,9 +14,9 @@
 //! ```
 //!
 //! **The quote** is the original IP header as it arrived (options and all) followed by the
-//! first bytes of its L4 header: 8 for UDP (the whole header), 12 for SCTP (the common header,
-//! up to the end of its checksum field, for TCP's reason below), 20 for TCP (the header without
-//! options). RFC 792 asks for at least 8 bytes and RFC 1812 for as much as fits in 576; the
+//! first bytes of its L4 header: 8 for UDP (the whole header), 20 for SCTP (the common header
+//! and, of an INIT, the initiate tag its sender matches an error about the INIT by), 20 for TCP
+//! (the header without options). RFC 792 asks for at least 8 bytes and RFC 1812 for as much as fits in 576; the
 //! receiving kernel matches the error to its socket by the addresses and ports in the quote,
 //! and TCP also checks the quoted sequence number, all within the first 8 bytes. TCP quotes 20
 //! because `bpf_skb_change_tail` refuses to cut a CHECKSUM_PARTIAL skb before the end of its
@@ -96,16 +96,18 @@ const TCP_QUOTE: usize = 20;
 const TCP_CSUM_AT: usize = 16;
 const UDP_QUOTE: usize = 8;
 const UDP_CSUM_AT: usize = 6;
-/// SCTP's common header: the ports and the verification tag the sender matches the error to,
-/// and the checksum field, so that a checksum offload still pending lands inside the packet.
-const SCTP_QUOTE: usize = 12;
+/// SCTP's common header and the first chunk's header and first word: a client's kernel
+/// matches an error about an INIT (verification tag 0) by the INIT's initiate tag, at bytes
+/// 16..20 (`sctp_err_lookup`); a shorter quote is ignored and the client waits out its
+/// timers. It also covers the checksum field, where a pending CRC offload writes.
+const SCTP_QUOTE: usize = 20;
 const MAX_L4_QUOTE: usize = TCP_QUOTE;
 
 /// The largest ICMP message (header + quote) each family builds.
 const V4_MAX_ICMP: usize = ICMP_HLEN + IPV4_MAX_HLEN + MAX_L4_QUOTE;
 const V6_MAX_ICMP: usize = ICMP_HLEN + IPV6_HLEN + MAX_L4_QUOTE;
 
-/// Turns the IPv4 TCP/UDP packet in `ctx` (Ethernet + IPv4 of any IHL + L4 at `l4_offset`,
+/// Turns the IPv4 TCP/UDP/SCTP packet in `ctx` (Ethernet + IPv4 of any IHL + L4 at `l4_offset`,
 /// parsed by the caller, not a later fragment) into an ICMP port unreachable from its
 /// destination to its source, and redirects it to egress of the interface it arrived on.
 /// Returns the program's verdict: `TC_ACT_REDIRECT`, or `TC_ACT_SHOT` if any step failed.
@@ -113,8 +115,9 @@ const V6_MAX_ICMP: usize = ICMP_HLEN + IPV6_HLEN + MAX_L4_QUOTE;
 /// The answer: Ethernet addresses swapped; IPv4 header 0x45, TOS 0xc0 | (TOS & 0x1e), ID 0, no
 /// DF, TTL 64, protocol ICMP, source = the original destination (the service address the
 /// client's socket is connected to), destination = the original source; ICMP type 3 code 3;
-/// then the original IPv4 header with its options and the first 8 (UDP) or 20 (TCP) bytes of
-/// the L4 header, whose checksum field is settled as the module documentation explains.
+/// then the original IPv4 header with its options and the first 8 (UDP) or 20 (TCP, SCTP)
+/// bytes of the L4 header, whose checksum field is settled as the module documentation
+/// explains.
 #[inline(always)]
 pub fn reject_ipv4(ctx: &TcContext, l4_offset: usize) -> i32 {
     match ipv4_unreachable(ctx, l4_offset) {

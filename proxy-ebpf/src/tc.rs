@@ -107,15 +107,12 @@ fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
         let Some(route) = &route else {
             return TC_ACT_SHOT;
         };
-        match track_masqueraded(&packet, &backend, counter, route.source, now) {
-            Some(forward) => forward,
-            None => {
-                stat(datapath_stat::SNAT_PORT_EXHAUSTED);
-                return TC_ACT_SHOT;
-            }
-        }
+        track_masqueraded(&packet, &backend, counter, route.source, now)
     } else {
         track(&packet, &backend, counter, now)
+    };
+    let Some(forward) = forward else {
+        return TC_ACT_SHOT;
     };
     count(ctx, counter);
     send(apply(ctx, &packet, &forward), route.as_ref())
@@ -233,11 +230,17 @@ fn no_backend<A: Family>(ctx: &TcContext, packet: &Packet<A>, service: &Service)
     }
 }
 
-/// Records both directions of a new connection that keeps its source. A failed insert only
-/// costs a fresh balancing decision for the next packet, so it does not drop this one. `now`
-/// is the clock reading the caller took for the whole decision (affinity, `last_seen`).
+/// Records both directions of a new connection that keeps its source; `None` (counted) when
+/// the flows map is full, and the caller drops the packet: a connection whose replies could
+/// not be reverse-NATed, or whose next packet could go to another backend, must not start.
+/// `now` is the clock reading the caller took for the whole decision (affinity, `last_seen`).
 #[inline(always)]
-pub(crate) fn track<A: Family>(packet: &Packet<A>, backend: &Endpoint<A>, counter: u32, now: u64) -> Nat<A> {
+pub(crate) fn track<A: Family>(
+    packet: &Packet<A>,
+    backend: &Endpoint<A>,
+    counter: u32,
+    now: u64,
+) -> Option<Nat<A>> {
     let client = &packet.flow;
     let reply_key = Tuple {
         src: backend.addr,
@@ -266,16 +269,20 @@ pub(crate) fn track<A: Family>(packet: &Packet<A>, backend: &Endpoint<A>, counte
     };
     if A::record(&reply_key, &reply).is_err() {
         stat(datapath_stat::FLOW_INSERT_REPLY);
+        return None;
     }
     if A::record(client, &forward).is_err() {
         stat(datapath_stat::FLOW_INSERT_FORWARD);
+        A::forget(&reply_key);
+        return None;
     }
-    forward
+    Some(forward)
 }
 
 /// Records a new connection whose source becomes the node's address toward the backend. The
 /// reply entry is claimed first, because the (backend, node address, port) tuple is what
-/// tells this connection's replies apart from every other one.
+/// tells this connection's replies apart from every other one. `None` (counted) when no port
+/// could be claimed or the flows map is full: the caller drops the packet.
 #[inline(always)]
 pub(crate) fn track_masqueraded<A: Family>(
     packet: &Packet<A>,
@@ -294,7 +301,10 @@ pub(crate) fn track_masqueraded<A: Family>(
         counter,
         last_seen: 0,
     };
-    let node_port = claim_reply(backend, node_addr, client, &reply)?;
+    let Some(node_port) = claim_reply(backend, node_addr, client, &reply) else {
+        stat(datapath_stat::SNAT_PORT_EXHAUSTED);
+        return None;
+    };
     let forward = Nat {
         src: node_addr,
         src_port: node_port,
@@ -306,6 +316,14 @@ pub(crate) fn track_masqueraded<A: Family>(
     };
     if A::record(client, &forward).is_err() {
         stat(datapath_stat::FLOW_INSERT_FORWARD);
+        A::forget(&Tuple {
+            src: backend.addr,
+            dst: node_addr,
+            src_port: backend.port,
+            dst_port: node_port,
+            proto: client.proto,
+        });
+        return None;
     }
     Some(forward)
 }

@@ -32,7 +32,7 @@ use aya_ebpf::{
     programs::XdpContext,
     EbpfContext as _,
 };
-use proxy_common::{datapath_stat, flow_flags, proto, service_flags, source_class, BackendSlot};
+use proxy_common::{flow_flags, proto, service_flags, source_class, BackendSlot};
 
 use crate::{
     affinity,
@@ -40,7 +40,7 @@ use crate::{
     maps::BACKEND_COUNTERS,
     packet::{Change, Packet, Tuple, ETH_P_IP},
     route::zeroed_fib_params,
-    tc::{choose_slot, classify, stat, touch, track, track_masqueraded},
+    tc::{choose_slot, classify, touch, track, track_masqueraded},
 };
 
 const ETH_HLEN: usize = 14;
@@ -99,12 +99,12 @@ fn parse(ctx: &XdpContext) -> Option<Parsed> {
     }
     let protocol = ip[9];
     let l4_offset = ETH_HLEN + header_len;
-    let l4_len = match protocol {
+    let l4_header_len = match protocol {
         proto::TCP => TCP_HLEN,
         proto::UDP => UDP_HLEN,
         _ => return None,
     };
-    if ctx.data() + l4_offset + l4_len > ctx.data_end() {
+    if ctx.data() + l4_offset + l4_header_len > ctx.data_end() {
         return None;
     }
     let ports = unsafe { *at::<[u8; 4]>(ctx, l4_offset)? };
@@ -207,16 +207,13 @@ fn fast_path(ctx: &XdpContext) -> Option<u32> {
     }
     let out = egress(ctx, backend.addr, tot_len)?;
     let forward = if service.flags & service_flags::MASQUERADE != 0 {
-        match track_masqueraded(&packet, &backend, counter, out.source, now) {
-            Some(forward) => forward,
-            None => {
-                // TC drops it (and counts) the same way.
-                stat(datapath_stat::SNAT_PORT_EXHAUSTED);
-                return Some(xdp_action::XDP_DROP);
-            }
-        }
+        track_masqueraded(&packet, &backend, counter, out.source, now)
     } else {
         track(&packet, &backend, counter, now)
+    };
+    // Counted by the tracking; TC would drop it the same way.
+    let Some(forward) = forward else {
+        return Some(xdp_action::XDP_DROP);
     };
     affinity::remember(&service, &packet.flow.src, &backend, now);
     count(ctx, counter);

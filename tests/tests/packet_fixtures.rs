@@ -601,9 +601,11 @@ fn counters() -> Result<()> {
     Ok(())
 }
 
-/// A full flows map refuses a new connection's entries, and counts that; the packet is still
-/// balanced. Nothing is evicted (the map is a plain hash map, not LRU): the connection tracked
-/// before the map filled keeps both its entries, so its packets and replies are still NATed.
+/// A full flows map refuses new connections: their first packet is dropped and counted, as
+/// conntrack drops when its table is full, since a connection whose replies could not be
+/// reverse-NATed must not start. With one free entry, the reply entry fits and the forward one
+/// does not: the reply entry is taken back. Nothing is evicted (a plain hash map, not LRU):
+/// the connection tracked before the map filled keeps both its entries.
 #[test]
 fn a_full_flows_map_refuses_new_connections_and_keeps_tracked_ones() {
     full_flows_map().unwrap_or_else(|err| panic!("{err:#}"));
@@ -615,25 +617,34 @@ fn full_flows_map() -> Result<()> {
     let first = Packet::tcp(CLIENT, WEB);
     check(&h, &first.build(), TC_ACT_OK, Expect::Frame(&first.clone().to(WEB_BACKEND).build()))
         .context("the connection tracked before the map fills")?;
-    // The rest of the map: distinct clients of some other address, none of them recent.
-    let (_, filler) = nat_entries(CLIENT, WEB, WEB_BACKEND, IPPROTO_TCP)[0];
-    for i in 0..capacity::FLOWS - 2 {
+    // Distinct clients of some other address, none of them recent.
+    let (_, filler_flow) = nat_entries(CLIENT, WEB, WEB_BACKEND, IPPROTO_TCP)[0];
+    let filler = |i: u32| {
         let [_, a, b, c] = i.to_be_bytes();
-        h.insert_flow(flow_key(ep([100, a, b, c], 1), ep([10, 96, 9, 9], 80), IPPROTO_TCP), filler)
-            .with_context(|| format!("filling entry {i}"))?;
+        flow_key(ep([100, a, b, c], 1), ep([10, 96, 9, 9], 80), IPPROTO_TCP)
+    };
+    // All but one entry.
+    for i in 0..capacity::FLOWS - 3 {
+        h.insert_flow(filler(i), filler_flow).with_context(|| format!("filling entry {i}"))?;
     }
+    let stats = |h: &Harness| -> Result<(u64, u64)> {
+        Ok((
+            h.datapath_stat(datapath_stat::FLOW_INSERT_REPLY)?,
+            h.datapath_stat(datapath_stat::FLOW_INSERT_FORWARD)?,
+        ))
+    };
 
-    let newcomer = Packet::tcp(ep([192, 168, 1, 200], 41000), WEB);
-    check(&h, &newcomer.build(), TC_ACT_OK, Expect::Frame(&newcomer.clone().to(WEB_BACKEND).build()))
+    let reply_fits = Packet::tcp(ep([192, 168, 1, 200], 41000), WEB);
+    check(&h, &reply_fits.build(), TC_ACT_SHOT, Expect::Unchanged)
+        .context("a new connection with room for one entry")?;
+    ensure!(stats(&h)? == (0, 1), "(reply, forward) insert failures: {:?}, not (0, 1)", stats(&h)?);
+    // Its reply entry was taken back: the last entry is free.
+    h.insert_flow(filler(capacity::FLOWS), filler_flow).context("the entry the refused connection freed")?;
+
+    let nothing_fits = Packet::tcp(ep([192, 168, 1, 201], 41000), WEB);
+    check(&h, &nothing_fits.build(), TC_ACT_SHOT, Expect::Unchanged)
         .context("a new connection while the map is full")?;
-    for (stat, name) in
-        [(datapath_stat::FLOW_INSERT_FORWARD, "forward"), (datapath_stat::FLOW_INSERT_REPLY, "reply")]
-    {
-        ensure!(
-            h.datapath_stat(stat)? == 1,
-            "the {name} entry of the new connection must be refused, counted once"
-        );
-    }
+    ensure!(stats(&h)? == (1, 1), "(reply, forward) insert failures: {:?}, not (1, 1)", stats(&h)?);
 
     let later = Packet::tcp(CLIENT, WEB).payload(b"still tracked");
     check(&h, &later.build(), TC_ACT_OK, Expect::Frame(&later.clone().to(WEB_BACKEND).build()))

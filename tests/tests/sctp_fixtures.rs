@@ -81,8 +81,17 @@ use table::{run_table, Outcome};
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
 const TC_ACT_REDIRECT: u32 = 7;
 
-/// How much of the SCTP packet an ICMP error quotes: the common header, checksum included.
-const SCTP_QUOTE: usize = sctp::HEADER_LEN;
+/// How much of the SCTP packet an ICMP error quotes: the common header, checksum included, and
+/// an INIT's chunk header and initiate tag, which the client's kernel matches the error by.
+const SCTP_QUOTE: usize = 20;
+
+/// The first `len` bytes of `ip` as the reject cuts or grows the frame to them: bytes after
+/// the IP packet (an Ethernet trailer) stay, missing ones are zeros.
+fn quoted(ip: &[u8], len: usize) -> Vec<u8> {
+    let mut quote = ip[..len.min(ip.len())].to_vec();
+    quote.resize(len, 0);
+    quote
+}
 
 // ---------------------------------------------------------------------------------------------
 // Endpoints of either family.
@@ -441,8 +450,9 @@ fn is_ipv4(frame: &[u8]) -> bool {
 /// The answer vipr's reject makes of an SCTP packet: Ethernet addresses swapped; for IPv4 a
 /// header 0x45, TOS 0xc0 | (TOS & 0x1e), ID 0, no flags, TTL 64, ICMP type 3 code 3; for IPv6
 /// traffic class and flow label 0, hop limit 64, ICMPv6 type 1 code 4; from the service
-/// address to the client; quoting the input's IP header (options and all) and the SCTP common
-/// header exactly as they came, CRC included: a CRC has no offload fixed point to settle on.
+/// address to the client; quoting the input's IP header (options and all) and the first 20
+/// bytes of SCTP exactly as they came, CRC included (a CRC has no offload fixed point to settle
+/// on), zeros where the frame was shorter.
 fn expected_unreachable(input: &[u8]) -> Vec<u8> {
     let ip = &input[ETH_HLEN..];
     let mut frame = Vec::new();
@@ -451,7 +461,7 @@ fn expected_unreachable(input: &[u8]) -> Vec<u8> {
     if is_ipv4(input) {
         let ihl = usize::from(ip[0] & 0x0f) * 4;
         let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
-        icmp.extend_from_slice(&ip[..ihl + SCTP_QUOTE]);
+        icmp.extend_from_slice(&quoted(ip, ihl + SCTP_QUOTE));
         let icmp_csum = checksum(ones_sum(0, &icmp));
         icmp[2..4].copy_from_slice(&icmp_csum.to_be_bytes());
         let total_len = u16::try_from(20 + icmp.len()).unwrap();
@@ -469,7 +479,7 @@ fn expected_unreachable(input: &[u8]) -> Vec<u8> {
         let (src, dst): ([u8; 16], [u8; 16]) =
             (ip[8..24].try_into().unwrap(), ip[24..40].try_into().unwrap());
         let mut icmp = vec![1, 4, 0, 0, 0, 0, 0, 0];
-        icmp.extend_from_slice(&ip[..IPV6_HLEN + SCTP_QUOTE]);
+        icmp.extend_from_slice(&quoted(ip, IPV6_HLEN + SCTP_QUOTE));
         let csum = checksum(ones_sum(pseudo_header_sum6(dst, src, IPPROTO_ICMPV6, icmp.len()), &icmp));
         icmp[2..4].copy_from_slice(&csum.to_be_bytes());
         frame.extend_from_slice(&ETH_P_IPV6.to_be_bytes());
@@ -522,7 +532,7 @@ fn check_unreachable_alone(input: &[u8], out: &[u8]) -> Result<()> {
     let quote = &icmp[8..];
     ensure!(quote.len() == quote_len, "quote of {} bytes, not {quote_len}", quote.len());
     ensure!(
-        quote == &original[..quote_len],
+        quote == quoted(original, quote_len).as_slice(),
         "the quote is not the input's IP header and SCTP common header (CRC included){}",
         hex(quote)
     );
@@ -1362,6 +1372,31 @@ fn a_wrong_crc_stays_wrong() {
             ensure!(verdict == TC_ACT_OK, "{}: verdict {}", w.family, verdict_name(verdict));
             let view = parse_sctp(&out).map_err(|e| anyhow!("{e}"))?;
             ensure!(view.crc != Crc::Valid, "{}: the NAT made a damaged packet look whole", w.family);
+            let ip_checksum = if w.family == "v4" { vec![ETH_HLEN + 10] } else { vec![] };
+            compare_frames_at(&expected, &out, &ip_checksum).map_err(|e| anyhow!("{}: {e}", w.family))?;
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+/// A checksum field of 0 is what a pod's SCTP socket sends over veth (CHECKSUM_PARTIAL, the
+/// CRC left to an offload, which computes it over the packet with the field as it is): the
+/// port rewrite must leave it 0, or the CRC computed later would be wrong.
+#[test]
+fn a_pending_crc_stays_zero() {
+    in_fresh_netns(|| {
+        for w in [&V4, &V6] {
+            let mut h = Harness::new()?;
+            standard_world(w, &mut h)?;
+            let mut input = init(w.client, w.front()).build();
+            let mut expected = init(w.client, w.backend).build();
+            for frame in [&mut input, &mut expected] {
+                let field = parse_sctp(frame).map_err(|e| anyhow!("{e}"))?.crc_field();
+                frame[field].fill(0);
+            }
+            let (verdict, out) = h.run(&input)?;
+            ensure!(verdict == TC_ACT_OK, "{}: verdict {}", w.family, verdict_name(verdict));
             let ip_checksum = if w.family == "v4" { vec![ETH_HLEN + 10] } else { vec![] };
             compare_frames_at(&expected, &out, &ip_checksum).map_err(|e| anyhow!("{}: {e}", w.family))?;
         }

@@ -179,8 +179,7 @@ struct ServiceSpec {
 /// One port of a service, validated.
 #[derive(Clone, Debug)]
 struct ServicePortSpec {
-    /// Shared by everything that names this port: the incremental translator's claims, the
-    /// dataplanes' counters.
+    /// Shared by the incremental translator's claims, which name this port once per claim.
     name: Arc<ServicePortName>,
     service: Arc<ServiceSpec>,
     port: u16,
