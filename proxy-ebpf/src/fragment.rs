@@ -24,12 +24,10 @@ use crate::{
     family::{Family, Ipv4, Nat},
     maps::FRAGMENTS4,
     packet::{bytes_at, field, Change, Tuple},
+    wire::{ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IP_OFFSET},
 };
 
-const ETH_HLEN: usize = 14;
-const IPV4_MIN_HLEN: usize = 20;
-const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
-const IP_OFFSET: u16 = 0x1fff;
+const IPV4_CSUM_OFF: usize = ETH_HLEN + IPV4_CSUM_AT;
 
 /// A fragment without an L4 header.
 pub enum LaterFragment<A> {

@@ -45,27 +45,18 @@ use proxy_common::{flow_flags, proto};
 use crate::{
     family::{Family, Ipv4, Ipv6, Nat},
     packet::{bytes_at, copy_address, field, Change, Tuple},
+    wire::{
+        ETH_HLEN, ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_HLEN, IP_MF,
+        IP_OFFSET, TCP_CSUM_AT, UDP_CSUM_AT,
+    },
 };
 
-const ETH_HLEN: usize = 14;
-const IPV4_MIN_HLEN: usize = 20;
-const IPV6_HLEN: usize = 40;
-const ICMP_HLEN: usize = 8;
-const IPPROTO_ICMP: u8 = 1;
-const IPPROTO_ICMPV6: u8 = 58;
-/// The fragment offset and "more fragments" bits of the IPv4 header.
-const IP_MF_AND_OFFSET: u16 = 0x3fff;
-const IP_OFFSET: u16 = 0x1fff;
-/// Offsets inside an IPv4 header.
-const IPV4_CSUM_AT: usize = 10;
 /// ICMP error types (RFC 792; RFC 4443 for ICMPv6).
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PARAMPROB: u8 = 4;
-const TCP_CSUM_AT: usize = 16;
-const UDP_CSUM_AT: usize = 6;
 
 /// An ICMP error about a TCP/UDP packet, as parsed.
 pub struct IcmpError<A> {
@@ -91,7 +82,7 @@ pub fn parse_ipv4_error(ctx: &TcContext) -> Option<IcmpError<Ipv4>> {
         return None;
     }
     // A fragmented error may not hold its whole quote; errors are small and never are.
-    if u16::from_be_bytes([ip[6], ip[7]]) & IP_MF_AND_OFFSET != 0 {
+    if u16::from_be_bytes([ip[6], ip[7]]) & (IP_MF | IP_OFFSET) != 0 {
         return None;
     }
     let end = ETH_HLEN + usize::from(u16::from_be_bytes([ip[2], ip[3]]));

@@ -35,6 +35,9 @@ mod route;
 mod sock;
 #[cfg(target_arch = "bpf")]
 mod tc;
+/// Header layout constants shared by every path.
+#[cfg(target_arch = "bpf")]
+mod wire;
 /// The XDP fast path for traffic from outside the node.
 #[cfg(target_arch = "bpf")]
 mod xdp;

@@ -25,26 +25,23 @@ use aya_ebpf::{
 };
 use proxy_common::{proto, sctp};
 
-use crate::family::Family;
+use crate::{
+    family::Family,
+    wire::{
+        ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_HLEN, IP_MF, IP_OFFSET, TCP_CSUM_AT, TCP_FLAGS_AT,
+        UDP_CSUM_AT,
+    },
+};
 
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
-const ETH_HLEN: usize = 14;
-const IPV4_MIN_HLEN: usize = 20;
-const IPV4_CSUM_OFF: usize = ETH_HLEN + 10;
+const IPV4_CSUM_OFF: usize = ETH_HLEN + IPV4_CSUM_AT;
 pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
 pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
-/// The fragment offset of the IPv4 flags + fragment offset field; "more fragments" is 0x2000.
-const IP_OFFSET: u16 = 0x1fff;
-const IP_MF: u16 = 0x2000;
-const IPV6_HLEN: usize = 40;
 pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
-const TCP_CSUM_OFF: usize = 16;
-const TCP_FLAGS_OFF: usize = 13;
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_RST: u8 = 0x04;
-const UDP_CSUM_OFF: usize = 6;
 /// IPv4 total length and IPv6 payload length, from the start of the IP header.
 const IPV4_TOTAL_LEN_OFF: usize = 2;
 const IPV6_PAYLOAD_LEN_OFF: usize = 4;
@@ -165,8 +162,8 @@ fn transport<A>(
     dst: A,
 ) -> Option<Packet<A>> {
     let csum_end = match protocol {
-        proto::TCP => l4_offset + TCP_CSUM_OFF + 2,
-        proto::UDP => l4_offset + UDP_CSUM_OFF + 2,
+        proto::TCP => l4_offset + TCP_CSUM_AT + 2,
+        proto::UDP => l4_offset + UDP_CSUM_AT + 2,
         // The checksum update needs the packet's own length, which must cover the header.
         proto::SCTP if l4_len >= sctp::HEADER_LEN as u32 => l4_offset + sctp::HEADER_LEN,
         _ => return None,
@@ -177,7 +174,7 @@ fn transport<A>(
     }
     // Inside the bytes just checked (the TCP checksum lies after the flags).
     let tcp_flags = if protocol == proto::TCP {
-        let flags = unsafe { *bytes_at::<1>(ctx, l4_offset + TCP_FLAGS_OFF)? };
+        let flags = unsafe { *bytes_at::<1>(ctx, l4_offset + TCP_FLAGS_AT)? };
         flags[0]
     } else {
         0
@@ -199,7 +196,7 @@ fn transport<A>(
 
 #[inline(always)]
 fn l4_csum_offset(l4_offset: usize, protocol: u8) -> usize {
-    l4_offset + if protocol == proto::TCP { TCP_CSUM_OFF } else { UDP_CSUM_OFF }
+    l4_offset + if protocol == proto::TCP { TCP_CSUM_AT } else { UDP_CSUM_AT }
 }
 
 /// Which end of the packet to rewrite.

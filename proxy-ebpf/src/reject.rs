@@ -57,29 +57,27 @@ use aya_ebpf::{
 };
 use proxy_common::proto;
 
+use crate::wire::{
+    ETH_HLEN, ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_MIN_HLEN, IPV6_HLEN, TCP_CSUM_AT, UDP_CSUM_AT,
+};
+
 const TC_ACT_SHOT: i32 = 2;
 
-const ETH_HLEN: usize = 14;
 const ETH_ALEN: usize = 6;
 const ETH_P_IP: [u8; 2] = 0x0800u16.to_be_bytes();
 const ETH_P_IPV6: [u8; 2] = 0x86ddu16.to_be_bytes();
 
-const IPV4_MIN_HLEN: usize = 20;
 const IPV4_MAX_HLEN: usize = 60;
-const IPPROTO_ICMP: u8 = 1;
 /// RFC 1812 4.3.2.5: precedence 6 (internetwork control) for ICMP errors, the original TOS
 /// bits kept, ECN not set.
 const IPTOS_PREC_INTERNETCONTROL: u8 = 0xc0;
 const IPTOS_TOS_MASK: u8 = 0x1e;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
-const ICMP_HLEN: usize = 8;
 /// Type, code, checksum (filled in last), unused.
 const ICMP_HEADER: [u8; ICMP_HLEN] = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
 const TTL: u8 = 64;
 
-const IPV6_HLEN: usize = 40;
-const IPPROTO_ICMPV6: u8 = 58;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
 const ICMPV6_HEADER: [u8; ICMP_HLEN] = [ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
@@ -93,9 +91,7 @@ const V6_QUOTE_OFF: usize = V6_ICMP_OFF + ICMP_HLEN;
 
 /// How much of each L4 header the quote carries, and where its checksum field is.
 const TCP_QUOTE: usize = 20;
-const TCP_CSUM_AT: usize = 16;
 const UDP_QUOTE: usize = 8;
-const UDP_CSUM_AT: usize = 6;
 /// SCTP's common header and the first chunk's header and first word: a client's kernel
 /// matches an error about an INIT (verification tag 0) by the INIT's initiate tag, at bytes
 /// 16..20 (`sctp_err_lookup`); a shorter quote is ignored and the client waits out its

@@ -18,6 +18,7 @@ use crate::{
     maps::{BACKEND_COUNTERS, DATAPATH_STATS},
     packet::{ethertype, rewrite, Packet, Side, Tuple, ETH_P_IP, ETH_P_IPV6, TCP_FIN, TCP_RST},
     route::{claim_reply, redirect, route_to, Route},
+    wire::ETH_HLEN,
 };
 
 // Verdicts from linux/pkt_cls.h, typed as the program returns them.
@@ -32,8 +33,6 @@ const TC_ACT_SHOT: i32 = 2;
 const LAST_SEEN_GRANULARITY_NS: u64 = 1_000_000_000;
 /// Part of the flow hash: changing it moves every Maglev flow to another backend.
 const FLOW_HASH_SEED: u32 = 0x7669_7072; // "vipr"
-/// The Ethernet header, which the byte counters leave out (they count IP packets).
-const ETH_HLEN: u32 = 14;
 
 #[classifier]
 pub fn vipr_tc_ingress(ctx: TcContext) -> i32 {
@@ -161,7 +160,8 @@ fn count(ctx: &TcContext, counter: u32) {
         // SAFETY: this CPU's value of a live array element; nothing else writes it meanwhile.
         unsafe {
             (*counters).packets += 1;
-            (*counters).bytes += u64::from(ctx.len().saturating_sub(ETH_HLEN));
+            // The byte counters count IP packets, without the Ethernet header.
+            (*counters).bytes += u64::from(ctx.len().saturating_sub(ETH_HLEN as u32));
         }
     }
 }

@@ -41,17 +41,11 @@ use crate::{
     packet::{Change, Packet, Tuple, ETH_P_IP},
     route::zeroed_fib_params,
     tc::{choose_slot, classify, touch, track, track_masqueraded},
+    wire::{ETH_HLEN, IPV4_MIN_HLEN, IP_MF, IP_OFFSET, TCP_CSUM_AT, TCP_FLAGS_AT, UDP_CSUM_AT},
 };
 
-const ETH_HLEN: usize = 14;
-const IPV4_MIN_HLEN: usize = 20;
-/// Fragment offset and "more fragments" of the IPv4 flags + fragment offset field.
-const IP_FRAGMENT: u16 = 0x3fff;
 const TCP_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
-const TCP_CSUM_OFF: usize = 16;
-const UDP_CSUM_OFF: usize = 6;
-const TCP_FLAGS_OFF: usize = 13;
 
 /// The devices XDP may redirect to: those vipr attached its XDP program to (the agent fills
 /// it, ifindex -> ifindex). A driver transmits redirected frames only where it is set up for
@@ -94,7 +88,7 @@ fn parse(ctx: &XdpContext) -> Option<Parsed> {
     if ip[0] >> 4 != 4 || header_len < IPV4_MIN_HLEN {
         return None;
     }
-    if u16::from_be_bytes([ip[6], ip[7]]) & IP_FRAGMENT != 0 {
+    if u16::from_be_bytes([ip[6], ip[7]]) & (IP_MF | IP_OFFSET) != 0 {
         return None;
     }
     let protocol = ip[9];
@@ -109,7 +103,7 @@ fn parse(ctx: &XdpContext) -> Option<Parsed> {
     }
     let ports = unsafe { *at::<[u8; 4]>(ctx, l4_offset)? };
     let tcp_flags =
-        if protocol == proto::TCP { unsafe { *at::<u8>(ctx, l4_offset + TCP_FLAGS_OFF)? } } else { 0 };
+        if protocol == proto::TCP { unsafe { *at::<u8>(ctx, l4_offset + TCP_FLAGS_AT)? } } else { 0 };
     let tot_len = u16::from_be_bytes([ip[2], ip[3]]);
     Some(Parsed {
         packet: Packet {
@@ -238,7 +232,7 @@ fn finish(ctx: &XdpContext, packet: &Packet<Ipv4>, flow: &Nat<Ipv4>, out: &Egres
     let ports =
         Change::NONE.replace(old.src_port, src_port).and(Change::NONE.replace(old.dst_port, dst_port));
     let ip = at::<[u8; IPV4_MIN_HLEN]>(ctx, ETH_HLEN)?;
-    let csum_off = l4 + if old.proto == proto::TCP { TCP_CSUM_OFF } else { UDP_CSUM_OFF };
+    let csum_off = l4 + if old.proto == proto::TCP { TCP_CSUM_AT } else { UDP_CSUM_AT };
     let l4_csum = at::<[u8; 2]>(ctx, csum_off)?;
     let l4_ports = at::<[u8; 4]>(ctx, l4)?;
     let eth = at::<[u8; 12]>(ctx, 0)?;

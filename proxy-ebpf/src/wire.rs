@@ -1,0 +1,20 @@
+//! Where the fields vipr reads and writes lie in the headers on the wire: one set of numbers
+//! for every path (balancing, XDP, reject, ICMP errors, fragments).
+
+pub const ETH_HLEN: usize = 14;
+pub const IPV4_MIN_HLEN: usize = 20;
+pub const IPV6_HLEN: usize = 40;
+pub const ICMP_HLEN: usize = 8;
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_ICMPV6: u8 = 58;
+
+/// Inside the IPv4 header.
+pub const IPV4_CSUM_AT: usize = 10;
+/// Of the IPv4 flags + fragment offset field: the offset, and "more fragments".
+pub const IP_OFFSET: u16 = 0x1fff;
+pub const IP_MF: u16 = 0x2000;
+
+/// Inside the TCP and UDP headers.
+pub const TCP_FLAGS_AT: usize = 13;
+pub const TCP_CSUM_AT: usize = 16;
+pub const UDP_CSUM_AT: usize = 6;
