@@ -18,6 +18,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "bpftool",
     "iptables",
     "ipset",
+    "nftables",
     "iproute2",
     "conntrack",
     "tcpdump",
