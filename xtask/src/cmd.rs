@@ -31,14 +31,58 @@ pub fn tally() -> Tally {
 
 /// Runs a test runner like [`run`], echoing its stdout while adding up its result lines:
 /// libtest's `test result: ok. 5 passed; 1 failed; ...` and the plain `N passed, N failed`.
+/// cargo's `Running <binary>` lines (on stderr) name the binary each result line's time
+/// belongs to, for [`test_binary_times`].
 pub fn run_tests(cmd: &mut Command) -> Result<()> {
-    run_echoing(cmd, |line| {
-        if let Some(counts) = parse_result_line(line) {
-            let mut tally = TALLY.lock().unwrap_or_else(|poison| poison.into_inner());
-            tally.passed += counts.passed;
-            tally.failed += counts.failed;
+    let running = std::sync::Arc::new(Mutex::new(String::new()));
+    let running_for_stderr = running.clone();
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    echo(cmd);
+    let mut child = cmd.spawn().with_context(|| format!("could not start: {}", shell_line(cmd)))?;
+    let stderr = child.stderr.take().context("no stderr pipe")?;
+    // cargo prints `Running` before it starts the binary, so it is read well before that
+    // binary's result line arrives on stdout.
+    let stderr_echo = std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(std::result::Result::ok) {
+            eprintln!("{line}");
+            if let Some(binary) = running_binary(&line) {
+                *running_for_stderr.lock().unwrap_or_else(|poison| poison.into_inner()) = binary.to_owned();
+            }
         }
-    })
+    });
+    let outcome = echo_stdout(&mut child, cmd, |line| {
+        let Some(counts) = parse_result_line(line) else { return };
+        let mut tally = TALLY.lock().unwrap_or_else(|poison| poison.into_inner());
+        tally.passed += counts.passed;
+        tally.failed += counts.failed;
+        if let Some(seconds) = finished_in(line) {
+            let binary = running.lock().unwrap_or_else(|poison| poison.into_inner()).clone();
+            TIMES.lock().unwrap_or_else(|poison| poison.into_inner()).push((binary, seconds));
+        }
+    });
+    let _ = stderr_echo.join();
+    outcome
+}
+
+/// How long each test binary of every [`run_tests`] took, in the order they ran.
+pub fn test_binary_times() -> Vec<(String, f64)> {
+    TIMES.lock().unwrap_or_else(|poison| poison.into_inner()).clone()
+}
+
+static TIMES: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+
+/// `     Running tests/flood.rs (target/debug/deps/flood-0123)` -> `tests/flood.rs`;
+/// `Running unittests src/lib.rs (target/debug/deps/vipr-0123)` -> `vipr-0123`'s crate and file.
+fn running_binary(line: &str) -> Option<&str> {
+    let rest = line.trim_start().strip_prefix("Running ")?;
+    let (source, binary) = rest.split_once(" (")?;
+    let crate_name = binary.trim_end_matches(')').rsplit('/').next()?;
+    Some(if source.starts_with("unittests") { crate_name } else { source })
+}
+
+/// libtest's `...; finished in 12.34s` -> 12.34.
+fn finished_in(line: &str) -> Option<f64> {
+    line.rsplit_once("finished in ")?.1.trim().strip_suffix('s')?.parse().ok()
 }
 
 /// Runs a checker like [`run`], echoing its stdout; its failure lines are kept for the summary
@@ -61,12 +105,18 @@ fn names_a_failure(line: &str) -> bool {
     (line.starts_with("test ") && line.ends_with(" ... FAILED")) || line.contains(" FAIL ")
 }
 
-fn run_echoing(cmd: &mut Command, mut on_line: impl FnMut(&str)) -> Result<()> {
+fn run_echoing(cmd: &mut Command, on_line: impl FnMut(&str)) -> Result<()> {
     echo(cmd);
     let mut child = cmd
         .stdout(Stdio::piped())
         .spawn()
         .with_context(|| format!("could not start: {}", shell_line(cmd)))?;
+    echo_stdout(&mut child, cmd, on_line)
+}
+
+/// Echoes `child`'s piped stdout line by line, keeping failure lines for the summary, then
+/// waits for it; fails unless it exits successfully.
+fn echo_stdout(child: &mut std::process::Child, cmd: &Command, mut on_line: impl FnMut(&str)) -> Result<()> {
     let stdout = child.stdout.take().context("no stdout pipe")?;
     let mut out = std::io::stdout();
     for line in BufReader::new(stdout).lines() {
@@ -244,8 +294,27 @@ mod tests {
     }
 
     #[test]
+    fn test_binaries_and_their_times_are_read_from_cargo_and_libtest() {
+        assert_eq!(
+            running_binary("     Running tests/flood.rs (target/debug/deps/flood-0123abcd)"),
+            Some("tests/flood.rs")
+        );
+        assert_eq!(
+            running_binary("     Running unittests src/lib.rs (target/debug/deps/vipr-0123abcd)"),
+            Some("vipr-0123abcd")
+        );
+        assert_eq!(running_binary("   Compiling vipr v0.1.0"), None);
+        let result =
+            "test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 12.34s";
+        assert_eq!(finished_in(result), Some(12.34));
+        assert_eq!(finished_in("running 3 tests"), None);
+    }
+
+    #[test]
     fn a_missing_program_is_a_probe_answer_not_an_error() {
-        let result = probe(&mut Command::new("/nonexistent/vipr-xtask-probe"));
+        // Through a variable: this is no program the project starts (see programs.rs).
+        let missing_program = "/nonexistent/vipr-xtask-probe";
+        let result = probe(&mut Command::new(missing_program));
         assert!(matches!(result, Err(ProbeFailure::NotFound)));
     }
 }

@@ -1,6 +1,9 @@
 //! vipr's developer and CI tasks: `cargo xtask <task>` (see `cargo xtask --help`).
 mod bench;
 mod cmd;
+// The guard test that setup installs every program the code starts.
+#[cfg(test)]
+mod programs;
 mod setup;
 mod steps;
 mod uml;

@@ -10,11 +10,13 @@ use anyhow::{bail, Context as _, Result};
 use crate::cmd::{self, ProbeFailure};
 
 /// Debian packages the tests and the demo shell out to: network namespaces and links
-/// (iproute2), the netfilter baselines vipr is compared with (iptables, ipset, conntrack),
-/// inspecting loaded programs and maps (bpftool), traffic (tcpdump, socat), process and
-/// sysctl tools (procps, kmod), and a User-Mode Linux kernel with IPVS for the ipvs mode's
-/// tests (user-mode-linux, see uml.rs).
-const DEBIAN_PACKAGES: &[&str] = &[
+/// (iproute2), the netfilter baselines vipr is compared with (iptables, ipset, nftables,
+/// conntrack), inspecting loaded programs and maps (bpftool), traffic (tcpdump, socat), process
+/// and sysctl tools (procps, kmod), a User-Mode Linux kernel with IPVS for the ipvs mode's
+/// tests (user-mode-linux, see uml.rs) and the benchmarks' run metadata (git).
+/// `programs.rs` lists which program comes from which package; its tests fail when a program
+/// the code starts is missing here.
+pub const DEBIAN_PACKAGES: &[&str] = &[
     "bpftool",
     "iptables",
     "ipset",
@@ -26,6 +28,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "procps",
     "kmod",
     "user-mode-linux",
+    "git",
     // The benchmark plots' font.
     "fonts-dejavu-core",
 ];

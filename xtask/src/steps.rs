@@ -66,6 +66,8 @@ pub fn run_all(workspace: &Workspace, steps: &[Step]) -> Result<()> {
         eprintln!("(steps after \"{step}\" were skipped because they depend on it)");
     }
 
+    print_slowest_test_binaries();
+
     let failed: Vec<&str> = steps
         .iter()
         .zip(&outcomes)
@@ -92,4 +94,18 @@ pub fn run_all(workspace: &Workspace, steps: &[Step]) -> Result<()> {
         bail!("{} of {} steps failed: {}", failed.len(), steps.len(), failed.join(", "));
     }
     Ok(())
+}
+
+/// The test binaries that took longest, so a slow suite shows where its time goes.
+fn print_slowest_test_binaries() {
+    let mut times = crate::cmd::test_binary_times();
+    if times.is_empty() {
+        return;
+    }
+    times.sort_by(|a, b| b.1.total_cmp(&a.1));
+    const SHOWN: usize = 15;
+    eprintln!("==== test binaries, slowest first ({} ran) ====", times.len());
+    for (binary, seconds) in times.iter().take(SHOWN) {
+        eprintln!("{seconds:>7.1}s  {binary}");
+    }
 }

@@ -358,7 +358,7 @@ pub struct IptablesTool {
 }
 
 impl IptablesTool {
-    fn command(&self, tool: &str) -> String {
+    fn program(&self, tool: &str) -> String {
         match self.family {
             Family::V4 => format!("iptables-{tool}"),
             Family::V6 => format!("ip6tables-{tool}"),
@@ -366,7 +366,7 @@ impl IptablesTool {
     }
 
     pub fn save(&self) -> anyhow::Result<String> {
-        let tool = self.command("save");
+        let tool = self.program("save");
         let output = Command::new(&tool).output().with_context(|| format!("cannot run `{tool}`"))?;
         if !output.status.success() {
             bail!("`{tool}` failed: {}", String::from_utf8_lossy(&output.stderr).trim());
@@ -376,7 +376,7 @@ impl IptablesTool {
 
     /// `iptables-restore --noflush` of `input`: one transaction per table.
     pub fn restore(&self, input: &str) -> anyhow::Result<()> {
-        let tool = self.command("restore");
+        let tool = self.program("restore");
         let mut child = Command::new(&tool)
             .args(["--noflush", "--wait"])
             .stdin(Stdio::piped())
