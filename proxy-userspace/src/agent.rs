@@ -229,6 +229,9 @@ struct Agent<'a> {
     /// repeat them; one that goes away and comes back is logged again.
     logged_rejections: BTreeSet<String>,
     logged_unsupported: BTreeSet<String>,
+    /// The node's addresses as last listed: a listing that fails keeps them, so a passing
+    /// netlink error cannot make every node address look foreign to the datapath.
+    node_addresses: Vec<IpAddr>,
 }
 
 impl<'a> Agent<'a> {
@@ -251,6 +254,7 @@ impl<'a> Agent<'a> {
             metrics,
             logged_rejections: BTreeSet::new(),
             logged_unsupported: BTreeSet::new(),
+            node_addresses: Vec::new(),
         }
     }
 
@@ -279,6 +283,10 @@ impl<'a> Agent<'a> {
 
     /// Applies the latest objects to the dataplane and records how it went.
     fn sync(&mut self, dataplane: &mut dyn Dataplane) {
+        if self.objects.is_none() {
+            return;
+        }
+        self.refresh_node_addresses();
         let Some(objects) = &self.objects else { return };
         let started = Moment::now();
         let node = self.node_context(objects.node.as_ref());
@@ -359,21 +367,25 @@ impl<'a> Agent<'a> {
 
     /// The node as the model sees it now: its name, its current addresses and the settings
     /// that shape service semantics.
-    fn node_context(&self, node: Option<&Node>) -> NodeContext {
+    fn refresh_node_addresses(&mut self) {
         // Service addresses that the IPVS dataplane binds to its dummy interface are not the
         // node's (kube-proxy leaves them out too).
-        let addresses = host::interface_addresses()
-            .map(|addresses| {
-                addresses
+        match host::interface_addresses() {
+            Ok(addresses) => {
+                self.node_addresses = addresses
                     .into_iter()
                     .filter(|address| address.interface != ipvs_dataplane::link::DUMMY_INTERFACE)
                     .map(|address| address.ip)
-                    .collect()
-            })
-            .unwrap_or_else(|list_error| {
-                warn!("cannot list this node's addresses: {list_error}");
-                Vec::new()
-            });
+                    .collect();
+            }
+            Err(list_error) => {
+                warn!("cannot list this node's addresses, keeping the last known ones: {list_error}")
+            }
+        }
+    }
+
+    fn node_context(&self, node: Option<&Node>) -> NodeContext {
+        let addresses = self.node_addresses.clone();
         let facts = NodeFacts {
             name: self.settings.node_name.clone(),
             zone: node
@@ -389,6 +401,11 @@ impl<'a> Agent<'a> {
             node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings, self.mode), &facts),
             // kube-proxy takes them from ServiceCIDR objects, which no source delivers yet.
             service_cidrs: self.settings.service_cidrs.clone(),
+            own_ports: [self.settings.healthz_bind_address, self.settings.metrics_bind_address]
+                .into_iter()
+                .flatten()
+                .map(|address| address.port())
+                .collect(),
         };
         NodeContext::resolve(&facts, &proxy_settings)
     }

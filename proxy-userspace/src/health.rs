@@ -30,7 +30,7 @@ use tracing::{error, info};
 use crate::{
     http::{Handler, HttpServer, Reply},
     metrics::ProxyMetrics,
-    model::kubernetes::SERVICE_NAME_LABEL,
+    model::kubernetes::{health_check_node_port, SERVICE_NAME_LABEL},
 };
 
 /// The taint the cluster autoscaler puts on a node it is about to delete.
@@ -260,16 +260,13 @@ pub fn service_health_checks(
     services
         .iter()
         .filter_map(|service| {
-            let spec = service.spec.as_ref()?;
-            let needs_health_check = spec.type_.as_deref() == Some("LoadBalancer")
-                && spec.external_traffic_policy.as_deref() == Some("Local");
-            let port = u16::try_from(spec.health_check_node_port?).ok().filter(|port| *port != 0)?;
+            let port = health_check_node_port(service)?;
             let name = ServiceName {
                 namespace: service.metadata.namespace.clone().unwrap_or_else(|| "default".to_owned()),
                 name: service.metadata.name.clone()?,
             };
             let local_endpoints = local_addresses.get(&name).map_or(0, BTreeSet::len);
-            needs_health_check.then_some((name, ServiceHealthCheck { port, local_endpoints }))
+            Some((name, ServiceHealthCheck { port, local_endpoints }))
         })
         .collect()
 }

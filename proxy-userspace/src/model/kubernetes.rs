@@ -17,7 +17,17 @@
 //! An object that the API server would not have accepted (bad IP, port out of range, unknown
 //! protocol, duplicate ports, ...) is rejected as a whole and reported; every other object is
 //! still applied, so one bad manifest cannot take down the services beside it. Objects are
-//! otherwise taken as they are, without the API server's defaulting.
+//! otherwise taken as they are, without the API server's defaulting. Special addresses
+//! (unspecified, loopback, link-local, multicast, broadcast, IPv4-mapped IPv6) are never
+//! service addresses, as the API server's own validation of external IPs says.
+//!
+//! When several services claim one address:port:protocol, one wins on every node and every
+//! sync, and the others are reported ([`ClaimRank`]): a cluster IP beats another service's
+//! external or load-balancer IP, so a tenant cannot take cluster DNS with an external IP
+//! (CVE-2020-8554); among equals the older object wins. A node address may be an external or
+//! load-balancer IP, but not on a port vipr itself serves there (its health and metrics
+//! servers, every health-check node port): a tenant's service must not answer the node's own
+//! health checks.
 use std::{
     collections::{BTreeMap, BTreeSet, HashSet},
     fmt,
@@ -63,6 +73,8 @@ pub struct NodeContext {
     pub node_port_ips: BTreeSet<IpAddr>,
     /// Service IP ranges; addresses inside them that are no cluster IP are dropped.
     pub service_cidrs: Vec<IpNet>,
+    /// TCP ports vipr's own servers (health, metrics) listen on at the node's addresses.
+    pub own_ports: BTreeSet<u16>,
 }
 
 /// What the agent knows about the node, before [`NodeContext::resolve`] applies the proxy
@@ -88,6 +100,8 @@ pub struct ProxySettings {
     /// default).
     pub node_port_cidrs: Vec<IpNet>,
     pub service_cidrs: Vec<IpNet>,
+    /// TCP ports vipr's own servers (health, metrics) listen on at the node's addresses.
+    pub own_ports: BTreeSet<u16>,
 }
 
 impl NodeContext {
@@ -125,6 +139,7 @@ impl NodeContext {
             primary_ips,
             node_port_ips,
             service_cidrs: settings.service_cidrs.clone(),
+            own_ports: settings.own_ports.clone(),
         }
     }
 }
@@ -160,9 +175,82 @@ enum TrafficPolicy {
     Local,
 }
 
+/// How long a service has existed, for [`ClaimRank`]: its creation time, then its uid, so
+/// that two nodes with the same objects always agree.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Seniority {
+    /// Objects without a creation time (a services file's) come after every dated one.
+    undated: bool,
+    created: Option<jiff::Timestamp>,
+    uid: Option<String>,
+}
+
+impl Seniority {
+    fn of(metadata: &ObjectMeta) -> Self {
+        let created = metadata.creation_timestamp.as_ref().map(|time| time.0);
+        Self { undated: created.is_none(), created, uid: metadata.uid.clone() }
+    }
+}
+
+/// Where one service port's claim on a frontend stands among the claims of every service on
+/// it; the least wins. A cluster IP comes first, so no other service's external or
+/// load-balancer IP can take it; then the older service; the name only breaks ties between
+/// objects that carry neither a creation time nor a uid (a services file's); within one
+/// service, the order in which its frontends were generated.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct ClaimRank {
+    cluster_ip: std::cmp::Reverse<bool>,
+    seniority: Arc<Seniority>,
+    pub(crate) name: Arc<ServicePortName>,
+    sequence: u32,
+}
+
+impl ClaimRank {
+    fn new(entry: &FrontendEntry, port: &ServicePortSpec, sequence: u32) -> Self {
+        Self {
+            cluster_ip: std::cmp::Reverse(entry.kind == FrontendKind::ClusterIp),
+            seniority: port.service.seniority.clone(),
+            name: port.name.clone(),
+            sequence,
+        }
+    }
+}
+
+/// The claims a node address cannot give a service: vipr's own servers listen there.
+/// `health_check_node_ports` are every service's.
+fn reserved_for_vipr(
+    frontend: &Frontend,
+    entry: &FrontendEntry,
+    node: &NodeContext,
+    health_check_node_ports: &dyn Fn(u16) -> bool,
+) -> Option<String> {
+    let external = matches!(entry.kind, FrontendKind::ExternalIp | FrontendKind::LoadBalancer);
+    if !external || frontend.protocol != Protocol::Tcp || !node.node_ips.contains(&frontend.ip) {
+        return None;
+    }
+    if node.own_ports.contains(&frontend.port) {
+        Some(format!("frontend {frontend} is a node address and port that vipr itself serves"))
+    } else if health_check_node_ports(frontend.port) {
+        Some(format!("frontend {frontend} is a node address and a health-check node port that vipr serves"))
+    } else {
+        None
+    }
+}
+
+/// The health-check node port vipr serves for `service` (kube-proxy's rule: a load balancer
+/// with `externalTrafficPolicy: Local` and a port allocated).
+pub fn health_check_node_port(service: &Service) -> Option<u16> {
+    let spec = service.spec.as_ref()?;
+    let needs_health_check = spec.type_.as_deref() == Some("LoadBalancer")
+        && spec.external_traffic_policy.as_deref() == Some("Local");
+    let port = u16::try_from(spec.health_check_node_port?).ok().filter(|port| *port != 0)?;
+    needs_health_check.then_some(port)
+}
+
 /// The service-wide settings every port shares.
 #[derive(Clone, Debug)]
 struct ServiceSpec {
+    seniority: Arc<Seniority>,
     cluster_ips: Vec<IpAddr>,
     external_ips: Vec<IpAddr>,
     load_balancer_ips: Vec<IpAddr>,
@@ -234,25 +322,55 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &Node
         sources: SourceClassifier { pod_cidrs: node.cluster_cidrs.clone(), node_ips: node.node_ips.clone() },
         ..DesiredState::default()
     };
-    // Deterministic order, so that when two services claim one frontend the same one wins on
-    // every node and every sync.
+    let health_check_node_ports: HashSet<u16> = services.iter().filter_map(health_check_node_port).collect();
+    // The ports of one service together and in a fixed order, as the incremental translator
+    // numbers them.
     ports.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut claims: BTreeMap<Frontend, Vec<(ClaimRank, FrontendEntry)>> = BTreeMap::new();
+    let mut sequence = 0;
+    let mut previous: Option<(String, String)> = None;
     for port in ports {
+        let key = (port.name.namespace.clone(), port.name.name.clone());
+        if previous.as_ref() != Some(&key) {
+            sequence = 0;
+            previous = Some(key);
+        }
         let endpoints = endpoints.get(&*port.name).map(Vec::as_slice).unwrap_or_default();
         state.cluster_ips.extend(port.service.cluster_ips.iter().copied());
         state.listed_endpoints.extend(endpoints.iter().map(|endpoint| endpoint.backend));
         for (frontend, entry) in frontends(&port, endpoints, node) {
-            if let Some(owner) = state.frontends.get(&frontend) {
-                rejected.push(Rejection {
-                    object: format!("Service {}/{}", port.name.namespace, port.name.name),
-                    reason: format!("frontend {frontend} is already served by {}", owner.service),
-                });
+            let rank = ClaimRank::new(&entry, &port, sequence);
+            sequence += 1;
+            if let Some(reason) =
+                reserved_for_vipr(&frontend, &entry, node, &|port| health_check_node_ports.contains(&port))
+            {
+                rejected.push(Rejection { object: claimant(&rank), reason });
                 continue;
             }
-            state.frontends.insert(frontend, entry);
+            claims.entry(frontend).or_default().push((rank, entry));
         }
     }
+    for (frontend, mut claims) in claims {
+        claims.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut claims = claims.into_iter();
+        let Some((owner, entry)) = claims.next() else { continue };
+        rejected.extend(claims.map(|(loser, _)| lost_claim(&frontend, &loser, &owner)));
+        state.frontends.insert(frontend, entry);
+    }
     Translation { state, rejected }
+}
+
+/// The Service a claim belongs to, as a rejection names it.
+fn claimant(rank: &ClaimRank) -> String {
+    format!("Service {}/{}", rank.name.namespace, rank.name.name)
+}
+
+/// The report of a claim that another service's claim beat.
+fn lost_claim(frontend: &Frontend, loser: &ClaimRank, owner: &ClaimRank) -> Rejection {
+    Rejection {
+        object: claimant(loser),
+        reason: format!("frontend {frontend} is already served by {}", owner.name),
+    }
 }
 
 /// Endpoint sets as kube-proxy's `CategorizeEndpoints` computes them.
@@ -446,13 +564,38 @@ fn protocol(name: Option<&str>, field: &str) -> Result<Protocol, String> {
         .ok_or_else(|| format!("{field} {:?} is not TCP, UDP or SCTP", name.unwrap_or_default()))
 }
 
+/// Service addresses: IP addresses that are not [`special_address`]es.
 fn ip_list<'a>(addresses: impl IntoIterator<Item = &'a String>, field: &str) -> Result<Vec<IpAddr>, String> {
     addresses
         .into_iter()
         .map(|address| {
-            address.trim().parse().map_err(|_| format!("{field} {address:?} is not an IP address"))
+            let ip: IpAddr =
+                address.trim().parse().map_err(|_| format!("{field} {address:?} is not an IP address"))?;
+            match special_address(ip) {
+                Some(kind) => Err(format!("{field} {ip} is a {kind} address, not a service address")),
+                None => Ok(ip),
+            }
         })
         .collect()
+}
+
+/// What kind of address `ip` is when it can be no service's: a packet to it is the host's own
+/// business (unspecified, loopback, link-local), reaches many hosts (multicast, broadcast),
+/// or is another family's address in disguise (IPv4-mapped IPv6).
+fn special_address(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) if v4.is_unspecified() => Some("unspecified"),
+        IpAddr::V4(v4) if v4.is_loopback() => Some("loopback"),
+        IpAddr::V4(v4) if v4.is_link_local() => Some("link-local"),
+        IpAddr::V4(v4) if v4.is_multicast() => Some("multicast"),
+        IpAddr::V4(v4) if v4.is_broadcast() => Some("broadcast"),
+        IpAddr::V6(v6) if v6.is_unspecified() => Some("unspecified"),
+        IpAddr::V6(v6) if v6.is_loopback() => Some("loopback"),
+        IpAddr::V6(v6) if v6.is_unicast_link_local() => Some("link-local"),
+        IpAddr::V6(v6) if v6.is_multicast() => Some("multicast"),
+        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => Some("IPv4-mapped IPv6"),
+        _ => None,
+    }
 }
 
 fn policy(value: Option<&str>, field: &str) -> Result<TrafficPolicy, String> {
@@ -536,6 +679,7 @@ fn service_spec(service: &Service) -> Result<Option<ServiceSpec>, String> {
                 .into_iter()
                 .any(|name| matches!(annotation(name), Some("Auto" | "auto")));
     Ok(Some(ServiceSpec {
+        seniority: Arc::new(Seniority::of(&service.metadata)),
         topology_aware,
         cluster_ips,
         external_ips,

@@ -121,6 +121,7 @@ fn node_context() -> NodeContext {
         masquerade_all: false,
         node_port_cidrs: Vec::new(),
         service_cidrs: vec![SERVICE_CIDR.parse().expect("valid CIDR")],
+        own_ports: [10256, 10249].into(),
     };
     NodeContext::resolve(&facts, &settings)
 }

@@ -88,6 +88,8 @@ pub fn node_context(node: &Node) -> Result<NodeContext> {
         primary_ips,
         node_port_ips,
         service_cidrs,
+        // The cases' node runs no health or metrics server of vipr's on its addresses.
+        own_ports: Default::default(),
     })
 }
 

@@ -11,7 +11,6 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
-    sync::Arc,
 };
 
 use k8s_openapi::{
@@ -22,18 +21,16 @@ use k8s_openapi::{
 use serde::Serialize;
 
 use super::{
-    content_hash, describe, frontends, service_ports, slice_endpoints, EndpointSpec, NodeContext, Rejection,
-    SERVICE_NAME_LABEL,
+    claimant, content_hash, describe, frontends, health_check_node_port, lost_claim, reserved_for_vipr,
+    service_ports, slice_endpoints, ClaimRank, EndpointSpec, NodeContext, Rejection, SERVICE_NAME_LABEL,
 };
 use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, ServicePortName, SourceClassifier, StateChanges,
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, SourceClassifier,
+    StateChanges,
 };
 
 /// Namespace and name, as the objects name a service (an absent namespace is "default").
 type Key = (String, String);
-/// Where a claim on a frontend stands in the full translation's order: ports by name, and
-/// within one service (or several objects of one name) in the order they were generated.
-type ClaimOrder = (Arc<ServicePortName>, u32);
 /// A slice's endpoints, by the service port they belong to.
 type EndpointsByPort = Vec<(ServicePortName, Vec<EndpointSpec>)>;
 /// The usable slices of one name: the service each belongs to, and its endpoints.
@@ -112,7 +109,12 @@ struct SliceRecord {
 #[derive(Debug, Default)]
 struct ServiceRecord {
     versions: Box<[Version]>,
-    claims: Box<[(Frontend, ClaimOrder)]>,
+    claims: Box<[(Frontend, ClaimRank)]>,
+    /// The health-check node ports its objects ask vipr to serve.
+    health_check_node_ports: Box<[u16]>,
+    /// It has an external or load-balancer IP that is a node address, so a change of the
+    /// ports vipr serves there can change what it may claim.
+    on_node_addresses: bool,
     /// With repetitions, one per port, as the full translation adds them.
     cluster_ips: Box<[IpAddr]>,
     listed: Box<[Backend]>,
@@ -122,7 +124,7 @@ struct ServiceRecord {
 /// One service port's claim on a frontend.
 #[derive(Debug)]
 struct Claim {
-    order: ClaimOrder,
+    order: ClaimRank,
     /// The entry the claim would give the frontend; `None` for the owner (the first claim),
     /// whose entry is the state's, so that an entry is held once.
     entry: Option<Box<FrontendEntry>>,
@@ -158,6 +160,10 @@ pub struct Translator {
     /// first: the first one owns it, the others are rejected.
     claims: HashMap<Frontend, Vec<Claim>>,
     contested: BTreeSet<Frontend>,
+    /// How many services ask for each health-check node port.
+    health_check_node_ports: HashMap<u16, usize>,
+    /// The services with a [`ServiceRecord::on_node_addresses`].
+    on_node_addresses: BTreeSet<Key>,
     /// Holders of a cluster IP or listed endpoint beyond the first: the state's set holds
     /// it while it has one, and nearly every item has exactly one, so only the others are
     /// counted.
@@ -186,10 +192,7 @@ impl Translator {
             let Some((owner, others)) = self.claims.get(frontend).and_then(|c| c.split_first()) else {
                 continue;
             };
-            rejected.extend(others.iter().map(|claim| Rejection {
-                object: format!("Service {}/{}", claim.order.0.namespace, claim.order.0.name),
-                reason: format!("frontend {frontend} is already served by {}", owner.order.0),
-            }));
+            rejected.extend(others.iter().map(|claim| lost_claim(frontend, &claim.order, &owner.order)));
         }
         rejected
     }
@@ -270,19 +273,66 @@ impl Translator {
             }
         }
 
+        if self.count_health_check_node_ports(&dirty, &service_groups) {
+            // Which node-address claims vipr's own servers rule out changed.
+            dirty.extend(self.on_node_addresses.iter().cloned());
+        }
+
         let mut before = Before { track: !everything, ..Before::default() };
         let mut endpoints = SliceEndpoints { parsed, groups: &slice_groups, node };
         for key in dirty {
             if let Some(record) = self.services.remove(&key) {
                 self.withdraw(&record, &mut before);
             }
+            self.on_node_addresses.remove(&key);
             if let Some(objects) = service_groups.get(&(&*key.0, &*key.1)) {
                 let (record, entries) = self.service_record(&key, objects, &mut endpoints, node);
                 self.contribute(&record, entries, &mut before);
+                if record.on_node_addresses {
+                    self.on_node_addresses.insert(key.clone());
+                }
                 self.services.insert(key, record);
             }
         }
         self.changes(since, generation, everything, before)
+    }
+
+    /// Counts the health-check node ports of the `dirty` services anew; true when the set of
+    /// ports changed.
+    fn count_health_check_node_ports(
+        &mut self,
+        dirty: &BTreeSet<Key>,
+        services: &Groups<'_, Service>,
+    ) -> bool {
+        let mut changed = false;
+        for key in dirty {
+            let old =
+                self.services.get(key).map(|record| &*record.health_check_node_ports).unwrap_or_default();
+            let new: Vec<u16> = services
+                .get(&(&*key.0, &*key.1))
+                .into_iter()
+                .flatten()
+                .filter_map(|service| health_check_node_port(service))
+                .collect();
+            if *old == *new {
+                continue;
+            }
+            for port in old {
+                if let Some(count) = self.health_check_node_ports.get_mut(port) {
+                    *count -= 1;
+                    if *count == 0 {
+                        self.health_check_node_ports.remove(port);
+                        changed = true;
+                    }
+                }
+            }
+            for port in new {
+                let count = self.health_check_node_ports.entry(port).or_default();
+                changed |= *count == 0;
+                *count += 1;
+            }
+        }
+        changed
     }
 
     fn forget_slice(&mut self, key: &Key, record: &SliceRecord, dirty: &mut BTreeSet<Key>) {
@@ -307,6 +357,8 @@ impl Translator {
         node: &NodeContext,
     ) -> (ServiceRecord, Vec<FrontendEntry>) {
         let versions = objects.iter().map(|service| version(*service, &service.metadata)).collect();
+        let health_check_node_ports =
+            objects.iter().filter_map(|service| health_check_node_port(service)).collect();
         let mut rejected = Vec::new();
         let mut ports = Vec::new();
         for service in objects {
@@ -319,7 +371,10 @@ impl Translator {
         }
         let mut entries = Vec::new();
         if ports.is_empty() {
-            return (ServiceRecord { versions, rejected, ..ServiceRecord::default() }, entries);
+            return (
+                ServiceRecord { versions, health_check_node_ports, rejected, ..ServiceRecord::default() },
+                entries,
+            );
         }
         let mut endpoints: BTreeMap<ServicePortName, Vec<EndpointSpec>> = BTreeMap::new();
         for name in self.slices_of.get(key).into_iter().flatten() {
@@ -333,19 +388,31 @@ impl Translator {
         }
         ports.sort_by(|a, b| a.name.cmp(&b.name));
         let (mut claims, mut cluster_ips, mut listed) = (Vec::new(), Vec::new(), Vec::new());
+        let mut on_node_addresses = false;
         let mut sequence = 0;
         for port in ports {
             let endpoints = endpoints.get(&*port.name).map(Vec::as_slice).unwrap_or_default();
             cluster_ips.extend(port.service.cluster_ips.iter().copied());
             listed.extend(endpoints.iter().map(|endpoint| endpoint.backend));
             for (frontend, entry) in frontends(&port, endpoints, node) {
-                claims.push((frontend, (port.name.clone(), sequence)));
+                let rank = ClaimRank::new(&entry, &port, sequence);
                 sequence += 1;
+                on_node_addresses |=
+                    matches!(entry.kind, FrontendKind::ExternalIp | FrontendKind::LoadBalancer)
+                        && node.node_ips.contains(&frontend.ip);
+                let reserved = |port| self.health_check_node_ports.contains_key(&port);
+                if let Some(reason) = reserved_for_vipr(&frontend, &entry, node, &reserved) {
+                    rejected.push(Rejection { object: claimant(&rank), reason });
+                    continue;
+                }
+                claims.push((frontend, rank));
                 entries.push(entry);
             }
         }
         let record = ServiceRecord {
             versions,
+            health_check_node_ports,
+            on_node_addresses,
             claims: claims.into_boxed_slice(),
             cluster_ips: cluster_ips.into_boxed_slice(),
             listed: listed.into_boxed_slice(),

@@ -185,13 +185,150 @@ fn invalid_slices_are_rejected_alone() {
 }
 
 #[test]
-fn a_frontend_claimed_twice_goes_to_the_first_service_by_name() {
+fn between_undated_objects_a_frontend_goes_to_the_first_service_by_name() {
+    // A services file's objects carry no creation time and no uid: the name is all there is.
     let first = service("a-first", json!({"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}));
     let translation = translate(&[web(), first], &[]);
     let owner = &translation.state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)].service;
     assert_eq!(owner.name, "a-first");
     assert_eq!(translation.rejected.len(), 1);
     assert!(translation.rejected[0].reason.contains("already served by ns/a-first"));
+}
+
+/// A service in `namespace` created at `created` (RFC 3339) with uid `uid`.
+fn dated_service(namespace: &str, name: &str, created: &str, uid: &str, spec: serde_json::Value) -> Service {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created, "uid": uid},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+fn owner_of(translation: &Translation, frontend: &Frontend) -> String {
+    let owner = &translation.state.frontends[frontend].service;
+    format!("{}/{}", owner.namespace, owner.name)
+}
+
+#[test]
+fn a_cluster_ip_beats_an_older_services_external_ip_on_it() {
+    // CVE-2020-8554: a tenant's external IP set to cluster DNS's address, in a namespace that
+    // sorts first and from a service older than kube-dns.
+    let dns = dated_service(
+        "kube-system",
+        "kube-dns",
+        "2026-03-01T00:00:00Z",
+        "uid-dns",
+        json!({"clusterIP": "10.96.0.10", "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}),
+    );
+    let tenant = dated_service(
+        "aaa",
+        "grab",
+        "2026-01-01T00:00:00Z",
+        "uid-grab",
+        json!({"clusterIP": "10.96.5.5", "externalIPs": ["10.96.0.10"],
+               "ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}),
+    );
+    for services in [[dns.clone(), tenant.clone()], [tenant, dns]] {
+        let translation = translate(&services, &[]);
+        assert_eq!(
+            owner_of(&translation, &frontend("10.96.0.10", 53, Protocol::Udp)),
+            "kube-system/kube-dns"
+        );
+        assert_eq!(translation.rejected.len(), 1, "{:?}", translation.rejected);
+        assert_eq!(translation.rejected[0].object, "Service aaa/grab");
+        assert!(translation.rejected[0].reason.contains("already served by kube-system/kube-dns:dns"));
+    }
+}
+
+#[test]
+fn among_equal_claims_the_older_service_wins_whatever_its_name() {
+    let claim = |name: &str, created: &str, uid: &str| {
+        dated_service(
+            "ns",
+            name,
+            created,
+            uid,
+            json!({"clusterIP": format!("10.96.1.{}", name.len()), "externalIPs": ["203.0.113.7"],
+                   "ports": [{"port": 443}]}),
+        )
+    };
+    let vip = frontend("203.0.113.7", 443, Protocol::Tcp);
+    let older = claim("zz-older", "2026-01-01T00:00:00Z", "uid-b");
+    let newer = claim("a-newer", "2026-06-01T00:00:00Z", "uid-a");
+    assert_eq!(owner_of(&translate(&[newer.clone(), older.clone()], &[]), &vip), "ns/zz-older");
+    assert_eq!(owner_of(&translate(&[older, newer], &[]), &vip), "ns/zz-older");
+    // Created in the same second: the uid decides, not the name.
+    let same_a = claim("zz-same", "2026-01-01T00:00:00Z", "uid-1");
+    let same_b = claim("a-same", "2026-01-01T00:00:00Z", "uid-2");
+    assert_eq!(owner_of(&translate(&[same_b, same_a], &[]), &vip), "ns/zz-same");
+}
+
+#[test]
+fn special_addresses_are_refused_as_service_addresses() {
+    for (field, address, kind) in [
+        ("externalIPs", "0.0.0.0", "unspecified"),
+        ("externalIPs", "127.0.0.1", "loopback"),
+        ("externalIPs", "169.254.169.254", "link-local"),
+        ("externalIPs", "224.0.0.1", "multicast"),
+        ("externalIPs", "255.255.255.255", "broadcast"),
+        ("externalIPs", "::", "unspecified"),
+        ("externalIPs", "::1", "loopback"),
+        ("externalIPs", "fe80::1", "link-local"),
+        ("externalIPs", "ff02::1", "multicast"),
+        ("externalIPs", "::ffff:10.96.0.10", "IPv4-mapped IPv6"),
+        ("clusterIP", "127.0.0.2", "loopback"),
+        ("loadBalancer", "0.0.0.0", "unspecified"),
+    ] {
+        let mut spec = json!({"type": "LoadBalancer", "clusterIP": "10.96.0.20", "ports": [{"port": 80}]});
+        let mut status = json!({});
+        match field {
+            "externalIPs" => spec["externalIPs"] = json!([address]),
+            "clusterIP" => spec["clusterIP"] = json!(address),
+            _ => status = json!({"loadBalancer": {"ingress": [{"ip": address}]}}),
+        }
+        let bad: Service = serde_json::from_value(json!({
+            "metadata": {"name": "bad", "namespace": "ns"}, "spec": spec, "status": status,
+        }))
+        .unwrap();
+        let translation = translate(&[web(), bad], &[]);
+        assert_eq!(translation.rejected.len(), 1, "{field} {address}: {:?}", translation.rejected);
+        assert_eq!(translation.rejected[0].object, "Service ns/bad");
+        assert!(translation.rejected[0].reason.contains(kind), "{address}: {}", translation.rejected[0]);
+        // Refused as a whole, and the service beside it is untouched.
+        assert!(translation.state.frontends.values().all(|entry| entry.service.name == "web"));
+        assert_eq!(translation.state.frontends.len(), 2);
+    }
+}
+
+#[test]
+fn a_node_address_is_an_external_ip_except_on_the_ports_vipr_serves_there() {
+    let node = NodeContext { own_ports: [10256, 10249].into(), ..node_a() };
+    let external = |name: &str, port: u16| {
+        service(
+            name,
+            json!({"clusterIP": "10.96.0.30", "externalIPs": ["192.168.0.2"],
+                   "ports": [{"port": port}]}),
+        )
+    };
+    let health_checked = service(
+        "lb",
+        json!({"type": "LoadBalancer", "clusterIP": "10.96.0.31", "externalTrafficPolicy": "Local",
+               "healthCheckNodePort": 31000, "ports": [{"port": 80, "nodePort": 30080}]}),
+    );
+    let services = [external("livez", 10256), external("hc", 31000), external("fine", 8080), health_checked];
+    let translation = desired_state(&services, &[], &node);
+    let frontends = &translation.state.frontends;
+    assert!(frontends.contains_key(&frontend("192.168.0.2", 8080, Protocol::Tcp)));
+    assert!(!frontends.contains_key(&frontend("192.168.0.2", 10256, Protocol::Tcp)));
+    assert!(!frontends.contains_key(&frontend("192.168.0.2", 31000, Protocol::Tcp)));
+    let mut refused: Vec<String> = translation.rejected.iter().map(ToString::to_string).collect();
+    refused.sort();
+    assert_eq!(refused.len(), 2, "{refused:?}");
+    assert!(refused[0].starts_with("Service ns/hc: frontend 192.168.0.2:31000/TCP"), "{refused:?}");
+    assert!(refused[0].contains("health-check node port"), "{refused:?}");
+    assert!(refused[1].starts_with("Service ns/livez: frontend 192.168.0.2:10256/TCP"), "{refused:?}");
+    // Their cluster IPs still serve.
+    assert!(frontends.contains_key(&frontend("10.96.0.30", 10256, Protocol::Tcp)));
 }
 
 fn node_a() -> NodeContext {

@@ -36,6 +36,8 @@ fn metadata(random: &mut Random, version: &mut u64, name: &str, labels: Value) -
     if random.chance(80) {
         metadata["resourceVersion"] = json!(version.to_string());
         metadata["uid"] = json!(format!("uid-{name}"));
+        // Few distinct times, so that equal ages fall back to the uid.
+        metadata["creationTimestamp"] = json!(random.pick(&["2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"]));
     }
     metadata
 }
@@ -61,7 +63,13 @@ fn random_service(random: &mut Random, version: &mut u64) -> Service {
         "internalTrafficPolicy": random.pick(&["Cluster", "Local"]),
     });
     if random.chance(30) {
-        spec["externalIPs"] = json!([random.pick(&["10.96.0.2", "192.0.2.1", "2001:db8::5"])]);
+        // A cluster IP, elsewhere, or a node address.
+        spec["externalIPs"] = json!([random.pick(&["10.96.0.2", "192.0.2.1", "2001:db8::5", "192.168.0.2"])]);
+    }
+    if random.chance(40) {
+        // Port 80 is the external IPs' port: a health-check node port there takes it from
+        // every service's node-address claims.
+        spec["healthCheckNodePort"] = json!(random.pick(&[80, 30010]));
     }
     if random.chance(30) {
         spec["loadBalancerSourceRanges"] = json!([random.pick(&["192.168.0.0/16", "203.0.113.0/24"])]);
@@ -76,7 +84,7 @@ fn random_service(random: &mut Random, version: &mut u64) -> Service {
     serde_json::from_value(json!({
         "metadata": metadata(random, version, &name, labels),
         "spec": spec,
-        "status": {"loadBalancer": {"ingress": [{"ip": random.pick(&["1.2.3.4", "192.0.2.1"])}]}},
+        "status": {"loadBalancer": {"ingress": [{"ip": random.pick(&["1.2.3.4", "192.0.2.1", "192.168.0.2"])}]}},
     }))
     .unwrap()
 }
@@ -139,6 +147,7 @@ fn random_node(random: &mut Random) -> NodeContext {
         primary_ips: vec![ip("192.168.0.2"), ip("2001:db8::1")],
         node_port_ips: if random.chance(50) { [ip("192.168.0.2")].into() } else { BTreeSet::new() },
         service_cidrs: vec!["10.96.0.0/16".parse().unwrap()],
+        own_ports: if random.chance(20) { [53].into() } else { BTreeSet::new() },
     }
 }
 
