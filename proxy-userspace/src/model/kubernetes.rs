@@ -549,7 +549,42 @@ fn describe(kind: &str, metadata: &ObjectMeta) -> String {
 
 fn identity(metadata: &ObjectMeta) -> Result<(String, String), String> {
     let name = metadata.name.clone().filter(|name| !name.is_empty()).ok_or("metadata.name is missing")?;
-    Ok((metadata.namespace.clone().unwrap_or_else(|| "default".into()), name))
+    let namespace = metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    kubernetes_name(&namespace, 63, "metadata.namespace")?;
+    Ok((namespace, name))
+}
+
+/// Names as the API server accepts them (DNS labels and subdomains: lower-case letters,
+/// digits, `-` and `.`). Objects from a file are not validated by an API server, and names
+/// travel into iptables-restore input, logs and metrics labels, where a quote or a newline
+/// would break out of its place.
+fn kubernetes_name(name: &str, max_len: usize, field: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.';
+    let edges_alphanumeric = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    if name.len() <= max_len
+        && name.chars().all(allowed)
+        && edges_alphanumeric(name.chars().next())
+        && edges_alphanumeric(name.chars().last())
+    {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} {:?} is not a valid name (lower-case letters, digits, '-' and '.', at most {max_len})",
+            name.escape_debug().to_string()
+        ))
+    }
+}
+
+/// Port names: empty (the only port), or a DNS label of at most 63 characters.
+fn port_name(name: Option<&str>, field: &str) -> Result<String, String> {
+    let name = name.unwrap_or_default();
+    if !name.is_empty() {
+        kubernetes_name(name, 63, field)?;
+        if name.contains('.') {
+            return Err(format!("{field} {name:?} is not a valid port name (no '.')"));
+        }
+    }
+    Ok(name.to_owned())
 }
 
 fn port_number(port: i32, field: &str) -> Result<u16, String> {
@@ -695,6 +730,8 @@ fn service_spec(service: &Service) -> Result<Option<ServiceSpec>, String> {
 /// Services without a cluster IP (headless, ExternalName) have none and are not an error.
 fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
     let (namespace, name) = identity(&service.metadata)?;
+    // A slice's own name goes nowhere; a service's names every rule and counter.
+    kubernetes_name(&name, 63, "metadata.name")?;
     let Some(spec) = service_spec(service)? else {
         return Ok(Vec::new());
     };
@@ -708,7 +745,7 @@ fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
         let protocol = protocol(port.protocol.as_deref(), &format!("{field}.protocol"))?;
         let node_port =
             port.node_port.filter(|port| *port != 0).map(|p| port_number(p, &format!("{field}.nodePort")));
-        let port_name = port.name.clone().unwrap_or_default();
+        let port_name = port_name(port.name.as_deref(), &format!("{field}.name"))?;
         if !seen.insert((number, protocol)) {
             return Err(format!("{field}: port {number}/{protocol} is listed twice"));
         }
@@ -794,7 +831,7 @@ fn slice_endpoints(
         let name = ServicePortName {
             namespace: namespace.clone(),
             name: service.clone(),
-            port: port.name.clone().unwrap_or_default(),
+            port: port_name(port.name.as_deref(), &format!("{field}.name"))?,
             protocol,
         };
         let with_port = endpoints

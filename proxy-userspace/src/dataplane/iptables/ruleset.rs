@@ -424,9 +424,19 @@ fn host(ip: IpAddr) -> String {
     }
 }
 
+/// The `comment` match's longest text (XT_MAX_COMMENT_LEN less its terminating zero).
+const MAX_COMMENT_LEN: usize = 255;
+
 fn comment(text: &str) -> String {
-    // Kubernetes names cannot hold quotes; be safe with anything else.
-    format!("-m comment --comment \"{}\"", text.replace(['"', '\\'], "_"))
+    // The model refuses names that are not the API server's, but a comment is one token of
+    // an iptables-restore line: nothing in it may end the quoted word, the line or the
+    // transaction, whatever a caller passes.
+    let safe: String = text
+        .chars()
+        .map(|c| if c.is_ascii_graphic() && c != '"' && c != '\\' || c == ' ' { c } else { '_' })
+        .take(MAX_COMMENT_LEN)
+        .collect();
+    format!("-m comment --comment \"{safe}\"")
 }
 
 /// Builds the rules of `family` for `state`, without health-check node ports.

@@ -136,6 +136,16 @@ fn invalid_services_are_rejected_alone() {
             json!({"clusterIP": "10.96.0.1", "ports": [{"name": "a", "port": 80}, {"name": "b", "port": 80}]}),
             "listed twice",
         ),
+        // A port name that would end an iptables-restore line or its quoted comment.
+        (
+            json!({"clusterIP": "10.96.0.1", "ports": [{"name": "x\n-A INPUT -j ACCEPT", "port": 80}]}),
+            "is not a valid name",
+        ),
+        (json!({"clusterIP": "10.96.0.1", "ports": [{"name": "a\"b", "port": 80}]}), "is not a valid name"),
+        (
+            json!({"clusterIP": "10.96.0.1", "ports": [{"name": "a.b", "port": 80}]}),
+            "is not a valid port name",
+        ),
     ];
     for (spec, reason) in cases {
         let translation = translate(&[service("bad", spec.clone()), web()], &[]);
@@ -144,6 +154,36 @@ fn invalid_services_are_rejected_alone() {
         assert_eq!(translation.rejected[0].object, "Service ns/bad");
         assert_eq!(translation.state.frontends.len(), 2, "the valid service must still be applied ({spec})");
     }
+}
+
+#[test]
+fn names_the_api_server_would_refuse_are_refused() {
+    for (namespace, name) in [
+        ("ns", "web\n-A INPUT -j ACCEPT"),
+        ("ns", "web\"quoted"),
+        ("ns", "Web"),
+        ("ns", "-web"),
+        ("ns\nx", "web2"),
+        ("ns", &"w".repeat(64)),
+        (&"n".repeat(64), "web2"),
+    ] {
+        let bad: Service = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"clusterIP": "10.96.0.30", "ports": [{"port": 80}]},
+        }))
+        .unwrap();
+        let translation = translate(&[web(), bad], &[]);
+        assert_eq!(translation.rejected.len(), 1, "{namespace:?}/{name:?}");
+        assert!(
+            translation.rejected[0].reason.contains("is not a valid name"),
+            "{}",
+            translation.rejected[0]
+        );
+        assert_eq!(translation.state.frontends.len(), 2);
+    }
+    let fine =
+        service("web-2.v1", json!({"clusterIP": "10.96.0.30", "ports": [{"name": "http-alt", "port": 80}]}));
+    assert!(translate(&[fine], &[]).rejected.is_empty());
 }
 
 #[test]

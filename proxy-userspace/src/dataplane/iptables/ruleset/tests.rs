@@ -584,3 +584,18 @@ fn localhost_node_ports_follow_the_first_frontend_when_addresses_differ() {
         "{external:?}"
     );
 }
+
+#[test]
+fn a_comment_cannot_end_its_word_its_line_or_its_length() {
+    let hostile = format!("ns/web\"\n-A INPUT -j ACCEPT\\{}", "x".repeat(400));
+    let rendered = comment(&hostile);
+    assert!(!rendered.contains('\n'));
+    assert!(rendered.starts_with("-m comment --comment \"ns/web_"));
+    assert_eq!(rendered.matches('"').count(), 2, "{rendered}");
+    let text = rendered.trim_start_matches("-m comment --comment \"").trim_end_matches('"');
+    assert_eq!(text.len(), MAX_COMMENT_LEN);
+    assert_eq!(
+        comment("ns/web:http health check node port"),
+        "-m comment --comment \"ns/web:http health check node port\""
+    );
+}
