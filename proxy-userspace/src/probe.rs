@@ -22,6 +22,7 @@ use std::{
     process::Command,
 };
 
+use crate::tool;
 use crate::{
     cli::ProxyMode,
     dataplane::{
@@ -260,10 +261,8 @@ fn probe_fallbacks() -> FallbackFeatures {
 
 fn probe_ipset() -> Probe {
     // Lists set names: needs the program and the kernel's ip_set, changes nothing.
-    let output = Command::new("ipset")
-        .args(["list", "-n"])
-        .output()
-        .map_err(|error| format!("ipset: cannot run: {error}"))?;
+    let output = tool::run(Command::new("ipset").args(["list", "-n"]), None, tool::QUERY_TIMEOUT)
+        .map_err(|error| format!("ipset: {error:#}"))?;
     if output.status.success() {
         Ok(())
     } else {
@@ -276,10 +275,12 @@ fn probe_iptables() -> Result<Variant, String> {
     // `--version` does not reach the kernel: listing a nat chain does (and would fail for
     // iptables-nft on a kernel without nf_tables).
     let program = tools.program(Family::Ipv4, None);
-    let output = Command::new(&program)
-        .args(["-w", "5", "-t", "nat", "-S", "POSTROUTING"])
-        .output()
-        .map_err(|error| format!("iptables: cannot run {program}: {error}"))?;
+    let output = tool::run(
+        Command::new(&program).args(["-w", "5", "-t", "nat", "-S", "POSTROUTING"]),
+        None,
+        tool::QUERY_TIMEOUT,
+    )
+    .map_err(|error| format!("iptables: {error:#}"))?;
     if output.status.success() {
         Ok(tools.variant)
     } else {

@@ -63,6 +63,7 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
     ("apt-get", Provider::Debian("apt")),
     ("mount", Provider::Debian("mount")),
     ("sh", Provider::Debian("dash")),
+    ("sleep", Provider::Debian("coreutils")),
     ("cargo", Provider::RustToolchain),
     ("rustc", Provider::RustToolchain),
     ("rustup", Provider::RustToolchain),
@@ -74,7 +75,7 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
 ];
 
 /// Packages of priority "required": every Debian system has them, debootstrap's minbase too.
-pub const BASE_SYSTEM_PACKAGES: &[&str] = &["dpkg", "apt", "mount", "dash"];
+pub const BASE_SYSTEM_PACKAGES: &[&str] = &["dpkg", "apt", "mount", "dash", "coreutils"];
 
 /// Calls that start the program named by one of their arguments: the callee as written just
 /// before `(`, and which argument (from 0) is the program. A new way of starting programs by

@@ -2,14 +2,14 @@
 //! `iptables-restore --noflush` runs (input on stdin, errors with the offending line).
 use std::{
     fmt,
-    io::Write as _,
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
 use anyhow::{anyhow, bail, Context as _};
 
 use super::ruleset::Family;
+use crate::tool;
 
 /// How long iptables waits for the xtables lock (legacy; nft ignores it), in seconds.
 const LOCK_WAIT_SECONDS: &str = "5";
@@ -67,10 +67,8 @@ impl Tools {
             Some(variant) => format!("iptables-{}", variant.name()),
             None => "iptables".to_owned(),
         };
-        let output = Command::new(&program)
-            .arg("--version")
-            .output()
-            .with_context(|| format!("cannot run {program} (is iptables installed?)"))?;
+        let output = tool::run(Command::new(&program).arg("--version"), None, tool::QUERY_TIMEOUT)
+            .context("is iptables installed?")?;
         let text = String::from_utf8_lossy(&output.stdout).into_owned();
         let variant = Variant::from_version_output(&text)
             .ok_or_else(|| anyhow!("{program} --version printed {text:?}, not an iptables version"))?;
@@ -105,31 +103,18 @@ impl Tools {
     /// `iptables-save` of every table of `family`.
     pub fn save(&self, family: Family) -> anyhow::Result<String> {
         let program = self.program(family, Some("save"));
-        let output = Command::new(&program).output().with_context(|| format!("cannot run {program}"))?;
-        if !output.status.success() {
-            bail!("{program} failed ({}): {}", output.status, String::from_utf8_lossy(&output.stderr).trim());
-        }
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        tool::run(&mut Command::new(&program), None, tool::RULESET_TIMEOUT)?.stdout_if_success(&program)
     }
 
     /// `iptables-restore --noflush` with `input`; returns how long it took.
     pub fn restore(&self, family: Family, input: &str) -> anyhow::Result<Duration> {
         let program = self.program(family, Some("restore"));
         let started = Instant::now();
-        let mut child = Command::new(&program)
-            .args(["--noflush", "-w", LOCK_WAIT_SECONDS])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("cannot run {program}"))?;
-        let mut stdin = child.stdin.take().context("no stdin")?;
-        // Written from another thread: a large input could otherwise fill the pipe while the
-        // child blocks on a full stderr.
-        let input_owned = input.to_owned();
-        let writer = std::thread::spawn(move || stdin.write_all(input_owned.as_bytes()));
-        let output = child.wait_with_output().with_context(|| format!("{program} did not finish"))?;
-        let written = writer.join().map_err(|_| anyhow!("the writer of {program}'s input panicked"))?;
+        let output = tool::run(
+            Command::new(&program).args(["--noflush", "-w", LOCK_WAIT_SECONDS]),
+            Some(input.as_bytes()),
+            tool::RULESET_TIMEOUT,
+        )?;
         if !output.status.success() {
             let stderr = String::from_utf8_lossy(&output.stderr);
             bail!(
@@ -139,7 +124,6 @@ impl Tools {
                 offending_line(&stderr, input)
             );
         }
-        written.with_context(|| format!("cannot write {program}'s input"))?;
         Ok(started.elapsed())
     }
 }

@@ -4,15 +4,15 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
-    io::Write as _,
     net::IpAddr,
-    process::{Command, Stdio},
+    process::Command,
 };
 
-use anyhow::{bail, Context as _};
+use anyhow::bail;
 use ipnet::IpNet;
 
 use crate::model::Protocol;
+use crate::tool;
 
 /// The storage type of a set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -338,40 +338,20 @@ pub fn restore_input(
     input
 }
 
-/// The standard output of a finished `ipset` run, or its standard error as the error.
-fn succeeded(output: std::process::Output, what: &str) -> anyhow::Result<String> {
-    if !output.status.success() {
-        bail!("{what} failed: {}", String::from_utf8_lossy(&output.stderr).trim());
-    }
-    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
-}
-
 /// Runs `ipset`.
 #[derive(Debug, Default)]
 pub struct IpsetTool;
 
 impl IpsetTool {
     pub fn save(&self) -> anyhow::Result<String> {
-        let output = Command::new("ipset").arg("save").output().context("cannot run `ipset save`")?;
-        succeeded(output, "`ipset save`")
+        tool::run(Command::new("ipset").arg("save"), None, tool::RULESET_TIMEOUT)?
+            .stdout_if_success("ipset save")
     }
 
     pub fn restore(&self, input: &str) -> anyhow::Result<()> {
-        let mut child = Command::new("ipset")
-            .arg("restore")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("cannot run `ipset restore`")?;
-        child
-            .stdin
-            .take()
-            .expect("piped")
-            .write_all(input.as_bytes())
-            .context("cannot feed `ipset restore`")?;
-        let output = child.wait_with_output().context("`ipset restore` did not finish")?;
-        succeeded(output, "`ipset restore`").map(drop)
+        tool::run(Command::new("ipset").arg("restore"), Some(input.as_bytes()), tool::RULESET_TIMEOUT)?
+            .stdout_if_success("ipset restore")
+            .map(drop)
     }
 
     /// Destroys the named sets that exist; a set still referenced by a rule stays (and is
@@ -380,11 +360,8 @@ impl IpsetTool {
         let existing = parse_save(&self.save()?, &all_sets());
         let mut failed = Vec::new();
         for name in names.iter().filter(|name| existing.contains_key(*name)) {
-            let output = Command::new("ipset")
-                .args(["destroy", name])
-                .output()
-                .context("cannot run `ipset destroy`")?;
-            if let Err(error) = succeeded(output, name) {
+            let output = tool::run(Command::new("ipset").args(["destroy", name]), None, tool::QUERY_TIMEOUT)?;
+            if let Err(error) = output.stdout_if_success(&format!("ipset destroy {name}")) {
                 failed.push(format!("{error:#}"));
             }
         }

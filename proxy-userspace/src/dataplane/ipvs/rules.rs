@@ -21,19 +21,13 @@
 //! node's own connections, which IPVS has already sent on by then); a service address on a
 //! port it does not serve is rejected (KUBE-IPVS-FILTER); frontends whose endpoints are all
 //! elsewhere under a Local policy are dropped (vipr's KUBE-IPVS-DROP set).
-use std::{
-    collections::BTreeSet,
-    fmt::Write as _,
-    io::Write as _,
-    net::IpAddr,
-    process::{Command, Stdio},
-};
+use std::{collections::BTreeSet, fmt::Write as _, net::IpAddr, process::Command};
 
-use anyhow::{bail, Context as _};
 use ipnet::IpNet;
 
 use super::ipset::{self, Family, SetSpec};
 use crate::model::Protocol;
+use crate::tool;
 
 /// The bit kube-proxy marks packets to masquerade with (`--iptables-masquerade-bit` 14).
 pub const MASQUERADE_MARK: &str = "0x4000";
@@ -367,34 +361,19 @@ impl IptablesTool {
 
     pub fn save(&self) -> anyhow::Result<String> {
         let tool = self.program("save");
-        let output = Command::new(&tool).output().with_context(|| format!("cannot run `{tool}`"))?;
-        if !output.status.success() {
-            bail!("`{tool}` failed: {}", String::from_utf8_lossy(&output.stderr).trim());
-        }
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        tool::run(&mut Command::new(&tool), None, tool::RULESET_TIMEOUT)?.stdout_if_success(&tool)
     }
 
     /// `iptables-restore --noflush` of `input`: one transaction per table.
     pub fn restore(&self, input: &str) -> anyhow::Result<()> {
         let tool = self.program("restore");
-        let mut child = Command::new(&tool)
-            .args(["--noflush", "--wait"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("cannot run `{tool}`"))?;
-        child
-            .stdin
-            .take()
-            .expect("piped")
-            .write_all(input.as_bytes())
-            .with_context(|| format!("cannot feed `{tool}`"))?;
-        let output = child.wait_with_output().with_context(|| format!("`{tool}` did not finish"))?;
-        if !output.status.success() {
-            bail!("`{tool} --noflush` failed: {}", String::from_utf8_lossy(&output.stderr).trim());
-        }
-        Ok(())
+        tool::run(
+            Command::new(&tool).args(["--noflush", "--wait"]),
+            Some(input.as_bytes()),
+            tool::RULESET_TIMEOUT,
+        )?
+        .stdout_if_success(&format!("{tool} --noflush"))
+        .map(drop)
     }
 }
 
