@@ -3,7 +3,7 @@
 use std::{
     path::{Path, PathBuf},
     sync::mpsc::{Receiver, RecvTimeoutError, Sender},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
@@ -94,27 +94,37 @@ fn add_object(value: serde_yaml::Value, document: usize, objects: &mut Objects) 
 /// Watches a manifest file and sends its objects each time its content changes, until the
 /// receiving side is dropped or `stop` fires. Polling, rather than inotify, also catches
 /// editors and `kubectl`-style tools that replace the file by renaming over it.
+///
+/// A content is sent only once it has been read unchanged for [`settle_time`]: a file caught
+/// while a tool truncates and rewrites it in place (empty, or cut after a complete document)
+/// would otherwise be applied as the truth and withdraw every service it seems to lack.
 pub fn watch(path: PathBuf, interval: Duration, events: Sender<SourceEvent>, stop: Receiver<()>) {
+    let settle = settle_time(interval);
     let mut last_content: Option<Vec<u8>> = None;
+    let mut settling: Option<(Vec<u8>, Instant)> = None;
     let mut last_error: Option<String> = None;
     loop {
         match std::fs::read(&path) {
-            Ok(content) if last_content.as_ref() != Some(&content) => {
+            Ok(content) if last_content.as_ref() == Some(&content) => settling = None,
+            Ok(content) => {
                 last_error = None;
-                let event = match std::str::from_utf8(&content) {
-                    Ok(text) => match parse_manifests(&path, text) {
-                        Ok(objects) => SourceEvent::Objects(objects),
-                        Err(error) => SourceEvent::Unusable(error.to_string()),
-                    },
-                    Err(error) => SourceEvent::Unusable(format!("{}: not UTF-8: {error}", path.display())),
-                };
-                last_content = Some(content);
-                if events.send(event).is_err() {
-                    return;
+                let now = Instant::now();
+                match &settling {
+                    Some((settling_content, since)) if *settling_content == content => {
+                        if now.duration_since(*since) >= settle {
+                            settling = None;
+                            let event = objects_event(&path, &content);
+                            last_content = Some(content);
+                            if events.send(event).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    _ => settling = Some((content, now)),
                 }
             }
-            Ok(_) => {}
             Err(error) => {
+                settling = None;
                 let message = format!("{}: cannot read: {error}", path.display());
                 if last_error.as_ref() != Some(&message) {
                     if events.send(SourceEvent::Unusable(message.clone())).is_err() {
@@ -133,12 +143,75 @@ pub fn watch(path: PathBuf, interval: Duration, events: Sender<SourceEvent>, sto
     }
 }
 
+/// How long a file's content must stay the same before it is applied: two polls.
+pub fn settle_time(interval: Duration) -> Duration {
+    interval * 2
+}
+
+fn objects_event(path: &Path, content: &[u8]) -> SourceEvent {
+    match std::str::from_utf8(content) {
+        Ok(text) => match parse_manifests(path, text) {
+            Ok(objects) => SourceEvent::Objects(objects),
+            Err(error) => SourceEvent::Unusable(error.to_string()),
+        },
+        Err(error) => SourceEvent::Unusable(format!("{}: not UTF-8: {error}", path.display())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Objects, SyntaxError> {
         parse_manifests(Path::new("test.yaml"), text)
+    }
+
+    fn service_named(name: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\n\
+             spec: {{clusterIP: 10.96.0.10, ports: [{{port: 80}}]}}\n---\n"
+        )
+    }
+
+    fn service_names(event: SourceEvent) -> Vec<String> {
+        match event {
+            SourceEvent::Objects(objects) => {
+                objects.services.into_iter().map(|s| s.metadata.name.unwrap_or_default()).collect()
+            }
+            SourceEvent::Unusable(reason) => vec![format!("unusable: {reason}")],
+        }
+    }
+
+    #[test]
+    fn a_file_caught_while_it_is_rewritten_in_place_withdraws_nothing() {
+        const INTERVAL: Duration = Duration::from_millis(100);
+        let dir = std::env::temp_dir().join(format!("vipr-file-settle-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("services.yaml");
+        let both = service_named("a") + &service_named("b");
+        std::fs::write(&path, &both).unwrap();
+        let (events, received) = std::sync::mpsc::channel();
+        let (stop, stopped) = std::sync::mpsc::channel();
+        let watcher = {
+            let path = path.clone();
+            std::thread::spawn(move || watch(path, INTERVAL, events, stopped))
+        };
+        let deadline = Duration::from_secs(10);
+        assert_eq!(service_names(received.recv_timeout(deadline).unwrap()), ["a", "b"]);
+
+        // A slow writer, as `>` in a shell gives: truncated, then written in two steps with a
+        // complete first document in between. Each state lasts longer than a poll, so the
+        // watcher reads it, and less than the settle time, so it must not be applied.
+        for partial in ["", service_named("a").as_str()] {
+            std::fs::write(&path, partial).unwrap();
+            std::thread::sleep(INTERVAL * 13 / 10);
+        }
+        std::fs::write(&path, service_named("c")).unwrap();
+        // The first view sent after the rewrites is the last, settled one.
+        assert_eq!(service_names(received.recv_timeout(deadline).unwrap()), ["c"]);
+        stop.send(()).unwrap();
+        watcher.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
