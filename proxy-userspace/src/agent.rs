@@ -55,7 +55,7 @@ pub mod runner;
 const FILE_POLL_INTERVAL: Duration = Duration::from_millis(200);
 /// The longest the loop sleeps, so that it notices signals.
 const TICK: Duration = Duration::from_millis(100);
-/// How often the node's interfaces are listed when vipr serves all of them (no --devices).
+/// How often the node's interfaces are listed (all of them, or those of --devices).
 const DEVICE_POLL_INTERVAL: Duration = Duration::from_secs(1);
 
 /// One kind of API object vipr's ServiceAccount needs access to, and how.
@@ -169,10 +169,12 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         if agent.runner.is_due(Instant::now()) {
             agent.sync(dataplane.as_mut());
         }
-        if settings.devices.is_empty() && devices_checked.elapsed() >= DEVICE_POLL_INTERVAL {
+        if devices_checked.elapsed() >= DEVICE_POLL_INTERVAL {
             // New pods bring new veths; their traffic must be balanced from their first packet.
+            // A listed device can be deleted and created again (a bond or VLAN re-configured),
+            // and must then be attached again.
             devices_checked = Instant::now();
-            match node::devices(&[]) {
+            match node::devices(&settings.devices) {
                 Ok(devices) => {
                     if let Err(error) = dataplane.serve_devices(&devices) {
                         warn!("cannot follow the node's devices: {error:#}");

@@ -125,23 +125,16 @@ impl Topology {
         // Kept before it is wired so that a failure half-way still deletes it.
         self.leaves.push(Leaf { spec, netns });
         let leaf = self.leaves.last().expect("just pushed");
-        let spec = &leaf.spec;
-        let node_end = VethEnd {
-            netns: &self.node,
-            interface: &spec.node_interface,
-            addr: spec.gateway,
-            prefix_len: spec.prefix_len,
-        };
-        let leaf_end = VethEnd {
-            netns: &leaf.netns,
-            interface: &spec.leaf_interface,
-            addr: spec.addr,
-            prefix_len: spec.prefix_len,
-        };
-        create_veth(node_end, leaf_end)
-            .and_then(|()| leaf.netns.ip(&["route", "add", "default", "via", &spec.gateway.to_string()]))
-            .with_context(|| format!("cannot wire up leaf {}", spec.name))?;
+        wire(&self.node, leaf)?;
         Ok(leaf)
+    }
+
+    /// Deletes a leaf's veth pair and creates it again under the same names and addresses, as
+    /// a device re-created on a node is: same name, new interface index.
+    pub fn rewire_leaf(&self, name: &str) -> Result<()> {
+        let leaf = self.leaf(name)?;
+        self.node.ip(&["link", "delete", &leaf.spec.node_interface])?;
+        wire(&self.node, leaf)
     }
 
     pub fn node(&self) -> &Netns {
@@ -163,6 +156,27 @@ impl Topology {
     pub fn node_interfaces(&self) -> Vec<String> {
         self.leaves.iter().map(|leaf| leaf.spec.node_interface.clone()).collect()
     }
+}
+
+/// Connects `leaf` to `node` with its veth pair, and routes everything of the leaf via the node.
+fn wire(node: &Netns, leaf: &Leaf) -> Result<()> {
+    let spec = &leaf.spec;
+    let node_end = VethEnd {
+        netns: node,
+        interface: &spec.node_interface,
+        addr: spec.gateway,
+        prefix_len: spec.prefix_len,
+    };
+    let leaf_end = VethEnd {
+        netns: &leaf.netns,
+        interface: &spec.leaf_interface,
+        addr: spec.addr,
+        prefix_len: spec.prefix_len,
+    };
+    create_veth(node_end, leaf_end)
+        .and_then(|()| leaf.netns.ip(&["route", "add", "default", "via", &spec.gateway.to_string()]))
+        .map(drop)
+        .with_context(|| format!("cannot wire up leaf {}", spec.name))
 }
 
 /// Deletes the namespaces of earlier runs with this label that were killed before they could.

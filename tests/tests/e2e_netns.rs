@@ -251,6 +251,24 @@ fn without_devices_an_interface_created_later_is_served_too() {
     assert!(ENDPOINTS.contains(&exchange.answer.backend.as_str()), "{exchange:?}");
 }
 
+#[test]
+fn a_listed_device_created_again_is_served_again() {
+    let lab = running_lab("e2e-recreate");
+    assert_eq!(backends_reached(&lab, http(), CONNECTIONS), names(&ENDPOINTS));
+    // The client's veth goes away and comes back under its name, with a new interface index
+    // and without vipr's program.
+    lab.topology().rewire_leaf("client").unwrap();
+    let exchange = testbed::wait_for("the re-created device to be served", Duration::from_secs(10), || {
+        Ok(match lab.client().run(|| tcp_exchange(http().socket_addr(), TIMEOUT)) {
+            Ok(exchange) => testbed::Check::Done(exchange),
+            Err(error) => testbed::Check::NotYet(format!("{error:#}")),
+        })
+    })
+    .unwrap();
+    exchange.verify(http(), CLIENT).unwrap();
+    assert_eq!(backends_reached(&lab, http(), CONNECTIONS), names(&ENDPOINTS));
+}
+
 /// Sends from `socket` to `frontend` and returns the name of the backend that answered.
 fn ask_over(socket: &std::net::UdpSocket, frontend: Frontend) -> anyhow::Result<String> {
     socket.send_to(b"who are you?", frontend.socket_addr())?;

@@ -59,7 +59,9 @@ pub struct EbpfDataplane {
     /// Holds the loaded program, to attach it to devices that appear later.
     ebpf: Ebpf,
     pin_dir: PinDir,
-    devices: Vec<String>,
+    /// The devices served, by name and interface index: a device deleted and created again
+    /// under its name has a new index and needs attaching again.
+    devices: Vec<(String, u32)>,
     /// The XDP fast path on the devices (`--xdp`).
     xdp: xdp_attach::XdpPath,
     reaper: reaper::Reaper,
@@ -181,7 +183,7 @@ impl EbpfDataplane {
             synced: None,
             ebpf,
             pin_dir,
-            devices: options.devices.clone(),
+            devices: with_indexes(&options.devices),
             xdp,
             service_ids,
             balancing: options.balancing,
@@ -201,12 +203,25 @@ impl EbpfDataplane {
     }
 }
 
+/// `devices` that exist, with their interface indexes.
+fn with_indexes(devices: &[String]) -> Vec<(String, u32)> {
+    devices.iter().filter_map(|device| Some((device.clone(), interface_index(device)?))).collect()
+}
+
+fn interface_index(device: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(device).ok()?;
+    // SAFETY: `name` is a valid C string for the duration of the call.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (index != 0).then_some(index)
+}
+
 impl Dataplane for EbpfDataplane {
     fn mode(&self) -> &'static str {
         "ebpf"
     }
 
     fn serve_devices(&mut self, devices: &[String]) -> anyhow::Result<()> {
+        let devices = with_indexes(devices);
         if devices == self.devices {
             return Ok(());
         }
@@ -216,23 +231,25 @@ impl Dataplane for EbpfDataplane {
             .ok_or_else(|| anyhow!("program {} is missing", pins::TC_INGRESS_PROGRAM))?
             .try_into()?;
         let mut served = Vec::with_capacity(devices.len());
-        for device in devices {
-            if self.devices.contains(device) {
-                served.push(device.clone());
+        for (device, index) in devices {
+            if self.devices.contains(&(device.clone(), index)) {
+                served.push((device, index));
                 continue;
             }
             // A device can vanish again before we get to it; a failed one is retried with the
-            // next listing.
-            match attach::attach(program, device, &self.pin_dir.link(device)) {
+            // next listing. A device created again under a served name has lost its program
+            // with its old self: the pinned link is defunct and `attach` replaces it.
+            match attach::attach(program, &device, &self.pin_dir.link(&device)) {
                 Ok(attachment) => {
-                    info!(device, ?attachment, "attached at ingress of a new device");
-                    served.push(device.clone());
+                    info!(device, index, ?attachment, "attached at ingress of a new device");
+                    served.push((device, index));
                 }
                 Err(error) => warn!(device, "cannot attach to a new device: {error:#}"),
             }
         }
-        attach::detach_stale_links(&self.pin_dir, &served)?;
-        self.xdp.serve(&mut self.ebpf, &self.pin_dir, &served)?;
+        let names: Vec<String> = served.iter().map(|(name, _)| name.clone()).collect();
+        attach::detach_stale_links(&self.pin_dir, &names)?;
+        self.xdp.serve(&mut self.ebpf, &self.pin_dir, &names)?;
         self.devices = served;
         Ok(())
     }
