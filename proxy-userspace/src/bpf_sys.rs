@@ -12,6 +12,7 @@ pub mod cmd {
     use libc::c_long;
 
     pub const MAP_CREATE: c_long = 0;
+    pub const MAP_GET_NEXT_KEY: c_long = 4;
     pub const PROG_LOAD: c_long = 5;
     pub const OBJ_GET: c_long = 7;
     pub const PROG_TEST_RUN: c_long = 10;
@@ -134,5 +135,44 @@ pub fn update_batch<K: Copy, V: Copy>(map: BorrowedFd<'_>, keys: &[K], values: &
         Ok(())
     } else {
         Err(io::Error::other(format!("wrote {} of {count} entries", attr.count)))
+    }
+}
+
+/// `BPF_MAP_GET_NEXT_KEY`: the map, the key to start after (0: from the first) and where the
+/// next key goes.
+#[repr(C)]
+#[derive(Default)]
+struct MapNextKeyAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    next_key: u64,
+}
+
+/// How many keys `map` holds, by walking them (`key_size` bytes each). For an inspection, not
+/// a hot path: one system call per entry. Entries inserted or deleted meanwhile may or may not
+/// be counted.
+pub fn count_keys(map: BorrowedFd<'_>, key_size: u32) -> io::Result<u64> {
+    let mut current = vec![0u8; key_size as usize];
+    let mut next = vec![0u8; key_size as usize];
+    let mut count = 0;
+    let mut first = true;
+    loop {
+        let mut attr = MapNextKeyAttr {
+            map_fd: map.as_raw_fd() as u32,
+            key: if first { 0 } else { current.as_ptr() as u64 },
+            next_key: next.as_mut_ptr() as u64,
+            ..MapNextKeyAttr::default()
+        };
+        // SAFETY: both buffers are `key_size` bytes, as the kernel reads and writes, and
+        // outlive the call.
+        match unsafe { bpf(cmd::MAP_GET_NEXT_KEY, &mut attr) } {
+            Ok(_) => {}
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(count),
+            Err(error) => return Err(error),
+        }
+        count += 1;
+        first = false;
+        std::mem::swap(&mut current, &mut next);
     }
 }

@@ -13,6 +13,7 @@ pub mod dataplane;
 pub mod health;
 pub mod host;
 pub mod http;
+pub mod inspect;
 pub mod metrics;
 pub mod model;
 pub mod probe;

@@ -4,6 +4,12 @@ use tracing_subscriber::EnvFilter;
 use vipr::{cli::Args, config::Settings};
 
 fn main() -> std::process::ExitCode {
+    // `vipr inspect ...` reads the pinned datapath and exits; everything else is the agent,
+    // whose flags are kube-proxy's.
+    let mut words = std::env::args_os().skip(1);
+    if words.next().is_some_and(|word| word == "inspect") {
+        return vipr::inspect::main(words.collect());
+    }
     vipr::health::process_start();
     let args = Args::parse_kube_proxy_style();
     let settings = Settings::resolve(&args);

@@ -269,6 +269,74 @@ fn a_listed_device_created_again_is_served_again() {
     assert_eq!(backends_reached(&lab, http(), CONNECTIONS), names(&ENDPOINTS));
 }
 
+/// `vipr inspect ARGS --bpf-root=<the lab's>` in the node namespace: its stdout.
+fn inspect(lab: &Lab, args: &[&str]) -> String {
+    let output = lab
+        .node()
+        .command(locate_vipr().unwrap())
+        .unwrap()
+        .arg("inspect")
+        .args(args)
+        .arg(format!("--bpf-root={}", lab.bpf_root().display()))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "vipr inspect {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap()
+}
+
+#[test]
+fn inspect_shows_frontends_backends_maps_and_devices_while_vipr_runs_and_after() {
+    let mut lab = running_lab("e2e-inspect");
+    let reached = backends_reached(&lab, http(), CONNECTIONS);
+    assert_eq!(reached, names(&ENDPOINTS));
+    let endpoints: BTreeSet<String> =
+        ENDPOINTS.iter().map(|name| SocketAddr::from((backend_addr(name), 8080)).to_string()).collect();
+
+    for running in [true, false] {
+        let services: serde_json::Value =
+            serde_json::from_str(&inspect(&lab, &["services", "-o", "json", "--frontend", "10.96.0.10:80"]))
+                .unwrap();
+        let outside = services
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|frontend| frontend["source"] == "outside" && frontend["protocol"] == "TCP")
+            .unwrap_or_else(|| panic!("no outside TCP frontend in {services:#}"));
+        let backends = outside["backends"].as_array().unwrap();
+        let listed: BTreeSet<String> =
+            backends.iter().map(|backend| backend["address"].as_str().unwrap().to_owned()).collect();
+        assert_eq!(listed, endpoints, "{outside:#}");
+        let packets: u64 = backends.iter().map(|backend| backend["packets"].as_u64().unwrap()).sum();
+        assert!(packets >= 2 * CONNECTIONS as u64, "the {CONNECTIONS} connections are counted: {outside:#}");
+
+        let text = inspect(&lab, &["services"]);
+        assert!(text.lines().any(|line| line.starts_with("TCP") && line.contains("10.96.0.10:80")), "{text}");
+        for endpoint in &endpoints {
+            assert!(text.contains(&format!("  -> {endpoint}")), "{endpoint} missing:\n{text}");
+        }
+
+        let maps: serde_json::Value = serde_json::from_str(&inspect(&lab, &["maps", "-o", "json"])).unwrap();
+        let services_map = maps
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|map| map["name"] == proxy_common::pins::SERVICES4)
+            .unwrap_or_else(|| panic!("no services map in {maps:#}"));
+        // http and dns, for three source classes.
+        assert_eq!(services_map["entries"], 6, "{services_map:#}");
+        assert!(services_map["capacity"].as_u64().unwrap() >= 6);
+
+        let devices = inspect(&lab, &["devices"]);
+        assert!(
+            devices.lines().any(|line| line.starts_with("to-client") && line.ends_with("attached")),
+            "{devices}"
+        );
+        if running {
+            lab.stop_vipr().unwrap();
+        }
+    }
+}
+
 /// Sends from `socket` to `frontend` and returns the name of the backend that answered.
 fn ask_over(socket: &std::net::UdpSocket, frontend: Frontend) -> anyhow::Result<String> {
     socket.send_to(b"who are you?", frontend.socket_addr())?;

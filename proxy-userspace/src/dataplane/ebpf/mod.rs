@@ -27,7 +27,7 @@ use crate::metrics::Collector;
 use crate::model::{DesiredState, StateChanges};
 
 mod attach;
-mod counters;
+pub(crate) mod counters;
 mod encode;
 mod family;
 mod family_maps;
