@@ -28,7 +28,7 @@ use self::{
 };
 use crate::{
     cli::ProxyMode,
-    config::{Settings, SourceSettings},
+    config::{LocalDetection, Settings, SourceSettings},
     dataplane::{
         ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions},
         iptables::{self, IptablesDataplane, IptablesOptions},
@@ -45,6 +45,7 @@ use crate::{
         kubernetes::{self, KubeSourceConfig},
         Objects, SourceEvent,
     },
+    tuning,
 };
 
 pub mod changes;
@@ -83,6 +84,14 @@ pub const RECORDED_EVENTS: &[ApiAccess] =
     &[ApiAccess { group: "events.k8s.io", resource: "events", verbs: &["create", "patch"] }];
 
 pub fn run(settings: &Settings) -> anyhow::Result<()> {
+    if let Some(path) = &settings.write_config_to {
+        let yaml = serde_yaml::to_string(&settings.to_kube_proxy_configuration())
+            .context("cannot encode the configuration")?;
+        std::fs::write(path, yaml)
+            .with_context(|| format!("--write-config-to: cannot write {}", path.display()))?;
+        info!(file = %path.display(), "wrote the configuration");
+        return Ok(());
+    }
     if settings.cleanup {
         // Every mode's state, so that switching modes (or from kube-proxy) leaves nothing behind.
         let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices);
@@ -95,10 +104,16 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
             .collect();
         return if errors.is_empty() { Ok(()) } else { Err(anyhow::anyhow!(errors.join("; "))) };
     }
-    if !settings.ignored_config.is_empty() {
-        warn!("--config: vipr does not use these settings: {}", settings.ignored_config.join(", "));
-    }
+    log_settings(settings);
     let mode = running_mode(settings)?;
+    // kube-proxy's one-time initialisation; the kernel's conntrack matters to the modes that
+    // use it (the eBPF datapath tracks its connections itself).
+    let netfilter = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs);
+    tuning::apply_at_start(settings.oom_score_adj, netfilter.then_some(&settings.netfilter_conntrack));
+    if settings.init_only {
+        info!("--init-only: initialisation done");
+        return Ok(());
+    }
     let mut dataplane: Box<dyn Dataplane> = match mode {
         ProxyMode::Iptables => Box::new(IptablesDataplane::start(&IptablesOptions {
             localhost_node_ports: iptables::localhost_node_ports(
@@ -201,8 +216,11 @@ fn spawn_source(
             thread.spawn(move || file::watch(path, FILE_POLL_INTERVAL, events, stop))
         }
         SourceSettings::Kubernetes { kubeconfig } => {
-            let config =
-                KubeSourceConfig { kubeconfig: kubeconfig.clone(), node_name: settings.node_name.clone() };
+            let config = KubeSourceConfig {
+                kubeconfig: kubeconfig.clone(),
+                node_name: settings.node_name.clone(),
+                master: settings.api_client.master.clone(),
+            };
             thread.spawn(move || kubernetes::watch(config, events, stop))
         }
     };
@@ -381,16 +399,62 @@ impl<'a> Agent<'a> {
                 .and_then(|labels| labels.get("topology.kubernetes.io/zone"))
                 .cloned(),
             addresses,
-            primary_ips: node::primary_ips(node),
+            primary_ips: node::primary_ips_with_override(node, self.settings.bind_address),
+        };
+        let local_cidrs = match self.settings.local_detection {
+            LocalDetection::ClusterCidr => self.settings.cluster_cidrs.clone(),
+            LocalDetection::NodeCidr => node::pod_cidrs(node),
         };
         let proxy_settings = ProxySettings {
-            cluster_cidrs: self.settings.cluster_cidrs.clone(),
+            cluster_cidrs: local_cidrs,
             masquerade_all: self.settings.masquerade_all,
             node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings, self.mode), &facts),
             // kube-proxy takes them from ServiceCIDR objects, which no source delivers yet.
             service_cidrs: self.settings.service_cidrs.clone(),
         };
         NodeContext::resolve(&facts, &proxy_settings)
+    }
+}
+
+/// The one start-up line that says which settings vipr runs with and which of those it was
+/// given mean nothing to it (kube-proxy flags and `--config` fields), so that nobody believes
+/// an ignored setting took effect.
+fn log_settings(settings: &Settings) {
+    let address = |address: Option<std::net::SocketAddr>| address.map_or("off".to_owned(), |a| a.to_string());
+    let detection = match settings.local_detection {
+        LocalDetection::ClusterCidr if settings.cluster_cidrs.is_empty() => {
+            "ClusterCIDR (none given: no pod traffic detection)".to_owned()
+        }
+        LocalDetection::ClusterCidr => format!(
+            "ClusterCIDR {}",
+            settings.cluster_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+        ),
+        LocalDetection::NodeCidr => "NodeCIDR (the Node's spec.podCIDRs)".to_owned(),
+    };
+    let used = format!(
+        "mode={} node={} sync-period={} min-sync-period={} healthz={} metrics={} detect-local={} \
+         masquerade-all={} oom-score-adj={} bind-address={}",
+        crate::probe::mode_name(settings.proxy_mode),
+        settings.node_name,
+        crate::config::format_go_duration(settings.sync_period),
+        crate::config::format_go_duration(settings.min_sync_period),
+        address(settings.healthz_bind_address),
+        address(settings.metrics_bind_address),
+        detection,
+        settings.masquerade_all,
+        settings.oom_score_adj,
+        settings.bind_address.map_or("none".to_owned(), |ip| ip.to_string()),
+    );
+    let ignored: Vec<String> = settings
+        .ignored_flags
+        .iter()
+        .cloned()
+        .chain(settings.ignored_config.iter().map(|field| format!("--config {field}")))
+        .collect();
+    if ignored.is_empty() {
+        info!("settings: {used}; nothing given is ignored");
+    } else {
+        warn!("settings: {used}; meaning nothing to vipr, ignored: {}", ignored.join(", "));
     }
 }
 

@@ -17,3 +17,4 @@ pub mod metrics;
 pub mod model;
 pub mod probe;
 pub mod source;
+pub mod tuning;

@@ -60,6 +60,29 @@ pub fn primary_ips(node: Option<&Node>) -> Vec<IpAddr> {
     std::iter::once(first).chain(other_family).collect()
 }
 
+/// [`primary_ips`] with `--bind-address` (when not unspecified) as the primary IP of its
+/// family, as kube-proxy's node IP override; the Node's stays for the other family.
+pub fn primary_ips_with_override(node: Option<&Node>, bind_address: Option<IpAddr>) -> Vec<IpAddr> {
+    let from_node = primary_ips(node);
+    let Some(bind) = bind_address else { return from_node };
+    std::iter::once(bind).chain(from_node.into_iter().filter(|ip| ip.is_ipv4() != bind.is_ipv4())).collect()
+}
+
+/// The Node's `spec.podCIDRs` (or the older single `spec.podCIDR`): the local-traffic
+/// detector's CIDRs with `--detect-local-mode=NodeCIDR`. Unparsable entries are skipped; none
+/// (no Node yet, or none allocated) means no detector until the Node has them.
+pub fn pod_cidrs(node: Option<&Node>) -> Vec<ipnet::IpNet> {
+    let Some(spec) = node.and_then(|node| node.spec.as_ref()) else { return Vec::new() };
+    let listed = spec.pod_cidrs.iter().flatten().chain(spec.pod_cidr.iter());
+    let mut cidrs: Vec<ipnet::IpNet> = Vec::new();
+    for cidr in listed.filter_map(|text| text.trim().parse::<ipnet::IpNet>().ok()) {
+        if !cidrs.contains(&cidr) {
+            cidrs.push(cidr);
+        }
+    }
+    cidrs
+}
+
 /// Whether `--nodeport-addresses` admits every address (`all`, or a /0), in which case
 /// kube-proxy's health-check servers listen on the unspecified address.
 pub fn matches_all(addresses: &[NodePortAddress]) -> bool {
