@@ -247,6 +247,9 @@ struct Agent<'a> {
     /// repeat them; one that goes away and comes back is logged again.
     logged_rejections: BTreeSet<String>,
     logged_unsupported: BTreeSet<String>,
+    /// Whether the Node had no pod CIDRs at the last sync (`--detect-local-mode=NodeCIDR`),
+    /// so that the change is logged once; `None` before the first sync.
+    no_node_pod_cidrs: std::cell::Cell<Option<bool>>,
 }
 
 impl<'a> Agent<'a> {
@@ -269,6 +272,7 @@ impl<'a> Agent<'a> {
             metrics,
             logged_rejections: BTreeSet::new(),
             logged_unsupported: BTreeSet::new(),
+            no_node_pod_cidrs: std::cell::Cell::new(None),
         }
     }
 
@@ -403,7 +407,18 @@ impl<'a> Agent<'a> {
         };
         let local_cidrs = match self.settings.local_detection {
             LocalDetection::ClusterCidr => self.settings.cluster_cidrs.clone(),
-            LocalDetection::NodeCidr => node::pod_cidrs(node),
+            LocalDetection::NodeCidr => {
+                let cidrs = node::pod_cidrs(node);
+                // kube-proxy waits for them; vipr serves meanwhile, without pod detection.
+                if Some(cidrs.is_empty()) != self.no_node_pod_cidrs.replace(Some(cidrs.is_empty())) {
+                    if cidrs.is_empty() {
+                        warn!("--detect-local-mode=NodeCIDR: the Node has no spec.podCIDRs yet; no traffic counts as from pods until it has");
+                    } else {
+                        info!(cidrs = ?cidrs, "--detect-local-mode=NodeCIDR: the Node's pod CIDRs");
+                    }
+                }
+                cidrs
+            }
         };
         let proxy_settings = ProxySettings {
             cluster_cidrs: local_cidrs,

@@ -126,6 +126,44 @@ mod tests {
     }
 
     #[test]
+    fn bind_address_overrides_the_primary_ip_of_its_family_only() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n"},
+            "status": {"addresses": [
+                {"type": "InternalIP", "address": "10.0.0.7"},
+                {"type": "InternalIP", "address": "fd00::7"},
+            ]}
+        }))
+        .unwrap();
+        assert_eq!(primary_ips_with_override(Some(&node), None), [ip("10.0.0.7"), ip("fd00::7")]);
+        assert_eq!(
+            primary_ips_with_override(Some(&node), Some(ip("10.9.9.9"))),
+            [ip("10.9.9.9"), ip("fd00::7")]
+        );
+        assert_eq!(
+            primary_ips_with_override(Some(&node), Some(ip("fd00::9"))),
+            [ip("fd00::9"), ip("10.0.0.7")]
+        );
+        assert_eq!(primary_ips_with_override(None, Some(ip("10.9.9.9"))), [ip("10.9.9.9")]);
+    }
+
+    #[test]
+    fn node_cidr_detection_reads_the_nodes_pod_cidrs() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n"},
+            "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24", "fd00:10:244:1::/64", "junk"]}
+        }))
+        .unwrap();
+        let cidrs: Vec<String> = pod_cidrs(Some(&node)).iter().map(ToString::to_string).collect();
+        assert_eq!(cidrs, ["10.244.1.0/24", "fd00:10:244:1::/64"]);
+        let old: Node =
+            serde_json::from_value(json!({"metadata": {"name": "n"}, "spec": {"podCIDR": "10.244.2.0/24"}}))
+                .unwrap();
+        assert_eq!(pod_cidrs(Some(&old)).len(), 1);
+        assert!(pod_cidrs(None).is_empty());
+    }
+
+    #[test]
     fn primary_ips_prefer_internal_and_take_one_per_family() {
         let node: Node = serde_json::from_value(json!({
             "metadata": {"name": "n"},
