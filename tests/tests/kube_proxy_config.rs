@@ -16,8 +16,8 @@ use std::{
 use testbed::{
     count_by_backend, exchanges,
     http::{get, HttpAnswer},
-    locate_vipr, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, LeafSpec, Netns,
-    Protocol, ServicePort, Vipr,
+    locate_vipr, wait_for, Check, ClusterIpService, Endpoint, FakeApiServer, Frontend, Lab, LabConfig,
+    LeafSpec, Netns, Protocol, ServicePort, Vipr,
 };
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
@@ -233,4 +233,76 @@ fn kops_flags_with_ebpf_mode() {
     assert_eq!(oom_score_adj(&agent), "300");
     // The eBPF datapath tracks its own connections: the node's conntrack is left alone.
     assert_ne!(node_sysctl(&lab, "nf_conntrack_tcp_timeout_established"), KUBE_PROXY_TCP_ESTABLISHED);
+}
+
+/// The Node object of the lab's node, with `pod_cidrs` as its `spec.podCIDRs`.
+fn node_object(name: &str, pod_cidrs: &[&str]) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name},
+        "spec": {"podCIDR": pod_cidrs[0], "podCIDRs": pod_cidrs},
+    })
+}
+
+/// Waits until a ClusterIP connection's backend sees the client's own address (`true`: the
+/// client counts as a pod, nothing is masqueraded) or another one (`false`: masqueraded).
+fn wait_for_client_seen_as(agent: &mut Vipr, lab: &Lab, own_address: bool) {
+    let frontend = Frontend { addr: SocketAddrV4::new(VIP, 80), protocol: Protocol::Tcp };
+    let what = if own_address { "the client's address at the backend" } else { "a masqueraded client" };
+    wait_for(what, SETTLE, || {
+        agent.ensure_running()?;
+        Ok(match lab.client().run(|| exchanges(frontend, 1, TIMEOUT)) {
+            Ok(done) if (done[0].answer.observed_client.ip() == IpAddr::V4(CLIENT)) == own_address => {
+                Check::Done(())
+            }
+            Ok(done) => Check::NotYet(format!("seen as {}", done[0].answer.observed_client)),
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    })
+    .unwrap();
+}
+
+/// `--detect-local-mode=NodeCIDR` takes the pods' ranges from the Node object, over
+/// `--cluster-cidr`, and follows them when they change; `--master` replaces the kubeconfig's
+/// server. The API server is the in-suite one, inside the lab's node.
+#[test]
+fn node_cidr_local_detection_follows_the_nodes_pod_cidrs() {
+    let mut lab = lab("kp-nodecidr");
+    let node_name = lab.node().name().to_owned();
+    let api = lab.node().run(FakeApiServer::start).unwrap();
+    let service = lab.services()[0].clone();
+    let (service_object, slice) = service.objects();
+    api.apply(&service_object).unwrap();
+    api.apply(&slice).unwrap();
+    // The client's own range is the node's pod CIDR: its traffic is pod traffic.
+    api.apply_json(node_object(&node_name, &["10.10.0.0/24"])).unwrap();
+    // A kubeconfig whose server is nowhere: only --master leads to the API server.
+    let kubeconfig = lab.services_file().with_file_name("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://192.0.2.1:1\n\
+         users:\n- name: u\n  user: {}\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\n\
+         current-context: x\n",
+    )
+    .unwrap();
+    let args = [
+        "--proxy-mode=ebpf".to_owned(),
+        format!("--kubeconfig={}", kubeconfig.display()),
+        format!("--master={}", api.url()),
+        "--detect-local-mode=NodeCIDR".to_owned(),
+        // Not the detector in NodeCIDR mode: the client is outside it.
+        "--cluster-cidr=10.244.0.0/16".to_owned(),
+        format!("--hostname-override={node_name}"),
+        format!("--devices={}", lab.topology().node_interfaces().join(",")),
+        format!("--bpf-root={}", lab.bpf_root().display()),
+    ];
+    let log = lab.services_file().with_file_name("vipr.log");
+    let mut agent = Vipr::start_with_args(&locate_vipr().unwrap(), lab.node(), &args, &log).unwrap();
+    lab.wait_programmed().unwrap();
+    wait_for_client_seen_as(&mut agent, &lab, true);
+
+    // The Node's pod CIDR moves away from the client: its traffic is masqueraded again.
+    api.apply_json(node_object(&node_name, &["10.244.1.0/24"])).unwrap();
+    wait_for_client_seen_as(&mut agent, &lab, false);
 }
