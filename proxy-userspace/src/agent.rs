@@ -45,6 +45,7 @@ use crate::{
         kubernetes::{self, KubeSourceConfig},
         Objects, SourceEvent,
     },
+    status::StatusPages,
     tuning,
 };
 
@@ -157,7 +158,11 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         http::serve_forever(address, "healthz", health.clone().handler());
     }
     if let Some(address) = settings.metrics_bind_address {
-        http::serve_forever(address, "metrics", registry.handler(dataplane.mode()));
+        let metrics_pages = registry.handler(dataplane.mode());
+        let status_pages = StatusPages::new(settings, std::env::args());
+        let handler: http::Handler =
+            Arc::new(move |path| status_pages.reply(path).unwrap_or_else(|| metrics_pages(path)));
+        http::serve_forever(address, "metrics", handler);
     }
     // As kube-proxy's sync loop: healthy from the start, even if no sync ever succeeds.
     health.updated(Moment::now());

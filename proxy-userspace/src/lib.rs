@@ -17,4 +17,5 @@ pub mod metrics;
 pub mod model;
 pub mod probe;
 pub mod source;
+pub mod status;
 pub mod tuning;

@@ -144,6 +144,16 @@ fn check_serving_as_kube_proxy(agent: &mut Vipr, lab: &Lab, mode: &str) {
         get(lab.client(), SocketAddr::from((NODE, 10249)), "/metrics").is_err(),
         "metrics reachable from outside the node"
     );
+    // kube-proxy's z-pages beside the metrics.
+    let metrics_address = SocketAddr::from((Ipv4Addr::LOCALHOST, 10249));
+    let configz = wait_for_ok(agent, node, metrics_address, "/configz");
+    let configz: serde_json::Value = serde_json::from_str(&configz.body).unwrap();
+    assert_eq!(configz["kubeproxy.config.k8s.io"]["healthzBindAddress"], "0.0.0.0:10256", "{configz}");
+    assert_eq!(configz["kubeproxy.config.k8s.io"]["mode"], mode, "{configz}");
+    let flagz = wait_for_ok(agent, node, metrics_address, "/flagz").body;
+    assert!(flagz.contains("\nhostname-override="), "{flagz}");
+    let statusz = wait_for_ok(agent, node, metrics_address, "/statusz").body;
+    assert!(statusz.contains("\nStarted: "), "{statusz}");
 }
 
 fn oom_score_adj(agent: &Vipr) -> String {
