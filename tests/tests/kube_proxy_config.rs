@@ -316,3 +316,87 @@ fn node_cidr_local_detection_follows_the_nodes_pod_cidrs() {
     api.apply_json(node_object(&node_name, &["10.244.1.0/24"])).unwrap();
     wait_for_client_seen_as(&mut agent, &lab, false);
 }
+
+/// Runs vipr to completion in `netns` with `args` and returns its stderr.
+fn run_to_exit(netns: &Netns, args: &[String]) -> String {
+    let output = netns
+        .command(locate_vipr().unwrap())
+        .unwrap()
+        .args(args)
+        .env("NO_COLOR", "1")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "vipr {args:?} failed ({}):\n{stderr}", output.status);
+    stderr
+}
+
+/// `--init-only` applies kube-proxy's one-time settings for the mode, then exits; nothing else
+/// is installed.
+#[test]
+fn init_only_sets_the_conntrack_sysctls_and_exits() {
+    let netns = Netns::create(&format!("kp-init-{}", std::process::id())).unwrap();
+    let sysctl = |name: &str| {
+        let path = format!("/proc/sys/net/netfilter/{name}");
+        netns.run(|| Ok(std::fs::read_to_string(&path)?.trim().to_owned())).unwrap()
+    };
+    assert_ne!(sysctl("nf_conntrack_tcp_timeout_established"), KUBE_PROXY_TCP_ESTABLISHED);
+    run_to_exit(
+        &netns,
+        &[
+            kubeadm_config("1.35"),
+            "--init-only".to_owned(),
+            "--conntrack-tcp-be-liberal".to_owned(),
+            "--conntrack-udp-timeout=17s".to_owned(),
+            "--hostname-override=n".to_owned(),
+            "--services-file=/dev/null".to_owned(),
+        ],
+    );
+    assert_eq!(sysctl("nf_conntrack_tcp_timeout_established"), KUBE_PROXY_TCP_ESTABLISHED);
+    assert_eq!(sysctl("nf_conntrack_tcp_be_liberal"), "1");
+    assert_eq!(sysctl("nf_conntrack_udp_timeout"), "17");
+    let rules = netns.command("iptables-save").unwrap().output().unwrap();
+    let rules = String::from_utf8_lossy(&rules.stdout);
+    assert!(!rules.contains("KUBE-") && !rules.contains("VIPR"), "--init-only installed rules:\n{rules}");
+    drop(netns);
+}
+
+/// `--write-config-to` writes the effective configuration, which `--config` reads back the
+/// same; `--logging-format=json` makes every log line a JSON object.
+#[test]
+fn write_config_to_round_trips_and_json_logging() {
+    let netns = Netns::create(&format!("kp-write-{}", std::process::id())).unwrap();
+    let workdir = testbed::WorkDir::create("kp-write").unwrap();
+    let written = workdir.path().join("written.yaml");
+    let rewritten = workdir.path().join("rewritten.yaml");
+    let stderr = run_to_exit(
+        &netns,
+        &[
+            kubeadm_config("1.35"),
+            "--oom-score-adj=-500".to_owned(),
+            "--ipvs-scheduler=mh".to_owned(),
+            "--hostname-override=node-w".to_owned(),
+            "--logging-format=json".to_owned(),
+            format!("--write-config-to={}", written.display()),
+        ],
+    );
+    for line in stderr.lines() {
+        let object: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|error| panic!("not JSON ({error}): {line}"));
+        assert!(object["level"].is_string() && object["timestamp"].is_string(), "{line}");
+    }
+    assert!(!stderr.is_empty(), "vipr logged nothing");
+    let text = std::fs::read_to_string(&written).unwrap();
+    let config: serde_json::Value = serde_yaml::from_str(&text).unwrap();
+    assert_eq!(config["kind"], "KubeProxyConfiguration");
+    assert_eq!(config["oomScoreAdj"], -500, "{text}");
+    assert_eq!(config["iptables"]["syncPeriod"], "30s", "{text}");
+    assert_eq!(config["clusterCIDR"], "10.244.0.0/16", "{text}");
+    // Read back and written again: the same file.
+    run_to_exit(
+        &netns,
+        &[format!("--config={}", written.display()), format!("--write-config-to={}", rewritten.display())],
+    );
+    assert_eq!(std::fs::read_to_string(&rewritten).unwrap(), text);
+}
