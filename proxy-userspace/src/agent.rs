@@ -153,6 +153,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         registry.register(collector);
     }
     registry.register(Arc::new(ProxyModeInfo { mode, requested: settings.proxy_mode }));
+    registry.register(Arc::new(crate::metrics::process::ProcessMetrics));
     let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
     if let Some(address) = settings.healthz_bind_address {
         http::serve_forever(address, "healthz", health.clone().handler());

@@ -137,7 +137,14 @@ fn check_serving_as_kube_proxy(agent: &mut Vipr, lab: &Lab, mode: &str) {
     wait_for_ok(agent, lab.client(), SocketAddr::from((NODE, 10256)), "/healthz");
     // /metrics on the node's loopback only.
     let metrics = wait_for_ok(agent, node, SocketAddr::from((Ipv4Addr::LOCALHOST, 10249)), "/metrics");
-    assert!(metrics.body.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds"), "{}", metrics.body);
+    for family in [
+        "kubeproxy_sync_proxy_rules_duration_seconds histogram",
+        "process_cpu_seconds_total counter",
+        "process_resident_memory_bytes gauge",
+        "vipr_build_info gauge",
+    ] {
+        assert!(metrics.body.contains(&format!("# TYPE {family}\n")), "no {family} in\n{}", metrics.body);
+    }
     let proxy_mode = wait_for_ok(agent, node, SocketAddr::from((Ipv4Addr::LOCALHOST, 10249)), "/proxyMode");
     assert_eq!(proxy_mode.body, mode);
     assert!(
