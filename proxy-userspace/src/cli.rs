@@ -741,6 +741,16 @@ mod tests {
     fn a_flag_given_twice_takes_its_last_value_as_pflag() {
         let args = parse(&["--proxy-mode=iptables", "--v=2", "--proxy-mode=ebpf"]).unwrap();
         assert_eq!(args.proxy_mode, Some(ProxyMode::Ebpf));
+        // List flags accumulate, as pflag's string slices do.
+        let args = parse(&[
+            "--devices=a",
+            "--devices=b,c",
+            "--nodeport-addresses=primary",
+            "--nodeport-addresses=all",
+        ])
+        .unwrap();
+        assert_eq!(args.devices, ["a", "b", "c"]);
+        assert_eq!(args.nodeport_addresses.map(|addresses| addresses.len()), Some(2));
     }
 
     #[test]

@@ -244,10 +244,21 @@ fn kops_flags_with_ebpf_mode() {
     // A later flag wins, as with kube-proxy's pflag; a raised score needs no privilege, so the
     // write is seen wherever the test runs.
     args.extend(["--proxy-mode=ebpf".to_owned(), "--oom-score-adj=300".to_owned()]);
+    // kube-proxy flags that mean nothing to vipr: vipr runs, and says so once.
+    args.extend(["--profiling".to_owned(), "--iptables-masquerade-bit=13".to_owned()]);
     let mut agent = start_vipr(&lab, &args);
     lab.wait_programmed().unwrap();
     check_serving_as_kube_proxy(&mut agent, &lab, "ebpf");
     assert_eq!(oom_score_adj(&agent), "300");
+    let log = std::fs::read_to_string(agent.log_path()).unwrap();
+    let settings_lines: Vec<&str> = log.lines().filter(|line| line.contains("settings: mode=ebpf")).collect();
+    assert_eq!(settings_lines.len(), 1, "{log}");
+    assert!(
+        settings_lines[0].contains("ignored: --iptables-masquerade-bit (")
+            && settings_lines[0].contains("--profiling ("),
+        "{}",
+        settings_lines[0]
+    );
     // The eBPF datapath tracks its own connections: the node's conntrack is left alone.
     assert_ne!(node_sysctl(&lab, "nf_conntrack_tcp_timeout_established"), KUBE_PROXY_TCP_ESTABLISHED);
 }
