@@ -271,8 +271,8 @@ impl Default for ApiClientSettings {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FeatureGates(pub std::collections::BTreeMap<String, bool>);
 
-/// kube-proxy feature gates whose setting changes what vipr does. None yet: every gate vipr
-/// would follow is GA in kube-proxy 1.35 and locked on, and vipr behaves as if it were on.
+/// kube-proxy feature gates whose setting changes what vipr does. None yet: vipr behaves as
+/// kube-proxy 1.35 with its default gates, and no gate switches that behaviour.
 pub const HONOURED_FEATURE_GATES: &[&str] = &[];
 
 impl FeatureGates {
