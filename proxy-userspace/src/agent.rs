@@ -28,7 +28,7 @@ use self::{
 };
 use crate::{
     cli::ProxyMode,
-    config::{Settings, SourceSettings},
+    config::{LocalDetection, Settings, SourceSettings},
     dataplane::{
         ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions},
         iptables::{self, IptablesDataplane, IptablesOptions},
@@ -45,6 +45,8 @@ use crate::{
         kubernetes::{self, KubeSourceConfig},
         Objects, SourceEvent,
     },
+    status::StatusPages,
+    tuning,
 };
 
 pub mod changes;
@@ -83,6 +85,14 @@ pub const RECORDED_EVENTS: &[ApiAccess] =
     &[ApiAccess { group: "events.k8s.io", resource: "events", verbs: &["create", "patch"] }];
 
 pub fn run(settings: &Settings) -> anyhow::Result<()> {
+    if let Some(path) = &settings.write_config_to {
+        let yaml = serde_yaml::to_string(&settings.to_kube_proxy_configuration())
+            .context("cannot encode the configuration")?;
+        std::fs::write(path, yaml)
+            .with_context(|| format!("--write-config-to: cannot write {}", path.display()))?;
+        info!(file = %path.display(), "wrote the configuration");
+        return Ok(());
+    }
     if settings.cleanup {
         // Every mode's state, so that switching modes (or from kube-proxy) leaves nothing behind.
         let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices);
@@ -95,10 +105,16 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
             .collect();
         return if errors.is_empty() { Ok(()) } else { Err(anyhow::anyhow!(errors.join("; "))) };
     }
-    if !settings.ignored_config.is_empty() {
-        warn!("--config: vipr does not use these settings: {}", settings.ignored_config.join(", "));
-    }
+    log_settings(settings);
     let mode = running_mode(settings)?;
+    // kube-proxy's one-time initialisation; the kernel's conntrack matters to the modes that
+    // use it (the eBPF datapath tracks its connections itself).
+    let netfilter = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs);
+    tuning::apply_at_start(settings.oom_score_adj, netfilter.then_some(&settings.netfilter_conntrack));
+    if settings.init_only {
+        info!("--init-only: initialisation done");
+        return Ok(());
+    }
     let mut dataplane: Box<dyn Dataplane> = match mode {
         ProxyMode::Iptables => Box::new(IptablesDataplane::start(&IptablesOptions {
             localhost_node_ports: iptables::localhost_node_ports(
@@ -137,12 +153,17 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         registry.register(collector);
     }
     registry.register(Arc::new(ProxyModeInfo { mode, requested: settings.proxy_mode }));
+    registry.register(Arc::new(crate::metrics::process::ProcessMetrics));
     let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
     if let Some(address) = settings.healthz_bind_address {
         http::serve_forever(address, "healthz", health.clone().handler());
     }
     if let Some(address) = settings.metrics_bind_address {
-        http::serve_forever(address, "metrics", registry.handler(dataplane.mode()));
+        let metrics_pages = registry.handler(dataplane.mode());
+        let status_pages = StatusPages::new(settings, std::env::args());
+        let handler: http::Handler =
+            Arc::new(move |path| status_pages.reply(path).unwrap_or_else(|| metrics_pages(path)));
+        http::serve_forever(address, "metrics", handler);
     }
     // As kube-proxy's sync loop: healthy from the start, even if no sync ever succeeds.
     health.updated(Moment::now());
@@ -203,8 +224,11 @@ fn spawn_source(
             thread.spawn(move || file::watch(path, FILE_POLL_INTERVAL, events, stop))
         }
         SourceSettings::Kubernetes { kubeconfig } => {
-            let config =
-                KubeSourceConfig { kubeconfig: kubeconfig.clone(), node_name: settings.node_name.clone() };
+            let config = KubeSourceConfig {
+                kubeconfig: kubeconfig.clone(),
+                node_name: settings.node_name.clone(),
+                master: settings.api_client.master.clone(),
+            };
             thread.spawn(move || kubernetes::watch(config, events, stop))
         }
     };
@@ -234,6 +258,9 @@ struct Agent<'a> {
     /// The node's addresses as last listed: a listing that fails keeps them, so a passing
     /// netlink error cannot make every node address look foreign to the datapath.
     node_addresses: Vec<IpAddr>,
+    /// Whether the Node had no pod CIDRs at the last sync (`--detect-local-mode=NodeCIDR`),
+    /// so that the change is logged once; `None` before the first sync.
+    no_node_pod_cidrs: std::cell::Cell<Option<bool>>,
 }
 
 impl<'a> Agent<'a> {
@@ -257,6 +284,7 @@ impl<'a> Agent<'a> {
             logged_rejections: BTreeSet::new(),
             logged_unsupported: BTreeSet::new(),
             node_addresses: Vec::new(),
+            no_node_pod_cidrs: std::cell::Cell::new(None),
         }
     }
 
@@ -395,10 +423,25 @@ impl<'a> Agent<'a> {
                 .and_then(|labels| labels.get("topology.kubernetes.io/zone"))
                 .cloned(),
             addresses,
-            primary_ips: node::primary_ips(node),
+            primary_ips: node::primary_ips_with_override(node, self.settings.bind_address),
+        };
+        let local_cidrs = match self.settings.local_detection {
+            LocalDetection::ClusterCidr => self.settings.cluster_cidrs.clone(),
+            LocalDetection::NodeCidr => {
+                let cidrs = node::pod_cidrs(node);
+                // kube-proxy waits for them; vipr serves meanwhile, without pod detection.
+                if Some(cidrs.is_empty()) != self.no_node_pod_cidrs.replace(Some(cidrs.is_empty())) {
+                    if cidrs.is_empty() {
+                        warn!("--detect-local-mode=NodeCIDR: the Node has no spec.podCIDRs yet; no traffic counts as from pods until it has");
+                    } else {
+                        info!(cidrs = ?cidrs, "--detect-local-mode=NodeCIDR: the Node's pod CIDRs");
+                    }
+                }
+                cidrs
+            }
         };
         let proxy_settings = ProxySettings {
-            cluster_cidrs: self.settings.cluster_cidrs.clone(),
+            cluster_cidrs: local_cidrs,
             masquerade_all: self.settings.masquerade_all,
             node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings, self.mode), &facts),
             // kube-proxy takes them from ServiceCIDR objects, which no source delivers yet.
@@ -410,6 +453,48 @@ impl<'a> Agent<'a> {
                 .collect(),
         };
         NodeContext::resolve(&facts, &proxy_settings)
+    }
+}
+
+/// The one start-up line that says which settings vipr runs with and which of those it was
+/// given mean nothing to it (kube-proxy flags and `--config` fields), so that nobody believes
+/// an ignored setting took effect.
+fn log_settings(settings: &Settings) {
+    let address = |address: Option<std::net::SocketAddr>| address.map_or("off".to_owned(), |a| a.to_string());
+    let detection = match settings.local_detection {
+        LocalDetection::ClusterCidr if settings.cluster_cidrs.is_empty() => {
+            "ClusterCIDR (none given: no pod traffic detection)".to_owned()
+        }
+        LocalDetection::ClusterCidr => format!(
+            "ClusterCIDR {}",
+            settings.cluster_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
+        ),
+        LocalDetection::NodeCidr => "NodeCIDR (the Node's spec.podCIDRs)".to_owned(),
+    };
+    let used = format!(
+        "mode={} node={} sync-period={} min-sync-period={} healthz={} metrics={} detect-local={} \
+         masquerade-all={} oom-score-adj={} bind-address={}",
+        crate::probe::mode_name(settings.proxy_mode),
+        settings.node_name,
+        crate::config::format_go_duration(settings.sync_period),
+        crate::config::format_go_duration(settings.min_sync_period),
+        address(settings.healthz_bind_address),
+        address(settings.metrics_bind_address),
+        detection,
+        settings.masquerade_all,
+        settings.oom_score_adj,
+        settings.bind_address.map_or("none".to_owned(), |ip| ip.to_string()),
+    );
+    let ignored: Vec<String> = settings
+        .ignored_flags
+        .iter()
+        .cloned()
+        .chain(settings.ignored_config.iter().map(|field| format!("--config {field}")))
+        .collect();
+    if ignored.is_empty() {
+        info!("settings: {used}; nothing given is ignored");
+    } else {
+        warn!("settings: {used}; meaning nothing to vipr, ignored: {}", ignored.join(", "));
     }
 }
 

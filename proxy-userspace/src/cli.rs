@@ -1,16 +1,18 @@
 //! Command-line flags. Names, defaults and meaning follow kube-proxy's wherever kube-proxy has
-//! the same notion, so that an operator can swap vipr in without relearning them; kube-proxy
-//! flags that vipr knowingly does not implement are refused by name, with the reason (see
-//! [`UNSUPPORTED_KUBE_PROXY_FLAGS`]). [`crate::config::Settings::resolve`] turns the flags,
-//! over a `--config` file, into the settings the agent runs with.
+//! the same notion, so that an operator can swap vipr in without relearning them. Every
+//! kube-proxy 1.35 flag is accepted: those that mean something to vipr are implemented, the
+//! others ([`IGNORED_KUBE_PROXY_FLAGS`]) are accepted, named with the reason in the start-up
+//! log line, and change nothing. As with pflag, a flag given twice takes its last value.
+//! [`crate::config::Settings::resolve`] turns the flags, over a `--config` file, into the
+//! settings the agent runs with.
 use std::{path::PathBuf, time::Duration};
 
-use clap::{error::ErrorKind, Arg, ArgAction, CommandFactory as _, FromArgMatches as _, Parser, ValueEnum};
+use clap::{Arg, ArgAction, CommandFactory as _, FromArgMatches as _, Parser, ValueEnum};
 use ipnet::IpNet;
 
 use crate::config::{
-    parse_go_duration, BindAddress, CidrPair, NodePortAddress, DEFAULT_HEALTHZ_BIND_ADDRESS,
-    DEFAULT_METRICS_BIND_ADDRESS,
+    parse_feature_gates, parse_go_duration, BindAddress, CidrPair, FeatureGates, NodePortAddress,
+    DEFAULT_HEALTHZ_BIND_ADDRESS, DEFAULT_METRICS_BIND_ADDRESS,
 };
 
 /// `--lb-algorithm`.
@@ -42,6 +44,34 @@ pub enum XdpMode {
     Off,
 }
 
+/// `--detect-local-mode` (the file's `detectLocalMode`): how traffic from this node's pods is
+/// told from other traffic. The names are kube-proxy's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DetectLocalMode {
+    /// Sources inside `--cluster-cidr` are pods (kube-proxy's default).
+    #[value(name = "ClusterCIDR")]
+    ClusterCidr,
+    /// Sources inside the Node object's `spec.podCIDRs` are pods.
+    #[value(name = "NodeCIDR")]
+    NodeCidr,
+    /// Packets arriving from `--pod-bridge-interface` are from pods.
+    #[value(name = "BridgeInterface")]
+    BridgeInterface,
+    /// Packets arriving from interfaces named `--pod-interface-name-prefix`* are from pods.
+    #[value(name = "InterfaceNamePrefix")]
+    InterfaceNamePrefix,
+}
+
+/// `--logging-format` (the file's `logging.format`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum LoggingFormat {
+    /// Human-readable lines (kube-proxy's default).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ProxyMode {
     /// Pick the best dataplane the kernel supports.
@@ -57,16 +87,31 @@ pub enum ProxyMode {
 /// Values that say so are kube-proxy's defaults; a flag left out keeps the `--config` file's
 /// value, or else that default.
 #[derive(Debug, Parser)]
-#[command(name = "vipr", version, about = "eBPF Kubernetes service proxy, a drop-in kube-proxy replacement")]
+#[command(
+    name = "vipr",
+    version,
+    about = "eBPF Kubernetes service proxy, a drop-in kube-proxy replacement",
+    args_override_self = true
+)]
 pub struct Args {
-    /// Which dataplane programs the services [default: auto].
+    /// Which dataplane programs the services; it wins over the --config file's `mode`, in
+    /// which "" means iptables as for kube-proxy [default: auto]. vipr has no nftables mode.
     #[arg(long, value_enum)]
     pub proxy_mode: Option<ProxyMode>,
 
     /// A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1, YAML or JSON), as
-    /// kube-proxy's; flags given on the command line override it.
+    /// kube-proxy's, with kube-proxy's defaulting; flags given on the command line override it.
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
+
+    /// Write the effective configuration, as a KubeProxyConfiguration, to this file and exit.
+    #[arg(long, value_name = "PATH")]
+    pub write_config_to: Option<PathBuf>,
+
+    /// Do the one-time initialisation that needs full root privileges (the OOM score
+    /// adjustment, the conntrack sysctls of the iptables and ipvs modes), then exit.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub init_only: bool,
 
     /// Standalone mode: read v1 Services and discovery.k8s.io/v1 EndpointSlices from this
     /// file of manifests (multi-document YAML or JSON) instead of the API server, and re-read
@@ -78,6 +123,40 @@ pub struct Args {
     /// --services-file: the in-cluster service account).
     #[arg(long, value_name = "PATH")]
     pub kubeconfig: Option<PathBuf>,
+
+    /// The API server's URL, overriding the kubeconfig's (or the in-cluster) server.
+    #[arg(long, value_name = "URL")]
+    pub master: Option<String>,
+
+    /// Queries per second toward the API server (kube-proxy's client-side rate limit; vipr's
+    /// client only watches, and has no such limiter) [default: 5].
+    #[arg(long, value_name = "QPS")]
+    pub kube_api_qps: Option<f32>,
+
+    /// Burst of queries toward the API server (see --kube-api-qps) [default: 10].
+    #[arg(long, value_name = "N")]
+    pub kube_api_burst: Option<i32>,
+
+    /// Content type of requests to the API server; vipr's client speaks JSON only
+    /// [default: application/vnd.kubernetes.protobuf].
+    #[arg(long, value_name = "TYPE")]
+    pub kube_api_content_type: Option<String>,
+
+    /// kube-proxy feature gates, `Name=true,Other=false`. Gates that change vipr's behaviour
+    /// are honoured; the others are named in the start-up log and change nothing.
+    #[arg(long, value_name = "NAME=BOOL[,...]", value_parser = parse_feature_gates)]
+    pub feature_gates: Option<FeatureGates>,
+
+    /// This node's primary IP (IPv4 or IPv6), overriding the Node object's; its family picks
+    /// the default health and metrics addresses (0.0.0.0 / 127.0.0.1, or [::] / [::1]).
+    /// 0.0.0.0 or :: means none [default: 0.0.0.0].
+    #[arg(long, value_name = "IP")]
+    pub bind_address: Option<std::net::IpAddr>,
+
+    /// The OOM score adjustment vipr gives itself (/proc/self/oom_score_adj), -1000 to 1000
+    /// [default: -999].
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
+    pub oom_score_adj: Option<i32>,
 
     /// The name of this node, which decides which endpoints are local. Defaults to the host
     /// name.
@@ -147,22 +226,39 @@ pub struct Args {
     #[arg(long, value_name = "PRIME")]
     pub maglev_table_size: Option<u32>,
 
-    /// Idle timeout of established TCP connections in the eBPF datapath's connection tracking
+    /// Netfilter conntrack entries per CPU: nf_conntrack_max is raised to this times the CPU
+    /// count (at least --conntrack-min) in iptables and ipvs modes; 0 leaves it as it is
+    /// [default: 32768].
+    #[arg(long, value_name = "N")]
+    pub conntrack_max_per_core: Option<i32>,
+
+    /// The least nf_conntrack_max to set, whatever --conntrack-max-per-core gives
+    /// [default: 131072].
+    #[arg(long, value_name = "N")]
+    pub conntrack_min: Option<i32>,
+
+    /// Set nf_conntrack_tcp_be_liberal=1 (iptables and ipvs modes) [default: false].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub conntrack_tcp_be_liberal: Option<bool>,
+
+    /// Idle timeout of established TCP connections: in the eBPF datapath's connection
+    /// tracking, and nf_conntrack_tcp_timeout_established in iptables and ipvs modes
     /// [default: 24h0m0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_tcp_timeout_established: Option<Duration>,
 
-    /// Idle timeout of TCP connections one side has closed (a FIN went one way: CLOSE_WAIT)
-    /// [default: 1h0m0s].
+    /// Idle timeout of TCP connections one side has closed (a FIN went one way: CLOSE_WAIT);
+    /// nf_conntrack_tcp_timeout_close_wait in iptables and ipvs modes [default: 1h0m0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
 
-    /// Idle timeout of UDP flows that were never answered (0: the kernel's 30s)
-    /// [default: 0s].
+    /// Idle timeout of UDP flows that were never answered (0: the kernel's 30s);
+    /// nf_conntrack_udp_timeout in iptables and ipvs modes [default: 0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_udp_timeout: Option<Duration>,
 
-    /// Idle timeout of UDP flows that were answered (0: the kernel's 120s) [default: 0s].
+    /// Idle timeout of UDP flows that were answered (0: the kernel's 120s);
+    /// nf_conntrack_udp_timeout_stream in iptables and ipvs modes [default: 0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_udp_timeout_stream: Option<Duration>,
 
@@ -171,10 +267,25 @@ pub struct Args {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub cleanup: bool,
 
-    /// The pods' CIDR (or a comma-separated IPv4,IPv6 pair): traffic from inside it is pod
-    /// traffic, the rest is masqueraded toward cluster IPs.
+    /// The pods' CIDR (or a comma-separated IPv4,IPv6 pair): with --detect-local-mode
+    /// ClusterCIDR, traffic from inside it is pod traffic, the rest is masqueraded toward
+    /// cluster IPs.
     #[arg(long, alias = "cluster-cidrs", value_name = "CIDR[,CIDR]")]
     pub cluster_cidr: Option<CidrPair>,
+
+    /// How traffic from pods is told from other traffic: ClusterCIDR (--cluster-cidr),
+    /// NodeCIDR (the Node object's spec.podCIDRs), BridgeInterface or InterfaceNamePrefix
+    /// (not implemented by vipr: refused) [default: ClusterCIDR].
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub detect_local_mode: Option<DetectLocalMode>,
+
+    /// The pods' bridge, for --detect-local-mode=BridgeInterface.
+    #[arg(long, value_name = "IF")]
+    pub pod_bridge_interface: Option<String>,
+
+    /// The prefix of the pods' interface names, for --detect-local-mode=InterfaceNamePrefix.
+    #[arg(long, value_name = "PREFIX")]
+    pub pod_interface_name_prefix: Option<String>,
 
     /// The service IP range (or a comma-separated IPv4,IPv6 pair): a connection to an address
     /// inside it that is no service's cluster IP is dropped, as kube-proxy's nftables mode
@@ -201,17 +312,46 @@ pub struct Args {
     #[arg(long, value_name = "IP:PORT", value_parser = BindAddress::parser(DEFAULT_METRICS_BIND_ADDRESS.port()))]
     pub metrics_bind_address: Option<BindAddress>,
 
-    /// The minimum time between two syncs of the dataplane, however fast services change (a
-    /// Go duration: 1s, 500ms, 1m30s) [default: 1s].
+    /// Deprecated kube-proxy flag: the port of /healthz; 0 disables the server. Without
+    /// --config only, as kube-proxy.
+    #[arg(long, value_name = "PORT")]
+    pub healthz_port: Option<u16>,
+
+    /// Deprecated kube-proxy flag: the port of /metrics; 0 disables the server. Without
+    /// --config only, as kube-proxy.
+    #[arg(long, value_name = "PORT")]
+    pub metrics_port: Option<u16>,
+
+    /// vipr's own flag (kube-proxy has none of this name): the minimum time between two
+    /// syncs in every mode, over the per-mode flags and the file (a Go duration: 1s, 500ms,
+    /// 1m30s) [default: the running mode's, 1s; ipvs: 0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub min_sync_period: Option<Duration>,
 
-    /// The maximum time between two syncs of the dataplane, changes or not [default: 30s].
+    /// vipr's own flag (kube-proxy has none of this name): the maximum time between two syncs
+    /// in every mode, changes or not [default: the running mode's, 30s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub sync_period: Option<Duration>,
 
-    /// The IPVS scheduler of every virtual service (--proxy-mode=ipvs): rr (round robin), wrr,
-    /// lc, wlc, sh (source hashing), sed, nq [default: rr].
+    /// kube-proxy's sync period, for every mode but ipvs [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub iptables_sync_period: Option<Duration>,
+
+    /// kube-proxy's minimum sync period, for every mode but ipvs [default: 1s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub iptables_min_sync_period: Option<Duration>,
+
+    /// kube-proxy's sync period in ipvs mode [default: 30s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub ipvs_sync_period: Option<Duration>,
+
+    /// kube-proxy's minimum sync period in ipvs mode [default: 0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub ipvs_min_sync_period: Option<Duration>,
+
+    /// The IPVS scheduler of every virtual service (--proxy-mode=ipvs), any the kernel has:
+    /// rr (round robin), wrr, lc, wlc, lblc, lblcr, dh, sh (source hashing), sed, nq, fo, ovf,
+    /// mh (Maglev hashing), twos [default: rr].
     #[arg(long, value_name = "NAME", value_parser = crate::dataplane::ipvs::SCHEDULERS)]
     pub ipvs_scheduler: Option<String>,
 
@@ -248,98 +388,75 @@ pub struct Args {
     #[arg(long = "v", value_name = "N")]
     pub klog_verbosity: Option<u32>,
 
+    /// Log lines as text or as JSON objects [default: text].
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub logging_format: Option<LoggingFormat>,
+
     /// More log output (-v: debug, -vv: trace). RUST_LOG overrides it.
     #[arg(short, action = ArgAction::Count)]
     pub verbose: u8,
+
+    /// The kube-proxy flags given that mean nothing to vipr (filled by
+    /// [`Args::try_parse_kube_proxy_style`]).
+    #[arg(skip)]
+    pub ignored_flags: Vec<IgnoredFlag>,
 }
 
-/// A kube-proxy flag that vipr recognises and refuses, and why.
+/// A kube-proxy flag that vipr accepts and ignores, and why.
 #[derive(Clone, Copy, Debug)]
-pub struct UnsupportedFlag {
+pub struct IgnoredFlag {
     pub name: &'static str,
     pub reason: &'static str,
 }
 
-const IPTABLES_IPVS_MODES: &str = "it tunes kube-proxy's iptables/ipvs modes, which vipr does not implement";
-const SYNC_PERIODS: &str = "it is a deprecated per-mode period; use --sync-period / --min-sync-period";
-const CONNTRACK: &str =
-    "vipr does not tune the kernel's netfilter conntrack; its datapath tracks connections in its own BPF map";
-const LOCAL_DETECTION: &str = "vipr tells pod traffic only by --cluster-cidr";
-const API_CLIENT: &str =
-    "vipr's API client is configured only by --kubeconfig (or the in-cluster service account)";
-const NODE_IPS: &str = "vipr takes the node's addresses from its interfaces and its Node object";
-const SERVERS: &str = "use --healthz-bind-address / --metrics-bind-address";
-const LOGGING: &str = "vipr logs to stderr; use --v=N, -v, or RUST_LOG";
+const IPTABLES_MARK: &str =
+    "vipr's iptables and ipvs modes mark packets to masquerade with kube-proxy's default bit (0x4000)";
+const SERVERS: &str = "removed from kube-proxy; use --healthz-bind-address / --metrics-bind-address";
+const LOGGING: &str = "vipr's logging has no such setting (use --v=N, -v, --logging-format, or RUST_LOG)";
+const KLOG_REMOVED: &str = "a klog flag removed from kube-proxy in 1.26; vipr logs to stderr";
+const USERSPACE: &str = "it configured kube-proxy's userspace mode, removed in 1.26";
 
-/// Every kube-proxy flag (Linux, v1.2x-v1.3x, including removed klog flags still found in
-/// manifests) that vipr does not accept. Giving one is an error that names it: a flag that
-/// was silently ignored would leave the operator believing it took effect.
-pub const UNSUPPORTED_KUBE_PROXY_FLAGS: &[UnsupportedFlag] = &[
-    UnsupportedFlag { name: "iptables-sync-period", reason: SYNC_PERIODS },
-    UnsupportedFlag { name: "iptables-min-sync-period", reason: SYNC_PERIODS },
-    UnsupportedFlag { name: "ipvs-sync-period", reason: SYNC_PERIODS },
-    UnsupportedFlag { name: "ipvs-min-sync-period", reason: SYNC_PERIODS },
-    UnsupportedFlag { name: "iptables-masquerade-bit", reason: IPTABLES_IPVS_MODES },
-    UnsupportedFlag {
-        name: "ipvs-masquerade-bit",
-        reason: "vipr's ipvs mode marks packets to masquerade with kube-proxy's default bit (0x4000)",
-    },
-    UnsupportedFlag { name: "conntrack-max-per-core", reason: CONNTRACK },
-    UnsupportedFlag { name: "conntrack-min", reason: CONNTRACK },
-    UnsupportedFlag { name: "conntrack-tcp-be-liberal", reason: CONNTRACK },
-    UnsupportedFlag { name: "detect-local-mode", reason: LOCAL_DETECTION },
-    UnsupportedFlag { name: "pod-bridge-interface", reason: LOCAL_DETECTION },
-    UnsupportedFlag { name: "pod-interface-name-prefix", reason: LOCAL_DETECTION },
-    UnsupportedFlag { name: "master", reason: API_CLIENT },
-    UnsupportedFlag { name: "kube-api-content-type", reason: API_CLIENT },
-    UnsupportedFlag { name: "kube-api-qps", reason: API_CLIENT },
-    UnsupportedFlag { name: "kube-api-burst", reason: API_CLIENT },
-    UnsupportedFlag {
+/// Every kube-proxy flag (Linux, 1.35, and older ones still found in manifests) that means
+/// nothing to vipr. Each is accepted, so that a kube-proxy command line runs unchanged, and
+/// named with its reason in the start-up log line, so that nobody believes it took effect.
+pub const IGNORED_KUBE_PROXY_FLAGS: &[IgnoredFlag] = &[
+    IgnoredFlag { name: "iptables-masquerade-bit", reason: IPTABLES_MARK },
+    IgnoredFlag { name: "ipvs-masquerade-bit", reason: IPTABLES_MARK },
+    IgnoredFlag {
         name: "config-sync-period",
-        reason: "vipr's watches do not resync periodically; --sync-period resyncs the dataplane",
+        reason: "vipr's watches never resync by relisting; --sync-period resyncs the dataplane",
     },
-    UnsupportedFlag { name: "bind-address", reason: NODE_IPS },
-    UnsupportedFlag { name: "node-ip-override", reason: NODE_IPS },
-    UnsupportedFlag { name: "healthz-port", reason: SERVERS },
-    UnsupportedFlag { name: "metrics-port", reason: SERVERS },
-    UnsupportedFlag { name: "healthz-bind-addresses", reason: SERVERS },
-    UnsupportedFlag { name: "healthz-bind-port", reason: SERVERS },
-    UnsupportedFlag { name: "metrics-bind-addresses", reason: SERVERS },
-    UnsupportedFlag { name: "metrics-bind-port", reason: SERVERS },
-    UnsupportedFlag {
+    IgnoredFlag {
         name: "bind-address-hard-fail",
-        reason: "vipr always retries a server address that is busy, as kube-proxy's default",
+        reason: "vipr always retries a server address that is busy (kube-proxy's default)",
     },
-    UnsupportedFlag { name: "profiling", reason: "vipr serves no /debug/pprof" },
-    UnsupportedFlag { name: "show-hidden-metrics-for-version", reason: "vipr has no hidden metrics" },
-    UnsupportedFlag { name: "feature-gates", reason: "vipr has no kube-proxy feature gates" },
-    UnsupportedFlag {
-        name: "oom-score-adj",
-        reason: "set the OOM score adjustment in the pod spec (priority class, resources)",
-    },
-    UnsupportedFlag { name: "init-only", reason: "vipr has no separate privileged initialisation step" },
-    UnsupportedFlag { name: "write-config-to", reason: "vipr does not write configuration files" },
-    UnsupportedFlag { name: "proxy-port-range", reason: "it configured kube-proxy's removed userspace mode" },
-    UnsupportedFlag { name: "udp-timeout", reason: "it configured kube-proxy's removed userspace mode" },
-    UnsupportedFlag { name: "resource-container", reason: "it was removed from kube-proxy" },
-    UnsupportedFlag { name: "vmodule", reason: LOGGING },
-    UnsupportedFlag { name: "log-flush-frequency", reason: LOGGING },
-    UnsupportedFlag { name: "logging-format", reason: LOGGING },
-    UnsupportedFlag { name: "log-text-split-stream", reason: LOGGING },
-    UnsupportedFlag { name: "log-text-info-buffer-size", reason: LOGGING },
-    UnsupportedFlag { name: "log-json-split-stream", reason: LOGGING },
-    UnsupportedFlag { name: "log-json-info-buffer-size", reason: LOGGING },
-    UnsupportedFlag { name: "add-dir-header", reason: LOGGING },
-    UnsupportedFlag { name: "alsologtostderr", reason: LOGGING },
-    UnsupportedFlag { name: "log-backtrace-at", reason: LOGGING },
-    UnsupportedFlag { name: "log-dir", reason: LOGGING },
-    UnsupportedFlag { name: "log-file", reason: LOGGING },
-    UnsupportedFlag { name: "log-file-max-size", reason: LOGGING },
-    UnsupportedFlag { name: "logtostderr", reason: LOGGING },
-    UnsupportedFlag { name: "one-output", reason: LOGGING },
-    UnsupportedFlag { name: "skip-headers", reason: LOGGING },
-    UnsupportedFlag { name: "skip-log-headers", reason: LOGGING },
-    UnsupportedFlag { name: "stderrthreshold", reason: LOGGING },
+    IgnoredFlag { name: "profiling", reason: "vipr serves no /debug/pprof" },
+    IgnoredFlag { name: "show-hidden-metrics-for-version", reason: "vipr has no hidden metrics" },
+    IgnoredFlag { name: "node-ip-override", reason: "removed from kube-proxy; use --bind-address" },
+    IgnoredFlag { name: "healthz-bind-addresses", reason: SERVERS },
+    IgnoredFlag { name: "healthz-bind-port", reason: SERVERS },
+    IgnoredFlag { name: "metrics-bind-addresses", reason: SERVERS },
+    IgnoredFlag { name: "metrics-bind-port", reason: SERVERS },
+    IgnoredFlag { name: "proxy-port-range", reason: USERSPACE },
+    IgnoredFlag { name: "udp-timeout", reason: USERSPACE },
+    IgnoredFlag { name: "resource-container", reason: "removed from kube-proxy in 1.16" },
+    IgnoredFlag { name: "vmodule", reason: LOGGING },
+    IgnoredFlag { name: "log-flush-frequency", reason: "vipr writes every log line at once" },
+    IgnoredFlag { name: "log-text-split-stream", reason: LOGGING },
+    IgnoredFlag { name: "log-text-info-buffer-size", reason: LOGGING },
+    IgnoredFlag { name: "log-json-split-stream", reason: LOGGING },
+    IgnoredFlag { name: "log-json-info-buffer-size", reason: LOGGING },
+    IgnoredFlag { name: "add-dir-header", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "alsologtostderr", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "log-backtrace-at", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "log-dir", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "log-file", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "log-file-max-size", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "logtostderr", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "one-output", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "skip-headers", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "skip-log-headers", reason: KLOG_REMOVED },
+    IgnoredFlag { name: "stderrthreshold", reason: KLOG_REMOVED },
 ];
 
 impl Args {
@@ -349,30 +466,23 @@ impl Args {
     }
 
     /// Parses `argv` (program name first) as kube-proxy would: klog's `-v=N` / `-v N` mean
-    /// `--v=N`, and kube-proxy flags vipr does not support are refused by name.
+    /// `--v=N`, and the kube-proxy flags that mean nothing to vipr are accepted and recorded
+    /// in [`Args::ignored_flags`].
     pub fn try_parse_kube_proxy_style<I, T>(argv: I) -> Result<Self, clap::Error>
     where
         I: IntoIterator<Item = T>,
         T: Into<std::ffi::OsString>,
     {
-        let mut command = Self::command().args(UNSUPPORTED_KUBE_PROXY_FLAGS.iter().map(|flag| {
+        let mut command = Self::command().args(IGNORED_KUBE_PROXY_FLAGS.iter().map(|flag| {
             // Hidden, and taking an optional value, so that `--flag`, `--flag=x` and
-            // `--flag x` all parse and can be reported by name.
+            // `--flag x` all parse.
             Arg::new(flag.name).long(flag.name).hide(true).num_args(0..=1).action(ArgAction::Append)
         }));
         let matches = command.try_get_matches_from_mut(klog_verbosity_as_long_flag(argv))?;
-        let refused: Vec<String> = UNSUPPORTED_KUBE_PROXY_FLAGS
-            .iter()
-            .filter(|flag| matches.contains_id(flag.name))
-            .map(|flag| format!("--{}: {}", flag.name, flag.reason))
-            .collect();
-        if !refused.is_empty() {
-            return Err(command.error(
-                ErrorKind::UnknownArgument,
-                format!("vipr does not support these kube-proxy flags:\n  {}", refused.join("\n  ")),
-            ));
-        }
-        Self::from_arg_matches(&matches).map_err(|error| error.format(&mut command))
+        let mut args = Self::from_arg_matches(&matches).map_err(|error| error.format(&mut command))?;
+        args.ignored_flags =
+            IGNORED_KUBE_PROXY_FLAGS.iter().filter(|flag| matches.contains_id(flag.name)).copied().collect();
+        Ok(args)
     }
 }
 
@@ -474,7 +584,8 @@ mod tests {
         assert_eq!(args.ipvs_udp_timeout, Some(Duration::from_secs(300)));
         assert_eq!(args.ipvs_strict_arp, Some(true));
         assert_eq!(args.ipvs_exclude_cidrs.map(|cidrs| cidrs.len()), Some(2));
-        let error = parse(&["--ipvs-scheduler=mh"]).unwrap_err().to_string();
+        assert_eq!(parse(&["--ipvs-scheduler=mh"]).unwrap().ipvs_scheduler.as_deref(), Some("mh"));
+        let error = parse(&["--ipvs-scheduler=fancy"]).unwrap_err().to_string();
         assert!(error.contains("--ipvs-scheduler") && error.contains("rr"), "{error}");
         assert!(parse(&["--ipvs-exclude-cidrs=10.0.0.1"]).is_err());
     }
@@ -498,44 +609,162 @@ mod tests {
         assert!(error.contains("--nodeport-addresses"), "{error}");
     }
 
+    /// Every flag of kube-proxy 1.35's `kube-proxy --help` on Linux.
+    const KUBE_PROXY_1_35_FLAGS: &[&str] = &[
+        "bind-address=10.0.0.1",
+        "bind-address-hard-fail",
+        "cleanup",
+        "cluster-cidr=10.244.0.0/16",
+        "config=/c",
+        "config-sync-period=15m",
+        "conntrack-max-per-core=32768",
+        "conntrack-min=131072",
+        "conntrack-tcp-be-liberal",
+        "conntrack-tcp-timeout-close-wait=1h",
+        "conntrack-tcp-timeout-established=24h",
+        "conntrack-udp-timeout=30s",
+        "conntrack-udp-timeout-stream=2m",
+        "detect-local-mode=ClusterCIDR",
+        "feature-gates=A=true,B=false",
+        "healthz-bind-address=0.0.0.0:10256",
+        "healthz-port=10256",
+        "hostname-override=n",
+        "init-only",
+        "iptables-localhost-nodeports=false",
+        "iptables-masquerade-bit=14",
+        "iptables-min-sync-period=1s",
+        "iptables-sync-period=30s",
+        "ipvs-exclude-cidrs=10.0.0.0/8",
+        "ipvs-min-sync-period=0s",
+        "ipvs-scheduler=mh",
+        "ipvs-strict-arp",
+        "ipvs-sync-period=30s",
+        "ipvs-tcp-timeout=0s",
+        "ipvs-tcpfin-timeout=0s",
+        "ipvs-udp-timeout=0s",
+        "kube-api-burst=10",
+        "kube-api-content-type=application/json",
+        "kube-api-qps=5",
+        "kubeconfig=/k",
+        "log-flush-frequency=5s",
+        "log-json-info-buffer-size=0",
+        "log-json-split-stream",
+        "log-text-info-buffer-size=0",
+        "log-text-split-stream",
+        "logging-format=json",
+        "masquerade-all",
+        "master=https://127.0.0.1",
+        "metrics-bind-address=127.0.0.1:10249",
+        "metrics-port=10249",
+        "nodeport-addresses=primary",
+        "oom-score-adj=-999",
+        "pod-bridge-interface=cbr0",
+        "pod-interface-name-prefix=veth",
+        "profiling",
+        "proxy-mode=iptables",
+        "show-hidden-metrics-for-version=1.34",
+        "v=2",
+        "vmodule=proxier=4",
+        "write-config-to=/w",
+    ];
+
     #[test]
-    fn unsupported_kube_proxy_flags_are_refused_by_name() {
-        for argv in [
-            &["--iptables-sync-period=30s"][..],
-            &["--conntrack-max-per-core", "0"],
-            &["--bind-address-hard-fail"],
-            &["--feature-gates=A=true,B=false"],
-            &["--detect-local-mode=ClusterCIDR"],
-            &["--proxy-port-range=30000-32767"],
-            &["--oom-score-adj=-999"],
-        ] {
-            let error = parse(argv).unwrap_err();
-            assert_eq!(error.kind(), ErrorKind::UnknownArgument);
-            let message = error.to_string();
-            let flag = argv[0].split('=').next().unwrap();
-            assert!(message.contains(&format!("{flag}:")), "{message}");
-            assert!(message.contains("vipr does not support"), "{message}");
-            assert!(!message.contains("unexpected argument"), "{message}");
+    fn every_kube_proxy_1_35_flag_is_accepted() {
+        for flag in KUBE_PROXY_1_35_FLAGS {
+            let argv = format!("--{flag}");
+            parse(&[&argv]).unwrap_or_else(|error| panic!("{argv}: {error}"));
         }
-        let message = parse(&["--conntrack-min=1", "--ipvs-masquerade-bit", "14"]).unwrap_err().to_string();
-        assert!(
-            message.contains("--conntrack-min") && message.contains("--ipvs-masquerade-bit"),
-            "{message}"
+        let all: Vec<String> = KUBE_PROXY_1_35_FLAGS.iter().map(|flag| format!("--{flag}")).collect();
+        let args = parse(&all.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        let ignored: Vec<&str> = args.ignored_flags.iter().map(|flag| flag.name).collect();
+        assert_eq!(
+            ignored,
+            [
+                "iptables-masquerade-bit",
+                "config-sync-period",
+                "bind-address-hard-fail",
+                "profiling",
+                "show-hidden-metrics-for-version",
+                "vmodule",
+                "log-flush-frequency",
+                "log-text-split-stream",
+                "log-text-info-buffer-size",
+                "log-json-split-stream",
+                "log-json-info-buffer-size",
+            ]
         );
+        // Space-separated values, and flags without a value, parse too.
+        let args = parse(&["--profiling", "--config-sync-period", "15m", "--oom-score-adj", "-998"]).unwrap();
+        assert_eq!(args.oom_score_adj, Some(-998));
+        assert_eq!(args.ignored_flags.len(), 2);
     }
 
     #[test]
-    fn unsupported_flags_are_unique_and_none_is_a_supported_one() {
+    fn implemented_kube_proxy_flags_parse_into_their_fields() {
+        let args = parse(&[
+            "--iptables-sync-period=20s",
+            "--iptables-min-sync-period=2s",
+            "--ipvs-sync-period=40s",
+            "--ipvs-min-sync-period=3s",
+            "--oom-score-adj=-998",
+            "--detect-local-mode=NodeCIDR",
+            "--bind-address=fd00::7",
+            "--conntrack-max-per-core=131072",
+            "--conntrack-min=0",
+            "--conntrack-tcp-be-liberal",
+            "--logging-format=json",
+            "--master=https://127.0.0.1",
+            "--feature-gates=A=true,B=false",
+            "--init-only",
+            "--write-config-to=/tmp/out.yaml",
+        ])
+        .unwrap();
+        assert_eq!(args.iptables_sync_period, Some(Duration::from_secs(20)));
+        assert_eq!(args.ipvs_min_sync_period, Some(Duration::from_secs(3)));
+        assert_eq!(args.detect_local_mode, Some(DetectLocalMode::NodeCidr));
+        assert_eq!(args.bind_address, Some("fd00::7".parse().unwrap()));
+        assert_eq!((args.conntrack_max_per_core, args.conntrack_min), (Some(131_072), Some(0)));
+        assert_eq!(args.conntrack_tcp_be_liberal, Some(true));
+        assert_eq!(args.logging_format, Some(LoggingFormat::Json));
+        assert_eq!(args.master.as_deref(), Some("https://127.0.0.1"));
+        let gates = args.feature_gates.unwrap().0;
+        assert_eq!(gates.into_iter().collect::<Vec<_>>(), [("A".into(), true), ("B".into(), false)]);
+        assert!(args.init_only);
+        assert!(args.ignored_flags.is_empty());
+        assert!(parse(&["--feature-gates=A"]).unwrap_err().to_string().contains("--feature-gates"));
+        assert!(parse(&["--feature-gates=A=maybe"]).is_err());
+        assert!(parse(&["--detect-local-mode=Nope"]).is_err());
+        assert!(parse(&["--logging-format=xml"]).is_err());
+    }
+
+    #[test]
+    fn a_flag_given_twice_takes_its_last_value_as_pflag() {
+        let args = parse(&["--proxy-mode=iptables", "--v=2", "--proxy-mode=ebpf"]).unwrap();
+        assert_eq!(args.proxy_mode, Some(ProxyMode::Ebpf));
+        // List flags accumulate, as pflag's string slices do.
+        let args = parse(&[
+            "--devices=a",
+            "--devices=b,c",
+            "--nodeport-addresses=primary",
+            "--nodeport-addresses=all",
+        ])
+        .unwrap();
+        assert_eq!(args.devices, ["a", "b", "c"]);
+        assert_eq!(args.nodeport_addresses.map(|addresses| addresses.len()), Some(2));
+    }
+
+    #[test]
+    fn ignored_flags_are_unique_and_none_is_an_implemented_one() {
         let command = Args::command();
         let mut names = std::collections::BTreeSet::new();
-        for flag in UNSUPPORTED_KUBE_PROXY_FLAGS {
+        for flag in IGNORED_KUBE_PROXY_FLAGS {
             assert!(names.insert(flag.name), "{} listed twice", flag.name);
             assert!(
                 command.get_arguments().all(|arg| {
                     arg.get_long() != Some(flag.name)
                         && arg.get_all_aliases().is_none_or(|aliases| !aliases.contains(&flag.name))
                 }),
-                "{} is supported",
+                "{} is implemented",
                 flag.name
             );
         }
@@ -543,6 +772,7 @@ mod tests {
 
     #[test]
     fn truly_unknown_flags_still_get_clap_s_error() {
+        use clap::error::ErrorKind;
         let error = parse(&["--no-such-flag"]).unwrap_err();
         assert_eq!(error.kind(), ErrorKind::UnknownArgument);
     }

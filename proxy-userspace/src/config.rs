@@ -2,9 +2,11 @@
 //! (`--config`), then the command line.
 //!
 //! The file is kube-proxy's own `kubeproxy.config.k8s.io/v1alpha1` KubeProxyConfiguration
-//! (YAML or JSON), so the ConfigMap a cluster already has for kube-proxy can be reused. vipr
-//! reads the settings that apply to it and names the others it was given (non-zero values) in
-//! one warning, instead of failing: kube-proxy's own tools write every field, mostly defaults.
+//! (YAML or JSON), so the ConfigMap a cluster already has for kube-proxy can be reused. It is
+//! defaulted as kube-proxy's v1alpha1 defaulting does: kubeadm writes every field, most of them
+//! zero (`syncPeriod: 0s`, `healthzBindAddress: ""`, `conntrack.maxPerCore: null`), and a zero
+//! or null means kube-proxy's default, never "off". vipr reads the settings that apply to it and
+//! names the others it was given (non-zero values) in the start-up log line, instead of failing.
 //!
 //! Precedence differs from kube-proxy on one point, deliberately: kube-proxy ignores most
 //! flags when `--config` is given (only `--hostname-override` and the logging flags win over
@@ -24,7 +26,7 @@ use clap::ValueEnum as _;
 use ipnet::IpNet;
 use serde::Deserialize;
 
-use crate::cli::{Args, LbAlgorithm, ProxyMode, XdpMode};
+use crate::cli::{Args, DetectLocalMode, LbAlgorithm, LoggingFormat, ProxyMode, XdpMode};
 use crate::dataplane::ebpf::{maglev, Balancing};
 
 /// kube-proxy's `--healthz-bind-address` default.
@@ -32,10 +34,22 @@ pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr =
     SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 10256);
 /// kube-proxy's `--metrics-bind-address` default.
 pub const DEFAULT_METRICS_BIND_ADDRESS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
-/// kube-proxy's `--sync-period` default.
+/// kube-proxy's health server default when `bindAddress` is IPv6.
+pub const DEFAULT_HEALTHZ_BIND_ADDRESS_V6: SocketAddr =
+    SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 10256);
+/// kube-proxy's metrics server default when `bindAddress` is IPv6.
+pub const DEFAULT_METRICS_BIND_ADDRESS_V6: SocketAddr =
+    SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::LOCALHOST), 10249);
+/// kube-proxy's sync period default, in every mode.
 pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
-/// kube-proxy's `--min-sync-period` default.
+/// kube-proxy's minimum sync period default in iptables and nftables modes (ipvs mode's is 0).
 pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
+/// kube-proxy's `--oom-score-adj` default (the kubelet's `KubeProxyOOMScoreAdj`).
+pub const DEFAULT_OOM_SCORE_ADJ: i32 = -999;
+/// kube-proxy's `--kube-api-qps`, `--kube-api-burst` and `--kube-api-content-type` defaults.
+pub const DEFAULT_API_QPS: f32 = 5.0;
+pub const DEFAULT_API_BURST: i32 = 10;
+pub const DEFAULT_API_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
 
 /// The only KubeProxyConfiguration version vipr reads.
 pub const CONFIG_API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
@@ -166,9 +180,131 @@ pub struct Settings {
     /// `--iptables-localhost-nodeports` (`iptables.localhostNodePorts`): IPv4 NodePorts on
     /// 127.0.0.1 too, in iptables mode only (default true, as kube-proxy).
     pub iptables_localhost_node_ports: bool,
+    /// `--bind-address` (`bindAddress`): this node's primary IP of its family, overriding the
+    /// Node object's; `None` for the unspecified address (kube-proxy's default, 0.0.0.0).
+    pub bind_address: Option<IpAddr>,
+    /// `--detect-local-mode`: which sources are this cluster's pods.
+    pub local_detection: LocalDetection,
+    /// `--oom-score-adj` (`oomScoreAdj`), written to /proc/self/oom_score_adj at start.
+    pub oom_score_adj: i32,
+    /// The node's netfilter conntrack sysctls, set in iptables and ipvs modes as kube-proxy
+    /// sets them.
+    pub netfilter_conntrack: NetfilterConntrack,
+    /// `--feature-gates` (`featureGates`).
+    pub feature_gates: FeatureGates,
+    /// How the API server is reached, beyond the kubeconfig.
+    pub api_client: ApiClientSettings,
+    /// `--logging-format` (`logging.format`).
+    pub logging_format: LoggingFormat,
+    /// `--init-only`: do the privileged one-time initialisation and exit.
+    pub init_only: bool,
+    /// `--write-config-to`: write the effective configuration there and exit.
+    pub write_config_to: Option<PathBuf>,
     /// Settings of the `--config` file that vipr does not use, as dotted paths, for the
-    /// agent to warn about once logging is up.
+    /// agent to name once logging is up.
     pub ignored_config: Vec<String>,
+    /// kube-proxy flags given that mean nothing to vipr, as `--name (reason)`.
+    pub ignored_flags: Vec<String>,
+}
+
+/// `--detect-local-mode`, resolved: where the local-traffic detector's CIDRs come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LocalDetection {
+    /// `ClusterCIDR`: [`Settings::cluster_cidrs`] (none: no detector, as kube-proxy).
+    ClusterCidr,
+    /// `NodeCIDR`: the Node object's `spec.podCIDRs`, followed as the Node changes.
+    NodeCidr,
+}
+
+/// The node's netfilter conntrack settings (`--conntrack-*`, the file's `conntrack`), as
+/// kube-proxy's iptables and ipvs modes apply them to the kernel. Zero leaves a value as the
+/// kernel has it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NetfilterConntrack {
+    pub max_per_core: u32,
+    pub min: u32,
+    pub tcp_be_liberal: bool,
+    pub tcp_established_timeout: Duration,
+    pub tcp_close_wait_timeout: Duration,
+    pub udp_timeout: Duration,
+    pub udp_stream_timeout: Duration,
+}
+
+impl Default for NetfilterConntrack {
+    fn default() -> Self {
+        Self {
+            max_per_core: 32 * 1024,
+            min: 128 * 1024,
+            tcp_be_liberal: false,
+            tcp_established_timeout: Duration::from_secs(24 * 3600),
+            tcp_close_wait_timeout: Duration::from_secs(3600),
+            udp_timeout: Duration::ZERO,
+            udp_stream_timeout: Duration::ZERO,
+        }
+    }
+}
+
+/// The API client's settings besides the kubeconfig.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiClientSettings {
+    /// `--master`: the API server URL, overriding the kubeconfig's.
+    pub master: Option<String>,
+    /// `--kube-api-qps`, `--kube-api-burst`, `--kube-api-content-type`: accepted and
+    /// reported; vipr's client (kube-rs) has no rate limiter and speaks JSON only.
+    pub qps: f32,
+    pub burst: i32,
+    pub content_type: String,
+}
+
+impl Default for ApiClientSettings {
+    fn default() -> Self {
+        Self {
+            master: None,
+            qps: DEFAULT_API_QPS,
+            burst: DEFAULT_API_BURST,
+            content_type: DEFAULT_API_CONTENT_TYPE.to_owned(),
+        }
+    }
+}
+
+/// `--feature-gates` / `featureGates`: gate name → enabled.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FeatureGates(pub std::collections::BTreeMap<String, bool>);
+
+/// kube-proxy feature gates whose setting changes what vipr does. None yet: vipr behaves as
+/// kube-proxy 1.35 with its default gates, and no gate switches that behaviour.
+pub const HONOURED_FEATURE_GATES: &[&str] = &[];
+
+impl FeatureGates {
+    /// The gates given that vipr does not follow.
+    pub fn ignored(&self) -> impl Iterator<Item = (&str, bool)> {
+        self.0
+            .iter()
+            .filter(|(name, _)| !HONOURED_FEATURE_GATES.contains(&name.as_str()))
+            .map(|(name, enabled)| (name.as_str(), *enabled))
+    }
+}
+
+/// Parses `--feature-gates`: comma-separated `Name=true|false` pairs, as kube-proxy's.
+pub fn parse_feature_gates(text: &str) -> Result<FeatureGates, String> {
+    let mut gates = std::collections::BTreeMap::new();
+    for pair in text.split(',').map(str::trim).filter(|pair| !pair.is_empty()) {
+        let (name, value) =
+            pair.split_once('=').ok_or_else(|| format!("missing bool value for {pair:?} (use Name=true)"))?;
+        let enabled = parse_go_bool(value.trim())
+            .ok_or_else(|| format!("invalid value of {}: {value:?}, it must be a bool", name.trim()))?;
+        gates.insert(name.trim().to_owned(), enabled);
+    }
+    Ok(FeatureGates(gates))
+}
+
+/// Go's `strconv.ParseBool`.
+fn parse_go_bool(text: &str) -> Option<bool> {
+    match text {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Some(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Some(false),
+        _ => None,
+    }
 }
 
 impl Settings {
@@ -180,7 +316,9 @@ impl Settings {
         };
         let proxy_mode = match args.proxy_mode {
             Some(mode) => mode,
-            None => file.proxy_mode()?,
+            None if args.config.is_some() => file.proxy_mode()?,
+            // No file and no flag: vipr's own default.
+            None => ProxyMode::Auto,
         };
         let mode_section = file.mode_section(proxy_mode);
 
@@ -211,50 +349,61 @@ impl Settings {
             None => host_name(),
         };
 
+        // bindAddress: "" is 0.0.0.0; its family picks the servers' default addresses.
+        let bind_ip = match (args.bind_address, file.bind_address.as_deref().map(str::trim)) {
+            (Some(ip), _) => ip,
+            (None, Some(text)) if !text.is_empty() => text
+                .parse::<IpAddr>()
+                .map_err(|_| file.invalid("bindAddress", format!("{text:?} is not an IP address")))?,
+            (None, _) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        };
+        let (default_healthz, default_metrics) = if bind_ip.is_ipv6() {
+            (DEFAULT_HEALTHZ_BIND_ADDRESS_V6, DEFAULT_METRICS_BIND_ADDRESS_V6)
+        } else {
+            (DEFAULT_HEALTHZ_BIND_ADDRESS, DEFAULT_METRICS_BIND_ADDRESS)
+        };
+        // A flag's empty address disables the server; the file's means the default.
         let bind_address = |flag: Option<BindAddress>,
                             in_file: &Option<String>,
                             default: SocketAddr,
-                            field| match (flag, in_file) {
+                            field| match (flag, in_file.as_deref().map(str::trim))
+        {
             (Some(address), _) => Ok(address.0),
-            (None, Some(text)) => {
+            (None, Some(text)) if !text.is_empty() => {
                 parse_bind_address(text, default.port()).map_err(|error| file.invalid(field, error))
             }
-            (None, None) => Ok(Some(default)),
+            (None, _) => Ok(Some(default)),
         };
-        let healthz_bind_address = bind_address(
+        let mut healthz_bind_address = bind_address(
             args.healthz_bind_address,
             &file.healthz_bind_address,
-            DEFAULT_HEALTHZ_BIND_ADDRESS,
+            default_healthz,
             "healthzBindAddress",
         )?;
-        let metrics_bind_address = bind_address(
+        let mut metrics_bind_address = bind_address(
             args.metrics_bind_address,
             &file.metrics_bind_address,
-            DEFAULT_METRICS_BIND_ADDRESS,
+            default_metrics,
             "metricsBindAddress",
         )?;
-
-        let file_duration = |field: &str, value: &Option<String>| -> anyhow::Result<Option<Duration>> {
-            value
-                .as_deref()
-                .map(|text| parse_go_duration(text).map_err(|error| file.invalid(field, error)))
-                .transpose()
-        };
-        let sync_period = match args.sync_period {
-            Some(period) => period,
-            None => file_duration(&format!("{}.syncPeriod", mode_section.name), mode_section.sync_period)?
-                .unwrap_or(DEFAULT_SYNC_PERIOD),
-        };
-        if sync_period.is_zero() {
-            bail!("--sync-period must be greater than 0");
-        }
-        let min_sync_period = match args.min_sync_period {
-            Some(period) => period,
-            None => {
-                file_duration(&format!("{}.minSyncPeriod", mode_section.name), mode_section.min_sync_period)?
-                    .unwrap_or(DEFAULT_MIN_SYNC_PERIOD)
+        let mut ignored_flags: Vec<String> =
+            args.ignored_flags.iter().map(|flag| format!("--{} ({})", flag.name, flag.reason)).collect();
+        // The deprecated port flags, as kube-proxy applies them: only without --config, 0
+        // disables the server, and any other port is dropped since the address has one.
+        for (flag, port, address) in [
+            ("healthz-port", args.healthz_port, &mut healthz_bind_address),
+            ("metrics-port", args.metrics_port, &mut metrics_bind_address),
+        ] {
+            match port {
+                Some(0) if args.config.is_none() => *address = None,
+                Some(_) => ignored_flags.push(format!(
+                    "--{flag} (deprecated; only 0 has an effect, and only without --config, as in kube-proxy)"
+                )),
+                None => {}
             }
-        };
+        }
+
+        let (sync_period, min_sync_period) = sync_periods(args, &file, proxy_mode, &mode_section)?;
 
         let cluster_cidrs = match &args.cluster_cidr {
             Some(cidrs) => cidrs.0.clone(),
@@ -263,6 +412,7 @@ impl Settings {
                 None => Vec::new(),
             },
         };
+        let local_detection = local_detection(args, &file)?;
         let service_cidrs =
             args.service_cluster_ip_range.as_ref().map(|cidrs| cidrs.0.clone()).unwrap_or_default();
         let masquerade_all = args.masquerade_all.or(mode_section.masquerade_all).unwrap_or(false);
@@ -287,6 +437,50 @@ impl Settings {
         let log_level = flag_level
             .or_else(|| file.logging.verbosity.map(LogLevel::from_klog_verbosity))
             .unwrap_or(LogLevel::Info);
+        let logging_format = match args.logging_format {
+            Some(format) => format,
+            None => match file.logging.format.as_deref().map(str::trim) {
+                None | Some("" | "text") => LoggingFormat::Text,
+                Some("json") => LoggingFormat::Json,
+                Some(other) => {
+                    return Err(file.invalid("logging.format", format!("{other:?} is neither text nor json")))
+                }
+            },
+        };
+
+        let oom_score_adj = args.oom_score_adj.or(file.oom_score_adj).unwrap_or(DEFAULT_OOM_SCORE_ADJ);
+        if !(-1000..=1000).contains(&oom_score_adj) {
+            bail!("--oom-score-adj={oom_score_adj}: must be within -1000 and 1000");
+        }
+
+        let mut feature_gates = FeatureGates(file.feature_gates.clone().unwrap_or_default());
+        if let Some(flag) = &args.feature_gates {
+            feature_gates.0.extend(flag.0.iter().map(|(name, enabled)| (name.clone(), *enabled)));
+        }
+        ignored_flags.extend(feature_gates.ignored().map(|(name, enabled)| {
+            format!("--feature-gates={name}={enabled} (no vipr behaviour depends on this gate)")
+        }));
+
+        let api_client = ApiClientSettings {
+            master: args.master.clone().filter(|url| !url.trim().is_empty()),
+            qps: args.kube_api_qps.unwrap_or(DEFAULT_API_QPS),
+            burst: args.kube_api_burst.unwrap_or(DEFAULT_API_BURST),
+            content_type: args
+                .kube_api_content_type
+                .clone()
+                .unwrap_or_else(|| DEFAULT_API_CONTENT_TYPE.to_owned()),
+        };
+        for (flag, given) in [
+            ("kube-api-qps", args.kube_api_qps.is_some()),
+            ("kube-api-burst", args.kube_api_burst.is_some()),
+            ("kube-api-content-type", args.kube_api_content_type.is_some()),
+        ] {
+            if given {
+                ignored_flags.push(format!(
+                    "--{flag} (vipr's API client only lists and watches, with no client-side rate limit, in JSON)"
+                ));
+            }
+        }
 
         let ipvs = IpvsSettings::resolve(args, &file)?;
         let iptables_localhost_node_ports =
@@ -315,8 +509,141 @@ impl Settings {
             log_level,
             ipvs,
             iptables_localhost_node_ports,
+            bind_address: (!bind_ip.is_unspecified()).then_some(bind_ip),
+            local_detection,
+            oom_score_adj,
+            netfilter_conntrack: NetfilterConntrack::resolve(args, &file)?,
+            feature_gates,
+            api_client,
+            logging_format,
+            init_only: args.init_only,
+            write_config_to: args.write_config_to.clone(),
             ignored_config: file.ignored,
+            ignored_flags,
         })
+    }
+}
+
+/// The sync periods of the mode that runs, as kube-proxy picks them: vipr's own
+/// `--sync-period` / `--min-sync-period` first, then kube-proxy's per-mode flags (the
+/// `--iptables-*` ones in every mode but ipvs, as kube-proxy), then the file's section of the
+/// mode, where zero means the default.
+fn sync_periods(
+    args: &Args,
+    file: &KubeProxyConfiguration,
+    mode: ProxyMode,
+    section: &ModeSection<'_>,
+) -> anyhow::Result<(Duration, Duration)> {
+    let (mode_sync, mode_min, default_min) = if mode == ProxyMode::Ipvs {
+        (
+            ("ipvs-sync-period", args.ipvs_sync_period),
+            ("ipvs-min-sync-period", args.ipvs_min_sync_period),
+            Duration::ZERO,
+        )
+    } else {
+        (
+            ("iptables-sync-period", args.iptables_sync_period),
+            ("iptables-min-sync-period", args.iptables_min_sync_period),
+            DEFAULT_MIN_SYNC_PERIOD,
+        )
+    };
+    let file_duration = |field: &str, value: &Option<String>| -> anyhow::Result<Option<Duration>> {
+        let parsed = value
+            .as_deref()
+            .map(|text| parse_go_duration(text).map_err(|error| file.invalid(field, error)))
+            .transpose()?;
+        // kube-proxy's v1alpha1 defaulting: a zero period is the default.
+        Ok(parsed.filter(|period| !period.is_zero()))
+    };
+    let pick = |vipr_flag: (&'static str, Option<Duration>),
+                mode_flag: (&'static str, Option<Duration>),
+                field: &str,
+                in_file: &Option<String>,
+                default: Duration|
+     -> anyhow::Result<(String, Duration)> {
+        Ok(match (vipr_flag, mode_flag) {
+            ((flag, Some(period)), _) | (_, (flag, Some(period))) => (format!("--{flag}"), period),
+            _ => {
+                let field = format!("{}.{field}", section.name);
+                match file_duration(&field, in_file)? {
+                    Some(period) => (field, period),
+                    None => ("the default".to_owned(), default),
+                }
+            }
+        })
+    };
+    let (sync_from, sync) = pick(
+        ("sync-period", args.sync_period),
+        mode_sync,
+        "syncPeriod",
+        section.sync_period,
+        DEFAULT_SYNC_PERIOD,
+    )?;
+    let (min_from, min) = pick(
+        ("min-sync-period", args.min_sync_period),
+        mode_min,
+        "minSyncPeriod",
+        section.min_sync_period,
+        default_min,
+    )?;
+    if sync.is_zero() {
+        bail!("{sync_from}: the sync period must be greater than 0");
+    }
+    if min > sync {
+        bail!(
+            "{min_from}: the minimum sync period ({}) must not be greater than the sync period ({}, {sync_from})",
+            format_go_duration(min),
+            format_go_duration(sync)
+        );
+    }
+    Ok((sync, min))
+}
+
+/// `--detect-local-mode` over the file's `detectLocalMode`; "" is kube-proxy's default,
+/// ClusterCIDR. The interface modes are refused: vipr's datapaths tell pod traffic by source
+/// address only, and a detector silently dropped would masquerade (or not) the wrong traffic.
+fn local_detection(args: &Args, file: &KubeProxyConfiguration) -> anyhow::Result<LocalDetection> {
+    let mode = match args.detect_local_mode {
+        Some(mode) => mode,
+        None => match file.detect_local_mode.as_deref().map(str::trim) {
+            None | Some("") => DetectLocalMode::ClusterCidr,
+            Some(name) => DetectLocalMode::from_str(name, false).map_err(|_| {
+                file.invalid(
+                    "detectLocalMode",
+                    format!(
+                        "{name:?} is not one of ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix"
+                    ),
+                )
+            })?,
+        },
+    };
+    let bridge = args.pod_bridge_interface.clone().or_else(|| file.detect_local.bridge_interface.clone());
+    let prefix =
+        args.pod_interface_name_prefix.clone().or_else(|| file.detect_local.interface_name_prefix.clone());
+    let unsupported = |name: &str, what: &str, value: Option<String>| {
+        if value.is_none_or(|value| value.trim().is_empty()) {
+            anyhow::anyhow!("--detect-local-mode={name} needs {what}")
+        } else {
+            anyhow::anyhow!(
+                "--detect-local-mode={name} is not implemented by vipr: its datapaths tell pod traffic \
+                 by source address, not by interface; use ClusterCIDR (--cluster-cidr) or NodeCIDR \
+                 (the Node's spec.podCIDRs)"
+            )
+        }
+    };
+    match mode {
+        DetectLocalMode::ClusterCidr => Ok(LocalDetection::ClusterCidr),
+        DetectLocalMode::NodeCidr => Ok(LocalDetection::NodeCidr),
+        DetectLocalMode::BridgeInterface => Err(unsupported(
+            "BridgeInterface",
+            "--pod-bridge-interface (detectLocal.bridgeInterface)",
+            bridge,
+        )),
+        DetectLocalMode::InterfaceNamePrefix => Err(unsupported(
+            "InterfaceNamePrefix",
+            "--pod-interface-name-prefix (detectLocal.interfaceNamePrefix)",
+            prefix,
+        )),
     }
 }
 
@@ -460,6 +787,75 @@ impl ConntrackTimeouts {
     }
 }
 
+impl NetfilterConntrack {
+    /// Flags over the file's `conntrack` section over kube-proxy's v1alpha1 defaults: a null
+    /// `maxPerCore`, `min`, `tcpEstablishedTimeout` or `tcpCloseWaitTimeout` is the default,
+    /// an explicit 0 leaves the kernel's value.
+    fn resolve(args: &Args, file: &KubeProxyConfiguration) -> anyhow::Result<Self> {
+        let defaults = Self::default();
+        let section = &file.conntrack;
+        let count =
+            |flag: &str, value: Option<i32>, field: &str, in_file: Option<i32>, default: u32| match value
+                .map(|value| (format!("--{flag}"), value))
+                .or(in_file.map(|value| (field.to_owned(), value)))
+            {
+                Some((name, value)) => {
+                    u32::try_from(value).map_err(|_| anyhow::anyhow!("{name}={value}: must be 0 or more"))
+                }
+                None => Ok(default),
+            };
+        let timeout = |flag: Option<Duration>, field: &str, value: &Option<String>, default: Duration| {
+            Ok::<_, anyhow::Error>(match (flag, value.as_deref()) {
+                (Some(timeout), _) => timeout,
+                (None, Some(text)) => parse_go_duration(text).map_err(|error| file.invalid(field, error))?,
+                (None, None) => default,
+            })
+        };
+        Ok(Self {
+            max_per_core: count(
+                "conntrack-max-per-core",
+                args.conntrack_max_per_core,
+                "conntrack.maxPerCore",
+                section.max_per_core,
+                defaults.max_per_core,
+            )?,
+            min: count("conntrack-min", args.conntrack_min, "conntrack.min", section.min, defaults.min)?,
+            tcp_be_liberal: args.conntrack_tcp_be_liberal.or(section.tcp_be_liberal).unwrap_or(false),
+            tcp_established_timeout: timeout(
+                args.conntrack_tcp_timeout_established,
+                "conntrack.tcpEstablishedTimeout",
+                &section.tcp_established_timeout,
+                defaults.tcp_established_timeout,
+            )?,
+            tcp_close_wait_timeout: timeout(
+                args.conntrack_tcp_timeout_close_wait,
+                "conntrack.tcpCloseWaitTimeout",
+                &section.tcp_close_wait_timeout,
+                defaults.tcp_close_wait_timeout,
+            )?,
+            udp_timeout: timeout(
+                args.conntrack_udp_timeout,
+                "conntrack.udpTimeout",
+                &section.udp_timeout,
+                Duration::ZERO,
+            )?,
+            udp_stream_timeout: timeout(
+                args.conntrack_udp_timeout_stream,
+                "conntrack.udpStreamTimeout",
+                &section.udp_stream_timeout,
+                Duration::ZERO,
+            )?,
+        })
+    }
+
+    /// kube-proxy's nf_conntrack_max for `cpus` CPUs: `maxPerCore` × CPUs, at least `min`;
+    /// `None` (leave the kernel's) when `maxPerCore` is 0.
+    pub fn max_for(&self, cpus: u32) -> Option<u64> {
+        (self.max_per_core > 0)
+            .then(|| (u64::from(self.max_per_core) * u64::from(cpus)).max(u64::from(self.min)))
+    }
+}
+
 /// kube-proxy's IPVS settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IpvsSettings {
@@ -541,7 +937,13 @@ fn host_name() -> String {
 pub struct KubeProxyConfiguration {
     #[serde(default)]
     pub client_connection: ClientConnection,
+    pub bind_address: Option<String>,
     pub hostname_override: Option<String>,
+    pub oom_score_adj: Option<i32>,
+    pub detect_local_mode: Option<String>,
+    #[serde(default)]
+    pub detect_local: DetectLocal,
+    pub feature_gates: Option<std::collections::BTreeMap<String, bool>>,
     pub healthz_bind_address: Option<String>,
     pub metrics_bind_address: Option<String>,
     pub mode: Option<String>,
@@ -572,6 +974,14 @@ pub struct ClientConnection {
     pub kubeconfig: Option<String>,
 }
 
+/// The `detectLocal` section: the interface detectors' parameters.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DetectLocal {
+    pub bridge_interface: Option<String>,
+    pub interface_name_prefix: Option<String>,
+}
+
 /// v1alpha1 keeps the sync periods and masquerading under the section of each proxy mode.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -599,11 +1009,14 @@ pub struct IpvsSection {
     pub udp_timeout: Option<String>,
 }
 
-/// The `conntrack` section: the timeouts vipr's connection tracking applies (the other
-/// fields size the kernel's conntrack table, which vipr does not tune).
+/// The `conntrack` section: the timeouts vipr's connection tracking applies, and the
+/// kernel's conntrack settings of the iptables and ipvs modes.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ConntrackSection {
+    pub max_per_core: Option<i32>,
+    pub min: Option<i32>,
+    pub tcp_be_liberal: Option<bool>,
     pub tcp_established_timeout: Option<String>,
     pub tcp_close_wait_timeout: Option<String>,
     pub udp_timeout: Option<String>,
@@ -613,6 +1026,7 @@ pub struct ConntrackSection {
 #[derive(Debug, Default, Deserialize)]
 pub struct Logging {
     pub verbosity: Option<u32>,
+    pub format: Option<String>,
 }
 
 /// A mode section and its field name in the file.
@@ -644,12 +1058,18 @@ impl KubeProxyConfiguration {
                 field("kind")
             );
         }
-        let mut config: Self = serde_yaml::from_value(value.clone())?;
-        config.proxy_mode()?;
+        let config: Self = serde_yaml::from_value(value.clone())?;
+        let mut config = config;
         let used = config.used_fields();
         let mut ignored = Vec::new();
         non_zero_leaves(&value, "", &mut ignored);
-        ignored.retain(|path| !used.contains(path.as_str()));
+        // Feature gates are named with the flags' (`Settings::ignored_flags`), and a field
+        // holding kube-proxy's default asks for nothing vipr would have to do.
+        ignored.retain(|path| {
+            !used.contains(path.as_str())
+                && !path.starts_with("featureGates.")
+                && !holds_kube_proxy_default(&value, path)
+        });
         config.ignored = ignored;
         Ok(config)
     }
@@ -662,17 +1082,30 @@ impl KubeProxyConfiguration {
         }
     }
 
-    /// The file's `mode`; empty or absent means vipr's default (auto).
+    /// The file's `mode`, meaning what it means to kube-proxy where vipr has the mode: empty
+    /// or absent is kube-proxy's default on Linux, iptables; vipr's own `ebpf` and `auto`
+    /// are accepted too. `nftables` is refused: vipr has no nftables mode, and picking another
+    /// one silently would change the cluster's semantics (`--proxy-mode` wins over the file,
+    /// so the DaemonSet's flag decides when a kube-proxy ConfigMap is reused).
     pub fn proxy_mode(&self) -> anyhow::Result<ProxyMode> {
         match self.mode.as_deref().map(str::trim) {
-            None | Some("") => Ok(ProxyMode::Auto),
+            None | Some("") => Ok(ProxyMode::Iptables),
+            Some("nftables") => Err(self.invalid(
+                "mode",
+                "\"nftables\": vipr has no nftables mode; pass --proxy-mode=ebpf (its semantics follow \
+                 kube-proxy's nftables mode: NodePorts on the primary node IPs, unused service IPs \
+                 dropped), --proxy-mode=iptables or --proxy-mode=auto",
+            )),
             Some(name) => ProxyMode::from_str(name, true).map_err(|_| {
                 let known: Vec<_> = ProxyMode::value_variants()
                     .iter()
                     .filter_map(|mode| mode.to_possible_value())
                     .map(|value| value.get_name().to_owned())
                     .collect();
-                anyhow::anyhow!("mode {name:?} is not a vipr proxy mode (vipr has {})", known.join(", "))
+                self.invalid(
+                    "mode",
+                    format!("{name:?} is not a vipr proxy mode (vipr has {})", known.join(", ")),
+                )
             }),
         }
     }
@@ -702,8 +1135,17 @@ impl KubeProxyConfiguration {
         let mut used: BTreeSet<String> = [
             "apiVersion",
             "kind",
+            "bindAddress",
             "clientConnection.kubeconfig",
             "hostnameOverride",
+            "oomScoreAdj",
+            "detectLocalMode",
+            "detectLocal.bridgeInterface",
+            "detectLocal.interfaceNamePrefix",
+            "logging.format",
+            "conntrack.maxPerCore",
+            "conntrack.min",
+            "conntrack.tcpBeLiberal",
             "healthzBindAddress",
             "metricsBindAddress",
             "mode",
@@ -718,7 +1160,7 @@ impl KubeProxyConfiguration {
         .into_iter()
         .map(str::to_owned)
         .collect();
-        let mode = self.proxy_mode().unwrap_or(ProxyMode::Auto);
+        let mode = self.proxy_mode().unwrap_or(ProxyMode::Iptables);
         let section = self.mode_section(mode).name;
         used.extend(["syncPeriod", "minSyncPeriod"].map(|field| format!("{section}.{field}")));
         if mode == ProxyMode::Ipvs {
@@ -730,6 +1172,26 @@ impl KubeProxyConfiguration {
         used.insert("iptables.masqueradeAll".to_owned());
         used.insert("iptables.localhostNodePorts".to_owned());
         used
+    }
+}
+
+/// Whether the field at the dotted `path` of `value` holds kube-proxy's v1alpha1 default,
+/// for the fields vipr does not use whose default is not a zero value (kube-proxy's own
+/// `--write-config-to` writes them so).
+fn holds_kube_proxy_default(value: &serde_yaml::Value, path: &str) -> bool {
+    let leaf = path.split('.').try_fold(value, |value, key| value.get(key));
+    let Some(leaf) = leaf else { return false };
+    let number = leaf.as_f64();
+    let text = leaf.as_str();
+    match path {
+        "clientConnection.qps" => number == Some(f64::from(DEFAULT_API_QPS)),
+        "clientConnection.burst" => number == Some(f64::from(DEFAULT_API_BURST)),
+        "clientConnection.contentType" => text == Some(DEFAULT_API_CONTENT_TYPE),
+        "iptables.masqueradeBit" | "nftables.masqueradeBit" => number == Some(14.0),
+        "configSyncPeriod" => {
+            text.and_then(|text| parse_go_duration(text).ok()) == Some(Duration::from_secs(900))
+        }
+        _ => false,
     }
 }
 
@@ -881,6 +1343,134 @@ pub fn parse_go_duration(text: &str) -> Result<Duration, DurationError> {
     }
     let nanos = u64::try_from(nanos).map_err(|_| error())?;
     Ok(Duration::from_nanos(nanos))
+}
+
+/// Formats a duration as Go's `time.Duration.String()` does ("30s", "1m30s", "24h0m0s",
+/// "500ms", "0s"), the way kube-proxy writes durations in a KubeProxyConfiguration.
+pub fn format_go_duration(duration: Duration) -> String {
+    let nanos = duration.as_nanos();
+    let decimal = |value: u128, unit: u128| {
+        let whole = value / unit;
+        let fraction = value % unit;
+        if fraction == 0 {
+            whole.to_string()
+        } else {
+            let digits = unit.ilog10() as usize;
+            let fraction = format!("{fraction:0digits$}");
+            format!("{whole}.{}", fraction.trim_end_matches('0'))
+        }
+    };
+    const SECOND: u128 = 1_000_000_000;
+    match nanos {
+        0 => "0s".to_owned(),
+        1..1_000 => format!("{nanos}ns"),
+        1_000..1_000_000 => format!("{}µs", decimal(nanos, 1_000)),
+        1_000_000..SECOND => format!("{}ms", decimal(nanos, 1_000_000)),
+        _ => {
+            let hours = nanos / (3600 * SECOND);
+            let minutes = nanos % (3600 * SECOND) / (60 * SECOND);
+            let seconds = decimal(nanos % (60 * SECOND), SECOND);
+            match (hours, minutes) {
+                (0, 0) => format!("{seconds}s"),
+                (0, _) => format!("{minutes}m{seconds}s"),
+                _ => format!("{hours}h{minutes}m{seconds}s"),
+            }
+        }
+    }
+}
+
+impl Settings {
+    /// The effective configuration as a kube-proxy v1alpha1 KubeProxyConfiguration
+    /// (`--write-config-to`): what vipr runs with, defaults filled in, in kube-proxy's field
+    /// names, so that `--config` of the written file gives the same settings. `mode` is
+    /// vipr's (`auto` and `ebpf` are not kube-proxy's), and vipr's own settings (devices,
+    /// BPF maps, XDP, ...) have no place in the format.
+    pub fn to_kube_proxy_configuration(&self) -> serde_json::Value {
+        use serde_json::json;
+        let duration = |duration: Duration| format_go_duration(duration);
+        let address = |address: Option<SocketAddr>| address.map(|a| a.to_string()).unwrap_or_default();
+        let periods = json!({
+            "syncPeriod": duration(self.sync_period),
+            "minSyncPeriod": duration(self.min_sync_period),
+        });
+        let mode_name = crate::probe::mode_name(self.proxy_mode);
+        let mut sections = serde_json::Map::new();
+        let section = if self.proxy_mode == ProxyMode::Ipvs { "ipvs" } else { "iptables" };
+        let mut iptables = json!({
+            "masqueradeAll": self.masquerade_all,
+            "masqueradeBit": 14,
+            "localhostNodePorts": self.iptables_localhost_node_ports,
+        });
+        let mut ipvs = json!({
+            "scheduler": self.ipvs.scheduler,
+            "excludeCIDRs": self.ipvs.exclude_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "strictARP": self.ipvs.strict_arp,
+            "tcpTimeout": duration(self.ipvs.tcp_timeout),
+            "tcpFinTimeout": duration(self.ipvs.tcp_fin_timeout),
+            "udpTimeout": duration(self.ipvs.udp_timeout),
+        });
+        let target = if section == "ipvs" { &mut ipvs } else { &mut iptables };
+        if let (Some(target), Some(periods)) = (target.as_object_mut(), periods.as_object()) {
+            target.extend(periods.clone());
+        }
+        sections.insert("iptables".to_owned(), iptables);
+        sections.insert("ipvs".to_owned(), ipvs);
+        let mut config = json!({
+            "apiVersion": CONFIG_API_VERSION,
+            "kind": CONFIG_KIND,
+            "bindAddress": self.bind_address.unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED)).to_string(),
+            "clientConnection": {
+                "kubeconfig": match &self.source {
+                    SourceSettings::Kubernetes { kubeconfig: Some(path) } => path.display().to_string(),
+                    _ => String::new(),
+                },
+                "qps": self.api_client.qps,
+                "burst": self.api_client.burst,
+                "contentType": self.api_client.content_type,
+                "acceptContentTypes": "",
+            },
+            "clusterCIDR": self.cluster_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+            "conntrack": {
+                "maxPerCore": self.netfilter_conntrack.max_per_core,
+                "min": self.netfilter_conntrack.min,
+                "tcpBeLiberal": self.netfilter_conntrack.tcp_be_liberal,
+                "tcpEstablishedTimeout": duration(self.netfilter_conntrack.tcp_established_timeout),
+                "tcpCloseWaitTimeout": duration(self.netfilter_conntrack.tcp_close_wait_timeout),
+                "udpTimeout": duration(self.netfilter_conntrack.udp_timeout),
+                "udpStreamTimeout": duration(self.netfilter_conntrack.udp_stream_timeout),
+            },
+            "detectLocalMode": match self.local_detection {
+                LocalDetection::ClusterCidr => "ClusterCIDR",
+                LocalDetection::NodeCidr => "NodeCIDR",
+            },
+            "featureGates": self.feature_gates.0,
+            "healthzBindAddress": address(self.healthz_bind_address),
+            "hostnameOverride": self.node_name,
+            "logging": {
+                "format": match self.logging_format { LoggingFormat::Text => "text", LoggingFormat::Json => "json" },
+                "verbosity": match self.log_level { LogLevel::Info => 0, LogLevel::Debug => 4, LogLevel::Trace => 5 },
+            },
+            "metricsBindAddress": address(self.metrics_bind_address),
+            "mode": mode_name,
+            "nodePortAddresses": self.node_port_addresses.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "oomScoreAdj": self.oom_score_adj,
+        });
+        if let Some(config) = config.as_object_mut() {
+            config.extend(sections);
+        }
+        config
+    }
+}
+
+impl fmt::Display for NodePortAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cidr(cidr) => write!(f, "{cidr}"),
+            Self::Primary => f.write_str("primary"),
+            Self::Localhost => f.write_str("localhost"),
+            Self::All => f.write_str("all"),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1071,7 +1661,7 @@ clusterCIDR: 10.244.0.0/16
 nodePortAddresses: [10.0.0.0/8]
 iptables:
   masqueradeAll: true
-  masqueradeBit: 14
+  masqueradeBit: 13
   syncPeriod: 1m
   minSyncPeriod: 2s
 ipvs:
@@ -1103,10 +1693,9 @@ logging:
         assert_eq!(settings.node_port_addresses, vec![NodePortAddress::Cidr("10.0.0.0/8".parse().unwrap())]);
         assert_eq!(settings.log_level, LogLevel::Debug);
         // The ipvs section does not apply in ebpf mode; zero values are not worth a warning.
-        assert_eq!(
-            settings.ignored_config,
-            ["iptables.masqueradeBit", "ipvs.syncPeriod", "conntrack.maxPerCore", "oomScoreAdj"]
-        );
+        assert_eq!(settings.ignored_config, ["iptables.masqueradeBit", "ipvs.syncPeriod"]);
+        assert_eq!(settings.netfilter_conntrack.max_per_core, 32768);
+        assert_eq!(settings.oom_score_adj, -999);
     }
 
     #[test]
@@ -1202,7 +1791,7 @@ logging:
                 "mode": "", "iptables": {"syncPeriod": "45s"}}"#,
         );
         let settings = settings(&[&file.arg()]).unwrap();
-        assert_eq!(settings.proxy_mode, ProxyMode::Auto);
+        assert_eq!(settings.proxy_mode, ProxyMode::Iptables, "\"\" is kube-proxy's default mode");
         assert_eq!(settings.sync_period, Duration::from_secs(45));
         assert!(settings.ignored_config.is_empty(), "{:?}", settings.ignored_config);
     }
@@ -1217,7 +1806,8 @@ logging:
         assert!(refused("kind: KubeletConfiguration\n").contains("not a KubeProxyConfiguration"));
         assert!(refused(&format!("{header}iptables: {{syncPeriod: 5x}}\n")).contains("iptables.syncPeriod"));
         assert!(refused(&format!("{header}clusterCIDR: 10.0.0.0\n")).contains("clusterCIDR"));
-        assert!(refused(&format!("{header}mode: nftables\n")).contains("not a vipr proxy mode"));
+        assert!(refused(&format!("{header}mode: nftables\n")).contains("vipr has no nftables mode"));
+        assert!(refused(&format!("{header}mode: userspace\n")).contains("not a vipr proxy mode"));
         assert!(refused(&format!("{header}healthzBindAddress: nowhere\n")).contains("healthzBindAddress"));
         assert!(refused(&format!("{header}hostnameOverride: [a\n")).contains("--config"));
         let missing = format!("{:#}", settings(&["--config=/nonexistent/vipr.yaml"]).unwrap_err());
@@ -1252,5 +1842,351 @@ logging:
         assert!(settings(&["--xdp=auto"]).is_err(), "auto is what no flag means, not a value of it");
         // The library's embedders start without XDP unless they ask.
         assert_eq!(XdpMode::default(), XdpMode::Off);
+    }
+}
+
+/// kube-proxy's own configurations, as kubeadm and kops hand them over
+/// (testdata/kube-proxy/), resolved with kube-proxy's defaulting.
+#[cfg(test)]
+mod kube_proxy_fixtures {
+    use std::{net::IpAddr, path::PathBuf, time::Duration};
+
+    use super::*;
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata/kube-proxy").join(name)
+    }
+
+    fn kops_flags() -> Vec<String> {
+        std::fs::read_to_string(fixture("kops-flags.txt"))
+            .unwrap()
+            .lines()
+            .map(str::trim)
+            .filter(|line| !line.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    fn settings(argv: &[&str]) -> anyhow::Result<Settings> {
+        let args = Args::try_parse_kube_proxy_style(std::iter::once("vipr").chain(argv.iter().copied()))?;
+        Settings::resolve(&args)
+    }
+
+    fn config_arg(name: &str) -> String {
+        format!("--config={}", fixture(name).display())
+    }
+
+    /// A KubeProxyConfiguration of the test's own, removed on drop.
+    struct Written(PathBuf);
+
+    impl Written {
+        fn new(text: &str) -> Self {
+            static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let path = std::env::temp_dir().join(format!("vipr-kp-fixture-{}-{n}.yaml", std::process::id()));
+            std::fs::write(&path, format!("apiVersion: {CONFIG_API_VERSION}\nkind: {CONFIG_KIND}\n{text}"))
+                .unwrap();
+            Self(path)
+        }
+
+        fn arg(&self) -> String {
+            format!("--config={}", self.0.display())
+        }
+    }
+
+    impl Drop for Written {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[test]
+    fn kubeadm_files_mean_kube_proxys_defaults() {
+        for (file, cluster_cidr) in [
+            ("kubeadm-1.33.yaml", "192.168.0.0/16"),
+            ("kubeadm-1.35.yaml", "10.244.0.0/16"),
+            ("kubeadm-1.37.yaml", "10.244.0.0/16"),
+        ] {
+            let settings = settings(&[&config_arg(file)]).unwrap_or_else(|error| panic!("{file}: {error:#}"));
+            assert_eq!(settings.proxy_mode, ProxyMode::Iptables, "{file}: \"\" and iptables mean iptables");
+            assert_eq!(settings.sync_period, Duration::from_secs(30), "{file}");
+            assert_eq!(settings.min_sync_period, Duration::from_secs(1), "{file}");
+            assert_eq!(settings.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()), "{file}");
+            assert_eq!(settings.metrics_bind_address, Some("127.0.0.1:10249".parse().unwrap()), "{file}");
+            assert_eq!(settings.cluster_cidrs, vec![cluster_cidr.parse::<IpNet>().unwrap()], "{file}");
+            assert_eq!(settings.local_detection, LocalDetection::ClusterCidr, "{file}");
+            assert_eq!(settings.netfilter_conntrack, NetfilterConntrack::default(), "{file}");
+            assert_eq!(settings.conntrack, ConntrackTimeouts::default(), "{file}");
+            assert_eq!(settings.oom_score_adj, -999, "{file}");
+            assert_eq!(settings.bind_address, None, "{file}: 0.0.0.0 overrides no node IP");
+            assert!(settings.iptables_localhost_node_ports && !settings.masquerade_all, "{file}");
+            assert_eq!(settings.ipvs.scheduler, "rr", "{file}");
+            assert_eq!(settings.api_client, ApiClientSettings::default(), "{file}");
+            assert_eq!(settings.logging_format, LoggingFormat::Text, "{file}");
+            assert_eq!(
+                settings.source,
+                SourceSettings::Kubernetes { kubeconfig: Some("/var/lib/kube-proxy/kubeconfig.conf".into()) }
+            );
+            assert!(settings.ignored_config.is_empty(), "{file}: {:?}", settings.ignored_config);
+            assert!(settings.ignored_flags.is_empty(), "{file}: {:?}", settings.ignored_flags);
+
+            // The DaemonSet's --proxy-mode wins over the file's mode.
+            let with_flag = self::settings(&[&config_arg(file), "--proxy-mode=ebpf"]).unwrap();
+            assert_eq!(with_flag.proxy_mode, ProxyMode::Ebpf, "{file}");
+            assert_eq!(with_flag.sync_period, Duration::from_secs(30), "{file}");
+        }
+    }
+
+    #[test]
+    fn kops_flags_are_implemented() {
+        let flags = kops_flags();
+        let settings = settings(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(settings.proxy_mode, ProxyMode::Iptables);
+        assert_eq!(settings.cluster_cidrs, vec!["100.96.0.0/11".parse::<IpNet>().unwrap()]);
+        assert_eq!(settings.netfilter_conntrack.max_per_core, 131_072);
+        assert_eq!(settings.netfilter_conntrack.max_for(2), Some(262_144));
+        assert_eq!(settings.node_name, "i-0123456789abcdef0");
+        assert_eq!(settings.api_client.master.as_deref(), Some("https://127.0.0.1"));
+        assert_eq!(settings.oom_score_adj, -998);
+        assert_eq!(settings.log_level, LogLevel::Info);
+        assert_eq!(settings.logging_format, LoggingFormat::Text);
+        assert_eq!(
+            settings.source,
+            SourceSettings::Kubernetes { kubeconfig: Some("/var/lib/kube-proxy/kubeconfig".into()) }
+        );
+        assert!(settings.ignored_flags.is_empty(), "{:?}", settings.ignored_flags);
+
+        // Over kubeadm's file: the flags win, the file fills the rest.
+        let mut argv = vec![config_arg("kubeadm-1.35.yaml")];
+        argv.extend(flags);
+        let both = self::settings(&argv.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(both.cluster_cidrs, settings.cluster_cidrs);
+        assert_eq!((both.oom_score_adj, both.sync_period), (-998, Duration::from_secs(30)));
+        assert_eq!(both.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
+    }
+
+    #[test]
+    fn zero_durations_empty_addresses_and_nulls_are_kube_proxys_defaults() {
+        let file = Written::new(
+            "iptables: {syncPeriod: 0s, minSyncPeriod: 0s}\nhealthzBindAddress: \"\"\n\
+             metricsBindAddress: \"\"\nconntrack: {maxPerCore: null, min: null, tcpEstablishedTimeout: null}\n\
+             oomScoreAdj: null\nmode: \"\"\n",
+        );
+        let defaulted = settings(&[&file.arg()]).unwrap();
+        assert_eq!(
+            (defaulted.sync_period, defaulted.min_sync_period),
+            (Duration::from_secs(30), Duration::from_secs(1))
+        );
+        assert_eq!(defaulted.healthz_bind_address, Some(DEFAULT_HEALTHZ_BIND_ADDRESS));
+        assert_eq!(defaulted.metrics_bind_address, Some(DEFAULT_METRICS_BIND_ADDRESS));
+        assert_eq!(defaulted.netfilter_conntrack, NetfilterConntrack::default());
+        // An empty address on the command line still turns the server off.
+        let off = settings(&[&file.arg(), "--metrics-bind-address="]).unwrap();
+        assert_eq!(off.metrics_bind_address, None);
+        // An explicit 0 leaves the kernel's value (kube-proxy: "0 to leave as-is").
+        let zero = Written::new("conntrack: {maxPerCore: 0, tcpEstablishedTimeout: 0s}\n");
+        let zero = settings(&[&zero.arg()]).unwrap().netfilter_conntrack;
+        assert_eq!((zero.max_for(8), zero.tcp_established_timeout), (None, Duration::ZERO));
+        // A bare address gets the default port.
+        let bare = Written::new("healthzBindAddress: 10.0.0.1\nmetricsBindAddress: 0.0.0.0\n");
+        let bare = settings(&[&bare.arg()]).unwrap();
+        assert_eq!(bare.healthz_bind_address, Some("10.0.0.1:10256".parse().unwrap()));
+        assert_eq!(bare.metrics_bind_address, Some("0.0.0.0:10249".parse().unwrap()));
+    }
+
+    #[test]
+    fn an_ipv6_bind_address_picks_ipv6_defaults_and_is_the_node_ip() {
+        let file = Written::new("bindAddress: \"::\"\nhealthzBindAddress: \"\"\nmetricsBindAddress: \"\"\n");
+        let settings = settings(&[&file.arg()]).unwrap();
+        assert_eq!(settings.healthz_bind_address, Some("[::]:10256".parse().unwrap()));
+        assert_eq!(settings.metrics_bind_address, Some("[::1]:10249".parse().unwrap()));
+        assert_eq!(settings.bind_address, None);
+        let flag = self::settings(&["--bind-address=fd00::5"]).unwrap();
+        assert_eq!(flag.bind_address, Some("fd00::5".parse::<IpAddr>().unwrap()));
+        assert_eq!(flag.metrics_bind_address, Some("[::1]:10249".parse().unwrap()));
+        let v4 = self::settings(&["--bind-address=10.0.0.5"]).unwrap();
+        assert_eq!(v4.bind_address, Some("10.0.0.5".parse::<IpAddr>().unwrap()));
+        assert_eq!(v4.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
+    }
+
+    #[test]
+    fn per_mode_sync_flags_apply_to_the_mode_that_runs() {
+        let period = |argv: &[&str]| {
+            let settings = settings(argv).unwrap();
+            (settings.sync_period.as_secs(), settings.min_sync_period.as_secs())
+        };
+        let flags = [
+            "--iptables-sync-period=20s",
+            "--iptables-min-sync-period=2s",
+            "--ipvs-sync-period=40s",
+            "--ipvs-min-sync-period=4s",
+        ];
+        for mode in ["--proxy-mode=iptables", "--proxy-mode=ebpf", "--proxy-mode=auto"] {
+            assert_eq!(period(&[&[mode][..], &flags].concat()), (20, 2), "{mode}");
+        }
+        assert_eq!(period(&[&["--proxy-mode=ipvs"][..], &flags].concat()), (40, 4));
+        // ipvs mode's own defaults: no minimum.
+        assert_eq!(period(&["--proxy-mode=ipvs", "--iptables-sync-period=20s"]), (30, 0));
+        // vipr's own flags win in every mode.
+        assert_eq!(
+            period(
+                &[&["--proxy-mode=ipvs", "--sync-period=7s", "--min-sync-period=3s"][..], &flags].concat()
+            ),
+            (7, 3)
+        );
+        // The flags over the file's section of the mode.
+        let file = Written::new("iptables: {syncPeriod: 1m, minSyncPeriod: 5s}\nipvs: {syncPeriod: 2m}\n");
+        assert_eq!(period(&[&file.arg()]), (60, 5));
+        assert_eq!(period(&[&file.arg(), "--iptables-min-sync-period=3s"]), (60, 3));
+        assert_eq!(period(&[&file.arg(), "--proxy-mode=ipvs"]), (120, 0));
+    }
+
+    #[test]
+    fn sync_periods_are_validated_as_kube_proxy_does() {
+        let error = |argv: &[&str]| format!("{:#}", settings(argv).unwrap_err());
+        assert!(error(&["--iptables-sync-period=0s"]).contains("--iptables-sync-period"));
+        assert!(error(&["--sync-period=0s"]).contains("greater than 0"));
+        let message = error(&["--iptables-sync-period=5s", "--iptables-min-sync-period=10s"]);
+        assert!(message.contains("--iptables-min-sync-period") && message.contains("10s"), "{message}");
+    }
+
+    #[test]
+    fn detect_local_mode_is_honoured_or_refused_never_dropped() {
+        assert_eq!(settings(&[]).unwrap().local_detection, LocalDetection::ClusterCidr);
+        assert_eq!(
+            settings(&["--detect-local-mode=NodeCIDR"]).unwrap().local_detection,
+            LocalDetection::NodeCidr
+        );
+        let file = Written::new("detectLocalMode: NodeCIDR\n");
+        let from_file = settings(&[&file.arg()]).unwrap();
+        assert_eq!(from_file.local_detection, LocalDetection::NodeCidr);
+        assert!(from_file.ignored_config.is_empty(), "{:?}", from_file.ignored_config);
+        assert_eq!(
+            settings(&[&file.arg(), "--detect-local-mode=ClusterCIDR"]).unwrap().local_detection,
+            LocalDetection::ClusterCidr
+        );
+
+        let refused = |argv: &[&str]| format!("{:#}", settings(argv).unwrap_err());
+        let message = refused(&["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]);
+        assert!(message.contains("BridgeInterface is not implemented by vipr"), "{message}");
+        let message = refused(&["--detect-local-mode=BridgeInterface"]);
+        assert!(message.contains("needs --pod-bridge-interface"), "{message}");
+        let file =
+            Written::new("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}\n");
+        let message = refused(&[&file.arg()]);
+        assert!(message.contains("InterfaceNamePrefix is not implemented by vipr"), "{message}");
+        let bad = Written::new("detectLocalMode: Cluster\n");
+        assert!(refused(&[&bad.arg()]).contains("detectLocalMode"));
+    }
+
+    #[test]
+    fn nftables_in_the_file_is_refused_unless_the_flag_picks_a_mode() {
+        let file = Written::new("mode: nftables\nnftables: {syncPeriod: 10s}\n");
+        let message = format!("{:#}", settings(&[&file.arg()]).unwrap_err());
+        assert!(message.contains("no nftables mode") && message.contains("--proxy-mode"), "{message}");
+        let settings = settings(&[&file.arg(), "--proxy-mode=ebpf"]).unwrap();
+        assert_eq!(settings.proxy_mode, ProxyMode::Ebpf);
+    }
+
+    #[test]
+    fn oom_score_adj_flag_file_default_and_range() {
+        assert_eq!(settings(&[]).unwrap().oom_score_adj, -999);
+        let file = Written::new("oomScoreAdj: -500\n");
+        assert_eq!(settings(&[&file.arg()]).unwrap().oom_score_adj, -500);
+        assert_eq!(settings(&[&file.arg(), "--oom-score-adj=-998"]).unwrap().oom_score_adj, -998);
+        assert!(settings(&["--oom-score-adj=-1001"]).is_err());
+    }
+
+    #[test]
+    fn conntrack_settings_come_from_flags_over_the_file() {
+        let file =
+            Written::new("conntrack: {maxPerCore: 65536, min: 1000, tcpBeLiberal: true, udpTimeout: 10s}\n");
+        let from_file = settings(&[&file.arg()]).unwrap().netfilter_conntrack;
+        assert_eq!((from_file.max_per_core, from_file.min, from_file.tcp_be_liberal), (65536, 1000, true));
+        assert_eq!(from_file.udp_timeout, Duration::from_secs(10));
+        let flags =
+            settings(&[&file.arg(), "--conntrack-max-per-core=0", "--conntrack-tcp-be-liberal=false"])
+                .unwrap()
+                .netfilter_conntrack;
+        assert_eq!((flags.max_per_core, flags.tcp_be_liberal), (0, false));
+        assert!(settings(&["--conntrack-min=-1"]).is_err());
+    }
+
+    #[test]
+    fn feature_gates_api_client_flags_and_deprecated_ports() {
+        let settings = settings(&[
+            "--feature-gates=SomeGate=true",
+            "--kube-api-qps=50",
+            "--kube-api-content-type=application/json",
+            "--healthz-port=0",
+            "--metrics-port=12345",
+            "--logging-format=json",
+        ])
+        .unwrap();
+        assert_eq!(settings.feature_gates.0.get("SomeGate"), Some(&true));
+        assert_eq!(settings.healthz_bind_address, None, "--healthz-port=0 turns the server off");
+        assert_eq!(settings.metrics_bind_address, Some(DEFAULT_METRICS_BIND_ADDRESS));
+        assert_eq!(settings.logging_format, LoggingFormat::Json);
+        let ignored = settings.ignored_flags.join("\n");
+        for name in
+            ["--feature-gates=SomeGate=true", "--kube-api-qps", "--kube-api-content-type", "--metrics-port"]
+        {
+            assert!(ignored.contains(name), "{name} not named in {ignored}");
+        }
+        let file = Written::new("featureGates: {Other: false}\nlogging: {format: json}\n");
+        let from_file = self::settings(&[&file.arg()]).unwrap();
+        assert_eq!(from_file.feature_gates.0.get("Other"), Some(&false));
+        assert_eq!(from_file.logging_format, LoggingFormat::Json);
+        assert!(from_file.ignored_flags.iter().any(|flag| flag.contains("Other=false")));
+    }
+
+    #[test]
+    fn the_written_configuration_reads_back_as_the_same_settings() {
+        let argv = [
+            "--proxy-mode=ipvs",
+            "--kubeconfig=/k.conf",
+            "--hostname-override=node-w",
+            "--cluster-cidr=10.244.0.0/16,fd00:10::/56",
+            "--ipvs-sync-period=45s",
+            "--ipvs-min-sync-period=500ms",
+            "--ipvs-scheduler=mh",
+            "--oom-score-adj=-100",
+            "--conntrack-max-per-core=0",
+            "--conntrack-udp-timeout=15s",
+            "--nodeport-addresses=primary,10.0.0.0/8",
+            "--metrics-bind-address=0.0.0.0:9999",
+            "--detect-local-mode=NodeCIDR",
+            "--bind-address=10.1.2.3",
+            "--feature-gates=A=true",
+        ];
+        let original = settings(&argv).unwrap();
+        let written = serde_yaml::to_string(&original.to_kube_proxy_configuration()).unwrap();
+        let file = std::env::temp_dir().join(format!("vipr-written-{}.yaml", std::process::id()));
+        std::fs::write(&file, &written).unwrap();
+        let read = settings(&[&format!("--config={}", file.display())]);
+        let _ = std::fs::remove_file(&file);
+        let mut read = read.unwrap_or_else(|error| panic!("{error:#}\n{written}"));
+        assert!(read.ignored_config.is_empty(), "{:?}\n{written}", read.ignored_config);
+        // Reported anew from the file: the same gates.
+        read.ignored_flags = original.ignored_flags.clone();
+        assert_eq!(read, original, "{written}");
+    }
+
+    #[test]
+    fn go_durations_format_as_go_prints_them() {
+        for (duration, text) in [
+            (Duration::ZERO, "0s"),
+            (Duration::from_secs(30), "30s"),
+            (Duration::from_secs(90), "1m30s"),
+            (Duration::from_secs(86_400), "24h0m0s"),
+            (Duration::from_secs(3600), "1h0m0s"),
+            (Duration::from_millis(500), "500ms"),
+            (Duration::from_millis(1500), "1.5s"),
+            (Duration::from_micros(10), "10µs"),
+            (Duration::from_nanos(7), "7ns"),
+        ] {
+            assert_eq!(format_go_duration(duration), text);
+            assert_eq!(parse_go_duration(text), Ok(duration), "{text}");
+        }
     }
 }

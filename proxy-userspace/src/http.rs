@@ -70,7 +70,7 @@ pub fn serve_forever(address: SocketAddr, name: &'static str, handler: Handler) 
     let spawned = std::thread::Builder::new().name(format!("http-{name}")).spawn(move || {
         let mut reported = false;
         loop {
-            match tiny_http::Server::http(address) {
+            match listen(address) {
                 Ok(server) => {
                     info!(%address, "serving {name}");
                     serve(&server, &handler);
@@ -89,6 +89,19 @@ pub fn serve_forever(address: SocketAddr, name: &'static str, handler: Handler) 
     if let Err(spawn_error) = spawned {
         error!("cannot start the {name} server thread: {spawn_error}");
     }
+}
+
+/// Listens on `address`. The unspecified IPv4 address means every address of both families,
+/// as it does for kube-proxy (Go listens on both for 0.0.0.0): the IPv6 wildcard accepts IPv4
+/// too (`net.ipv6.bindv6only=0`, Linux's default); where IPv6 is off, IPv4 alone.
+fn listen(address: SocketAddr) -> Result<tiny_http::Server, Box<dyn std::error::Error + Send + Sync>> {
+    if address.ip() == std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED) {
+        let both = SocketAddr::new(std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), address.port());
+        if let Ok(server) = tiny_http::Server::http(both) {
+            return Ok(server);
+        }
+    }
+    tiny_http::Server::http(address)
 }
 
 fn serve(server: &tiny_http::Server, handler: &Handler) {

@@ -19,3 +19,5 @@ pub mod model;
 pub mod probe;
 pub mod source;
 pub mod tool;
+pub mod status;
+pub mod tuning;

@@ -1,7 +1,10 @@
 use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
-use vipr::{cli::Args, config::Settings};
+use vipr::{
+    cli::{Args, LoggingFormat},
+    config::Settings,
+};
 
 fn main() -> std::process::ExitCode {
     // `vipr inspect ...` reads the pinned datapath and exits; everything else is the agent,
@@ -13,14 +16,16 @@ fn main() -> std::process::ExitCode {
     vipr::health::process_start();
     let args = Args::parse_kube_proxy_style();
     let settings = Settings::resolve(&args);
-    // A bad --config still gets logged, at the level the flags ask for.
+    // A bad --config still gets logged, at the level and in the format the flags ask for.
     let level = settings.as_ref().map_or(vipr::config::LogLevel::Info, |settings| settings.log_level);
+    let format =
+        settings.as_ref().map_or(args.logging_format.unwrap_or_default(), |settings| settings.logging_format);
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level.directive()));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    let logger = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LoggingFormat::Text => logger.with_ansi(std::io::stderr().is_terminal()).init(),
+        LoggingFormat::Json => logger.json().with_ansi(false).init(),
+    }
     match settings.and_then(|settings| vipr::agent::run(&settings)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {

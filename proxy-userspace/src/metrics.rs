@@ -18,6 +18,8 @@ use std::{
 
 use crate::http::{Handler, Reply};
 
+pub mod process;
+
 /// Content type of the Prometheus text exposition format.
 pub const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 

@@ -165,7 +165,7 @@ impl ClusterIpService {
     }
 
     /// The Service and its EndpointSlice, as kubectl would show them.
-    fn objects(&self) -> (k8s::Service, k8s::EndpointSlice) {
+    pub fn objects(&self) -> (k8s::Service, k8s::EndpointSlice) {
         let metadata = |name: String, labels| k8s::ObjectMeta {
             name: Some(name),
             namespace: Some(self.namespace.clone()),

@@ -182,6 +182,12 @@ fn the_daemon_set_runs_as_the_service_account_with_the_config_map() {
     std::fs::remove_dir_all(&mounted).unwrap();
     let settings = settings.unwrap_or_else(|error| panic!("vipr refuses the configuration: {error:#}"));
     assert!(parsed.config.is_some(), "the DaemonSet passes --config");
+    assert_eq!(
+        parsed.proxy_mode,
+        Some(vipr::cli::ProxyMode::Ebpf),
+        "the DaemonSet passes --proxy-mode, so that a reused kube-proxy ConfigMap's mode does not apply"
+    );
+    assert_eq!(settings.proxy_mode, vipr::cli::ProxyMode::Ebpf);
     assert_eq!(settings.node_name, "node-a");
     assert!(
         settings.ignored_config.is_empty(),

@@ -56,7 +56,7 @@ impl Source {
 
     /// Starts the source on `kubeconfig`, which need not exist yet.
     fn start_with_kubeconfig(workdir: WorkDir, kubeconfig: PathBuf) -> Self {
-        let config = KubeSourceConfig { kubeconfig: Some(kubeconfig), node_name: NODE.into() };
+        let config = KubeSourceConfig { kubeconfig: Some(kubeconfig), node_name: NODE.into(), master: None };
         let (events_tx, events) = mpsc::channel();
         let (stop, stop_rx) = mpsc::channel();
         let thread = thread::spawn(move || kubernetes::watch(config, events_tx, stop_rx));

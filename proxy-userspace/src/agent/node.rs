@@ -60,6 +60,29 @@ pub fn primary_ips(node: Option<&Node>) -> Vec<IpAddr> {
     std::iter::once(first).chain(other_family).collect()
 }
 
+/// [`primary_ips`] with `--bind-address` (when not unspecified) as the primary IP of its
+/// family, as kube-proxy's node IP override; the Node's stays for the other family.
+pub fn primary_ips_with_override(node: Option<&Node>, bind_address: Option<IpAddr>) -> Vec<IpAddr> {
+    let from_node = primary_ips(node);
+    let Some(bind) = bind_address else { return from_node };
+    std::iter::once(bind).chain(from_node.into_iter().filter(|ip| ip.is_ipv4() != bind.is_ipv4())).collect()
+}
+
+/// The Node's `spec.podCIDRs` (or the older single `spec.podCIDR`): the local-traffic
+/// detector's CIDRs with `--detect-local-mode=NodeCIDR`. Unparsable entries are skipped; none
+/// (no Node yet, or none allocated) means no detector until the Node has them.
+pub fn pod_cidrs(node: Option<&Node>) -> Vec<ipnet::IpNet> {
+    let Some(spec) = node.and_then(|node| node.spec.as_ref()) else { return Vec::new() };
+    let listed = spec.pod_cidrs.iter().flatten().chain(spec.pod_cidr.iter());
+    let mut cidrs: Vec<ipnet::IpNet> = Vec::new();
+    for cidr in listed.filter_map(|text| text.trim().parse::<ipnet::IpNet>().ok()) {
+        if !cidrs.contains(&cidr) {
+            cidrs.push(cidr);
+        }
+    }
+    cidrs
+}
+
 /// Whether `--nodeport-addresses` admits every address (`all`, or a /0), in which case
 /// kube-proxy's health-check servers listen on the unspecified address.
 pub fn matches_all(addresses: &[NodePortAddress]) -> bool {
@@ -100,6 +123,44 @@ mod tests {
 
     fn ip(text: &str) -> IpAddr {
         text.parse().unwrap()
+    }
+
+    #[test]
+    fn bind_address_overrides_the_primary_ip_of_its_family_only() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n"},
+            "status": {"addresses": [
+                {"type": "InternalIP", "address": "10.0.0.7"},
+                {"type": "InternalIP", "address": "fd00::7"},
+            ]}
+        }))
+        .unwrap();
+        assert_eq!(primary_ips_with_override(Some(&node), None), [ip("10.0.0.7"), ip("fd00::7")]);
+        assert_eq!(
+            primary_ips_with_override(Some(&node), Some(ip("10.9.9.9"))),
+            [ip("10.9.9.9"), ip("fd00::7")]
+        );
+        assert_eq!(
+            primary_ips_with_override(Some(&node), Some(ip("fd00::9"))),
+            [ip("fd00::9"), ip("10.0.0.7")]
+        );
+        assert_eq!(primary_ips_with_override(None, Some(ip("10.9.9.9"))), [ip("10.9.9.9")]);
+    }
+
+    #[test]
+    fn node_cidr_detection_reads_the_nodes_pod_cidrs() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n"},
+            "spec": {"podCIDR": "10.244.1.0/24", "podCIDRs": ["10.244.1.0/24", "fd00:10:244:1::/64", "junk"]}
+        }))
+        .unwrap();
+        let cidrs: Vec<String> = pod_cidrs(Some(&node)).iter().map(ToString::to_string).collect();
+        assert_eq!(cidrs, ["10.244.1.0/24", "fd00:10:244:1::/64"]);
+        let old: Node =
+            serde_json::from_value(json!({"metadata": {"name": "n"}, "spec": {"podCIDR": "10.244.2.0/24"}}))
+                .unwrap();
+        assert_eq!(pod_cidrs(Some(&old)).len(), 1);
+        assert!(pod_cidrs(None).is_empty());
     }
 
     #[test]

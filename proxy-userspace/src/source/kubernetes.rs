@@ -65,6 +65,8 @@ pub struct KubeSourceConfig {
     pub kubeconfig: Option<PathBuf>,
     /// This node's name: its Node object is watched and delivered in [`Objects::node`].
     pub node_name: String,
+    /// `--master`: the API server URL, overriding the kubeconfig's (or the in-cluster) one.
+    pub master: Option<String>,
 }
 
 /// Watches the API server and sends a snapshot each time the watched objects change, until
@@ -259,13 +261,20 @@ impl Source {
     }
 }
 
-/// In-cluster configuration by default, as kube-proxy; the given kubeconfig otherwise.
+/// In-cluster configuration by default, as kube-proxy; the given kubeconfig otherwise. A
+/// `--master` URL replaces the kubeconfig's server; given alone, it is the whole configuration
+/// (no credentials), as with kube-proxy's `clientcmd.BuildConfigFromFlags`.
 async fn client(config: &KubeSourceConfig) -> Result<Client, String> {
-    let client_config = match &config.kubeconfig {
-        None => {
+    let master = match config.master.as_deref() {
+        Some(url) => Some(url.parse::<::http::Uri>().map_err(|error| format!("--master {url:?}: {error}"))?),
+        None => None,
+    };
+    let mut client_config = match (&config.kubeconfig, &master) {
+        (None, Some(url)) => kube::Config::new(url.clone()),
+        (None, None) => {
             kube::Config::incluster().map_err(|error| format!("in-cluster API configuration: {error}"))?
         }
-        Some(path) => {
+        (Some(path), _) => {
             let problem = |error: &dyn std::error::Error| format!("kubeconfig {}: {error}", path.display());
             let kubeconfig = Kubeconfig::read_from(path).map_err(|error| problem(&error))?;
             kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
@@ -273,6 +282,9 @@ async fn client(config: &KubeSourceConfig) -> Result<Client, String> {
                 .map_err(|error| problem(&error))?
         }
     };
+    if let Some(url) = master {
+        client_config.cluster_url = url;
+    }
     Client::try_from(client_config).map_err(|error| format!("cannot create the API client: {error}"))
 }
 

@@ -44,8 +44,11 @@ pub mod netlink;
 pub mod plan;
 pub mod rules;
 
-/// The schedulers `--ipvs-scheduler` accepts (kube-proxy's list).
-pub const SCHEDULERS: [&str; 7] = ["rr", "wrr", "lc", "wlc", "sh", "sed", "nq"];
+/// The schedulers `--ipvs-scheduler` accepts: every scheduler Linux's IPVS has (each is a
+/// module of its own, `ip_vs_<name>`; one the running kernel lacks fails when the first
+/// virtual service is created, as with kube-proxy).
+pub const SCHEDULERS: [&str; 14] =
+    ["rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "fo", "ovf", "mh", "twos"];
 /// kube-proxy's default scheduler.
 pub const DEFAULT_SCHEDULER: &str = "rr";
 
