@@ -17,8 +17,10 @@
 //!   fields; a request body is never read: its connection is closed after the answer;
 //! - [`HEADER_READ_TIMEOUT`] to send a complete request head, which is also how long an idle
 //!   keep-alive connection stays open, and [`CONNECTION_LIFETIME`] for a whole connection;
-//! - accept errors (EMFILE, ENFILE, ENOBUFS...) are counted and retried with backoff, a port
-//!   that cannot be bound is logged and counted, and nothing here panics.
+//! - accept errors are counted and never stop a listener: out of file descriptors (EMFILE,
+//!   ENFILE), the oldest connection of the busiest server is closed to make room; otherwise,
+//!   or with none to close, accepting is retried with backoff;
+//! - a port that cannot be bound is logged and counted, and nothing here panics.
 use std::{
     collections::{BTreeMap, HashMap},
     convert::Infallible,
@@ -308,8 +310,16 @@ impl Server {
                 // The client gave up before we took its connection: nothing to wait for.
                 Err(error) if error.raw_os_error() == Some(libc::ECONNABORTED) => {}
                 Err(error) => {
-                    // Out of descriptors or memory: connections that end free some; wait.
                     server.shared.accept_errors.add(1);
+                    let out_of_descriptors =
+                        matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+                    if out_of_descriptors && server.shared.evict_from_busiest() {
+                        // The oldest connection gives its descriptor to the waiting one (the
+                        // likelier to be a prober's) once its task has run and closed it.
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                    // Out of descriptors or memory, and nothing of ours to free: wait.
                     if backoff == ACCEPT_BACKOFF_MIN {
                         warn!(address = %server.address, "{}: cannot accept a connection: {error}; retrying", server.name);
                     }
@@ -410,6 +420,11 @@ impl Connections {
         oldest.is_some_and(|id| self.remove(id))
     }
 
+    fn evict_from_busiest(&mut self) -> bool {
+        let busiest = self.per_server.iter().max_by_key(|(_, count)| **count).map(|(server, _)| *server);
+        busiest.is_some_and(|server| self.evict_oldest(server))
+    }
+
     fn remove(&mut self, id: u64) -> bool {
         let Some(open) = self.open.remove(&id) else { return false };
         if let Some(count) = self.per_server.get_mut(&open.server) {
@@ -437,14 +452,14 @@ impl Shared {
     fn admit(&self, server: u64, close: oneshot::Sender<()>) -> u64 {
         let mut connections = self.connections();
         let own = connections.per_server.get(&server).copied().unwrap_or(0);
-        let victim = if own >= MAX_CONNECTIONS_PER_SERVER {
-            Some(server)
+        let evicted = if own >= MAX_CONNECTIONS_PER_SERVER {
+            connections.evict_oldest(server)
         } else if connections.open.len() >= MAX_CONNECTIONS {
-            connections.per_server.iter().max_by_key(|(_, count)| **count).map(|(server, _)| *server)
+            connections.evict_from_busiest()
         } else {
-            None
+            false
         };
-        if victim.is_some_and(|victim| connections.evict_oldest(victim)) {
+        if evicted {
             self.evictions.add(1);
         }
         let id = connections.next_id;
@@ -452,6 +467,15 @@ impl Shared {
         connections.open.insert(id, OpenConnection { server, _close: close });
         *connections.per_server.entry(server).or_default() += 1;
         id
+    }
+
+    /// Closes the oldest connection of the server holding the most, if there is one.
+    fn evict_from_busiest(&self) -> bool {
+        let evicted = self.connections().evict_from_busiest();
+        if evicted {
+            self.evictions.add(1);
+        }
+        evicted
     }
 
     fn close_server(&self, server: u64) {

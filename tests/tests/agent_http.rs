@@ -565,6 +565,48 @@ fn health_servers_keep_answering_under_idle_connections_and_endless_headers() {
     assert!(evicted >= 1.0 && refused >= 1.0, "{}", metrics.body);
 }
 
+/// Sets the open-files limit (soft and hard) of process `pid`.
+fn set_open_files_limit(pid: u32, limit: u64) {
+    let limit = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+    // SAFETY: prlimit reads the struct we own and writes nothing (no old limit asked for).
+    let set = unsafe { libc::prlimit(pid as libc::pid_t, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    assert_eq!(set, 0, "prlimit: {}", std::io::Error::last_os_error());
+}
+
+/// Out of file descriptors (here a limit lowered under vipr's feet, as descriptors held
+/// elsewhere would do): accepting fails with EMFILE, yet the listener goes on, and `/livez`
+/// keeps being answered within a second while 2,000 connections wait for a descriptor.
+#[test]
+fn health_servers_keep_answering_when_out_of_file_descriptors() {
+    const IDLE_CONNECTIONS: usize = 2000;
+    const FREE_DESCRIPTORS: u64 = 64;
+    raise_open_files_limit(IDLE_CONNECTIONS as u64 + 1024).unwrap();
+    let mut lab = lab("http-fds");
+    let mut agent = start_vipr(&lab, &[]);
+    lab.wait_programmed().unwrap();
+    let node = lab.node();
+    wait_for_answer(&mut agent, node, HEALTHZ, "/livez", "/livez", |answer| answer.status == 200);
+    let open = std::fs::read_dir(format!("/proc/{}/fd", agent.pid())).unwrap().count() as u64;
+    set_open_files_limit(agent.pid(), open + FREE_DESCRIPTORS);
+
+    let idle = node.run(|| idle_connections(HEALTHZ, IDLE_CONNECTIONS)).unwrap();
+    let started = Instant::now();
+    while started.elapsed() < ATTACK / 2 {
+        agent.ensure_running().unwrap();
+        let asked = Instant::now();
+        let answer = get_within(node, HEALTHZ, "/livez", PROBE_TIMEOUT)
+            .unwrap_or_else(|error| panic!("/livez after {:?}: {error:#}", started.elapsed()));
+        assert_eq!(answer.status, 200, "{answer:?}");
+        assert!(asked.elapsed() < PROBE_TIMEOUT, "/livez took {:?}", asked.elapsed());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(idle);
+    let metrics = wait_for_answer(&mut agent, node, METRICS, "/metrics", "/metrics", |a| a.status == 200);
+    let accept_errors = metrics.metric("vipr_http_accept_errors_total").unwrap();
+    eprintln!("{accept_errors} failed accepts with {FREE_DESCRIPTORS} descriptors free");
+    assert!(accept_errors >= 1.0, "the descriptors never ran out:\n{}", metrics.body);
+}
+
 /// 700 eTP:Local load balancers, each with its own health-check node port, in an agent
 /// limited to 2,048 tasks (as a pod's pids limit would): no crash, and every port answers.
 #[test]
