@@ -18,7 +18,7 @@
 //! - [`HEADER_READ_TIMEOUT`] to send a complete request head, which is also how long an idle
 //!   keep-alive connection stays open, and [`CONNECTION_LIFETIME`] for a whole connection;
 //! - accept errors are counted and never stop a listener: out of file descriptors (EMFILE,
-//!   ENFILE), the oldest connection of the busiest server is closed to make room; otherwise,
+//!   ENFILE), the oldest connections of the busiest server are closed to make room; otherwise,
 //!   or with none to close, accepting is retried with backoff;
 //! - a port that cannot be bound is logged and counted, and nothing here panics.
 use std::{
@@ -67,8 +67,13 @@ pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 /// Backoff after a failed accept, doubling up to the maximum while accepting keeps failing.
 const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
-/// Pending connections the kernel keeps for a listener while it is busy.
-const LISTEN_BACKLOG: i32 = 1024;
+/// Pending connections the kernel keeps for a listener while it is busy (the kernel caps it
+/// at `net.core.somaxconn`, 4096 by default): a burst of connections waits there rather than
+/// having its SYNs dropped, which would make a prober caught in it retry a second later.
+const LISTEN_BACKLOG: i32 = 4096;
+/// Connections closed at once when accepting fails for want of file descriptors: enough for
+/// a burst to be taken in few rounds.
+const EVICTIONS_PER_EMFILE: usize = 16;
 /// How long closing a server waits for its port to be released.
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
 // hyper's read buffer holds a whole request head; it refuses (panics on) one below 8 KiB.
@@ -313,9 +318,9 @@ impl Server {
                     server.shared.accept_errors.add(1);
                     let out_of_descriptors =
                         matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
-                    if out_of_descriptors && server.shared.evict_from_busiest() {
-                        // The oldest connection gives its descriptor to the waiting one (the
-                        // likelier to be a prober's) once its task has run and closed it.
+                    if out_of_descriptors && server.shared.evict_from_busiest(EVICTIONS_PER_EMFILE) {
+                        // The oldest connections give their descriptors to the waiting ones (the
+                        // likelier to be probers') once their tasks have run and closed them.
                         tokio::task::yield_now().await;
                         continue;
                     }
@@ -469,13 +474,13 @@ impl Shared {
         id
     }
 
-    /// Closes the oldest connection of the server holding the most, if there is one.
-    fn evict_from_busiest(&self) -> bool {
-        let evicted = self.connections().evict_from_busiest();
-        if evicted {
-            self.evictions.add(1);
-        }
-        evicted
+    /// Closes the oldest connections, up to `count`, of the servers holding the most; whether
+    /// there was any.
+    fn evict_from_busiest(&self, count: usize) -> bool {
+        let mut connections = self.connections();
+        let evicted = (0..count).take_while(|_| connections.evict_from_busiest()).count();
+        self.evictions.add(evicted as u64);
+        evicted > 0
     }
 
     fn close_server(&self, server: u64) {
