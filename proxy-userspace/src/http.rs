@@ -71,6 +71,8 @@ const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// at `net.core.somaxconn`, 4096 by default): a burst of connections waits there rather than
 /// having its SYNs dropped, which would make a prober caught in it retry a second later.
 const LISTEN_BACKLOG: i32 = 4096;
+/// How often a listener that keeps failing to accept says so.
+const ACCEPT_WARNING_INTERVAL: Duration = Duration::from_secs(10);
 /// Connections closed at once when accepting fails for want of file descriptors: enough for
 /// a burst to be taken in few rounds.
 const EVICTIONS_PER_EMFILE: usize = 16;
@@ -306,6 +308,7 @@ impl Server {
     async fn accept_loop(self, listener: TcpListener) {
         let server = Arc::new(self);
         let mut backoff = ACCEPT_BACKOFF_MIN;
+        let mut last_warning: Option<tokio::time::Instant> = None;
         loop {
             match listener.accept().await {
                 Ok((stream, _peer)) => {
@@ -316,6 +319,11 @@ impl Server {
                 Err(error) if error.raw_os_error() == Some(libc::ECONNABORTED) => {}
                 Err(error) => {
                     server.shared.accept_errors.add(1);
+                    // Under a flood this fails over and over: say so now and then, not each time.
+                    if last_warning.is_none_or(|warned| warned.elapsed() >= ACCEPT_WARNING_INTERVAL) {
+                        warn!(address = %server.address, "{}: cannot accept connections: {error}", server.name);
+                        last_warning = Some(tokio::time::Instant::now());
+                    }
                     let out_of_descriptors =
                         matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
                     if out_of_descriptors && server.shared.evict_from_busiest(EVICTIONS_PER_EMFILE) {
@@ -325,9 +333,6 @@ impl Server {
                         continue;
                     }
                     // Out of descriptors or memory, and nothing of ours to free: wait.
-                    if backoff == ACCEPT_BACKOFF_MIN {
-                        warn!(address = %server.address, "{}: cannot accept a connection: {error}; retrying", server.name);
-                    }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
                 }
