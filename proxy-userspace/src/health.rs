@@ -565,4 +565,32 @@ mod tests {
         server.sync(loopback(), &BTreeMap::new());
         assert!(get().is_none(), "closed");
     }
+
+    #[test]
+    fn a_busy_health_check_port_is_counted_and_opened_on_a_later_sync() {
+        let runtime = HttpRuntime::start().unwrap();
+        let bind_failures = || {
+            let families = runtime.collector().collect();
+            let family = families.iter().find(|family| family.name == "vipr_http_bind_failures_total");
+            match family.map(|family| &family.samples[0].value) {
+                Some(crate::metrics::SampleValue::Number(value)) => *value,
+                other => panic!("{other:?}"),
+            }
+        };
+        let proxy_health = Arc::new(ProxyHealth::new(Duration::from_secs(60), Arc::default()));
+        let mut server = ServiceHealthServer::new(proxy_health, runtime.clone());
+        let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = holder.local_addr().unwrap().port();
+        let checks = BTreeMap::from([(
+            ServiceName { namespace: "ns".into(), name: "lb".into() },
+            ServiceHealthCheck { port, local_endpoints: 1 },
+        )]);
+        server.sync(vec![IpAddr::from([127, 0, 0, 1])], &checks);
+        assert_eq!(bind_failures(), 1.0);
+        assert!(server.servers.is_empty());
+        drop(holder);
+        server.sync(vec![IpAddr::from([127, 0, 0, 1])], &checks);
+        assert_eq!(server.servers.len(), 1, "opened once the port is free");
+        assert_eq!(bind_failures(), 1.0);
+    }
 }
