@@ -36,7 +36,8 @@ use crate::{
         Dataplane, SyncReport,
     },
     health::{service_health_checks, Moment, ProxyHealth, ServiceHealthServer},
-    host, http,
+    host,
+    http::{HttpRuntime, Workload},
     metrics::{ProxyMetrics, Registry},
     model::kubernetes::{incremental::Translator, NodeContext, NodeFacts, ProxySettings},
     probe::{self, ProxyModeInfo},
@@ -155,15 +156,18 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     registry.register(Arc::new(ProxyModeInfo { mode, requested: settings.proxy_mode }));
     registry.register(Arc::new(crate::metrics::process::ProcessMetrics));
     let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
+    // Every HTTP server of the agent (health, metrics, health-check node ports) on its threads.
+    let http = HttpRuntime::start().context("cannot start the HTTP servers")?;
+    registry.register(http.collector());
     if let Some(address) = settings.healthz_bind_address {
-        http::serve_forever(address, "healthz", health.clone().handler());
+        http.serve_forever(address, "healthz", Workload::Probes, health.clone().handler());
     }
     if let Some(address) = settings.metrics_bind_address {
         let metrics_pages = registry.handler(dataplane.mode());
         let status_pages = StatusPages::new(settings, std::env::args());
-        let handler: http::Handler =
+        let handler: crate::http::Handler =
             Arc::new(move |path| status_pages.reply(path).unwrap_or_else(|| metrics_pages(path)));
-        http::serve_forever(address, "metrics", handler);
+        http.serve_forever(address, "metrics", Workload::Scrapes, handler);
     }
     // As kube-proxy's sync loop: healthy from the start, even if no sync ever succeeds.
     health.updated(Moment::now());
@@ -177,7 +181,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let source = spawn_source(settings, events_tx, stop)?;
 
     info!(node = settings.node_name, mode = dataplane.mode(), "vipr running");
-    let mut agent = Agent::new(settings, mode, health, metrics);
+    let mut agent = Agent::new(settings, mode, health, metrics, http);
     let mut devices_checked = Instant::now();
     while !terminate.load(Ordering::Relaxed) {
         let wait = agent.runner.time_until_due(Instant::now()).map_or(TICK, |until_due| until_due.min(TICK));
@@ -269,6 +273,7 @@ impl<'a> Agent<'a> {
         mode: ProxyMode,
         health: Arc<ProxyHealth>,
         metrics: Arc<ProxyMetrics>,
+        http: HttpRuntime,
     ) -> Self {
         Self {
             settings,
@@ -278,7 +283,7 @@ impl<'a> Agent<'a> {
             pending: Changes::default(),
             objects: None,
             translator: Translator::new(),
-            service_health: ServiceHealthServer::new(health.clone()),
+            service_health: ServiceHealthServer::new(health.clone(), http),
             health,
             metrics,
             logged_rejections: BTreeSet::new(),

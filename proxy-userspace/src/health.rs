@@ -28,7 +28,7 @@ use k8s_openapi::api::{
 use tracing::{error, info};
 
 use crate::{
-    http::{Handler, HttpServer, Reply},
+    http::{Handler, HttpRuntime, HttpServer, Reply, Workload},
     metrics::ProxyMetrics,
     model::kubernetes::{health_check_node_port, SERVICE_NAME_LABEL},
 };
@@ -272,7 +272,8 @@ pub fn service_health_checks(
 }
 
 /// The answer on a service's health-check port, as kube-proxy's: 200 when the service has
-/// local endpoints and the proxy is healthy, 503 otherwise.
+/// local endpoints and the proxy is healthy, 503 otherwise; the number of local endpoints also
+/// goes in `X-Load-Balancing-Endpoint-Weight`, for load balancers that weigh nodes by it.
 pub fn service_health_reply(service: &ServiceName, local_endpoints: usize, proxy_healthy: bool) -> Reply {
     let status = if local_endpoints != 0 && proxy_healthy { 200 } else { 503 };
     let body = format!(
@@ -281,6 +282,7 @@ pub fn service_health_reply(service: &ServiceName, local_endpoints: usize, proxy
         quoted(&service.name)
     );
     Reply::new(status, Reply::JSON, body)
+        .with_header("X-Load-Balancing-Endpoint-Weight", local_endpoints.to_string())
 }
 
 /// One served health check.
@@ -290,23 +292,25 @@ struct HealthCheckServer {
     _servers: Vec<HttpServer>,
 }
 
-/// Opens, updates and closes the per-service health-check servers.
+/// Opens, updates and closes the per-service health-check servers, all on the agent's one
+/// HTTP runtime: a port is a task there, not a thread.
 pub struct ServiceHealthServer {
     /// The node addresses the servers listen on (0.0.0.0 for all).
     listen_ips: Vec<IpAddr>,
     proxy_health: Arc<ProxyHealth>,
+    runtime: HttpRuntime,
     servers: BTreeMap<ServiceName, HealthCheckServer>,
 }
 
 impl ServiceHealthServer {
-    pub fn new(proxy_health: Arc<ProxyHealth>) -> Self {
-        Self { listen_ips: Vec::new(), proxy_health, servers: BTreeMap::new() }
+    pub fn new(proxy_health: Arc<ProxyHealth>, runtime: HttpRuntime) -> Self {
+        Self { listen_ips: Vec::new(), proxy_health, runtime, servers: BTreeMap::new() }
     }
 
     /// Makes the served health checks exactly `checks`, on `listen_ips`: servers of services
     /// that are gone or changed port close (all of them when the addresses change), new ones
-    /// open, and every count is updated. A port that cannot be opened is logged and tried
-    /// again on the next sync.
+    /// open, and every count is updated. A port that cannot be opened is logged, counted
+    /// (`vipr_http_bind_failures_total`) and tried again on the next sync.
     pub fn sync(&mut self, listen_ips: Vec<IpAddr>, checks: &BTreeMap<ServiceName, ServiceHealthCheck>) {
         if listen_ips != self.listen_ips {
             self.servers.clear();
@@ -348,7 +352,8 @@ impl ServiceHealthServer {
                     let healthy = proxy_health.is_healthy(Moment::now());
                     service_health_reply(&service, count.load(Ordering::Relaxed), healthy)
                 });
-                HttpServer::start(SocketAddr::new(*ip, check.port), "service-health", handler)
+                let address = SocketAddr::new(*ip, check.port);
+                self.runtime.serve(address, "service-health", Workload::Probes, handler)
             })
             .collect::<anyhow::Result<_>>()?;
         Ok(HealthCheckServer { port: check.port, local_endpoints, _servers: servers })
@@ -523,6 +528,7 @@ mod tests {
             json_body(&reply),
             json!({"service": {"namespace": "ns", "name": "lb"}, "localEndpoints": 2, "serviceProxyHealthy": true})
         );
+        assert_eq!(reply.headers, [("X-Load-Balancing-Endpoint-Weight", "2".to_owned())]);
         assert_eq!(service_health_reply(&name, 0, true).status, 503);
         assert_eq!(service_health_reply(&name, 2, false).status, 503);
     }
@@ -532,7 +538,7 @@ mod tests {
         use std::io::{Read as _, Write as _};
 
         let proxy_health = Arc::new(ProxyHealth::new(Duration::from_secs(60), Arc::default()));
-        let mut server = ServiceHealthServer::new(proxy_health);
+        let mut server = ServiceHealthServer::new(proxy_health, HttpRuntime::start().unwrap());
         let loopback = || vec![IpAddr::from([127, 0, 0, 1])];
         // Find a free port the way the API server would hand one out: any unused one.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -555,5 +561,33 @@ mod tests {
         assert!(get().expect("still answering").starts_with("HTTP/1.1 503"));
         server.sync(loopback(), &BTreeMap::new());
         assert!(get().is_none(), "closed");
+    }
+
+    #[test]
+    fn a_busy_health_check_port_is_counted_and_opened_on_a_later_sync() {
+        let runtime = HttpRuntime::start().unwrap();
+        let bind_failures = || {
+            let families = runtime.collector().collect();
+            let family = families.iter().find(|family| family.name == "vipr_http_bind_failures_total");
+            match family.map(|family| &family.samples[0].value) {
+                Some(crate::metrics::SampleValue::Number(value)) => *value,
+                other => panic!("{other:?}"),
+            }
+        };
+        let proxy_health = Arc::new(ProxyHealth::new(Duration::from_secs(60), Arc::default()));
+        let mut server = ServiceHealthServer::new(proxy_health, runtime.clone());
+        let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = holder.local_addr().unwrap().port();
+        let checks = BTreeMap::from([(
+            ServiceName { namespace: "ns".into(), name: "lb".into() },
+            ServiceHealthCheck { port, local_endpoints: 1 },
+        )]);
+        server.sync(vec![IpAddr::from([127, 0, 0, 1])], &checks);
+        assert_eq!(bind_failures(), 1.0);
+        assert!(server.servers.is_empty());
+        drop(holder);
+        server.sync(vec![IpAddr::from([127, 0, 0, 1])], &checks);
+        assert_eq!(server.servers.len(), 1, "opened once the port is free");
+        assert_eq!(bind_failures(), 1.0);
     }
 }

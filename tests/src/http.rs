@@ -18,10 +18,20 @@ pub struct HttpAnswer {
     pub status: u16,
     /// The `Content-Type` header; empty without one.
     pub content_type: String,
+    /// Every header field, names in lower case, in the order received.
+    pub headers: Vec<(String, String)>,
     pub body: String,
 }
 
 impl HttpAnswer {
+    /// The value of header field `name` (any case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(field, _)| field.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
+    }
+
     /// The value of the sample `name` (written with its labels, `name{labels}`, if it has any)
     /// in a Prometheus text body.
     pub fn metric(&self, name: &str) -> Option<f64> {
@@ -31,8 +41,15 @@ impl HttpAnswer {
 
 /// `GET path` on `address`, connecting from inside `netns`.
 pub fn get(netns: &Netns, address: SocketAddr, path: &str) -> Result<HttpAnswer> {
-    let mut stream = netns.run(|| Ok(TcpStream::connect_timeout(&address, TIMEOUT)?))?;
-    stream.set_read_timeout(Some(TIMEOUT))?;
+    get_within(netns, address, path, TIMEOUT)
+}
+
+/// [`get`], failing if connecting, or any wait for the answer's bytes, takes longer than
+/// `timeout` (for probes with a deadline, as a kubelet's liveness probe has).
+pub fn get_within(netns: &Netns, address: SocketAddr, path: &str, timeout: Duration) -> Result<HttpAnswer> {
+    let mut stream = netns.run(|| Ok(TcpStream::connect_timeout(&address, timeout)?))?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
     // HTTP/1.0: the server closes after answering and never chunks the body.
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n")?;
     let mut raw = String::new();
@@ -40,12 +57,15 @@ pub fn get(netns: &Netns, address: SocketAddr, path: &str) -> Result<HttpAnswer>
     let (head, body) = raw.split_once("\r\n\r\n").with_context(|| format!("no header end in {raw:?}"))?;
     let status =
         head.split(' ').nth(1).and_then(|code| code.parse().ok()).with_context(|| format!("{head:?}"))?;
-    let content_type = head
+    let headers: Vec<(String, String)> = head
         .lines()
-        .find_map(|line| {
+        .skip(1)
+        .filter_map(|line| {
             let (field, value) = line.split_once(':')?;
-            field.eq_ignore_ascii_case("content-type").then(|| value.trim().to_owned())
+            Some((field.trim().to_ascii_lowercase(), value.trim().to_owned()))
         })
-        .unwrap_or_default();
-    Ok(HttpAnswer { status, content_type, body: body.to_owned() })
+        .collect();
+    let mut answer = HttpAnswer { status, content_type: String::new(), headers, body: body.to_owned() };
+    answer.content_type = answer.header("content-type").unwrap_or_default().to_owned();
+    Ok(answer)
 }

@@ -26,6 +26,7 @@ mod lab;
 pub mod manifest;
 mod maps;
 mod netns;
+mod pids;
 pub mod sandbox;
 pub mod sctp;
 mod topology;
@@ -50,6 +51,7 @@ pub use lab::{Lab, LabConfig};
 pub use manifest::{ClusterIpService, Endpoint, Frontend, Protocol, ServicePort};
 pub use maps::{PinnedMaps, ServiceEntry};
 pub use netns::Netns;
+pub use pids::PidsLimit;
 pub use topology::{create_veth, Leaf, LeafSpec, Topology, VethEnd};
 pub use vipr::{locate_vipr, vipr_cleanup, Vipr, ViprConfig};
 pub use workdir::{write_atomically, WorkDir};
@@ -97,6 +99,27 @@ pub fn require_root() -> Result<()> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!("the vipr testbed creates namespaces, veths and bpffs mounts: run it as root");
+    }
+    Ok(())
+}
+
+/// Raises this process's soft limit on open files to at least `wanted` (and the hard limit
+/// with it if needed, which root may), for tests that hold thousands of sockets.
+pub fn raise_open_files_limit(wanted: u64) -> Result<()> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("getrlimit(RLIMIT_NOFILE)");
+    }
+    if limit.rlim_cur >= wanted {
+        return Ok(());
+    }
+    limit.rlim_cur = wanted;
+    limit.rlim_max = limit.rlim_max.max(wanted);
+    // SAFETY: setrlimit reads the struct we own.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .context(format!("cannot raise RLIMIT_NOFILE to {wanted}"));
     }
     Ok(())
 }

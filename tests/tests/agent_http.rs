@@ -5,7 +5,9 @@
 //! proxy-userspace`, or VIPR_BIN).
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
+    io::Write as _,
+    net::{Ipv4Addr, SocketAddr, TcpStream},
+    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant, SystemTime},
 };
 
@@ -15,9 +17,9 @@ use proxy_common::{pins, proto, Service, ServiceKey4};
 use serde_json::Value;
 use testbed::{
     count_by_backend, exchanges,
-    http::{get, HttpAnswer},
-    locate_vipr, manifest, wait_for, write_atomically, Check, ClusterIpService, Endpoint, Frontend, Lab,
-    LabConfig, LeafSpec, Netns, Protocol, ServicePort, Vipr,
+    http::{get, get_within, HttpAnswer},
+    locate_vipr, manifest, raise_open_files_limit, wait_for, write_atomically, Check, ClusterIpService,
+    Endpoint, Frontend, Lab, LabConfig, LeafSpec, Netns, PidsLimit, Protocol, ServicePort, Vipr,
 };
 
 /// vipr's default `--healthz-bind-address` (0.0.0.0:10256), seen from inside the node.
@@ -392,6 +394,9 @@ fn health_check_node_port_answers_with_the_local_endpoints() {
         a.status == 200
     });
     assert_eq!(healthy.content_type, "application/json");
+    // kube-proxy's headers: no content sniffing, and the local endpoints as the node's weight.
+    assert_eq!(healthy.header("X-Content-Type-Options"), Some("nosniff"));
+    assert_eq!(healthy.header("X-Load-Balancing-Endpoint-Weight"), Some("1"));
     assert_eq!(
         json(&healthy),
         serde_json::json!({
@@ -412,6 +417,7 @@ fn health_check_node_port_answers_with_the_local_endpoints() {
         a.status == 503
     });
     assert_eq!(json(&failing)["localEndpoints"], 0);
+    assert_eq!(failing.header("X-Load-Balancing-Endpoint-Weight"), Some("0"));
 
     write_atomically(lab.services_file(), &manifest::render(lab.services())).unwrap();
     wait_for("the health check port to close", SETTLE, || {
@@ -422,4 +428,256 @@ fn health_check_node_port_answers_with_the_local_endpoints() {
         })
     })
     .unwrap();
+}
+
+/// A kubelet's liveness probe gives up after 1 s by default.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long the attacks below last: longer than vipr's header read timeout (5 s), so that
+/// connections it times out are seen going and coming back.
+const ATTACK: Duration = Duration::from_secs(8);
+/// How much more memory vipr may use under attack than before it.
+const RSS_GROWTH_LIMIT_KIB: u64 = 20 * 1024;
+
+/// The resident memory of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no VmRSS in {status}"))
+}
+
+/// `count` connections to `address` that never send a byte, opened without waiting for the
+/// handshakes (a connection the server cannot take in time stays pending, as an attacker's).
+fn idle_connections(address: SocketAddr, count: usize) -> Result<Vec<socket2::Socket>> {
+    (0..count)
+        .map(|_| {
+            let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            socket.set_nonblocking(true)?;
+            match socket.connect(&address.into()) {
+                Err(error) if error.raw_os_error() != Some(libc::EINPROGRESS) => {
+                    return Err(error).context("cannot open an idle connection")
+                }
+                _ => {}
+            }
+            Ok(socket)
+        })
+        .collect()
+}
+
+/// Sends one request whose header line never ends, as fast as `address` takes it, until `stop`;
+/// starts over whenever the server closes or stops reading. Returns the bytes sent.
+fn stream_endless_header(address: SocketAddr, stop: &AtomicBool) -> u64 {
+    let chunk = vec![b'a'; 64 * 1024];
+    let mut sent = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(mut stream) = TcpStream::connect_timeout(&address, PROBE_TIMEOUT) else {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        let _ = stream.set_write_timeout(Some(Duration::from_millis(500)));
+        if stream.write_all(b"GET /livez HTTP/1.1\r\nHost: vipr\r\nX-Endless: ").is_err() {
+            continue;
+        }
+        while !stop.load(Ordering::Relaxed) {
+            match stream.write(&chunk) {
+                Ok(written) => sent += written as u64,
+                Err(_) => break,
+            }
+        }
+    }
+    sent
+}
+
+/// 2,000 idle connections and a client streaming an endless header line, at the proxy health
+/// server and at a service's health-check node port: the kubelet's `/livez` probe and the
+/// cloud load balancer's health check keep being answered within a second, vipr's memory stays
+/// put and it keeps running.
+#[test]
+fn health_servers_keep_answering_under_idle_connections_and_endless_headers() {
+    const IDLE_CONNECTIONS: usize = 2000;
+    raise_open_files_limit(2 * IDLE_CONNECTIONS as u64 + 1024).unwrap();
+    let mut lab = lab("http-flood");
+    let mut agent = start_vipr(&lab, &["--nodeport-addresses=10.10.0.0/24"]);
+    lab.wait_programmed().unwrap();
+    let services = format!("{}---\n{}", manifest::render(lab.services()), local_load_balancer(&lab, true));
+    write_atomically(lab.services_file(), &services).unwrap();
+    let health_check = SocketAddr::from((Ipv4Addr::new(10, 10, 0, 1), 31999));
+    wait_for_answer(&mut agent, lab.client(), health_check, "/", "the health check", |a| a.status == 200);
+    wait_for_answer(&mut agent, lab.node(), HEALTHZ, "/livez", "/livez", |answer| answer.status == 200);
+    let rss_before = rss_kib(agent.pid());
+
+    let (node, client) = (lab.node(), lab.client());
+    let idle = (
+        node.run(|| idle_connections(HEALTHZ, IDLE_CONNECTIONS)).unwrap(),
+        client.run(|| idle_connections(health_check, IDLE_CONNECTIONS)).unwrap(),
+    );
+    let stop = AtomicBool::new(false);
+    let streamed = std::thread::scope(|scope| {
+        let streamers = [
+            scope.spawn(|| node.run(|| Ok(stream_endless_header(HEALTHZ, &stop)))),
+            scope.spawn(|| client.run(|| Ok(stream_endless_header(health_check, &stop)))),
+        ];
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let started = Instant::now();
+            let (mut probes, mut slowest, mut most_growth) = (0, Duration::ZERO, 0);
+            while started.elapsed() < ATTACK {
+                agent.ensure_running().unwrap();
+                for (netns, address, path) in [(node, HEALTHZ, "/livez"), (client, health_check, "/")] {
+                    let asked = Instant::now();
+                    let answer = get_within(netns, address, path, PROBE_TIMEOUT).unwrap_or_else(|error| {
+                        panic!("{address}{path} after {:?}: {error:#}", started.elapsed())
+                    });
+                    let took = asked.elapsed();
+                    assert_eq!(answer.status, 200, "{address}{path}: {answer:?}");
+                    assert!(took < PROBE_TIMEOUT, "{address}{path} took {took:?}");
+                    slowest = slowest.max(took);
+                }
+                let growth = rss_kib(agent.pid()).saturating_sub(rss_before);
+                assert!(growth < RSS_GROWTH_LIMIT_KIB, "vipr grew by {growth} KiB under attack");
+                most_growth = most_growth.max(growth);
+                probes += 1;
+                // A kubelet probes every few seconds; 20 times a second is plenty here.
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            assert!(probes >= 10, "only {probes} probes in {ATTACK:?}");
+            eprintln!(
+                "{probes} probe rounds in {ATTACK:?}: slowest answer {slowest:?}, RSS {rss_before} KiB + at most \
+                 {most_growth} KiB"
+            );
+        }));
+        stop.store(true, Ordering::Relaxed);
+        let streamed: Vec<u64> = streamers.map(|streamer| streamer.join().unwrap().unwrap()).into();
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+        streamed
+    });
+    drop(idle);
+    assert!(streamed.iter().all(|bytes| *bytes > 0), "a streamer sent nothing: {streamed:?}");
+    agent.ensure_running().unwrap();
+    assert_eq!(get(lab.node(), HEALTHZ, "/livez").unwrap().status, 200);
+    // The caps and the header limit did the work, and say so.
+    let metrics = get(lab.node(), METRICS, "/metrics").unwrap();
+    let evicted = metrics.metric("vipr_http_connections_evicted_total").unwrap();
+    let refused = metrics.metric("vipr_http_connection_errors_total").unwrap();
+    eprintln!("streamed {streamed:?} bytes; {evicted} connections evicted, {refused} ended in an error");
+    assert!(evicted >= 1.0 && refused >= 1.0, "{}", metrics.body);
+}
+
+/// Sets the open-files limit (soft and hard) of process `pid`.
+fn set_open_files_limit(pid: u32, limit: u64) {
+    let limit = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+    // SAFETY: prlimit reads the struct we own and writes nothing (no old limit asked for).
+    let set = unsafe { libc::prlimit(pid as libc::pid_t, libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    assert_eq!(set, 0, "prlimit: {}", std::io::Error::last_os_error());
+}
+
+/// Out of file descriptors (here a limit lowered under vipr's feet, as descriptors held
+/// elsewhere would do): accepting fails with EMFILE, yet the listener goes on, and `/livez`
+/// keeps being answered within a second while 2,000 connections wait for a descriptor.
+#[test]
+fn health_servers_keep_answering_when_out_of_file_descriptors() {
+    const IDLE_CONNECTIONS: usize = 2000;
+    const FREE_DESCRIPTORS: u64 = 64;
+    raise_open_files_limit(IDLE_CONNECTIONS as u64 + 1024).unwrap();
+    let mut lab = lab("http-fds");
+    let mut agent = start_vipr(&lab, &[]);
+    lab.wait_programmed().unwrap();
+    let node = lab.node();
+    wait_for_answer(&mut agent, node, HEALTHZ, "/livez", "/livez", |answer| answer.status == 200);
+    let open = std::fs::read_dir(format!("/proc/{}/fd", agent.pid())).unwrap().count() as u64;
+    set_open_files_limit(agent.pid(), open + FREE_DESCRIPTORS);
+
+    let idle = node.run(|| idle_connections(HEALTHZ, IDLE_CONNECTIONS)).unwrap();
+    let started = Instant::now();
+    while started.elapsed() < ATTACK / 2 {
+        agent.ensure_running().unwrap();
+        let asked = Instant::now();
+        let answer = get_within(node, HEALTHZ, "/livez", PROBE_TIMEOUT)
+            .unwrap_or_else(|error| panic!("/livez after {:?}: {error:#}", started.elapsed()));
+        assert_eq!(answer.status, 200, "{answer:?}");
+        assert!(asked.elapsed() < PROBE_TIMEOUT, "/livez took {:?}", asked.elapsed());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(idle);
+    let metrics = wait_for_answer(&mut agent, node, METRICS, "/metrics", "/metrics", |a| a.status == 200);
+    let accept_errors = metrics.metric("vipr_http_accept_errors_total").unwrap();
+    eprintln!("{accept_errors} failed accepts with {FREE_DESCRIPTORS} descriptors free");
+    assert!(accept_errors >= 1.0, "the descriptors never ran out:\n{}", metrics.body);
+}
+
+/// 700 eTP:Local load balancers, each with its own health-check node port, in an agent
+/// limited to 2,048 tasks (as a pod's pids limit would): no crash, and every port answers.
+#[test]
+fn seven_hundred_health_check_node_ports_fit_in_a_pids_limit() {
+    const SERVICES: u16 = 700;
+    const FIRST_HEALTH_CHECK_PORT: u16 = 30000;
+    const FIRST_NODE_PORT: u16 = 31000;
+    let pids = PidsLimit::create(2048).unwrap();
+    let mut lab = lab("http-ports");
+    let mut agent = start_vipr(&lab, &["--nodeport-addresses=10.10.0.0/24"]);
+    pids.add(agent.pid()).unwrap();
+    lab.wait_programmed().unwrap();
+    let node = lab.node().name().to_owned();
+    let mut manifests = manifest::render(lab.services());
+    for n in 0..SERVICES {
+        let (health_check_port, node_port) = (FIRST_HEALTH_CHECK_PORT + n, FIRST_NODE_PORT + n);
+        let cluster_ip = Ipv4Addr::new(10, 97, (n >> 8) as u8, n as u8);
+        manifests.push_str(&format!(
+            "---
+apiVersion: v1
+kind: Service
+metadata: {{name: lb-{n}, namespace: default}}
+spec:
+  type: LoadBalancer
+  externalTrafficPolicy: Local
+  healthCheckNodePort: {health_check_port}
+  clusterIP: {cluster_ip}
+  clusterIPs: [{cluster_ip}]
+  ports: [{{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {node_port}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: lb-{n}-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: lb-{n}}}
+addressType: IPv4
+ports: [{{name: http, protocol: TCP, port: 8080}}]
+endpoints:
+- addresses: [{BACKEND}]
+  nodeName: {node}
+  conditions: {{ready: true}}
+"
+        ));
+    }
+    write_atomically(lab.services_file(), &manifests).unwrap();
+
+    let written = Instant::now();
+    let client = lab.client();
+    let mut waiting: Vec<u16> = (0..SERVICES).map(|n| FIRST_HEALTH_CHECK_PORT + n).collect();
+    wait_for("every health-check node port to answer", Duration::from_secs(60), || {
+        agent.ensure_running()?;
+        waiting.retain(|port| {
+            let address = SocketAddr::from((Ipv4Addr::new(10, 10, 0, 1), *port));
+            !get_within(client, address, "/", PROBE_TIMEOUT).is_ok_and(|answer| answer.status == 200)
+        });
+        Ok(if waiting.is_empty() {
+            Check::Done(())
+        } else {
+            Check::NotYet(format!("{} ports not answering, such as {:?}", waiting.len(), waiting.first()))
+        })
+    })
+    .unwrap();
+    agent.ensure_running().unwrap();
+    assert_eq!(get(lab.node(), HEALTHZ, "/livez").unwrap().status, 200);
+    let tasks = pids.current().unwrap();
+    eprintln!(
+        "{SERVICES} health-check ports answering {:?} after the write, with {tasks} tasks",
+        written.elapsed()
+    );
+    assert!(tasks < 64, "vipr runs {tasks} tasks for {SERVICES} health-check ports");
+    assert_eq!(pids.refused().unwrap(), 0, "vipr tried to exceed its pids limit");
+    drop(agent);
 }
