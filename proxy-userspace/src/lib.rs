@@ -18,6 +18,6 @@ pub mod metrics;
 pub mod model;
 pub mod probe;
 pub mod source;
-pub mod tool;
 pub mod status;
+pub mod tool;
 pub mod tuning;
