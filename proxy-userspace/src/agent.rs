@@ -451,6 +451,14 @@ impl<'a> Agent<'a> {
             node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings, self.mode), &facts),
             // kube-proxy takes them from ServiceCIDR objects, which no source delivers yet.
             service_cidrs: self.settings.service_cidrs.clone(),
+            // kube-proxy's iptables mode serves them; vipr's ebpf mode through its socket hooks.
+            // The iptables dataplane programs its own loopback rules, ipvs has none.
+            localhost_node_ports: self.mode == ProxyMode::Ebpf
+                && iptables::localhost_node_ports(
+                    self.settings.iptables_localhost_node_ports,
+                    &node_port_addresses(self.settings, self.mode),
+                )
+                .is_some(),
             own_ports: [self.settings.healthz_bind_address, self.settings.metrics_bind_address]
                 .into_iter()
                 .flatten()

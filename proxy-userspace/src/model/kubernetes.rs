@@ -75,6 +75,9 @@ pub struct NodeContext {
     pub service_cidrs: Vec<IpNet>,
     /// TCP ports vipr's own servers (health, metrics) listen on at the node's addresses.
     pub own_ports: BTreeSet<u16>,
+    /// NodePorts are also served on 127.0.0.1 to the node's own processes, as kube-proxy's
+    /// iptables mode does (`--iptables-localhost-nodeports`); IPv6 has no such thing.
+    pub localhost_node_ports: bool,
 }
 
 /// What the agent knows about the node, before [`NodeContext::resolve`] applies the proxy
@@ -102,6 +105,8 @@ pub struct ProxySettings {
     pub service_cidrs: Vec<IpNet>,
     /// TCP ports vipr's own servers (health, metrics) listen on at the node's addresses.
     pub own_ports: BTreeSet<u16>,
+    /// Serve NodePorts on 127.0.0.1 to the node's own processes.
+    pub localhost_node_ports: bool,
 }
 
 impl NodeContext {
@@ -140,6 +145,7 @@ impl NodeContext {
             node_port_ips,
             service_cidrs: settings.service_cidrs.clone(),
             own_ports: settings.own_ports.clone(),
+            localhost_node_ports: settings.localhost_node_ports,
         }
     }
 }
@@ -511,6 +517,11 @@ fn family_frontends(
     if let Some(node_port) = port.node_port {
         for ip in node.node_port_ips.iter().filter(|ip| in_family(ip)) {
             frontends.push((frontend(*ip, node_port), external_entry(FrontendKind::NodePort)));
+        }
+        if node.localhost_node_ports && ipv4 {
+            // Only the node's own processes reach it; they are treated as from the node.
+            let localhost = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+            frontends.push((frontend(localhost, node_port), external_entry(FrontendKind::NodePort)));
         }
     }
     frontends

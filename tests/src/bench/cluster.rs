@@ -122,6 +122,7 @@ fn node_context() -> NodeContext {
         node_port_cidrs: Vec::new(),
         service_cidrs: vec![SERVICE_CIDR.parse().expect("valid CIDR")],
         own_ports: [10256, 10249].into(),
+        localhost_node_ports: false,
     };
     NodeContext::resolve(&facts, &settings)
 }

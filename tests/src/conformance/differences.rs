@@ -26,9 +26,6 @@ pub const UNSERVED_CLUSTER_IP_PORT: &str =
 pub const NODE_PORTS_ON_EVERY_ADDRESS: &str =
     "no --nodeport-addresses: iptables serves NodePorts on every local \
      address, nftables and vipr only on the primary node IPs";
-/// `--iptables-localhost-nodeports` exists only in iptables mode.
-pub const LOCALHOST_NODE_PORTS: &str =
-    "iptables serves IPv4 NodePorts on 127.0.0.1 (localhost_node_ports); nftables and vipr never on loopback";
 
 /// One flow of a case file that a mode checks against another outcome than the recorded one:
 /// an entry of [`KNOWN_DIFFERENCES`], [`super::iptables::IPTABLES_DIFFERENCES`] or
@@ -122,14 +119,6 @@ pub static KNOWN_DIFFERENCES: &[KnownDifference] = &[
         Verdict::PASS,
         Verdict::REJECT,
         UNSERVED_CLUSTER_IP_PORT,
-    ),
-    difference(
-        "iptables.TestNodePorts",
-        "ipv4, localhost-nodeports enabled",
-        4,
-        Verdict::DNAT,
-        Verdict::PASS,
-        LOCALHOST_NODE_PORTS,
     ),
     difference(
         "iptables.TestNodePorts",

@@ -39,11 +39,18 @@ pub const NODE_PORTS_ON_EVERY_ADDRESS: &str = "ipvs: no --nodeport-addresses ser
 pub const LB_IP_SOURCE_IS_LOCAL: &str = "ipvs binds the load-balancer IP on the node (kube-ipvs0): \
      a packet from outside with it as source is a martian there, so the lab cannot emulate this flow";
 
+/// kube-proxy's IPVS mode has no localhost NodePorts (`--iptables-localhost-nodeports` is its
+/// iptables proxier's), so neither has vipr's.
+pub const NO_LOCALHOST_NODE_PORTS: &str = "ipvs: NodePorts are not served on 127.0.0.1 \
+     (kube-proxy's IPVS mode has no localhost NodePorts)";
+
 /// What ipvs mode does with a flow instead of the recorded outcome.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IpvsOutcome {
     /// As the (iptables) file records it, where the other modes follow nftables.
     AsRecorded,
+    /// Not balanced: the packet goes on as if no service were there.
+    Pass,
     /// DNAT to these endpoints only.
     Dnat { endpoints: &'static [&'static str], masquerade: bool },
     /// Not reproducible on the lab in ipvs mode: skipped.
@@ -74,6 +81,14 @@ const LOCAL_ONLY_2_1: IpvsOutcome = IpvsOutcome::Dnat { endpoints: &["10.180.2.1
 const LOCAL_ONLY_0_2: IpvsOutcome = IpvsOutcome::Dnat { endpoints: &["10.180.0.2:80"], masquerade: false };
 
 pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
+    ipvs_difference(
+        "iptables.TestNodePorts",
+        "ipv4, localhost-nodeports enabled",
+        4,
+        Verdict::DNAT,
+        IpvsOutcome::Pass,
+        NO_LOCALHOST_NODE_PORTS,
+    ),
     ipvs_difference(
         "iptables.TestNodePorts",
         "ipv4, localhost-nodeports enabled",
@@ -261,6 +276,7 @@ impl IpvsDifference {
         self.check_recorded(flow, "ipvs differences")?;
         Ok(match self.outcome {
             IpvsOutcome::AsRecorded => Some(Outcome::expected(&flow.expect)),
+            IpvsOutcome::Pass => Some(Outcome::of(Verdict::PASS)),
             IpvsOutcome::Skip => None,
             IpvsOutcome::Dnat { endpoints, masquerade } => {
                 let endpoints: BTreeSet<SocketAddr> = endpoints

@@ -90,7 +90,19 @@ pub fn node_context(node: &Node) -> Result<NodeContext> {
         service_cidrs,
         // The cases' node runs no health or metrics server of vipr's on its addresses.
         own_ports: Default::default(),
+        localhost_node_ports: localhost_node_ports(node),
     })
+}
+
+/// Whether vipr (ebpf mode) serves the case's NodePorts on 127.0.0.1, as kube-proxy's
+/// iptables mode decides it: `--iptables-localhost-nodeports` (default true) and
+/// `--nodeport-addresses` unset or covering 127.0.0.1.
+fn localhost_node_ports(node: &Node) -> bool {
+    let covers_loopback = |cidr: &String| {
+        cidr.parse::<ipnet::IpNet>().is_ok_and(|net| net.contains(&IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)))
+    };
+    node.localhost_node_ports.unwrap_or(true)
+        && node.node_port_addresses.as_ref().is_none_or(|cidrs| cidrs.iter().any(covers_loopback))
 }
 
 /// vipr's desired state for one stage, from the very objects the runner writes.

@@ -132,12 +132,24 @@ fn sctp_attempt(source: IpAddr, dest: SocketAddr, timeout: Duration) -> Attempt 
     }
 }
 
+/// Where a probe's socket binds to send from `source`. A loopback source is a local process
+/// that connects to localhost without binding: the kernel picks the source (127.0.0.1 toward
+/// loopback) after any socket-level balancer chose the destination, so binding 127.0.0.1
+/// would pin the socket to loopback where no such process is.
+fn bind_address(source: IpAddr) -> SocketAddr {
+    match source {
+        IpAddr::V4(ip) if ip.is_loopback() => SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, 0)),
+        IpAddr::V6(ip) if ip.is_loopback() => SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0)),
+        _ => SocketAddr::new(source, 0),
+    }
+}
+
 fn tcp_attempt(source: IpAddr, dest: SocketAddr, timeout: Duration) -> Attempt {
     let socket = match Socket::new(Domain::for_address(dest), Type::STREAM, Some(socket2::Protocol::TCP)) {
         Ok(socket) => socket,
         Err(error) => return Attempt::Failed(format!("cannot open a socket: {error}")),
     };
-    if let Err(error) = socket.bind(&SocketAddr::new(source, 0).into()) {
+    if let Err(error) = socket.bind(&bind_address(source).into()) {
         return Attempt::Failed(format!("cannot bind {source}: {error}"));
     }
     if let Err(error) = socket.connect_timeout(&dest.into(), timeout) {
@@ -171,7 +183,7 @@ fn tcp_attempt(source: IpAddr, dest: SocketAddr, timeout: Duration) -> Attempt {
 /// An unconnected socket, so that a reply from an unexpected address is seen rather than
 /// filtered, with IP_RECVERR, so that ICMP errors are reported all the same.
 fn udp_attempt(source: IpAddr, dest: SocketAddr, timeout: Duration) -> Attempt {
-    let socket = match UdpSocket::bind(SocketAddr::new(source, 0)) {
+    let socket = match UdpSocket::bind(bind_address(source)) {
         Ok(socket) => socket,
         Err(error) => return Attempt::Failed(format!("cannot bind {source}: {error}")),
     };

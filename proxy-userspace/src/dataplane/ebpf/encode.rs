@@ -224,6 +224,11 @@ impl<F: Family> FamilyWanted<F> {
             Balancing::Random => 0,
         };
         for (class, class_code) in CLASSES {
+            // A loopback frontend (a localhost NodePort) is the node's own processes' alone:
+            // a packet from elsewhere to 127.0.0.1 must never be balanced (CVE-2020-8558).
+            if frontend.ip.is_loopback() && class != SourceClass::Node {
+                continue;
+            }
             let treatment = entry.treatment(class);
             let backends = match encoded.iter().find(|(source, _)| **source == treatment.backends) {
                 Some((_, backends)) => backends.clone(),
@@ -480,6 +485,33 @@ mod tests {
         let lb6 =
             ServiceKey6 { addr: octets6("2001:db8:ff::10"), port: 80, proto: proto::TCP, source_class: 0 };
         assert_eq!(wanted.v6.services[&lb6].flags & service_flags::SOURCE_RANGES, 0);
+    }
+
+    #[test]
+    fn a_localhost_node_port_is_the_node_classs_alone() {
+        let service: Service = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "ns"},
+            "spec": {"type": "NodePort", "clusterIPs": ["10.96.0.10", "fd00:10:96::a"],
+                     "ports": [{"name": "http", "port": 80, "nodePort": 30080}]},
+        }))
+        .unwrap();
+        let slices = [slice("web-4", "IPv4", "10.1.0.1"), slice("web-6", "IPv6", "fd00:10:244::1")];
+        let node =
+            NodeContext { name: "node-a".into(), localhost_node_ports: true, ..NodeContext::default() };
+        let state = desired_state(&[service], &slices, &node).state;
+        let wanted = encode(&state, Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
+        let localhost =
+            |class| ServiceKey4 { addr: [127, 0, 0, 1], port: 30080, proto: proto::TCP, source_class: class };
+        assert!(wanted.v4.services.contains_key(&localhost(source_class::NODE)));
+        // A packet from elsewhere to 127.0.0.1 is never balanced (CVE-2020-8558).
+        assert!(!wanted.v4.services.contains_key(&localhost(source_class::OUTSIDE)));
+        assert!(!wanted.v4.services.contains_key(&localhost(source_class::POD)));
+        // kube-proxy has no IPv6 localhost NodePorts.
+        assert!(wanted.v6.services.keys().all(|key| key.addr != octets6("::1")));
+
+        let without = NodeContext { localhost_node_ports: false, ..node };
+        let state = desired_state(&[], &[], &without).state;
+        assert!(state.frontends.keys().all(|frontend| !frontend.ip.is_loopback()));
     }
 
     #[test]

@@ -148,6 +148,7 @@ fn random_node(random: &mut Random) -> NodeContext {
         node_port_ips: if random.chance(50) { [ip("192.168.0.2")].into() } else { BTreeSet::new() },
         service_cidrs: vec!["10.96.0.0/16".parse().unwrap()],
         own_ports: if random.chance(20) { [53].into() } else { BTreeSet::new() },
+        localhost_node_ports: random.chance(50),
     }
 }
 
