@@ -244,7 +244,7 @@ pub static FRAGMENTS4: PinnedMap<FragmentKey4, FragmentPorts, LRU_HASH, { capaci
 
 const _: () = {
     assert!(same_name("vipr_bcnt_v1", pins::BACKEND_COUNTERS));
-    assert!(same_name("vipr_dstat_v1", pins::DATAPATH_STATS));
+    assert!(same_name("vipr_dstat_v2", pins::DATAPATH_STATS));
 };
 
 #[unsafe(link_section = ".maps")]
@@ -253,9 +253,27 @@ pub static BACKEND_COUNTERS: PinnedMap<u32, Counters, PERCPU_ARRAY, { capacity::
     PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_dstat_v1")]
+#[unsafe(export_name = "vipr_dstat_v2")]
 pub static DATAPATH_STATS: PinnedMap<u32, u64, PERCPU_ARRAY, { capacity::DATAPATH_STATS as usize }> =
     PinnedMap::new();
+
+// ---------------------------------------------------------------------------------------------
+// Early-drop candidates (tc.rs `make_room`): per CPU, the keys of the latest new connections, so
+// that a new connection finding the flows map full has an entry to look at for eviction without
+// walking the map. Per CPU, so writing a key takes no lock and no atomic.
+
+const _: () = {
+    assert!(same_name("vipr_edrop4_v1", pins::EARLY_DROP4));
+    assert!(same_name("vipr_edrop6_v1", pins::EARLY_DROP6));
+};
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_edrop4_v1")]
+pub static EARLY_DROP4: PinnedMap<u32, proxy_common::EarlyDropRing4, PERCPU_ARRAY, 1> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_edrop6_v1")]
+pub static EARLY_DROP6: PinnedMap<u32, proxy_common::EarlyDropRing6, PERCPU_ARRAY, 1> = PinnedMap::new();
 
 // ---------------------------------------------------------------------------------------------
 // Socket-level load balancing (sock.rs): the agent's settings and the reverse translation.
