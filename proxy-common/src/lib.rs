@@ -52,9 +52,9 @@ pub mod pins {
     /// Datapath events worth a metric: per-CPU array `u32` one of [`crate::datapath_stat`]
     /// -> `u64`. (`_v1` had 4 slots.)
     pub const DATAPATH_STATS: &str = "vipr_dstat_v2";
-    /// Early-drop candidates: per-CPU array of one [`crate::EarlyDropRing4`], the keys of this
-    /// CPU's latest new connections, which a new connection that finds the flows map full may
-    /// replace if they never completed their handshake.
+    /// Early-drop candidates: array of one [`crate::EarlyDropRing4`], the keys of the latest
+    /// new connections, which a new connection that finds the flows map full may replace if
+    /// they never completed their handshake.
     pub const EARLY_DROP4: &str = "vipr_edrop4_v1";
     pub const EARLY_DROP6: &str = "vipr_edrop6_v1";
     /// Earlier layouts of the maps above, which the agent unpins once the new program serves
@@ -106,9 +106,13 @@ pub mod capacity {
     /// Slots of the datapath statistics array: at least [`crate::datapath_stat::COUNT`], with
     /// room for later statistics without a new layout.
     pub const DATAPATH_STATS: u32 = 16;
-    /// Recent new connections remembered per CPU as early-drop candidates (a ring): what the
-    /// datapath may evict when the flows map is full.
-    pub const EARLY_DROP_RING: u32 = 64;
+    /// Recent new connections remembered as early-drop candidates (a queue in a ring): what
+    /// the datapath may evict when the flows map is full. Candidates younger than
+    /// `EARLY_DROP_MIN_AGE_NS` are spared (a legitimate handshake in flight), so early drop
+    /// keeps working up to about `EARLY_DROP_RING / 0.25 s` = 16k new connections a second.
+    pub const EARLY_DROP_RING: u32 = 4096;
+    /// How long a connection is spared by early drop after its last packet from the client.
+    pub const EARLY_DROP_MIN_AGE_NS: u64 = 250_000_000;
     /// Fragmented IPv4 datagrams in flight through the node (between their first and last
     /// fragment), over all connections: an entry is needed only for the microseconds a
     /// datagram's fragments take to pass, and LRU eviction of an old one costs nothing. A
@@ -228,12 +232,13 @@ pub mod flow_state {
     pub const SYN: u32 = 4;
     /// The backend answered the SYN with a SYN-ACK.
     pub const SYN_ACK: u32 = 8;
-    /// A packet came back from the backend (for UDP and SCTP: a stream, not a one-way flow).
+    /// A packet came back from the backend.
     pub const REPLIED: u32 = 16;
-    /// TCP only: the client acknowledged after a reply (its ACK after the SYN-ACK), as
-    /// conntrack's ESTABLISHED. Only such connections (and answered UDP/SCTP flows) are kept
-    /// when the map is full; a SYN-ACK alone does not establish, so a spoofed SYN flood, whose
-    /// SYN-ACKs go nowhere, never does.
+    /// The client sent again after a reply: for TCP its ACK after the SYN-ACK (the handshake
+    /// completed, conntrack's ESTABLISHED), for UDP and SCTP a second packet after an answer (a
+    /// stream, conntrack's ASSURED). Only such connections are kept when the map is full; a
+    /// SYN-ACK alone does not establish, so a spoofed SYN flood, whose SYN-ACKs go nowhere,
+    /// never does, nor does a flood of one-datagram UDP flows, answered or not.
     pub const ESTABLISHED: u32 = 32;
     /// The entry was created by a datapath that tracks the handshake bits above. Entries
     /// without it come from an earlier vipr (the same `_v3` layout): the agent judges them as
@@ -241,12 +246,11 @@ pub mod flow_state {
     pub const HANDSHAKE_TRACKED: u32 = 64;
 
     /// Whether a connection whose entry holds `state` may be replaced by a new connection
-    /// when the flows map is full, or its masquerade port given to another: a TCP connection
-    /// whose client never completed the handshake, a UDP/SCTP flow never answered.
+    /// when the flows map is full, or expired early when it fills up: one not
+    /// [`ESTABLISHED`] (and not from an earlier vipr).
     #[inline(always)]
-    pub const fn evictable(protocol: u8, state: u32) -> bool {
-        state & HANDSHAKE_TRACKED != 0
-            && if protocol == crate::proto::TCP { state & ESTABLISHED == 0 } else { state & REPLIED == 0 }
+    pub const fn evictable(state: u32) -> bool {
+        state & HANDSHAKE_TRACKED != 0 && state & ESTABLISHED == 0
     }
 }
 
@@ -291,13 +295,15 @@ pub mod datapath_stat {
     pub const COUNT: u32 = 4;
 }
 
-/// Value of the [`pins::EARLY_DROP4`] per-CPU array (one element): a ring of the forward
-/// keys of the CPU's latest new connections; `next` is the slot written next, the oldest one.
+/// Value of the [`pins::EARLY_DROP4`] array (one element): a queue of the forward keys of the
+/// latest new connections, oldest first: `next` counts the keys written (the slot written next
+/// is `next % EARLY_DROP_RING`), `head` the keys early drop has looked at (and passed over, or
+/// evicted). A writer that laps the head overwrites the oldest keys.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct EarlyDropRing4 {
     pub next: u32,
-    pub pad: u32,
+    pub head: u32,
     pub keys: [FlowKey4; capacity::EARLY_DROP_RING as usize],
 }
 
@@ -628,7 +634,7 @@ pub struct Flow6 {
 #[derive(Clone, Copy, Debug)]
 pub struct EarlyDropRing6 {
     pub next: u32,
-    pub pad: u32,
+    pub head: u32,
     pub keys: [FlowKey6; capacity::EARLY_DROP_RING as usize],
 }
 

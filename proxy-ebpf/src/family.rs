@@ -124,11 +124,12 @@ pub trait Maps: Sized {
     fn forget(key: &Tuple<Self>);
     /// Sets `bits` of `flow_state` in the entry of `key`, if there is one.
     fn mark(key: &Tuple<Self>, bits: u32);
-    /// Remembers a new connection's forward key on this CPU's early-drop ring.
+    /// Remembers a new connection's forward key on the early-drop ring.
     fn remember_new(key: &Tuple<Self>);
-    /// The key `offset` places after the oldest on this CPU's early-drop ring, if that slot has
-    /// been written.
-    fn early_drop_candidate(offset: u32) -> Option<Tuple<Self>>;
+    /// The oldest key on the early-drop queue not looked at yet, if any.
+    fn early_drop_head() -> Option<Tuple<Self>>;
+    /// Takes the oldest key off the early-drop queue.
+    fn early_drop_pop();
     /// The services entry of the packet's destination, for one source class.
     fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service>;
     fn backend(slot: &BackendSlot) -> Option<Endpoint<Self>>;
@@ -386,8 +387,9 @@ macro_rules! family_maps {
             fn remember_new(key: &Tuple<Self>) {
                 if let Some(ring) = $early_drop.get_ptr(&0) {
                     let ring = ring.as_ptr();
-                    // SAFETY: this CPU's value of the one element; nothing else writes it
-                    // meanwhile. The mask keeps the index inside the ring.
+                    // SAFETY: the one element; another CPU writing at once can lose or tear a
+                    // key, which only costs a candidate (see maps.rs). The mask keeps the index
+                    // inside the ring.
                     unsafe {
                         let next = (*ring).next;
                         (*ring).keys[(next & EARLY_DROP_MASK) as usize] = key.into();
@@ -397,25 +399,36 @@ macro_rules! family_maps {
             }
 
             #[inline(always)]
-            fn early_drop_candidate(offset: u32) -> Option<Tuple<Self>> {
+            fn early_drop_head() -> Option<Tuple<Self>> {
                 let ring = $early_drop.get_ptr(&0)?.as_ptr();
-                // SAFETY: as in remember_new; read only.
-                let next = unsafe { (*ring).next };
-                // The oldest key: at `next` once the ring has wrapped, at slot 0 before.
-                let oldest = if next <= EARLY_DROP_MASK { 0 } else { next };
-                // SAFETY: as above; the mask keeps the index inside the ring.
-                let key = unsafe { (*ring).keys[(oldest.wrapping_add(offset) & EARLY_DROP_MASK) as usize] };
-                // A slot never written is all zeroes: protocol 0.
-                if key.proto == 0 {
-                    return None;
+                // SAFETY: as in remember_new.
+                unsafe {
+                    let next = (*ring).next;
+                    // A writer that lapped the head overwrote the oldest keys.
+                    if next.wrapping_sub((*ring).head) > EARLY_DROP_MASK + 1 {
+                        (*ring).head = next.wrapping_sub(EARLY_DROP_MASK + 1);
+                    }
+                    let head = (*ring).head;
+                    if head == next {
+                        return None;
+                    }
+                    let key = (*ring).keys[(head & EARLY_DROP_MASK) as usize];
+                    Some(Tuple {
+                        src: key.src_addr,
+                        dst: key.dst_addr,
+                        src_port: key.src_port,
+                        dst_port: key.dst_port,
+                        proto: key.proto,
+                    })
                 }
-                Some(Tuple {
-                    src: key.src_addr,
-                    dst: key.dst_addr,
-                    src_port: key.src_port,
-                    dst_port: key.dst_port,
-                    proto: key.proto,
-                })
+            }
+
+            #[inline(always)]
+            fn early_drop_pop() {
+                if let Some(ring) = $early_drop.get_ptr(&0) {
+                    // SAFETY: as in remember_new.
+                    unsafe { (*ring.as_ptr()).head = (*ring.as_ptr()).head.wrapping_add(1) };
+                }
             }
 
             #[inline(always)]

@@ -6,8 +6,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    datapath_stat, flow_flags, flow_state, proto, service_flags, source_class, unmatched, BackendSlot,
-    FlowTrack, Service,
+    capacity, datapath_stat, flow_flags, flow_state, proto, service_flags, source_class, unmatched,
+    BackendSlot, FlowTrack, Service,
 };
 
 use crate::{
@@ -250,8 +250,8 @@ pub(crate) fn touch(track: NonNull<FlowTrack>, tcp_flags: u8) {
 }
 
 /// [`touch`], and the connection's progress through its handshake (`flow_state`), in both of
-/// its entries: the first reply (a SYN-ACK for TCP) marks it answered; the client's ACK after
-/// that marks a TCP connection established. Each happens once per connection, so the lookup
+/// its entries: the first reply (a SYN-ACK for TCP) marks it answered; the client's next
+/// packet after that (for TCP an ACK) marks it established. Each happens once per connection, so the lookup
 /// of the other entry is paid once, not per packet. Entries of an earlier vipr, which do not
 /// track the handshake, are left as they are.
 #[inline(always)]
@@ -268,9 +268,8 @@ pub(crate) fn observe<A: Family>(key: &Tuple<A>, tracked: &Tracked<A>, tcp_flags
         } else {
             flow_state::REPLIED
         }
-    } else if key.proto == proto::TCP
-        && state & flow_state::REPLIED != 0
-        && tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK
+    } else if state & flow_state::REPLIED != 0
+        && (key.proto != proto::TCP || tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK)
     {
         flow_state::ESTABLISHED
     } else {
@@ -327,36 +326,49 @@ pub(crate) fn is_full(error: i64) -> bool {
 const E2BIG: i64 = 7;
 const ENOMEM: i64 = 12;
 
-/// Early drop, as conntrack's when its table is full: looks at the oldest keys of this CPU's
-/// ring of recent new connections and deletes both entries of the first one that may be
-/// evicted (`flow_state::evictable`: never an established connection or an answered UDP
-/// flow). Two candidates at most, so the cost is bounded; `false` when neither qualifies, and
-/// the new connection is refused. (Between the check and the deletion the client's ACK may
-/// establish the candidate on another CPU: a window of a few instructions, which conntrack
-/// closes with a lock.)
+/// Early drop, as conntrack's when its table is full: takes the oldest connections off the
+/// queue of recent new connections (`vipr_edrop4_v1`) and deletes both entries of the first
+/// one that may be evicted (`flow_state::evictable`: never an established connection or a UDP
+/// stream), passing over those that are gone or established. A candidate whose client sent
+/// its last packet less than `EARLY_DROP_MIN_AGE_NS` ago is spared, and with it every younger
+/// one (a handshake in flight): `false`, and the new connection is refused. At most
+/// [`EARLY_DROP_CANDIDATES`] are looked at, so the cost is bounded. (Between the check and the
+/// deletion the client's ACK may establish the candidate on another CPU: a window of a few
+/// instructions, which conntrack closes with a lock.)
 #[inline(never)]
 pub(crate) fn make_room<A: Family>() -> bool {
-    let mut offset = 0;
-    while offset < EARLY_DROP_CANDIDATES {
-        if let Some(key) = A::early_drop_candidate(offset) {
-            if let Some(tracked) = A::flow(&key) {
-                // SAFETY: the entry's tracking fields: the state as of now, not of the lookup.
-                let state = unsafe { (*tracked.track.as_ptr()).state };
-                if flow_state::evictable(key.proto, state) && tracked.nat.flags & flow_flags::REPLY == 0 {
-                    A::forget(&partner(&key, &tracked.nat));
-                    A::forget(&key);
-                    stat(datapath_stat::EARLY_DROP);
-                    return true;
-                }
-            }
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let mut looked = 0;
+    while looked < EARLY_DROP_CANDIDATES {
+        looked += 1;
+        let Some(key) = A::early_drop_head() else {
+            return false;
+        };
+        let Some(tracked) = A::flow(&key) else {
+            A::early_drop_pop();
+            continue;
+        };
+        // SAFETY: the entry's tracking fields: their values as of now, not of the lookup.
+        let (state, last_seen) =
+            unsafe { ((*tracked.track.as_ptr()).state, (*tracked.track.as_ptr()).last_seen) };
+        if !flow_state::evictable(state) || tracked.nat.flags & flow_flags::REPLY != 0 {
+            A::early_drop_pop();
+            continue;
         }
-        offset += 1;
+        if now.wrapping_sub(last_seen) < capacity::EARLY_DROP_MIN_AGE_NS {
+            return false;
+        }
+        A::early_drop_pop();
+        A::forget(&partner(&key, &tracked.nat));
+        A::forget(&key);
+        stat(datapath_stat::EARLY_DROP);
+        return true;
     }
     false
 }
 
-/// Candidates [`make_room`] looks at.
-const EARLY_DROP_CANDIDATES: u32 = 2;
+/// Queue entries [`make_room`] looks at, at most.
+const EARLY_DROP_CANDIDATES: u32 = 8;
 
 /// The source class of an address: the node's own, a pod's (by the local-traffic
 /// detector), or anything else.

@@ -412,12 +412,15 @@ fn timeout(
         } else {
             (timeouts.tcp_established, ExpiryReason::TcpIdle)
         }
-    } else if answered {
+    } else if (tracked && state & flow_state::ESTABLISHED != 0) || (!tracked && answered) {
+        // A stream: the client sent again after an answer (an earlier vipr's entry: answered).
+        // A single exchange (a DNS query and its answer) keeps the short timeout, as
+        // conntrack's UDP entries that are not ASSURED.
         (timeouts.udp_stream, ExpiryReason::Udp)
     } else {
         (timeouts.udp, ExpiryReason::Udp)
     };
-    if under_pressure && flow_state::evictable(protocol, state) && timeouts.pressure.timeout < usual.0 {
+    if under_pressure && flow_state::evictable(state) && timeouts.pressure.timeout < usual.0 {
         (timeouts.pressure.timeout, ExpiryReason::Pressure)
     } else {
         usual
@@ -841,14 +844,17 @@ mod tests {
         assert_eq!(tcp(track(0, 1), track(0, 0)).0, timeouts.tcp_syn_sent);
         let udp = |forward, reply| timeout(proto::UDP, forward, reply, &timeouts, false).0;
         assert_eq!(udp(track(tracked, 1), track(tracked, 0)), Duration::from_secs(30));
-        let replied = tracked | flow_state::REPLIED;
-        assert_eq!(udp(track(replied, 1), track(replied, 1)), timeouts.udp_stream);
+        let answered = tracked | flow_state::REPLIED;
+        assert_eq!(udp(track(answered, 1), track(answered, 1)), timeouts.udp, "one exchange");
+        let replied = answered | flow_state::ESTABLISHED;
+        assert_eq!(udp(track(replied, 1), track(replied, 1)), timeouts.udp_stream, "a stream");
 
         // Under pressure, half-open and unanswered go after the pressure timeout; established
         // connections and answered UDP keep theirs.
         let pressed = |protocol, state| timeout(protocol, track(state, 1), track(state, 1), &timeouts, true);
         assert_eq!(pressed(proto::TCP, syn_recv), (timeouts.pressure.timeout, ExpiryReason::Pressure));
         assert_eq!(pressed(proto::UDP, tracked), (timeouts.pressure.timeout, ExpiryReason::Pressure));
+        assert_eq!(pressed(proto::UDP, answered), (timeouts.pressure.timeout, ExpiryReason::Pressure));
         assert_eq!(pressed(proto::TCP, established).0, timeouts.tcp_established);
         assert_eq!(pressed(proto::UDP, replied).0, timeouts.udp_stream);
         assert_eq!(pressed(proto::TCP, 0).0, timeouts.tcp_established, "an earlier vipr's entry");
