@@ -998,6 +998,48 @@ mod tests {
     }
 
     #[test]
+    fn half_open_and_pressure_flags() {
+        let resolve = |flags: &[&str]| {
+            let args =
+                Args::try_parse_from([&["vipr", "--services-file=/dev/null"], flags].concat()).unwrap();
+            Settings::resolve(&args).map(|settings| settings.conntrack)
+        };
+        let defaults = resolve(&[]).unwrap();
+        assert_eq!(
+            (defaults.tcp_syn_sent, defaults.tcp_syn_recv, defaults.pressure),
+            (
+                Duration::from_secs(120),
+                Duration::from_secs(60),
+                FlowPressure { threshold_percent: 75, timeout: Duration::from_secs(5) }
+            ),
+            "the kernel's SYN_SENT and SYN_RECV"
+        );
+        let set = resolve(&[
+            "--conntrack-tcp-timeout-syn-sent=3s",
+            "--conntrack-tcp-timeout-syn-recv=2s",
+            "--conntrack-pressure-threshold=50",
+            "--conntrack-pressure-timeout=1s",
+        ])
+        .unwrap();
+        assert_eq!(
+            (set.tcp_syn_sent, set.tcp_syn_recv, set.pressure),
+            (
+                Duration::from_secs(3),
+                Duration::from_secs(2),
+                FlowPressure { threshold_percent: 50, timeout: Duration::from_secs(1) }
+            )
+        );
+        for bad in [
+            "--conntrack-pressure-threshold=0",
+            "--conntrack-pressure-threshold=101",
+            "--conntrack-pressure-timeout=0s",
+        ] {
+            let error = resolve(&[bad]).unwrap_err().to_string();
+            assert!(error.contains(bad.split('=').next().unwrap()), "{bad}: {error}");
+        }
+    }
+
+    #[test]
     fn go_durations() {
         let ms = Duration::from_millis;
         for (text, expected) in [
