@@ -158,12 +158,13 @@ pub struct Args {
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
 
-    /// Idle timeout of UDP flows that were never answered (0: the kernel's 30s)
-    /// [default: 0s].
+    /// Idle timeout of UDP flows that were never answered, or answered once (0: the kernel's
+    /// 30s) [default: 0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_udp_timeout: Option<Duration>,
 
-    /// Idle timeout of UDP flows that were answered (0: the kernel's 120s) [default: 0s].
+    /// Idle timeout of UDP streams, whose client sent again after an answer (0: the kernel's
+    /// 120s) [default: 0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_udp_timeout_stream: Option<Duration>,
 
@@ -179,13 +180,14 @@ pub struct Args {
     pub conntrack_tcp_timeout_syn_recv: Option<Duration>,
 
     /// Fill level of the flows map, in percent of its capacity, above which connections that
-    /// never completed their handshake (and UDP flows never answered) expire after
-    /// --conntrack-pressure-timeout and the expiry runs every second [default: 75].
+    /// are not established (TCP without the client's ACK after the SYN-ACK, UDP that is no
+    /// stream) expire after --conntrack-pressure-timeout and the expiry runs every second
+    /// [default: 75].
     #[arg(long, value_name = "PERCENT")]
     pub conntrack_pressure_threshold: Option<u8>,
 
-    /// Idle timeout of connections that never completed their handshake (and UDP flows never
-    /// answered) while the flows map is above --conntrack-pressure-threshold [default: 5s].
+    /// Idle timeout of connections that are not established while the flows map is above
+    /// --conntrack-pressure-threshold [default: 5s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_pressure_timeout: Option<Duration>,
 

@@ -400,18 +400,20 @@ pub struct ConntrackTimeouts {
     /// TCP connections the backend answered (SYN-ACK) whose client never completed the
     /// handshake, idle: the kernel's SYN_RECV (60 s). A spoofed SYN flood's entries end here.
     pub tcp_syn_recv: Duration,
-    /// UDP flows never answered.
+    /// UDP flows never answered, or answered once (a DNS query and its answer): conntrack's
+    /// UDP entries that are not ASSURED.
     pub udp: Duration,
-    /// UDP flows answered at least once.
+    /// UDP streams: the client sent again after an answer.
     pub udp_stream: Duration,
     /// What changes when the flows map fills up.
     pub pressure: FlowPressure,
 }
 
 /// The flows map under pressure (a flood of new connections): above `threshold_percent` of its
-/// capacity, the reaper runs more often and expires connections that never completed their
-/// handshake (and UDP flows never answered) after `timeout` idle instead of their usual
-/// timeout, as Cilium's connection-tracking garbage collection does when its table fills up.
+/// capacity, the reaper runs more often and expires connections that are not established (TCP
+/// without the client's ACK after the SYN-ACK, UDP that is no stream) after `timeout` idle
+/// instead of their usual timeout, as Cilium's connection-tracking garbage collection does when
+/// its table fills up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FlowPressure {
     /// `--conntrack-pressure-threshold`, 1 to 100.

@@ -284,4 +284,20 @@ fn spoofed_floods_do_not_keep_legitimate_connections_out() {
     under_flood(&lab, "SYN", false, || flood(client, 12_000, 3_000, syn_flood_packet)).unwrap();
     // 20,000 one-datagram flows, each answered by the backend (the answers go nowhere).
     under_flood(&lab, "UDP", true, || flood(client, 20_000, 5_000, datagram)).unwrap();
+    metrics_tell(&lab).unwrap();
+}
+
+/// `/metrics` shows the map's fill level against its capacity and the early drops.
+fn metrics_tell(lab: &Lab) -> Result<()> {
+    let metrics = testbed::http::get(lab.node(), "127.0.0.1:10249".parse()?, "/metrics")?;
+    let flows = format!("{{map=\"{}\"}}", pins::FLOWS4);
+    let capacity = metrics.metric(&format!("vipr_bpf_map_capacity{flows}"));
+    ensure!(capacity == Some(FLOWS_MAX as f64), "flows map capacity {capacity:?}\n{}", metrics.body);
+    let entries =
+        metrics.metric(&format!("vipr_bpf_map_entries{flows}")).context("no flows map fill level")?;
+    ensure!(entries < FLOWS_MAX as f64, "{entries} entries");
+    let early_drops = metrics.metric("vipr_flow_evictions_total{reason=\"early_drop\"}").unwrap_or(0.0)
+        + metrics.metric("vipr_flow_evictions_total{reason=\"pressure\"}").unwrap_or(0.0);
+    ensure!(early_drops > 0.0, "no eviction counted:\n{}", metrics.body);
+    Ok(())
 }

@@ -1227,8 +1227,7 @@ fn association(w: &'static World) -> Result<()> {
     for (proto, track) in tracks {
         ensure!(proto == IPPROTO_SCTP, "an entry of protocol {proto}");
         ensure!(
-            track.state & (flow_state::FIN | flow_state::RST | flow_state::SYN | flow_state::ESTABLISHED)
-                == 0,
+            track.state & (flow_state::FIN | flow_state::RST | flow_state::SYN | flow_state::SYN_ACK) == 0,
             "SCTP chunk flags were taken for TCP's: {track:?}"
         );
         ensure!(track.last_seen != 0, "both directions passed, but: {track:?}");

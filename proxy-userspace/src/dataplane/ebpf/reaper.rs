@@ -188,7 +188,9 @@ fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metric
     let mut expiry4 = Expiry::default();
     let mut expiry6 = Expiry::default();
     let mut failures = FailureLog::default();
-    let mut last_fill: Option<Instant> = None;
+    // Counted at once, so that /metrics has the fill levels from the start.
+    count_fill(&options.pin_dir, metrics);
+    let mut last_fill = Some(Instant::now());
     let mut snat_exhausted = StatGrowth(datapath_stat::SNAT_PORT_EXHAUSTED, 0);
     loop {
         match requests.recv_timeout(next_expiry.saturating_duration_since(Instant::now())) {
@@ -223,6 +225,7 @@ fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metric
                 }
                 failures.check(&options.stats_pin);
                 if last_fill.is_none_or(|last| last.elapsed() >= FILL_INTERVAL) {
+                    // The flows maps were just counted by their passes; the others here.
                     count_fill(&options.pin_dir, metrics);
                     last_fill = Some(Instant::now());
                 }
