@@ -189,7 +189,7 @@ fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metric
     let mut expiry6 = Expiry::default();
     let mut failures = FailureLog::default();
     // Counted at once, so that /metrics has the fill levels from the start.
-    count_fill(&options.pin_dir, metrics);
+    count_fill(&options.pin_dir, metrics, true);
     let mut last_fill = Some(Instant::now());
     let mut snat_exhausted = StatGrowth(datapath_stat::SNAT_PORT_EXHAUSTED, 0);
     loop {
@@ -226,7 +226,7 @@ fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metric
                 failures.check(&options.stats_pin);
                 if last_fill.is_none_or(|last| last.elapsed() >= FILL_INTERVAL) {
                     // The flows maps were just counted by their passes; the others here.
-                    count_fill(&options.pin_dir, metrics);
+                    count_fill(&options.pin_dir, metrics, false);
                     last_fill = Some(Instant::now());
                 }
                 next_expiry = Instant::now()
@@ -459,14 +459,17 @@ struct Pass {
 }
 
 /// Counts the entries of every map pinned in `pin_dir` into `metrics` (arrays are always
-/// full: their capacity).
-fn count_fill(pin_dir: &Path, metrics: &FlowMetrics) {
+/// full: their capacity); the flows maps only with `with_flows` (the expiry passes count them).
+fn count_fill(pin_dir: &Path, metrics: &FlowMetrics, with_flows: bool) {
     let Ok(pins) = std::fs::read_dir(pin_dir) else { return };
     for pin in pins.filter_map(Result::ok) {
         if !pin.file_type().is_ok_and(|kind| kind.is_file()) {
             continue;
         }
         let name = pin.file_name().to_string_lossy().into_owned();
+        if !with_flows && [proxy_common::pins::FLOWS4, proxy_common::pins::FLOWS6].contains(&name.as_str()) {
+            continue;
+        }
         let Ok(map) = MapData::from_pin(pin.path()) else { continue };
         let Ok(info) = map.info() else { continue };
         let capacity = u64::from(info.max_entries());
@@ -900,5 +903,16 @@ mod tests {
             flows.keys().map(|key| key.unwrap().src_port).filter(|port| *port < 100).collect();
         assert_eq!(left, BTreeSet::from([2, 3]));
         assert_eq!(metrics.fill()[proxy_common::pins::FLOWS4], MapFill { entries: 6, capacity: 512 });
+
+        // Below the mark, but masquerade ports ran short: the same early expiry.
+        let stale = connection(proto::TCP, 4, (syn_recv, now - 3 * S), (syn_recv, now - 3 * S));
+        for (key, flow) in &stale {
+            flows.insert(key, flow, 0).unwrap();
+        }
+        timeouts.pressure.threshold_percent = 100;
+        expiry.ports_short = true;
+        let pass = expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap();
+        assert_eq!(pass, Pass { deleted: 2, under_pressure: true });
+        assert_eq!(flows.keys().count(), 4);
     }
 }
