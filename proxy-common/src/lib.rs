@@ -50,12 +50,18 @@ pub mod pins {
     /// `u32` [`crate::Backend4::counter`] -> [`crate::Counters`], shared by both families.
     pub const BACKEND_COUNTERS: &str = "vipr_bcnt_v1";
     /// Datapath events worth a metric: per-CPU array `u32` one of [`crate::datapath_stat`]
-    /// -> `u64`.
-    pub const DATAPATH_STATS: &str = "vipr_dstat_v1";
+    /// -> `u64`. (`_v1` had 4 slots.)
+    pub const DATAPATH_STATS: &str = "vipr_dstat_v2";
+    /// Early-drop candidates: array of one [`crate::EarlyDropRing4`], the keys of the latest
+    /// new connections, which a new connection that finds the flows map full may replace if
+    /// they never completed their handshake.
+    pub const EARLY_DROP4: &str = "vipr_edrop4_v1";
+    pub const EARLY_DROP6: &str = "vipr_edrop6_v1";
     /// Earlier layouts of the maps above, which the agent unpins once the new program serves
     /// (their content is never reinterpreted: connections tracked by the earlier layout are
     /// balanced anew).
-    pub const RETIRED: [&str; 8] = [
+    pub const RETIRED: [&str; 9] = [
+        "vipr_dstat_v1",
         "vipr_svc4_v1",
         "vipr_back4_v1",
         "vipr_flow4_v1",
@@ -97,8 +103,16 @@ pub mod capacity {
     pub const AFFINITY: u32 = 65_536;
     /// (Service port, backend) pairs with their own counters; per CPU, 16 bytes each.
     pub const BACKEND_COUNTERS: u32 = 65_536;
-    /// Slots of the datapath statistics array: [`crate::datapath_stat::COUNT`].
-    pub const DATAPATH_STATS: u32 = 4;
+    /// Slots of the datapath statistics array: at least [`crate::datapath_stat::COUNT`], with
+    /// room for later statistics without a new layout.
+    pub const DATAPATH_STATS: u32 = 16;
+    /// Recent new connections remembered as early-drop candidates (a queue in a ring): what
+    /// the datapath may evict when the flows map is full. Candidates younger than
+    /// `EARLY_DROP_MIN_AGE_NS` are spared (a legitimate handshake in flight), so early drop
+    /// keeps working up to about `EARLY_DROP_RING / 0.25 s` = 16k new connections a second.
+    pub const EARLY_DROP_RING: u32 = 4096;
+    /// How long a connection is spared by early drop after its last packet from the client.
+    pub const EARLY_DROP_MIN_AGE_NS: u64 = 250_000_000;
     /// Fragmented IPv4 datagrams in flight through the node (between their first and last
     /// fragment), over all connections: an entry is needed only for the microseconds a
     /// datagram's fragments take to pass, and LRU eviction of an old one costs nothing. A
@@ -205,13 +219,39 @@ pub struct FlowKey4 {
     pub pad16: u16,
 }
 
-/// Bits of [`FlowTrack::state`]: what the datapath saw of a TCP connection's end, per
-/// direction (each flow entry records the packets that matched it).
+/// Bits of [`FlowTrack::state`]: what the datapath saw of a connection. FIN and RST are per
+/// direction (each flow entry records the packets that matched it); the handshake bits are
+/// kept in both entries of a connection, so that either one tells whether the connection may
+/// be evicted (early drop) without the other.
 pub mod flow_state {
     /// A FIN went this way.
     pub const FIN: u32 = 1;
     /// An RST went this way.
     pub const RST: u32 = 2;
+    /// The connection's first packet was a TCP SYN (a handshake, not a pickup mid-stream).
+    pub const SYN: u32 = 4;
+    /// The backend answered the SYN with a SYN-ACK.
+    pub const SYN_ACK: u32 = 8;
+    /// A packet came back from the backend.
+    pub const REPLIED: u32 = 16;
+    /// The client sent again after a reply: for TCP its ACK after the SYN-ACK (the handshake
+    /// completed, conntrack's ESTABLISHED), for UDP and SCTP a second packet after an answer (a
+    /// stream, conntrack's ASSURED). Only such connections are kept when the map is full; a
+    /// SYN-ACK alone does not establish, so a spoofed SYN flood, whose SYN-ACKs go nowhere,
+    /// never does, nor does a flood of one-datagram UDP flows, answered or not.
+    pub const ESTABLISHED: u32 = 32;
+    /// The entry was created by a datapath that tracks the handshake bits above. Entries
+    /// without it come from an earlier vipr (the same `_v3` layout): the agent judges them as
+    /// that vipr did (answered = established) and the datapath never evicts them.
+    pub const HANDSHAKE_TRACKED: u32 = 64;
+
+    /// Whether a connection whose entry holds `state` may be replaced by a new connection
+    /// when the flows map is full, or expired early when it fills up: one not
+    /// [`ESTABLISHED`] (and not from an earlier vipr).
+    #[inline(always)]
+    pub const fn evictable(state: u32) -> bool {
+        state & HANDSHAKE_TRACKED != 0 && state & ESTABLISHED == 0
+    }
 }
 
 /// The part of a flow entry the datapath updates as packets pass, for counters and for the
@@ -249,7 +289,22 @@ pub mod datapath_stat {
     /// No free node port for a masqueraded connection: its packet is dropped (the map is full,
     /// or every port tried is taken toward that backend).
     pub const SNAT_PORT_EXHAUSTED: u32 = 2;
-    pub const COUNT: u32 = 3;
+    /// The flows map was full and a connection that never completed its handshake (or a UDP
+    /// flow never answered) was deleted to make room for a new one (early drop).
+    pub const EARLY_DROP: u32 = 3;
+    pub const COUNT: u32 = 4;
+}
+
+/// Value of the [`pins::EARLY_DROP4`] array (one element): a queue of the forward keys of the
+/// latest new connections, oldest first: `next` counts the keys written (the slot written next
+/// is `next % EARLY_DROP_RING`), `head` the keys early drop has looked at (and passed over, or
+/// evicted). A writer that laps the head overwrites the oldest keys.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct EarlyDropRing4 {
+    pub next: u32,
+    pub head: u32,
+    pub keys: [FlowKey4; capacity::EARLY_DROP_RING as usize],
 }
 
 /// Bits of [`Flow4::flags`].
@@ -366,6 +421,7 @@ const _: () = {
     assert!(core::mem::size_of::<FlowTrack>() == 16);
     assert!(core::mem::size_of::<Counters>() == 16);
     assert!(core::mem::size_of::<Flow4>() == 32);
+    assert!(core::mem::size_of::<EarlyDropRing4>() == 8 + 16 * capacity::EARLY_DROP_RING as usize);
     assert!(core::mem::size_of::<Prefix4>() == 8);
     assert!(core::mem::size_of::<SourceRange4>() == 12);
     assert!(core::mem::size_of::<AffinityKey4>() == 8);
@@ -573,6 +629,15 @@ pub struct Flow6 {
     pub track: FlowTrack,
 }
 
+/// [`EarlyDropRing4`] for IPv6 connections.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct EarlyDropRing6 {
+    pub next: u32,
+    pub head: u32,
+    pub keys: [FlowKey6; capacity::EARLY_DROP_RING as usize],
+}
+
 /// [`AffinityKey4`] for an IPv6 client.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -623,6 +688,7 @@ const _: () = {
     assert!(core::mem::size_of::<Backend6>() == 24);
     assert!(core::mem::size_of::<FlowKey6>() == 40);
     assert!(core::mem::size_of::<Flow6>() == 56);
+    assert!(core::mem::size_of::<EarlyDropRing6>() == 8 + 40 * capacity::EARLY_DROP_RING as usize);
     assert!(core::mem::size_of::<Prefix6>() == 20);
     assert!(core::mem::size_of::<SourceRange6>() == 24);
     assert!(core::mem::size_of::<AffinityKey6>() == 20);

@@ -19,8 +19,9 @@ use crate::{
     fragment::{self, LaterFragment},
     icmp_error::{parse_ipv4_error, parse_ipv6_error, IcmpError},
     maps::{
-        AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, FLOWS4, FLOWS6, MEMBERS4, MEMBERS6, NODE_IPS4, NODE_IPS6,
-        POD_CIDRS4, POD_CIDRS6, SERVICES4, SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6, UNMATCHED4, UNMATCHED6,
+        AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, EARLY_DROP4, EARLY_DROP6, FLOWS4, FLOWS6, MEMBERS4,
+        MEMBERS6, NODE_IPS4, NODE_IPS6, POD_CIDRS4, POD_CIDRS6, SERVICES4, SERVICES6, SOURCE_RANGES4,
+        SOURCE_RANGES6, UNMATCHED4, UNMATCHED6,
     },
     packet::word_sum,
     packet::{
@@ -34,6 +35,9 @@ pub type Ipv4 = [u8; 4];
 pub type Ipv6 = [u8; 16];
 
 const AF_INET: u8 = 2;
+/// Indexes the early-drop ring (its size is a power of two).
+const EARLY_DROP_MASK: u32 = proxy_common::capacity::EARLY_DROP_RING - 1;
+const _: () = assert!(proxy_common::capacity::EARLY_DROP_RING.is_power_of_two());
 const AF_INET6: u8 = 10;
 
 /// How to rewrite one direction of a tracked connection: proxy-common's `Flow4`/`Flow6`.
@@ -50,6 +54,9 @@ pub struct Nat<A> {
     /// `FlowTrack::last_seen` of a new entry: now for the direction just seen, 0 for the
     /// reply direction (no reply yet).
     pub last_seen: u64,
+    /// `FlowTrack::state`: the bits of a new entry, or those a found entry held when it was
+    /// looked up.
+    pub state: u32,
 }
 
 /// An address and a port: where a backend listens.
@@ -112,8 +119,17 @@ pub trait Maps: Sized {
     fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
     /// Stores a flow entry only if `key` is absent: claims it against concurrent flows.
     fn claim(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
-    /// Deletes a flow entry this packet stored, when its partner could not be stored.
+    /// Deletes a flow entry this packet stored, when its partner could not be stored, or one
+    /// evicted to make room.
     fn forget(key: &Tuple<Self>);
+    /// Sets `bits` of `flow_state` in the entry of `key`, if there is one.
+    fn mark(key: &Tuple<Self>, bits: u32);
+    /// Remembers a new connection's forward key on the early-drop ring.
+    fn remember_new(key: &Tuple<Self>);
+    /// The oldest key on the early-drop queue not looked at yet, if any.
+    fn early_drop_head() -> Option<Tuple<Self>>;
+    /// Takes the oldest key off the early-drop queue.
+    fn early_drop_pop();
     /// The services entry of the packet's destination, for one source class.
     fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service>;
     fn backend(slot: &BackendSlot) -> Option<Endpoint<Self>>;
@@ -280,6 +296,7 @@ macro_rules! family_maps {
     (
         $addr:ty, $bits:literal,
         flows: $flows:ident($flow_key:ident -> $flow:ident),
+        early_drop: $early_drop:ident,
         services: $services:ident($service_key:ident),
         backends: $backends:ident,
         node_ips: $node_ips:ident,
@@ -313,7 +330,7 @@ macro_rules! family_maps {
                     src_port: nat.src_port,
                     dst_port: nat.dst_port,
                     flags: nat.flags,
-                    track: FlowTrack { counter: nat.counter, state: 0, last_seen: nat.last_seen },
+                    track: FlowTrack { counter: nat.counter, state: nat.state, last_seen: nat.last_seen },
                 }
             }
         }
@@ -334,6 +351,7 @@ macro_rules! family_maps {
                         flags: flow.flags,
                         counter: flow.track.counter,
                         last_seen: 0,
+                        state: flow.track.state,
                     },
                     // SAFETY: a field of the entry above.
                     track: unsafe {
@@ -355,6 +373,62 @@ macro_rules! family_maps {
             #[inline(always)]
             fn forget(key: &Tuple<Self>) {
                 let _ = $flows.remove(&key.into());
+            }
+
+            #[inline(always)]
+            fn mark(key: &Tuple<Self>, bits: u32) {
+                if let Some(entry) = $flows.get_ptr(&key.into()) {
+                    // SAFETY: a live entry; a racing writer only sets bits too.
+                    unsafe { (*entry.as_ptr()).track.state |= bits };
+                }
+            }
+
+            #[inline(always)]
+            fn remember_new(key: &Tuple<Self>) {
+                if let Some(ring) = $early_drop.get_ptr(&0) {
+                    let ring = ring.as_ptr();
+                    // SAFETY: the one element; another CPU writing at once can lose or tear a
+                    // key, which only costs a candidate (see maps.rs). The mask keeps the index
+                    // inside the ring.
+                    unsafe {
+                        let next = (*ring).next;
+                        (*ring).keys[(next & EARLY_DROP_MASK) as usize] = key.into();
+                        (*ring).next = next.wrapping_add(1);
+                    }
+                }
+            }
+
+            #[inline(always)]
+            fn early_drop_head() -> Option<Tuple<Self>> {
+                let ring = $early_drop.get_ptr(&0)?.as_ptr();
+                // SAFETY: as in remember_new.
+                unsafe {
+                    let next = (*ring).next;
+                    // A writer that lapped the head overwrote the oldest keys.
+                    if next.wrapping_sub((*ring).head) > EARLY_DROP_MASK + 1 {
+                        (*ring).head = next.wrapping_sub(EARLY_DROP_MASK + 1);
+                    }
+                    let head = (*ring).head;
+                    if head == next {
+                        return None;
+                    }
+                    let key = (*ring).keys[(head & EARLY_DROP_MASK) as usize];
+                    Some(Tuple {
+                        src: key.src_addr,
+                        dst: key.dst_addr,
+                        src_port: key.src_port,
+                        dst_port: key.dst_port,
+                        proto: key.proto,
+                    })
+                }
+            }
+
+            #[inline(always)]
+            fn early_drop_pop() {
+                if let Some(ring) = $early_drop.get_ptr(&0) {
+                    // SAFETY: as in remember_new.
+                    unsafe { (*ring.as_ptr()).head = (*ring.as_ptr()).head.wrapping_add(1) };
+                }
             }
 
             #[inline(always)]
@@ -432,6 +506,7 @@ macro_rules! family_maps {
 family_maps!(
     Ipv4, 32,
     flows: FLOWS4(FlowKey4 -> Flow4),
+    early_drop: EARLY_DROP4,
     services: SERVICES4(ServiceKey4),
     backends: BACKENDS4,
     node_ips: NODE_IPS4,
@@ -445,6 +520,7 @@ family_maps!(
 family_maps!(
     Ipv6, 128,
     flows: FLOWS6(FlowKey6 -> Flow6),
+    early_drop: EARLY_DROP6,
     services: SERVICES6(ServiceKey6),
     backends: BACKENDS6,
     node_ips: NODE_IPS6,

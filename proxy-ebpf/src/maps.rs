@@ -244,7 +244,7 @@ pub static FRAGMENTS4: PinnedMap<FragmentKey4, FragmentPorts, LRU_HASH, { capaci
 
 const _: () = {
     assert!(same_name("vipr_bcnt_v1", pins::BACKEND_COUNTERS));
-    assert!(same_name("vipr_dstat_v1", pins::DATAPATH_STATS));
+    assert!(same_name("vipr_dstat_v2", pins::DATAPATH_STATS));
 };
 
 #[unsafe(link_section = ".maps")]
@@ -253,9 +253,31 @@ pub static BACKEND_COUNTERS: PinnedMap<u32, Counters, PERCPU_ARRAY, { capacity::
     PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_dstat_v1")]
+#[unsafe(export_name = "vipr_dstat_v2")]
 pub static DATAPATH_STATS: PinnedMap<u32, u64, PERCPU_ARRAY, { capacity::DATAPATH_STATS as usize }> =
     PinnedMap::new();
+
+// ---------------------------------------------------------------------------------------------
+// Early-drop candidates (tc.rs `make_room`): the keys of the latest new connections, so that a new
+// connection finding the flows map full has an entry to look at for eviction without walking the
+// map. One ring for all CPUs (a per-CPU ring left a CPU that sees no flood with only its own
+// established connections to offer); CPUs writing at once may lose a key or tear one, which
+// costs an eviction candidate, never a wrong eviction: a candidate is checked in the flows map.
+
+const _: () = {
+    assert!(same_name("vipr_edrop4_v1", pins::EARLY_DROP4));
+    assert!(same_name("vipr_edrop6_v1", pins::EARLY_DROP6));
+};
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_edrop4_v1")]
+pub static EARLY_DROP4: PinnedMap<u32, proxy_common::EarlyDropRing4, EARLY_DROP_ARRAY, 1> = PinnedMap::new();
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_edrop6_v1")]
+pub static EARLY_DROP6: PinnedMap<u32, proxy_common::EarlyDropRing6, EARLY_DROP_ARRAY, 1> = PinnedMap::new();
+
+const EARLY_DROP_ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_ARRAY as usize;
 
 // ---------------------------------------------------------------------------------------------
 // Socket-level load balancing (sock.rs): the agent's settings and the reverse translation.

@@ -42,6 +42,8 @@ pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
 pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_RST: u8 = 0x04;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_ACK: u8 = 0x10;
 /// IPv4 total length and IPv6 payload length, from the start of the IP header.
 const IPV4_TOTAL_LEN_OFF: usize = 2;
 const IPV6_PAYLOAD_LEN_OFF: usize = 4;

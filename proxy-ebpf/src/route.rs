@@ -25,6 +25,7 @@ use crate::{
     family::{Endpoint, Family, Nat},
     maps::SNAT_PORTS,
     packet::Tuple,
+    tc::{is_full, Refusal},
 };
 
 /// Ports tried before a masqueraded connection is given up (its packet dropped; the client
@@ -89,7 +90,8 @@ pub fn redirect<A>(route: &Route<A>) -> i32 {
 
 /// Claims a node port for the replies of a masqueraded connection and stores `reply` under
 /// it: the client's own port when it is in the masquerade range and free toward this backend,
-/// else a few random ones of the range. `None` when every attempt is taken.
+/// else a few random ones of the range. An error when every attempt is taken, or the flows
+/// map is full.
 ///
 /// The range (`vipr_snat_v1`, written by the agent) is disjoint from the node's ephemeral
 /// ports: the kernel picks a local socket's port without knowing vipr's flow entries, so a
@@ -102,7 +104,7 @@ pub fn claim_reply<A: Family>(
     node_addr: A,
     client: &Tuple<A>,
     reply: &Nat<A>,
-) -> Option<u16> {
+) -> Result<u16, Refusal> {
     let range = SNAT_PORTS
         .get(&0)
         .filter(|range| range.count != 0)
@@ -120,12 +122,15 @@ pub fn claim_reply<A: Family>(
         proto: client.proto,
     };
     for _ in 0..SNAT_PORT_ATTEMPTS {
-        if A::claim(&key, reply).is_ok() {
-            return Some(key.dst_port);
+        match A::claim(&key, reply) {
+            Ok(()) => return Ok(key.dst_port),
+            // The flows map is full, not the port taken: the caller may make room.
+            Err(error) if is_full(error) => return Err(Refusal::MapFull),
+            Err(_) => {}
         }
         key.dst_port = random_port(&range);
     }
-    None
+    Err(Refusal::PortsTaken)
 }
 
 #[inline(always)]

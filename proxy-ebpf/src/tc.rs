@@ -6,17 +6,20 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    datapath_stat, flow_flags, flow_state, service_flags, source_class, unmatched, BackendSlot, FlowTrack,
-    Service,
+    capacity, datapath_stat, flow_flags, flow_state, proto, service_flags, source_class, unmatched,
+    BackendSlot, FlowTrack, Service,
 };
 
 use crate::{
     affinity,
+    family::Tracked,
     family::{Endpoint, Family, Ipv4, Ipv6, Nat},
     fragment::{self, LaterFragment},
     icmp_error,
     maps::{BACKEND_COUNTERS, DATAPATH_STATS},
-    packet::{ethertype, rewrite, Packet, Side, Tuple, ETH_P_IP, ETH_P_IPV6, TCP_FIN, TCP_RST},
+    packet::{
+        ethertype, rewrite, Packet, Side, Tuple, ETH_P_IP, ETH_P_IPV6, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+    },
     route::{claim_reply, redirect, route_to, Route},
     wire::ETH_HLEN,
 };
@@ -49,8 +52,19 @@ pub fn vipr_tc_ingress(ctx: TcContext) -> i32 {
 /// inlined, they add up past BPF's 512 bytes.
 #[inline(always)]
 fn family<A: Family>(ctx: &TcContext) -> i32 {
-    if let Some(verdict) = balance::<A>(ctx) {
-        return verdict;
+    match balance::<A>(ctx) {
+        NOT_BALANCED => {}
+        NEW_CONNECTION => {
+            // A full flows map: early drop, and the decision taken anew (nothing was stored).
+            // Here, from the entry, so that the frames of the two never add up.
+            let verdict = balance_new::<A>(ctx, false);
+            if verdict != MAP_FULL {
+                return verdict;
+            }
+            make_room::<A>();
+            return balance_new::<A>(ctx, true);
+        }
+        verdict => return verdict,
     }
     if let Some(verdict) = reverse_nat_error::<A>(ctx) {
         return verdict;
@@ -58,12 +72,35 @@ fn family<A: Family>(ctx: &TcContext) -> i32 {
     later_fragment::<A>(ctx)
 }
 
-/// The whole datapath for one family: IPv4 and IPv6 packets take the same steps, on their own
-/// maps. `None` for a packet that is not TCP/UDP with ports.
+/// [`balance`]'s answer for a packet that is not TCP/UDP with ports: no TC verdict.
+const NOT_BALANCED: i32 = i32::MIN;
+/// [`balance`]'s answer for a packet no flow entry matched: [`balance_new`] takes it.
+const NEW_CONNECTION: i32 = i32::MIN + 1;
+/// [`balance_new`]'s answer when the flows map is full and it may not refuse yet.
+const MAP_FULL: i32 = i32::MIN + 2;
+
+/// Why a new connection could not be tracked.
+pub(crate) enum Refusal {
+    /// The flows map is full; nothing was stored or counted.
+    MapFull,
+    /// No masquerade port was free among those tried; nothing stored or counted.
+    PortsTaken,
+    /// Counted in `datapath_stat`; nothing stored.
+    Counted,
+}
+
+/// The datapath of a tracked connection, for one family: IPv4 and IPv6 packets take the same
+/// steps, on their own maps. [`NOT_BALANCED`] for a packet that is not TCP/UDP with ports,
+/// [`NEW_CONNECTION`] for one without a flow entry. (Not an `Option`: that can be returned
+/// through the caller's stack, with the stack pointer left in R0, which the verifier refuses.)
+/// A new connection is a separate call from the entry, so that this frame and
+/// [`balance_new`]'s never add up (BPF's 512 bytes over a call chain).
 #[inline(never)]
-fn balance<A: Family>(ctx: &TcContext) -> Option<i32> {
-    let packet = A::parse(ctx)?;
-    Some(balance_packet(ctx, packet))
+fn balance<A: Family>(ctx: &TcContext) -> i32 {
+    match A::parse(ctx) {
+        Some(packet) => balance_packet(ctx, packet),
+        None => NOT_BALANCED,
+    }
 }
 
 #[inline(always)]
@@ -71,14 +108,27 @@ fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
     if let Some(tracked) = A::flow(&packet.flow) {
         let flow = tracked.nat;
         count(ctx, flow.counter);
-        touch(tracked.track, packet.tcp_flags);
+        observe(&packet.flow, &tracked, packet.tcp_flags);
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let route = route_to(ctx, destination);
         return send(apply(ctx, &packet, &flow), route.as_ref());
     }
+    NEW_CONNECTION
+}
+
+/// The first packet of a connection: choose its backend, track it, rewrite it. The packet is
+/// parsed again (what [`balance`] parsed is in its frame, gone by now): a few instructions,
+/// only for new connections. [`MAP_FULL`] when the flows map is full, unless `last_try`: then
+/// the connection is refused (counted, its packet dropped).
+#[inline(never)]
+fn balance_new<A: Family>(ctx: &TcContext, last_try: bool) -> i32 {
+    let Some(packet) = A::parse(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    let packet = &packet;
     let Some(service) = A::service(&packet.flow, classify(&packet.flow.src)) else {
-        return unmatched_destination(ctx, &packet);
+        return unmatched_destination(ctx, packet);
     };
     if service.flags & service_flags::SOURCE_RANGES != 0
         && !A::in_source_ranges(service.service_id, &packet.flow.src)
@@ -86,7 +136,7 @@ fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
         return TC_ACT_SHOT;
     }
     if service.backend_count == 0 {
-        return no_backend(ctx, &packet, &service);
+        return no_backend(ctx, packet, &service);
     }
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let slot =
@@ -106,15 +156,17 @@ fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
         let Some(route) = &route else {
             return TC_ACT_SHOT;
         };
-        track_masqueraded(&packet, &backend, counter, route.source, now)
+        track_masqueraded(packet, &backend, counter, route.source, now, last_try)
     } else {
-        track(&packet, &backend, counter, now)
+        track(packet, &backend, counter, now, last_try)
     };
-    let Some(forward) = forward else {
-        return TC_ACT_SHOT;
+    let forward = match forward {
+        Ok(forward) => forward,
+        Err(Refusal::MapFull) => return MAP_FULL,
+        Err(_) => return TC_ACT_SHOT,
     };
     count(ctx, counter);
-    send(apply(ctx, &packet, &forward), route.as_ref())
+    send(apply(ctx, packet, &forward), route.as_ref())
 }
 
 /// The slot of a new connection's backend: the backend of the client's previous connection
@@ -197,6 +249,127 @@ pub(crate) fn touch(track: NonNull<FlowTrack>, tcp_flags: u8) {
     }
 }
 
+/// [`touch`], and the connection's progress through its handshake (`flow_state`), in both of
+/// its entries: the first reply (a SYN-ACK for TCP) marks it answered; the client's next
+/// packet after that (for TCP an ACK) marks it established. Each happens once per connection, so the lookup
+/// of the other entry is paid once, not per packet. Entries of an earlier vipr, which do not
+/// track the handshake, are left as they are.
+#[inline(always)]
+pub(crate) fn observe<A: Family>(key: &Tuple<A>, tracked: &Tracked<A>, tcp_flags: u8) {
+    touch(tracked.track, tcp_flags);
+    let nat = &tracked.nat;
+    let state = nat.state;
+    if state & flow_state::HANDSHAKE_TRACKED == 0 {
+        return;
+    }
+    let progress = if nat.flags & flow_flags::REPLY != 0 {
+        if tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
+            flow_state::REPLIED | flow_state::SYN_ACK
+        } else {
+            flow_state::REPLIED
+        }
+    } else if state & flow_state::REPLIED != 0
+        && (key.proto != proto::TCP || tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK)
+    {
+        flow_state::ESTABLISHED
+    } else {
+        0
+    };
+    if progress & !state != 0 {
+        advance(key, nat, tracked.track, progress);
+    }
+}
+
+/// Sets `progress` in an entry and in its partner. A function of its own (a BPF-to-BPF call):
+/// the partner's key inlined into the packet path's frame took it past BPF's 512 bytes.
+#[inline(never)]
+fn advance<A: Family>(key: &Tuple<A>, nat: &Nat<A>, track: NonNull<FlowTrack>, progress: u32) {
+    // SAFETY: the entry's tracking fields, in place; other writers only set bits too.
+    unsafe { (*track.as_ptr()).state |= progress };
+    A::mark(&partner(key, nat), progress);
+}
+
+/// The key of the other direction's entry of a connection, from one entry's key and rewrites:
+/// its packets leave rewritten, and the other direction travels that tuple backwards.
+#[inline(always)]
+pub(crate) fn partner<A: Family>(key: &Tuple<A>, nat: &Nat<A>) -> Tuple<A> {
+    let (src, src_port) = if nat.flags & flow_flags::REWRITE_SOURCE != 0 {
+        (nat.src, nat.src_port)
+    } else {
+        (key.src, key.src_port)
+    };
+    let (dst, dst_port) = if nat.flags & flow_flags::REWRITE_DESTINATION != 0 {
+        (nat.dst, nat.dst_port)
+    } else {
+        (key.dst, key.dst_port)
+    };
+    Tuple { src: dst, dst: src, src_port: dst_port, dst_port: src_port, proto: key.proto }
+}
+
+/// `flow_state` of both entries of a new connection: tracked from its first packet, a SYN
+/// (a handshake) or not (picked up mid-stream).
+#[inline(always)]
+fn initial_state<A>(packet: &Packet<A>) -> u32 {
+    if packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        flow_state::HANDSHAKE_TRACKED | flow_state::SYN
+    } else {
+        flow_state::HANDSHAKE_TRACKED
+    }
+}
+
+/// Whether a map update failed because the map is full.
+#[inline(always)]
+pub(crate) fn is_full(error: i64) -> bool {
+    error == -E2BIG || error == -ENOMEM
+}
+
+const E2BIG: i64 = 7;
+const ENOMEM: i64 = 12;
+
+/// Early drop, as conntrack's when its table is full: takes the oldest connections off the
+/// queue of recent new connections (`vipr_edrop4_v1`) and deletes both entries of the first
+/// one that may be evicted (`flow_state::evictable`: never an established connection or a UDP
+/// stream), passing over those that are gone or established. A candidate whose client sent
+/// its last packet less than `EARLY_DROP_MIN_AGE_NS` ago is spared, and with it every younger
+/// one (a handshake in flight): `false`, and the new connection is refused. At most
+/// [`EARLY_DROP_CANDIDATES`] are looked at, so the cost is bounded. (Between the check and the
+/// deletion the client's ACK may establish the candidate on another CPU: a window of a few
+/// instructions, which conntrack closes with a lock.)
+#[inline(never)]
+pub(crate) fn make_room<A: Family>() -> bool {
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let mut looked = 0;
+    while looked < EARLY_DROP_CANDIDATES {
+        looked += 1;
+        let Some(key) = A::early_drop_head() else {
+            return false;
+        };
+        let Some(tracked) = A::flow(&key) else {
+            A::early_drop_pop();
+            continue;
+        };
+        // SAFETY: the entry's tracking fields: their values as of now, not of the lookup.
+        let (state, last_seen) =
+            unsafe { ((*tracked.track.as_ptr()).state, (*tracked.track.as_ptr()).last_seen) };
+        if !flow_state::evictable(state) || tracked.nat.flags & flow_flags::REPLY != 0 {
+            A::early_drop_pop();
+            continue;
+        }
+        if now.wrapping_sub(last_seen) < capacity::EARLY_DROP_MIN_AGE_NS {
+            return false;
+        }
+        A::early_drop_pop();
+        A::forget(&partner(&key, &tracked.nat));
+        A::forget(&key);
+        stat(datapath_stat::EARLY_DROP);
+        return true;
+    }
+    false
+}
+
+/// Queue entries [`make_room`] looks at, at most.
+const EARLY_DROP_CANDIDATES: u32 = 8;
+
 /// The source class of an address: the node's own, a pod's (by the local-traffic
 /// detector), or anything else.
 #[inline(always)]
@@ -230,17 +403,20 @@ fn no_backend<A: Family>(ctx: &TcContext, packet: &Packet<A>, service: &Service)
     }
 }
 
-/// Records both directions of a new connection that keeps its source; `None` (counted) when
-/// the flows map is full, and the caller drops the packet: a connection whose replies could
-/// not be reverse-NATed, or whose next packet could go to another backend, must not start.
-/// `now` is the clock reading the caller took for the whole decision (affinity, `last_seen`).
+/// Records both directions of a new connection that keeps its source; an error when the flows
+/// map is full, and the caller drops the packet: a connection whose replies could not be
+/// reverse-NATed, or whose next packet could go to another backend, must not start. Unless
+/// `last_try`, a full map is [`Refusal::MapFull`], not counted: the caller makes room and
+/// tries again. `now` is the clock reading the caller took for the whole decision (affinity,
+/// `last_seen`).
 #[inline(always)]
 pub(crate) fn track<A: Family>(
     packet: &Packet<A>,
     backend: &Endpoint<A>,
     counter: u32,
     now: u64,
-) -> Option<Nat<A>> {
+    last_try: bool,
+) -> Result<Nat<A>, Refusal> {
     let client = &packet.flow;
     let reply_key = Tuple {
         src: backend.addr,
@@ -257,6 +433,7 @@ pub(crate) fn track<A: Family>(
         flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
         counter,
         last_seen: 0,
+        state: initial_state(packet),
     };
     let forward = Nat {
         src: A::UNSPECIFIED,
@@ -266,23 +443,34 @@ pub(crate) fn track<A: Family>(
         flags: flow_flags::REWRITE_DESTINATION,
         counter,
         last_seen: now,
+        state: initial_state(packet),
     };
-    if A::record(&reply_key, &reply).is_err() {
-        stat(datapath_stat::FLOW_INSERT_REPLY);
-        return None;
+    if let Err(error) = A::record(&reply_key, &reply) {
+        return Err(refuse(error, last_try, datapath_stat::FLOW_INSERT_REPLY));
     }
-    if A::record(client, &forward).is_err() {
-        stat(datapath_stat::FLOW_INSERT_FORWARD);
+    if let Err(error) = A::record(client, &forward) {
         A::forget(&reply_key);
-        return None;
+        return Err(refuse(error, last_try, datapath_stat::FLOW_INSERT_FORWARD));
     }
-    Some(forward)
+    A::remember_new(client);
+    Ok(forward)
+}
+
+/// A failed insert: [`Refusal::MapFull`] for a full map unless `last_try`, else counted as
+/// `stat`.
+#[inline(always)]
+fn refuse(error: i64, last_try: bool, stat_index: u32) -> Refusal {
+    if is_full(error) && !last_try {
+        return Refusal::MapFull;
+    }
+    stat(stat_index);
+    Refusal::Counted
 }
 
 /// Records a new connection whose source becomes the node's address toward the backend. The
 /// reply entry is claimed first, because the (backend, node address, port) tuple is what
-/// tells this connection's replies apart from every other one. `None` (counted) when no port
-/// could be claimed or the flows map is full: the caller drops the packet.
+/// tells this connection's replies apart from every other one. An error when no port could be
+/// claimed (counted) or the flows map is full (as [`track`]): the caller drops the packet.
 #[inline(always)]
 pub(crate) fn track_masqueraded<A: Family>(
     packet: &Packet<A>,
@@ -290,7 +478,8 @@ pub(crate) fn track_masqueraded<A: Family>(
     counter: u32,
     node_addr: A,
     now: u64,
-) -> Option<Nat<A>> {
+    last_try: bool,
+) -> Result<Nat<A>, Refusal> {
     let client = &packet.flow;
     let reply = Nat {
         src: client.dst,
@@ -300,10 +489,15 @@ pub(crate) fn track_masqueraded<A: Family>(
         flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION,
         counter,
         last_seen: 0,
+        state: initial_state(packet),
     };
-    let Some(node_port) = claim_reply(backend, node_addr, client, &reply) else {
-        stat(datapath_stat::SNAT_PORT_EXHAUSTED);
-        return None;
+    let node_port = match claim_reply(backend, node_addr, client, &reply) {
+        Ok(port) => port,
+        Err(Refusal::MapFull) if !last_try => return Err(Refusal::MapFull),
+        Err(_) => {
+            stat(datapath_stat::SNAT_PORT_EXHAUSTED);
+            return Err(Refusal::Counted);
+        }
     };
     let forward = Nat {
         src: node_addr,
@@ -313,9 +507,9 @@ pub(crate) fn track_masqueraded<A: Family>(
         flags: flow_flags::REWRITE_DESTINATION | flow_flags::REWRITE_SOURCE,
         counter,
         last_seen: now,
+        state: initial_state(packet),
     };
-    if A::record(client, &forward).is_err() {
-        stat(datapath_stat::FLOW_INSERT_FORWARD);
+    if let Err(error) = A::record(client, &forward) {
         A::forget(&Tuple {
             src: backend.addr,
             dst: node_addr,
@@ -323,9 +517,10 @@ pub(crate) fn track_masqueraded<A: Family>(
             dst_port: node_port,
             proto: client.proto,
         });
-        return None;
+        return Err(refuse(error, last_try, datapath_stat::FLOW_INSERT_FORWARD));
     }
-    Some(forward)
+    A::remember_new(client);
+    Ok(forward)
 }
 
 /// Applies a flow entry's rewrites to the packet; a first fragment's ports are remembered for

@@ -40,7 +40,7 @@ use crate::{
     maps::BACKEND_COUNTERS,
     packet::{Change, Packet, Tuple, ETH_P_IP},
     route::zeroed_fib_params,
-    tc::{choose_slot, classify, touch, track, track_masqueraded},
+    tc::{choose_slot, classify, observe, track, track_masqueraded, Refusal},
     wire::{ETH_HLEN, IPV4_MIN_HLEN, IP_MF, IP_OFFSET, TCP_CSUM_AT, TCP_FLAGS_AT, UDP_CSUM_AT},
 };
 
@@ -180,7 +180,7 @@ fn fast_path(ctx: &XdpContext) -> Option<u32> {
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let out = egress(ctx, destination, tot_len)?;
-        touch(tracked.track, packet.tcp_flags);
+        observe(&packet.flow, &tracked, packet.tcp_flags);
         count(ctx, flow.counter);
         return finish(ctx, &packet, &flow, &out);
     }
@@ -201,13 +201,16 @@ fn fast_path(ctx: &XdpContext) -> Option<u32> {
     }
     let out = egress(ctx, backend.addr, tot_len)?;
     let forward = if service.flags & service_flags::MASQUERADE != 0 {
-        track_masqueraded(&packet, &backend, counter, out.source, now)
+        track_masqueraded(&packet, &backend, counter, out.source, now, false)
     } else {
-        track(&packet, &backend, counter, now)
+        track(&packet, &backend, counter, now, false)
     };
-    // Counted by the tracking; TC would drop it the same way.
-    let Some(forward) = forward else {
-        return Some(xdp_action::XDP_DROP);
+    let forward = match forward {
+        Ok(forward) => forward,
+        // A full flows map: TC makes room (early drop) or refuses.
+        Err(Refusal::MapFull) => return None,
+        // Counted by the tracking; TC would drop it the same way.
+        Err(_) => return Some(xdp_action::XDP_DROP),
     };
     affinity::remember(&service, &packet.flow.src, &backend, now);
     count(ctx, counter);

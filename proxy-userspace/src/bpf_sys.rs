@@ -90,6 +90,46 @@ pub struct MapBatchAttr {
     pub flags: u64,
 }
 
+/// `BPF_MAP_GET_NEXT_KEY`.
+#[repr(C)]
+#[derive(Debug, Default)]
+struct MapNextKeyAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    next_key: u64,
+}
+
+/// The number of keys of a hash-like map (hash, LRU hash, LPM trie) whose keys are `key_size`
+/// bytes, walked with `BPF_MAP_GET_NEXT_KEY` (one system call per key, no values read). A walk
+/// racing with deletions may restart from the first key; it stops after `limit` keys, so the
+/// count is at most `limit`.
+pub fn count_keys(map: BorrowedFd<'_>, key_size: u32, limit: u64) -> io::Result<u64> {
+    let mut keys = [vec![0u8; key_size as usize], vec![0u8; key_size as usize]];
+    let mut count = 0;
+    let mut first = true;
+    while count < limit {
+        let [current, next] = &mut keys;
+        let mut attr = MapNextKeyAttr {
+            map_fd: map.as_raw_fd() as u32,
+            pad: 0,
+            // A null key asks for the first key.
+            key: if first { 0 } else { current.as_ptr() as u64 },
+            next_key: next.as_mut_ptr() as u64,
+        };
+        // SAFETY: both buffers hold a key of the map's key size and outlive the call.
+        match unsafe { bpf(cmd::MAP_GET_NEXT_KEY, &mut attr) } {
+            Ok(_) => {}
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => break,
+            Err(error) => return Err(error),
+        }
+        count += 1;
+        first = false;
+        keys.swap(0, 1);
+    }
+    Ok(count)
+}
+
 /// `BPF_PROG_TEST_RUN`, for the benchmarks.
 #[repr(C)]
 #[derive(Debug, Default)]
@@ -135,44 +175,5 @@ pub fn update_batch<K: Copy, V: Copy>(map: BorrowedFd<'_>, keys: &[K], values: &
         Ok(())
     } else {
         Err(io::Error::other(format!("wrote {} of {count} entries", attr.count)))
-    }
-}
-
-/// `BPF_MAP_GET_NEXT_KEY`: the map, the key to start after (0: from the first) and where the
-/// next key goes.
-#[repr(C)]
-#[derive(Default)]
-struct MapNextKeyAttr {
-    map_fd: u32,
-    pad: u32,
-    key: u64,
-    next_key: u64,
-}
-
-/// How many keys `map` holds, by walking them (`key_size` bytes each). For an inspection, not
-/// a hot path: one system call per entry. Entries inserted or deleted meanwhile may or may not
-/// be counted.
-pub fn count_keys(map: BorrowedFd<'_>, key_size: u32) -> io::Result<u64> {
-    let mut current = vec![0u8; key_size as usize];
-    let mut next = vec![0u8; key_size as usize];
-    let mut count = 0;
-    let mut first = true;
-    loop {
-        let mut attr = MapNextKeyAttr {
-            map_fd: map.as_raw_fd() as u32,
-            key: if first { 0 } else { current.as_ptr() as u64 },
-            next_key: next.as_mut_ptr() as u64,
-            ..MapNextKeyAttr::default()
-        };
-        // SAFETY: both buffers are `key_size` bytes, as the kernel reads and writes, and
-        // outlive the call.
-        match unsafe { bpf(cmd::MAP_GET_NEXT_KEY, &mut attr) } {
-            Ok(_) => {}
-            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(count),
-            Err(error) => return Err(error),
-        }
-        count += 1;
-        first = false;
-        std::mem::swap(&mut current, &mut next);
     }
 }

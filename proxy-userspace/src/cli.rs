@@ -188,8 +188,9 @@ pub struct Args {
     #[arg(long, value_name = "ENTRIES")]
     pub bpf_backends_max: Option<u32>,
 
-    /// Capacity of the connection-tracking map, two entries per connection; the least
-    /// recently used connections are forgotten first when it is full [default: 524288].
+    /// Capacity of the connection-tracking map, two entries per connection; when it is full, a
+    /// new connection replaces one that never completed its handshake, or is refused
+    /// [default: 524288].
     #[arg(long, value_name = "ENTRIES")]
     pub bpf_flows_max: Option<u32>,
 
@@ -252,15 +253,38 @@ pub struct Args {
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
 
-    /// Idle timeout of UDP flows that were never answered (0: the kernel's 30s);
-    /// nf_conntrack_udp_timeout in iptables and ipvs modes [default: 0s].
+    /// Idle timeout of UDP flows that were never answered, or answered once (0: the kernel's
+    /// 30s); nf_conntrack_udp_timeout in iptables and ipvs modes [default: 0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_udp_timeout: Option<Duration>,
 
-    /// Idle timeout of UDP flows that were answered (0: the kernel's 120s);
-    /// nf_conntrack_udp_timeout_stream in iptables and ipvs modes [default: 0s].
+    /// Idle timeout of UDP streams, whose client sent again after an answer (0: the kernel's
+    /// 120s); nf_conntrack_udp_timeout_stream in iptables and ipvs modes [default: 0s].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub conntrack_udp_timeout_stream: Option<Duration>,
+
+    // Flow table under attack (docs/reliability.md): half-open connections and a filling map.
+    /// Idle timeout of TCP connections the backend never answered (the kernel's SYN_SENT; 0:
+    /// the default) [default: 2m0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub conntrack_tcp_timeout_syn_sent: Option<Duration>,
+
+    /// Idle timeout of TCP connections the backend answered but whose client never completed
+    /// the handshake (the kernel's SYN_RECV; 0: the default) [default: 1m0s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub conntrack_tcp_timeout_syn_recv: Option<Duration>,
+
+    /// Fill level of the flows map, in percent of its capacity, above which connections that
+    /// are not established (TCP without the client's ACK after the SYN-ACK, UDP that is no
+    /// stream) expire after --conntrack-pressure-timeout and the expiry runs every second
+    /// [default: 75].
+    #[arg(long, value_name = "PERCENT")]
+    pub conntrack_pressure_threshold: Option<u8>,
+
+    /// Idle timeout of connections that are not established while the flows map is above
+    /// --conntrack-pressure-threshold [default: 5s].
+    #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
+    pub conntrack_pressure_timeout: Option<Duration>,
 
     /// Remove everything vipr installed (programs, links, pinned maps under --bpf-root) and
     /// exit.

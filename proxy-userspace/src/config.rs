@@ -720,14 +720,39 @@ pub struct ConntrackTimeouts {
     /// TCP connections with a FIN both ways or an RST, idle: the kernel's CLOSE state (10 s)
     /// rather than TIME_WAIT (120 s), since the backend keeps its own TIME_WAIT. No flag.
     pub tcp_closed: Duration,
-    /// TCP connections the backend never answered, idle: the kernel's SYN_SENT (120 s). No
-    /// flag. Without it a SYN flood's entries would hold the flows map for a day: the map is
-    /// not LRU, so as not to evict live connections.
-    pub tcp_unanswered: Duration,
-    /// UDP flows never answered.
+    /// TCP connections the backend never answered, idle: the kernel's SYN_SENT (120 s). Without
+    /// it a SYN flood's entries would hold the flows map for a day: the map is not LRU, so as
+    /// not to evict live connections.
+    pub tcp_syn_sent: Duration,
+    /// TCP connections the backend answered (SYN-ACK) whose client never completed the
+    /// handshake, idle: the kernel's SYN_RECV (60 s). A spoofed SYN flood's entries end here.
+    pub tcp_syn_recv: Duration,
+    /// UDP flows never answered, or answered once (a DNS query and its answer): conntrack's
+    /// UDP entries that are not ASSURED.
     pub udp: Duration,
-    /// UDP flows answered at least once.
+    /// UDP streams: the client sent again after an answer.
     pub udp_stream: Duration,
+    /// What changes when the flows map fills up.
+    pub pressure: FlowPressure,
+}
+
+/// The flows map under pressure (a flood of new connections): above `threshold_percent` of its
+/// capacity, the reaper runs more often and expires connections that are not established (TCP
+/// without the client's ACK after the SYN-ACK, UDP that is no stream) after `timeout` idle
+/// instead of their usual timeout, as Cilium's connection-tracking garbage collection does when
+/// its table fills up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowPressure {
+    /// `--conntrack-pressure-threshold`, 1 to 100.
+    pub threshold_percent: u8,
+    /// `--conntrack-pressure-timeout`.
+    pub timeout: Duration,
+}
+
+impl Default for FlowPressure {
+    fn default() -> Self {
+        Self { threshold_percent: 75, timeout: Duration::from_secs(5) }
+    }
 }
 
 impl Default for ConntrackTimeouts {
@@ -736,9 +761,11 @@ impl Default for ConntrackTimeouts {
             tcp_established: Duration::from_secs(24 * 3600),
             tcp_close_wait: Duration::from_secs(3600),
             tcp_closed: Duration::from_secs(10),
-            tcp_unanswered: Duration::from_secs(120),
+            tcp_syn_sent: Duration::from_secs(120),
+            tcp_syn_recv: Duration::from_secs(60),
             udp: Duration::from_secs(30),
             udp_stream: Duration::from_secs(120),
+            pressure: FlowPressure::default(),
         }
     }
 }
@@ -770,7 +797,14 @@ impl ConntrackTimeouts {
                 defaults.tcp_close_wait,
             )?,
             tcp_closed: defaults.tcp_closed,
-            tcp_unanswered: defaults.tcp_unanswered,
+            tcp_syn_sent: args
+                .conntrack_tcp_timeout_syn_sent
+                .filter(|t| !t.is_zero())
+                .unwrap_or(defaults.tcp_syn_sent),
+            tcp_syn_recv: args
+                .conntrack_tcp_timeout_syn_recv
+                .filter(|t| !t.is_zero())
+                .unwrap_or(defaults.tcp_syn_recv),
             udp: timeout(
                 args.conntrack_udp_timeout,
                 "conntrack.udpTimeout",
@@ -783,6 +817,20 @@ impl ConntrackTimeouts {
                 &section.udp_stream_timeout,
                 defaults.udp_stream,
             )?,
+            pressure: FlowPressure {
+                threshold_percent: match args.conntrack_pressure_threshold {
+                    None => defaults.pressure.threshold_percent,
+                    Some(percent @ 1..=100) => percent,
+                    Some(_) => bail!("--conntrack-pressure-threshold must be a percentage from 1 to 100"),
+                },
+                timeout: match args.conntrack_pressure_timeout {
+                    None => defaults.pressure.timeout,
+                    Some(timeout) if timeout.is_zero() => {
+                        bail!("--conntrack-pressure-timeout must be greater than 0")
+                    }
+                    Some(timeout) => timeout,
+                },
+            },
         })
     }
 }
@@ -1539,6 +1587,48 @@ mod tests {
         let from_file = resolve(&[&file.arg(), "--conntrack-udp-timeout-stream=2m"]).unwrap();
         assert_eq!(from_file.tcp_established, Duration::from_secs(3600));
         assert_eq!(from_file.udp_stream, Duration::from_secs(120), "the flag wins");
+    }
+
+    #[test]
+    fn half_open_and_pressure_flags() {
+        let resolve = |flags: &[&str]| {
+            let args =
+                Args::try_parse_from([&["vipr", "--services-file=/dev/null"], flags].concat()).unwrap();
+            Settings::resolve(&args).map(|settings| settings.conntrack)
+        };
+        let defaults = resolve(&[]).unwrap();
+        assert_eq!(
+            (defaults.tcp_syn_sent, defaults.tcp_syn_recv, defaults.pressure),
+            (
+                Duration::from_secs(120),
+                Duration::from_secs(60),
+                FlowPressure { threshold_percent: 75, timeout: Duration::from_secs(5) }
+            ),
+            "the kernel's SYN_SENT and SYN_RECV"
+        );
+        let set = resolve(&[
+            "--conntrack-tcp-timeout-syn-sent=3s",
+            "--conntrack-tcp-timeout-syn-recv=2s",
+            "--conntrack-pressure-threshold=50",
+            "--conntrack-pressure-timeout=1s",
+        ])
+        .unwrap();
+        assert_eq!(
+            (set.tcp_syn_sent, set.tcp_syn_recv, set.pressure),
+            (
+                Duration::from_secs(3),
+                Duration::from_secs(2),
+                FlowPressure { threshold_percent: 50, timeout: Duration::from_secs(1) }
+            )
+        );
+        for bad in [
+            "--conntrack-pressure-threshold=0",
+            "--conntrack-pressure-threshold=101",
+            "--conntrack-pressure-timeout=0s",
+        ] {
+            let error = resolve(&[bad]).unwrap_err().to_string();
+            assert!(error.contains(bad.split('=').next().unwrap()), "{bad}: {error}");
+        }
     }
 
     #[test]

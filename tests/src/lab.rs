@@ -147,7 +147,16 @@ impl Lab {
         Ok(&self.topology.add_leaf(spec)?.netns)
     }
 
+    /// [`Self::start_vipr`] with more flags on vipr's command line.
+    pub fn start_vipr_with(&mut self, extra_args: &[&str]) -> Result<&Vipr> {
+        self.start_vipr_on_with(self.topology.node_interfaces(), extra_args)
+    }
+
     fn start_vipr_on(&mut self, devices: Vec<String>) -> Result<&Vipr> {
+        self.start_vipr_on_with(devices, &[])
+    }
+
+    fn start_vipr_on_with(&mut self, devices: Vec<String>, extra_args: &[&str]) -> Result<&Vipr> {
         if self.vipr.is_some() {
             bail!("vipr is running already");
         }
@@ -159,7 +168,9 @@ impl Lab {
             verbose: true,
         };
         let log = self.workdir.path().join(format!("vipr-{}.log", self.logs.len() + 1));
-        let vipr = Vipr::start(&self.binary, self.node(), &config, &log)?;
+        let mut args = config.args();
+        args.extend(extra_args.iter().map(|arg| (*arg).to_owned()));
+        let vipr = Vipr::start_with_args(&self.binary, self.node(), &args, &log)?;
         self.logs.push(log);
         Ok(self.vipr.insert(vipr))
     }

@@ -56,7 +56,7 @@ pub struct ViprConfig {
 }
 
 impl ViprConfig {
-    fn args(&self) -> Vec<String> {
+    pub(crate) fn args(&self) -> Vec<String> {
         let mut args = vec![
             "--proxy-mode=ebpf".to_owned(),
             format!("--services-file={}", self.services_file.display()),

@@ -601,11 +601,11 @@ fn counters() -> Result<()> {
     Ok(())
 }
 
-/// A full flows map refuses new connections: their first packet is dropped and counted, as
-/// conntrack drops when its table is full, since a connection whose replies could not be
-/// reverse-NATed must not start. With one free entry, the reply entry fits and the forward one
-/// does not: the reply entry is taken back. Nothing is evicted (a plain hash map, not LRU):
-/// the connection tracked before the map filled keeps both its entries.
+/// A full flows map with nothing to evict refuses new connections: their first packet is
+/// dropped and counted, as conntrack drops when its table is full, since a connection whose
+/// replies could not be reverse-NATed must not start. With one free entry, the reply entry
+/// fits and the forward one does not: the reply entry is taken back. The established
+/// connection tracked before the map filled is never evicted and keeps both its entries.
 #[test]
 fn a_full_flows_map_refuses_new_connections_and_keeps_tracked_ones() {
     full_flows_map().unwrap_or_else(|err| panic!("{err:#}"));
@@ -617,6 +617,10 @@ fn full_flows_map() -> Result<()> {
     let first = Packet::tcp(CLIENT, WEB);
     check(&h, &first.build(), TC_ACT_OK, Expect::Frame(&first.clone().to(WEB_BACKEND).build()))
         .context("the connection tracked before the map fills")?;
+    // Established (answered, then acknowledged by the client), so early drop must spare it.
+    let answer = Packet::tcp(WEB_BACKEND, CLIENT);
+    check(&h, &answer.build(), TC_ACT_OK, Expect::Frame(&answer.clone().from(WEB).build()))?;
+    check(&h, &first.build(), TC_ACT_OK, Expect::Frame(&first.clone().to(WEB_BACKEND).build()))?;
     // Distinct clients of some other address, none of them recent.
     let (_, filler_flow) = nat_entries(CLIENT, WEB, WEB_BACKEND, IPPROTO_TCP)[0];
     let filler = |i: u32| {
@@ -655,6 +659,140 @@ fn full_flows_map() -> Result<()> {
     Ok(())
 }
 
+// ---------------------------------------------------------------------------------------------
+// The handshake and early drop (docs/reliability.md, "Flow table under attack").
+
+const TCP_SYN: u8 = 0x02;
+const TCP_SYN_ACK: u8 = 0x12;
+const TCP_ACK: u8 = 0x10;
+
+/// The handshake bits of `key`'s entry (FIN and RST left out).
+fn handshake_bits(h: &Harness, key: FlowKey4) -> Result<u32> {
+    let flows = h.raw_flows()?;
+    let flow = flows.get(&key).with_context(|| format!("no entry {key:?}"))?;
+    Ok(flow.track.state & !(flow_state::FIN | flow_state::RST))
+}
+
+/// Runs `packet` and expects it balanced into `expected`.
+fn pass(h: &Harness, packet: &Packet, expected: Packet) -> Result<()> {
+    check(h, &packet.build(), TC_ACT_OK, Expect::Frame(&expected.build())).map(drop)
+}
+
+/// As conntrack: a SYN and the backend's SYN-ACK leave a connection half-open (what a spoofed
+/// SYN flood, whose SYN-ACKs go nowhere, produces); only the client's ACK after the SYN-ACK
+/// establishes it. Both entries carry the bits, so either tells whether it may be evicted.
+#[test]
+fn a_syn_ack_alone_does_not_establish_the_clients_ack_does() {
+    handshake().unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+fn handshake() -> Result<()> {
+    let mut h = Harness::new()?;
+    standard_world(&mut h)?;
+    let keys = [flow_key(CLIENT, WEB, IPPROTO_TCP), flow_key(WEB_BACKEND, CLIENT, IPPROTO_TCP)];
+    let both = |h: &Harness, bits: u32, after: &str| -> Result<()> {
+        for key in keys {
+            let got = handshake_bits(h, key)?;
+            ensure!(got == bits, "after {after}: state {got:#x} in {key:?}, expected {bits:#x}");
+        }
+        Ok(())
+    };
+    let tracked = flow_state::HANDSHAKE_TRACKED;
+    let syn = Packet::tcp(CLIENT, WEB).tcp_flags(TCP_SYN);
+    pass(&h, &syn, syn.clone().to(WEB_BACKEND)).context("SYN")?;
+    both(&h, tracked | flow_state::SYN, "the SYN")?;
+    let syn_ack = Packet::tcp(WEB_BACKEND, CLIENT).tcp_flags(TCP_SYN_ACK);
+    pass(&h, &syn_ack, syn_ack.clone().from(WEB)).context("SYN-ACK")?;
+    let half_open = tracked | flow_state::SYN | flow_state::SYN_ACK | flow_state::REPLIED;
+    both(&h, half_open, "the SYN-ACK")?;
+    // Retransmissions of both change nothing.
+    pass(&h, &syn, syn.clone().to(WEB_BACKEND)).context("SYN again")?;
+    pass(&h, &syn_ack, syn_ack.clone().from(WEB)).context("SYN-ACK again")?;
+    both(&h, half_open, "retransmissions")?;
+    let ack = Packet::tcp(CLIENT, WEB).tcp_flags(TCP_ACK);
+    pass(&h, &ack, ack.clone().to(WEB_BACKEND)).context("the client's ACK")?;
+    both(&h, half_open | flow_state::ESTABLISHED, "the client's ACK")?;
+    Ok(())
+}
+
+/// A new connection that finds the flows map full replaces a half-open one (early drop,
+/// counted), never an established one: with only established connections to evict, the next
+/// new connection is refused. A half-open connection younger than a quarter second (the newcomer
+/// itself, right after its SYN) is spared too.
+#[test]
+fn early_drop_replaces_a_half_open_connection_never_an_established_one() {
+    early_drop().unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+fn early_drop() -> Result<()> {
+    let mut h = Harness::new()?;
+    standard_world(&mut h)?;
+    let half_open = ep([192, 168, 1, 50], 40000);
+    let established = ep([192, 168, 1, 51], 40000);
+    for client in [half_open, established] {
+        let syn = Packet::tcp(client, WEB).tcp_flags(TCP_SYN);
+        pass(&h, &syn, syn.clone().to(WEB_BACKEND))?;
+        let syn_ack = Packet::tcp(WEB_BACKEND, client).tcp_flags(TCP_SYN_ACK);
+        pass(&h, &syn_ack, syn_ack.clone().from(WEB))?;
+    }
+    let ack = Packet::tcp(established, WEB).tcp_flags(TCP_ACK);
+    pass(&h, &ack, ack.clone().to(WEB_BACKEND))?;
+    // The half-open connection's SYN was long ago: early drop spares younger ones (a
+    // handshake in flight).
+    let half_open_key = flow_key(half_open, WEB, IPPROTO_TCP);
+    let mut stale = h.raw_flows()?[&half_open_key];
+    stale.track.last_seen = 1;
+    h.insert_flow(half_open_key, stale)?;
+
+    // The rest of the map: entries of an earlier vipr's layout, which are never evicted.
+    let (_, filler_flow) = nat_entries(CLIENT, WEB, WEB_BACKEND, IPPROTO_TCP)[0];
+    let filler = |i: u32| {
+        let [_, a, b, c] = i.to_be_bytes();
+        flow_key(ep([100, a, b, c], 1), ep([10, 96, 9, 9], 80), IPPROTO_TCP)
+    };
+    for i in 0..capacity::FLOWS - 4 {
+        h.insert_flow(filler(i), filler_flow).with_context(|| format!("filling entry {i}"))?;
+    }
+    ensure!(h.insert_flow(filler(capacity::FLOWS), filler_flow).is_err(), "the map should be full");
+
+    let newcomer = Packet::tcp(ep([192, 168, 1, 52], 40000), WEB).tcp_flags(TCP_SYN);
+    pass(&h, &newcomer, newcomer.clone().to(WEB_BACKEND)).context("a new connection into a full map")?;
+    let flows = h.raw_flows()?;
+    ensure!(
+        !flows.contains_key(&flow_key(half_open, WEB, IPPROTO_TCP))
+            && !flows.contains_key(&flow_key(WEB_BACKEND, half_open, IPPROTO_TCP)),
+        "the half-open connection should have made room"
+    );
+    for key in [
+        flow_key(established, WEB, IPPROTO_TCP),
+        flow_key(WEB_BACKEND, established, IPPROTO_TCP),
+        flow_key(ep([192, 168, 1, 52], 40000), WEB, IPPROTO_TCP),
+    ] {
+        ensure!(flows.contains_key(&key), "{key:?} should be tracked");
+    }
+    ensure!(h.datapath_stat(datapath_stat::EARLY_DROP)? == 1, "one early drop");
+
+    // The newcomer completes its handshake: every connection left is established, and the
+    // next new connection has nothing to evict.
+    let newcomer_client = ep([192, 168, 1, 52], 40000);
+    let syn_ack = Packet::tcp(WEB_BACKEND, newcomer_client).tcp_flags(TCP_SYN_ACK);
+    pass(&h, &syn_ack, syn_ack.clone().from(WEB))?;
+    let newcomer_ack = Packet::tcp(newcomer_client, WEB).tcp_flags(TCP_ACK);
+    pass(&h, &newcomer_ack, newcomer_ack.clone().to(WEB_BACKEND))?;
+    let refused = Packet::tcp(ep([192, 168, 1, 53], 40000), WEB).tcp_flags(TCP_SYN);
+    check(&h, &refused.build(), TC_ACT_SHOT, Expect::Unchanged).context("nothing evictable")?;
+    ensure!(h.datapath_stat(datapath_stat::EARLY_DROP)? == 1, "no second early drop");
+    ensure!(h.datapath_stat(datapath_stat::FLOW_INSERT_REPLY)? == 1, "the refusal is counted");
+    let flows = h.raw_flows()?;
+    ensure!(
+        flows.contains_key(&flow_key(established, WEB, IPPROTO_TCP))
+            && flows.contains_key(&flow_key(WEB_BACKEND, established, IPPROTO_TCP)),
+        "the established connection keeps both entries"
+    );
+    pass(&h, &ack, ack.clone().to(WEB_BACKEND)).context("the established connection's next packet")?;
+    Ok(())
+}
+
 /// Each flow entry records the FIN and RST its direction sent, and when it last saw a packet:
 /// the forward entry from the first packet on, the reply entry only once a reply passed.
 #[test]
@@ -669,9 +807,13 @@ fn close_tracking() -> Result<()> {
     standard_world(&mut h)?;
     let forward_key = flow_key(CLIENT, WEB, IPPROTO_TCP);
     let reply_key = flow_key(WEB_BACKEND, CLIENT, IPPROTO_TCP);
+    // Only the FIN and RST bits: the handshake bits have their own test.
     let track = |key| -> Result<FlowTrack> {
         let flows = h.raw_flows()?;
-        flows.get(&key).map(|flow| flow.track).with_context(|| format!("no entry {key:?}"))
+        let mut track =
+            flows.get(&key).map(|flow| flow.track).with_context(|| format!("no entry {key:?}"))?;
+        track.state &= flow_state::FIN | flow_state::RST;
+        Ok(track)
     };
     let send = |packet: Packet, expected: Packet| -> Result<()> {
         check(&h, &packet.build(), TC_ACT_OK, Expect::Frame(&expected.build())).map(drop)

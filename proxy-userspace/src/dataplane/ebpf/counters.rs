@@ -359,15 +359,41 @@ impl StatsMap {
     }
 }
 
-/// Counts the agent keeps about the flows map (its reaper's work).
+/// Counts the agent keeps about the flows map (its reaper's work), and the fill level of every
+/// pinned map (which the reaper thread refreshes).
 #[derive(Debug, Default)]
 pub struct FlowMetrics {
     /// Entries deleted because their connection was idle or closed, by protocol and reason.
     pub expired_tcp_idle: Counter,
     pub expired_tcp_closed: Counter,
+    /// TCP connections that never completed their handshake (SYN_SENT, SYN_RECV), idle past
+    /// their timeout.
+    pub expired_tcp_half_open: Counter,
     pub expired_udp: Counter,
+    /// Entries of connections that never completed their handshake (UDP: never answered)
+    /// expired early because the flows map was above its high-water mark.
+    pub evicted_pressure: Counter,
     /// Entries deleted because their endpoint left the EndpointSlices.
     pub reaped_gone_endpoint: Counter,
+    /// Pinned map name -> (entries, capacity), as last counted.
+    pub map_fill: Mutex<BTreeMap<String, MapFill>>,
+}
+
+/// How full one map is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MapFill {
+    pub entries: u64,
+    pub capacity: u64,
+}
+
+impl FlowMetrics {
+    pub fn set_fill(&self, map: &str, fill: MapFill) {
+        self.map_fill.lock().unwrap_or_else(PoisonError::into_inner).insert(map.to_owned(), fill);
+    }
+
+    pub fn fill(&self) -> BTreeMap<String, MapFill> {
+        self.map_fill.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
 }
 
 /// `/metrics` families of the datapath's counters.
@@ -401,6 +427,14 @@ fn service_labels(service: &ServicePortName) -> Vec<(String, String)> {
 
 fn family(name: &str, help: &str, samples: Vec<Sample>) -> MetricFamily {
     MetricFamily { name: name.to_owned(), help: help.to_owned(), kind: MetricKind::Counter, samples }
+}
+
+fn gauge(name: &str, help: &str, samples: Vec<Sample>) -> MetricFamily {
+    MetricFamily { name: name.to_owned(), help: help.to_owned(), kind: MetricKind::Gauge, samples }
+}
+
+fn reason(reason: &str, value: u64) -> Sample {
+    sample(vec![("reason".to_owned(), reason.to_owned())], value)
 }
 
 fn sample(labels: Vec<(String, String)>, value: u64) -> Sample {
@@ -437,18 +471,37 @@ impl Collector for DatapathCollector {
             service_packets.push(sample(service_labels(service), total.packets));
             service_bytes.push(sample(service_labels(service), total.bytes));
         }
-        let failures = {
+        let (failures, evictions, refusals) = {
             let stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
-            INSERT_FAILURES
+            let failures = INSERT_FAILURES
                 .iter()
                 .map(|(index, cause)| {
                     sample(vec![("cause".to_owned(), (*cause).to_owned())], stats.read(*index))
                 })
-                .collect()
+                .collect();
+            let evictions = vec![
+                reason("early_drop", stats.read(datapath_stat::EARLY_DROP)),
+                reason("pressure", self.flows.evicted_pressure.get()),
+            ];
+            let refusals = vec![
+                reason(
+                    "map_full",
+                    stats.read(datapath_stat::FLOW_INSERT_FORWARD)
+                        + stats.read(datapath_stat::FLOW_INSERT_REPLY),
+                ),
+                reason("snat_port_exhausted", stats.read(datapath_stat::SNAT_PORT_EXHAUSTED)),
+            ];
+            (failures, evictions, refusals)
         };
+        let (mut entries, mut capacities) = (Vec::new(), Vec::new());
+        for (map, fill) in self.flows.fill() {
+            entries.push(sample(vec![("map".to_owned(), map.clone())], fill.entries));
+            capacities.push(sample(vec![("map".to_owned(), map)], fill.capacity));
+        }
         let expired = [
             ("TCP", "idle", &self.flows.expired_tcp_idle),
             ("TCP", "closed", &self.flows.expired_tcp_closed),
+            ("TCP", "half_open", &self.flows.expired_tcp_half_open),
             ("UDP", "idle", &self.flows.expired_udp),
         ]
         .into_iter()
@@ -491,9 +544,30 @@ impl Collector for DatapathCollector {
             ),
             family(
                 "vipr_flow_entries_expired_total",
-                "Flow entries the agent deleted because their connection was idle or closed",
+                "Flow entries the agent deleted because their connection was idle, closed or never completed its \
+                 handshake (half_open), past its timeout",
                 expired,
             ),
+            family(
+                "vipr_flow_evictions_total",
+                "Flow entries deleted before their timeout to make room, by reason: early_drop (the flows map was \
+                 full: a connection that never completed its handshake gave way to a new one), pressure (expired early \
+                 above the flows map's high-water mark or while masquerade ports ran out); established connections \
+                 are never evicted",
+                evictions,
+            ),
+            family(
+                "vipr_flow_refusals_total",
+                "New connections the datapath refused (their packet dropped), by reason: map_full (no entry could be \
+                 stored nor evicted), snat_port_exhausted (no masquerade port free or reclaimable)",
+                refusals,
+            ),
+            gauge(
+                "vipr_bpf_map_entries",
+                "Entries in each pinned BPF map as last counted (arrays: their capacity)",
+                entries,
+            ),
+            gauge("vipr_bpf_map_capacity", "Capacity (max_entries) of each pinned BPF map", capacities),
             family(
                 "vipr_flow_entries_reaped_total",
                 "Flow entries the agent deleted because their endpoint left the EndpointSlices",

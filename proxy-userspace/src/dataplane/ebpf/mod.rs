@@ -168,6 +168,7 @@ impl EbpfDataplane {
             v6,
             reaper: reaper::Reaper::start(
                 reaper::ReaperOptions {
+                    pin_dir: pin_dir.path().to_path_buf(),
                     flows4_pin: pin_dir.path().join(pins::FLOWS4),
                     flows6_pin: pin_dir.path().join(pins::FLOWS6),
                     stats_pin,

@@ -11,14 +11,21 @@
 //! The same thread ends connections that are over, as the kernel's conntrack does with its
 //! timeouts (kube-proxy's `--conntrack-*` flags, [`ConntrackTimeouts`]): every
 //! [`Timing::interval`] it deletes both entries of each connection idle for longer than its
-//! state allows — TCP never answered (SYN sent), TCP established, TCP with a FIN one way
-//! (close-wait), TCP with a FIN both ways or an RST (closed), UDP (and SCTP) never answered,
-//! answered (stream). The flows map is a plain hash map, so these deletions are the only way
-//! its entries go: a full map refuses new connections (counted and logged below) instead of
-//! evicting live ones. The datapath keeps each
-//! entry's last packet time (to a second) and the FIN/RST it saw in [`FlowTrack`]. Between two
-//! passes an expired connection lives on, so entries last up to one interval past their timeout.
-//! The same pass logs, at most once a minute, new flow-insert failures of the datapath.
+//! state allows — TCP never answered (SYN sent), TCP answered whose client never completed the
+//! handshake (SYN received), TCP established, TCP with a FIN one way (close-wait), TCP with a
+//! FIN both ways or an RST (closed), UDP (and SCTP) never answered, answered (stream). The
+//! datapath keeps each entry's last packet time (to a second), the FIN/RST it saw and the
+//! connection's handshake progress in [`FlowTrack`]. Between two passes an expired connection
+//! lives on, so entries last up to one interval past their timeout.
+//!
+//! The flows map is a plain hash map: besides these deletions only the datapath's early drop
+//! removes entries (a new connection that finds the map full replaces one that never
+//! completed its handshake). Above the high-water mark ([`crate::config::FlowPressure`]) the
+//! passes run every second and such connections expire after the short pressure timeout, so
+//! a flood of spoofed SYNs or one-datagram UDP flows drains within seconds; established
+//! connections keep their timeouts. The same pass logs, at most once a minute, new
+//! flow-insert failures of the datapath, and counts every pinned map's entries for
+//! `vipr_bpf_map_entries`.
 //!
 //! Scanning the flows map takes a while at scale, so it runs on its own thread, off the sync
 //! path.
@@ -39,15 +46,21 @@ use aya::{
     maps::{HashMap, Map, MapData},
     Pod,
 };
-use proxy_common::{flow_flags, flow_state, proto, Flow4, Flow6, FlowKey4, FlowKey6, FlowTrack};
+use proxy_common::{
+    datapath_stat, flow_flags, flow_state, proto, Flow4, Flow6, FlowKey4, FlowKey6, FlowTrack,
+};
 use tracing::{debug, info, warn};
 
-use super::counters::{FlowMetrics, StatsMap, INSERT_FAILURES};
+use std::os::fd::AsFd as _;
+
+use super::counters::{FlowMetrics, MapFill, StatsMap, INSERT_FAILURES};
 use crate::{config::ConntrackTimeouts, model::Backend};
 
 /// Where the reaper finds the maps, and how long connections live.
 #[derive(Clone, Debug)]
 pub struct ReaperOptions {
+    /// Where every pinned map is, for their fill levels.
+    pub pin_dir: PathBuf,
     pub flows4_pin: PathBuf,
     pub flows6_pin: PathBuf,
     /// The datapath's statistics, for the insert-failure log.
@@ -63,7 +76,8 @@ fn interval(timeouts: &ConntrackTimeouts) -> Duration {
         timeouts.tcp_established,
         timeouts.tcp_close_wait,
         timeouts.tcp_closed,
-        timeouts.tcp_unanswered,
+        timeouts.tcp_syn_sent,
+        timeouts.tcp_syn_recv,
         timeouts.udp,
         timeouts.udp_stream,
     ]
@@ -72,6 +86,18 @@ fn interval(timeouts: &ConntrackTimeouts) -> Duration {
     .unwrap_or(Duration::from_secs(60))
     .clamp(Duration::from_secs(1), Duration::from_secs(60))
 }
+
+/// How often the expiry pass runs while a flows map is above its high-water mark: often enough
+/// that half-open entries go soon after the pressure timeout, at most four times a second.
+fn pressure_interval(timeouts: &ConntrackTimeouts) -> Duration {
+    (timeouts.pressure.timeout / 2)
+        .clamp(Duration::from_millis(250), Duration::from_secs(1))
+        .min(interval(timeouts))
+}
+
+/// How often the fill level of the maps other than the flows maps is counted (a system call
+/// per entry).
+const FILL_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The insert-failure log's rate limit.
 const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(60);
@@ -162,6 +188,10 @@ fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metric
     let mut expiry4 = Expiry::default();
     let mut expiry6 = Expiry::default();
     let mut failures = FailureLog::default();
+    // Counted at once, so that /metrics has the fill levels from the start.
+    count_fill(&options.pin_dir, metrics, true);
+    let mut last_fill = Some(Instant::now());
+    let mut snat_exhausted = StatGrowth(datapath_stat::SNAT_PORT_EXHAUSTED, 0);
     loop {
         match requests.recv_timeout(next_expiry.saturating_duration_since(Instant::now())) {
             Ok(()) => {
@@ -171,20 +201,36 @@ fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metric
             }
             Err(RecvTimeoutError::Timeout) => {
                 let now = monotonic_coarse_ns();
+                let ports_short = snat_exhausted.grew(&options.stats_pin);
+                expiry4.ports_short = ports_short;
+                expiry6.ports_short = ports_short;
+                let mut under_pressure = false;
                 for (family, expired) in [
                     ("IPv4", expiry4.pass::<Flow4>(&options.flows4_pin, &options.timeouts, now, metrics)),
                     ("IPv6", expiry6.pass::<Flow6>(&options.flows6_pin, &options.timeouts, now, metrics)),
                 ] {
                     match expired {
-                        Ok(0) => {}
-                        Ok(entries) => {
-                            debug!(family, entries, "deleted the entries of idle or closed connections")
+                        Ok(pass) => {
+                            if pass.deleted > 0 {
+                                debug!(
+                                    family,
+                                    entries = pass.deleted,
+                                    "deleted the entries of expired connections"
+                                );
+                            }
+                            under_pressure |= pass.under_pressure;
                         }
                         Err(error) => warn!(family, "cannot expire flows: {error:#}"),
                     }
                 }
                 failures.check(&options.stats_pin);
-                next_expiry = Instant::now() + interval;
+                if last_fill.is_none_or(|last| last.elapsed() >= FILL_INTERVAL) {
+                    // The flows maps were just counted by their passes; the others here.
+                    count_fill(&options.pin_dir, metrics, false);
+                    last_fill = Some(Instant::now());
+                }
+                next_expiry = Instant::now()
+                    + if under_pressure { pressure_interval(&options.timeouts) } else { interval };
             }
             Err(RecvTimeoutError::Disconnected) => return,
         }
@@ -324,45 +370,124 @@ fn reap<F: TrackedFlow>(flows_pin: &Path, listed: &Listed) -> anyhow::Result<usi
     Ok(reaped)
 }
 
-/// How long a connection may stay idle, from what both its entries saw.
+/// ExpiryReason a connection expires, for `vipr_flow_entries_expired_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ExpiryReason {
+    TcpIdle,
+    TcpClosed,
+    TcpHalfOpen,
+    Udp,
+    /// A half-open connection or unanswered UDP flow, early because the map is filling up.
+    Pressure,
+}
+
+/// How long a connection may stay idle, from what both its entries saw, and why it goes after
+/// that. `under_pressure`: the flows map is above its high-water mark.
 fn timeout(
     protocol: u8,
     forward: Option<FlowTrack>,
     reply: Option<FlowTrack>,
     timeouts: &ConntrackTimeouts,
-) -> Duration {
+    under_pressure: bool,
+) -> (Duration, ExpiryReason) {
     let state = forward.map_or(0, |track| track.state) | reply.map_or(0, |track| track.state);
-    if protocol == proto::TCP {
+    // Entries of an earlier vipr do not track the handshake: a reply means answered, and
+    // answered TCP counts as established, as that vipr judged it.
+    let tracked = state & flow_state::HANDSHAKE_TRACKED != 0;
+    let answered = if tracked {
+        state & flow_state::REPLIED != 0
+    } else {
+        reply.is_some_and(|track| track.last_seen != 0)
+    };
+    let usual = if protocol == proto::TCP {
         let fin_both_ways = forward.is_some_and(|track| track.state & flow_state::FIN != 0)
             && reply.is_some_and(|track| track.state & flow_state::FIN != 0);
-        let answered = reply.is_some_and(|track| track.last_seen != 0);
+        let established = if tracked { state & flow_state::ESTABLISHED != 0 } else { answered };
         if state & flow_state::RST != 0 || fin_both_ways {
-            timeouts.tcp_closed
-        } else if !answered {
-            timeouts.tcp_unanswered.min(timeouts.tcp_established)
+            (timeouts.tcp_closed, ExpiryReason::TcpClosed)
+        } else if !established {
+            // A FIN before the handshake completed (a spoofed SYN|FIN) does not make it a
+            // close-wait connection of an hour.
+            let half_open = if answered { timeouts.tcp_syn_recv } else { timeouts.tcp_syn_sent };
+            (half_open.min(timeouts.tcp_established), ExpiryReason::TcpHalfOpen)
         } else if state & flow_state::FIN != 0 {
-            timeouts.tcp_close_wait
+            (timeouts.tcp_close_wait, ExpiryReason::TcpIdle)
         } else {
-            timeouts.tcp_established
+            (timeouts.tcp_established, ExpiryReason::TcpIdle)
         }
-    } else if reply.is_some_and(|track| track.last_seen != 0) {
-        // Answered: a stream.
-        timeouts.udp_stream
+    } else if (tracked && state & flow_state::ESTABLISHED != 0) || (!tracked && answered) {
+        // A stream: the client sent again after an answer (an earlier vipr's entry: answered).
+        // A single exchange (a DNS query and its answer) keeps the short timeout, as
+        // conntrack's UDP entries that are not ASSURED.
+        (timeouts.udp_stream, ExpiryReason::Udp)
     } else {
-        timeouts.udp
+        (timeouts.udp, ExpiryReason::Udp)
+    };
+    if under_pressure && flow_state::evictable(state) && timeouts.pressure.timeout < usual.0 {
+        (timeouts.pressure.timeout, ExpiryReason::Pressure)
+    } else {
+        usual
     }
 }
 
 /// The shortest timeout an entry of `protocol` can have: younger entries are not looked at.
-fn shortest(protocol: u8, timeouts: &ConntrackTimeouts) -> Duration {
-    if protocol == proto::TCP {
+fn shortest(protocol: u8, timeouts: &ConntrackTimeouts, under_pressure: bool) -> Duration {
+    let usual = if protocol == proto::TCP {
         timeouts
             .tcp_closed
             .min(timeouts.tcp_close_wait)
             .min(timeouts.tcp_established)
-            .min(timeouts.tcp_unanswered)
+            .min(timeouts.tcp_syn_sent)
+            .min(timeouts.tcp_syn_recv)
     } else {
         timeouts.udp.min(timeouts.udp_stream)
+    };
+    if under_pressure {
+        usual.min(timeouts.pressure.timeout)
+    } else {
+        usual
+    }
+}
+
+/// What one expiry pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Pass {
+    /// Entries deleted.
+    deleted: usize,
+    /// The map was above its high-water mark when the pass began.
+    under_pressure: bool,
+}
+
+/// Counts the entries of every map pinned in `pin_dir` into `metrics` (arrays are always
+/// full: their capacity); the flows maps only with `with_flows` (the expiry passes count them).
+fn count_fill(pin_dir: &Path, metrics: &FlowMetrics, with_flows: bool) {
+    let Ok(pins) = std::fs::read_dir(pin_dir) else { return };
+    for pin in pins.filter_map(Result::ok) {
+        if !pin.file_type().is_ok_and(|kind| kind.is_file()) {
+            continue;
+        }
+        let name = pin.file_name().to_string_lossy().into_owned();
+        if !with_flows && [proxy_common::pins::FLOWS4, proxy_common::pins::FLOWS6].contains(&name.as_str()) {
+            continue;
+        }
+        let Ok(map) = MapData::from_pin(pin.path()) else { continue };
+        let Ok(info) = map.info() else { continue };
+        let capacity = u64::from(info.max_entries());
+        let entries = match info.map_type() {
+            Ok(aya::maps::MapType::Array | aya::maps::MapType::PerCpuArray) => capacity,
+            Ok(
+                aya::maps::MapType::Hash
+                | aya::maps::MapType::LruHash
+                | aya::maps::MapType::PerCpuHash
+                | aya::maps::MapType::LruPerCpuHash
+                | aya::maps::MapType::LpmTrie,
+            ) => match crate::bpf_sys::count_keys(map.fd().as_fd(), info.key_size(), capacity) {
+                Ok(entries) => entries,
+                Err(_) => continue,
+            },
+            _ => continue,
+        };
+        metrics.set_fill(&name, MapFill { entries, capacity });
     }
 }
 
@@ -373,31 +498,48 @@ struct Expiry<K> {
     /// the previous pass: deleted when the next pass finds them still alone, since a new
     /// connection's reply entry is stored just before its forward entry.
     unstamped: HashSet<K>,
+    /// Treat the map as under pressure whatever its fill level: new masqueraded connections
+    /// found no free port since the last pass, and the ports half-open connections hold come
+    /// back when they expire.
+    ports_short: bool,
 }
 
 impl<K: Pod + Eq + Hash> Expiry<K> {
-    /// One pass at time `now` (CLOCK_MONOTONIC_COARSE ns); returns the entries deleted.
+    /// One pass at time `now` (CLOCK_MONOTONIC_COARSE ns).
     fn pass<F: TrackedFlow<Key = K>>(
         &mut self,
         flows_pin: &Path,
         timeouts: &ConntrackTimeouts,
         now: u64,
         metrics: &FlowMetrics,
-    ) -> anyhow::Result<usize> {
+    ) -> anyhow::Result<Pass> {
         let map = MapData::from_pin(flows_pin)?;
+        let capacity = u64::from(map.info()?.max_entries());
         let mut flows: HashMap<MapData, K, F> = HashMap::try_from(Map::HashMap(map))?;
         let age = |track: &FlowTrack| Duration::from_nanos(now.saturating_sub(track.last_seen));
         // Collected first: deleting while iterating would restart the kernel's key walk. Only
-        // entries older than the shortest timeout of their protocol can have expired.
-        let candidates: Vec<K> = flows
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(key, flow)| age(&flow.track()) > shortest(F::proto(key), timeouts))
-            .map(|(key, _)| key)
-            .collect();
+        // entries older than the shortest timeout of their protocol (under pressure, if the map
+        // turns out to be under pressure) can have expired.
+        let mut entries = 0u64;
+        let mut old: Vec<(K, Duration)> = Vec::new();
+        for (key, flow) in flows.iter().filter_map(Result::ok) {
+            entries += 1;
+            let age = age(&flow.track());
+            if age > shortest(F::proto(&key), timeouts, true) {
+                old.push((key, age));
+            }
+        }
+        let under_pressure =
+            self.ports_short || entries * 100 >= capacity * u64::from(timeouts.pressure.threshold_percent);
+        if let Some(name) = flows_pin.file_name() {
+            metrics.set_fill(&name.to_string_lossy(), MapFill { entries, capacity });
+        }
         let mut unstamped = HashSet::new();
         let mut deleted = 0;
-        for key in candidates {
+        for (key, age) in old {
+            if age <= shortest(F::proto(&key), timeouts, under_pressure) {
+                continue;
+            }
             // Re-read: the entry may have seen a packet, or gone with its partner, meanwhile.
             let Ok(flow) = flows.get(&key, 0) else { continue };
             let partner_key = F::partner(&key, &flow);
@@ -412,7 +554,7 @@ impl<K: Pod + Eq + Hash> Expiry<K> {
                 unstamped.insert(key);
                 continue;
             }
-            let limit = timeout(F::proto(&key), forward, reply, timeouts);
+            let (limit, reason) = timeout(F::proto(&key), forward, reply, timeouts, under_pressure);
             if Duration::from_nanos(now.saturating_sub(last_seen)) <= limit {
                 continue;
             }
@@ -420,18 +562,31 @@ impl<K: Pod + Eq + Hash> Expiry<K> {
             if partner.is_some() {
                 removed += usize::from(flows.remove(&partner_key).is_ok());
             }
-            let counter = if F::proto(&key) != proto::TCP {
-                &metrics.expired_udp
-            } else if limit == timeouts.tcp_closed {
-                &metrics.expired_tcp_closed
-            } else {
-                &metrics.expired_tcp_idle
+            let counter = match reason {
+                ExpiryReason::Pressure => &metrics.evicted_pressure,
+                ExpiryReason::Udp => &metrics.expired_udp,
+                ExpiryReason::TcpClosed => &metrics.expired_tcp_closed,
+                ExpiryReason::TcpHalfOpen => &metrics.expired_tcp_half_open,
+                ExpiryReason::TcpIdle => &metrics.expired_tcp_idle,
             };
             counter.add(removed as u64);
             deleted += removed;
         }
         self.unstamped = unstamped;
-        Ok(deleted)
+        Ok(Pass { deleted, under_pressure })
+    }
+}
+
+/// Whether one datapath statistic grew since the last call.
+struct StatGrowth(u32, u64);
+
+impl StatGrowth {
+    fn grew(&mut self, stats_pin: &Path) -> bool {
+        let Ok(stats) = StatsMap::open(stats_pin) else { return false };
+        let now = stats.read(self.0);
+        let grew = now > self.1;
+        self.1 = now;
+        grew
     }
 }
 
@@ -572,8 +727,11 @@ mod tests {
             std::fs::create_dir_all(&root).unwrap();
             let pin_dir = super::super::PinDir::new(&root);
             pin_dir.create(&root).unwrap();
-            let ebpf =
-                aya::EbpfLoader::new().default_map_pin_directory(pin_dir.path()).load(crate::EBPF_OBJECT);
+            // A small flows map, so that a few entries can put it above a high-water mark.
+            let ebpf = aya::EbpfLoader::new()
+                .default_map_pin_directory(pin_dir.path())
+                .map_max_entries(proxy_common::pins::FLOWS4, 512)
+                .load(crate::EBPF_OBJECT);
             // From here on, Drop unmounts whatever happens.
             let mut maps = Self { ebpf: None, root };
             maps.ebpf = Some(ebpf.unwrap());
@@ -607,9 +765,11 @@ mod tests {
             tcp_established: Duration::from_secs(100),
             tcp_close_wait: Duration::from_secs(50),
             tcp_closed: Duration::from_secs(2),
-            tcp_unanswered: Duration::from_secs(10),
+            tcp_syn_sent: Duration::from_secs(10),
+            tcp_syn_recv: Duration::from_secs(10),
             udp: Duration::from_secs(3),
             udp_stream: Duration::from_secs(20),
+            pressure: crate::config::FlowPressure { threshold_percent: 100, timeout: Duration::from_secs(1) },
         };
         let now = 1_000 * S;
         let (fin, rst) = (flow_state::FIN, flow_state::RST);
@@ -647,16 +807,112 @@ mod tests {
 
         let metrics = FlowMetrics::default();
         let mut expiry = Expiry::default();
-        assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap(), 10);
+        assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap().deleted, 10);
         let mut after_first = staying.clone();
         after_first.insert((orphan.0.src_port, orphan.0.dst_port));
         assert_eq!(keys(&flows), after_first);
         assert_eq!(metrics.expired_udp.get(), 2);
         assert_eq!(metrics.expired_tcp_closed.get(), 4);
-        assert_eq!(metrics.expired_tcp_idle.get(), 4);
+        assert_eq!(metrics.expired_tcp_idle.get(), 2);
+        assert_eq!(metrics.expired_tcp_half_open.get(), 2);
 
-        assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap(), 1);
+        assert_eq!(expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap().deleted, 1);
         assert_eq!(keys(&flows), staying);
         assert_eq!(metrics.expired_udp.get(), 3);
+    }
+
+    /// Handshake tracking: a connection the backend answered (SYN-ACK) but whose client never
+    /// acknowledged is half-open, whatever else it saw (a spoofed SYN|FIN must not buy the hour
+    /// of close-wait); only the client's ACK makes it established. Entries of an earlier vipr,
+    /// without the handshake bits, keep that vipr's rule (answered = established).
+    #[test]
+    fn half_open_connections_get_the_handshake_timeouts() {
+        let timeouts = ConntrackTimeouts::default();
+        let tracked = flow_state::HANDSHAKE_TRACKED;
+        let track = |state, last_seen| Some(FlowTrack { counter: 0, state, last_seen });
+        let syn = tracked | flow_state::SYN;
+        let syn_recv = syn | flow_state::SYN_ACK | flow_state::REPLIED;
+        let tcp = |forward, reply| timeout(proto::TCP, forward, reply, &timeouts, false);
+        assert_eq!(tcp(track(syn, 1), track(syn, 0)).0, timeouts.tcp_syn_sent);
+        assert_eq!(tcp(track(syn_recv, 1), track(syn_recv, 1)).0, timeouts.tcp_syn_recv);
+        assert_eq!(
+            tcp(track(syn_recv | flow_state::FIN, 1), track(syn_recv, 1)).0,
+            timeouts.tcp_syn_recv,
+            "a FIN before the handshake completed"
+        );
+        let established = syn_recv | flow_state::ESTABLISHED;
+        assert_eq!(tcp(track(established, 1), track(established, 1)).0, timeouts.tcp_established);
+        assert_eq!(
+            tcp(track(established | flow_state::FIN, 1), track(established, 1)).0,
+            timeouts.tcp_close_wait
+        );
+        assert_eq!(tcp(track(0, 1), track(0, 1)).0, timeouts.tcp_established, "an earlier vipr's entry");
+        assert_eq!(tcp(track(0, 1), track(0, 0)).0, timeouts.tcp_syn_sent);
+        let udp = |forward, reply| timeout(proto::UDP, forward, reply, &timeouts, false).0;
+        assert_eq!(udp(track(tracked, 1), track(tracked, 0)), Duration::from_secs(30));
+        let answered = tracked | flow_state::REPLIED;
+        assert_eq!(udp(track(answered, 1), track(answered, 1)), timeouts.udp, "one exchange");
+        let replied = answered | flow_state::ESTABLISHED;
+        assert_eq!(udp(track(replied, 1), track(replied, 1)), timeouts.udp_stream, "a stream");
+
+        // Under pressure, half-open and unanswered go after the pressure timeout; established
+        // connections and answered UDP keep theirs.
+        let pressed = |protocol, state| timeout(protocol, track(state, 1), track(state, 1), &timeouts, true);
+        assert_eq!(pressed(proto::TCP, syn_recv), (timeouts.pressure.timeout, ExpiryReason::Pressure));
+        assert_eq!(pressed(proto::UDP, tracked), (timeouts.pressure.timeout, ExpiryReason::Pressure));
+        assert_eq!(pressed(proto::UDP, answered), (timeouts.pressure.timeout, ExpiryReason::Pressure));
+        assert_eq!(pressed(proto::TCP, established).0, timeouts.tcp_established);
+        assert_eq!(pressed(proto::UDP, replied).0, timeouts.udp_stream);
+        assert_eq!(pressed(proto::TCP, 0).0, timeouts.tcp_established, "an earlier vipr's entry");
+    }
+
+    /// Above the high-water mark a pass expires half-open connections idle past the pressure
+    /// timeout, and keeps established ones and recent half-open ones; below it, the same
+    /// connections stay.
+    #[test]
+    fn above_the_high_water_mark_half_open_connections_go_first() {
+        const S: u64 = 1_000_000_000;
+        let maps = Maps::new();
+        let pin = maps.flows4_pin();
+        let now = 1_000 * S;
+        let syn_recv =
+            flow_state::HANDSHAKE_TRACKED | flow_state::SYN | flow_state::SYN_ACK | flow_state::REPLIED;
+        let established = syn_recv | flow_state::ESTABLISHED;
+        let half_open = connection(proto::TCP, 1, (syn_recv, now - 3 * S), (syn_recv, now - 3 * S));
+        let fresh = connection(proto::TCP, 2, (syn_recv, now), (syn_recv, now));
+        let live = connection(proto::TCP, 3, (established, now - 3 * S), (established, now - 3 * S));
+        let mut flows: HashMap<MapData, FlowKey4, Flow4> =
+            HashMap::try_from(Map::HashMap(MapData::from_pin(&pin).unwrap())).unwrap();
+        for (key, flow) in half_open.iter().chain(&fresh).chain(&live) {
+            flows.insert(key, flow, 0).unwrap();
+        }
+        let mut timeouts = ConntrackTimeouts::default();
+        timeouts.pressure.timeout = Duration::from_secs(2);
+        let metrics = FlowMetrics::default();
+        let mut expiry = Expiry::default();
+        // Six entries of 512: below a mark of 100%, above one of 1%.
+        timeouts.pressure.threshold_percent = 100;
+        let pass = expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap();
+        assert_eq!(pass, Pass { deleted: 0, under_pressure: false });
+        assert_eq!(flows.keys().count(), 6);
+        timeouts.pressure.threshold_percent = 1;
+        let pass = expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap();
+        assert_eq!(pass, Pass { deleted: 2, under_pressure: true });
+        assert_eq!(metrics.evicted_pressure.get(), 2);
+        let left: BTreeSet<u16> =
+            flows.keys().map(|key| key.unwrap().src_port).filter(|port| *port < 100).collect();
+        assert_eq!(left, BTreeSet::from([2, 3]));
+        assert_eq!(metrics.fill()[proxy_common::pins::FLOWS4], MapFill { entries: 6, capacity: 512 });
+
+        // Below the mark, but masquerade ports ran short: the same early expiry.
+        let stale = connection(proto::TCP, 4, (syn_recv, now - 3 * S), (syn_recv, now - 3 * S));
+        for (key, flow) in &stale {
+            flows.insert(key, flow, 0).unwrap();
+        }
+        timeouts.pressure.threshold_percent = 100;
+        expiry.ports_short = true;
+        let pass = expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap();
+        assert_eq!(pass, Pass { deleted: 2, under_pressure: true });
+        assert_eq!(flows.keys().count(), 4);
     }
 }
