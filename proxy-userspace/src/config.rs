@@ -151,8 +151,11 @@ pub struct Settings {
     /// `--cluster-cidr`: the pods' ranges (one, or a dual-stack pair), which tell pod traffic
     /// from other traffic for masquerading. Carried to the model's `NodeContext`.
     pub cluster_cidrs: Vec<IpNet>,
-    /// `--service-cluster-ip-range`: addresses inside that are no cluster IP are dropped.
+    /// `--service-cluster-ip-range`: addresses inside that are no cluster IP are dropped;
+    /// used while the cluster has no ServiceCIDR objects.
     pub service_cidrs: Vec<IpNet>,
+    /// `--service-proxy-name`: serve only the Services labelled with this proxy name.
+    pub service_proxy_name: Option<String>,
     /// `--masquerade-all`: SNAT all traffic to cluster IPs. Carried to the model's
     /// `NodeContext`.
     pub masquerade_all: bool,
@@ -265,6 +268,7 @@ impl Settings {
         };
         let service_cidrs =
             args.service_cluster_ip_range.as_ref().map(|cidrs| cidrs.0.clone()).unwrap_or_default();
+        let service_proxy_name = service_proxy_name(args.service_proxy_name.as_deref())?;
         let masquerade_all = args.masquerade_all.or(mode_section.masquerade_all).unwrap_or(false);
         let node_port_addresses = match &args.nodeport_addresses {
             Some(addresses) => addresses.clone(),
@@ -310,6 +314,7 @@ impl Settings {
             sync_period,
             cluster_cidrs,
             service_cidrs,
+            service_proxy_name,
             masquerade_all,
             node_port_addresses,
             log_level,
@@ -318,6 +323,22 @@ impl Settings {
             ignored_config: file.ignored,
         })
     }
+}
+
+/// `--service-proxy-name`: a label value, since it goes into a label selector (one the API
+/// server would refuse would leave vipr without any Service); empty means none.
+fn service_proxy_name(name: Option<&str>) -> anyhow::Result<Option<String>> {
+    let Some(name) = name.map(str::trim).filter(|name| !name.is_empty()) else { return Ok(None) };
+    let alphanumeric_ends = name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    let allowed = name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if name.len() > 63 || !alphanumeric_ends || !allowed {
+        bail!(
+            "--service-proxy-name={name:?}: not a label value (at most 63 letters, digits, '-', '_' \
+             or '.', beginning and ending with a letter or digit)"
+        );
+    }
+    Ok(Some(name.to_owned()))
 }
 
 fn balancing(args: &Args) -> anyhow::Result<Balancing> {

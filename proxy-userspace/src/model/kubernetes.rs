@@ -28,7 +28,7 @@ use std::{
 
 use ipnet::IpNet;
 use k8s_openapi::{
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    api::{core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
@@ -435,6 +435,32 @@ fn allowed_load_balancer_sources(service: &ServiceSpec, node: &NodeContext, ipv4
         );
     }
     allowed
+}
+
+/// The service IP ranges, as kube-proxy takes them: every range of every ServiceCIDR object
+/// (networking.k8s.io/v1); `fallback` (`--service-cluster-ip-range`) while there is none.
+/// A range that is not a CIDR is reported and left out.
+pub fn service_cidrs(objects: &[ServiceCIDR], fallback: &[IpNet]) -> (Vec<IpNet>, Vec<Rejection>) {
+    let mut ranges = BTreeSet::new();
+    let mut rejected = Vec::new();
+    for object in objects {
+        let cidrs = object.spec.iter().flat_map(|spec| spec.cidrs.iter().flatten());
+        for (index, cidr) in cidrs.enumerate() {
+            match cidr.trim().parse::<IpNet>() {
+                Ok(range) => {
+                    ranges.insert(range.trunc());
+                }
+                Err(_) => rejected.push(Rejection {
+                    object: format!("ServiceCIDR {}", object.metadata.name.as_deref().unwrap_or("<unnamed>")),
+                    reason: format!("spec.cidrs[{index}] {cidr:?} is not a CIDR"),
+                }),
+            }
+        }
+    }
+    if objects.is_empty() {
+        return (fallback.to_vec(), rejected);
+    }
+    (ranges.into_iter().collect(), rejected)
 }
 
 /// A hash of an object's content (its JSON form), for objects without a resourceVersion
