@@ -1274,4 +1274,16 @@ logging:
         // The library's embedders start without XDP unless they ask.
         assert_eq!(XdpMode::default(), XdpMode::Off);
     }
+
+    #[test]
+    fn service_proxy_name_is_a_label_value() {
+        let name = |argv: &[&str]| settings(argv).map(|settings| settings.service_proxy_name);
+        assert_eq!(name(&[]).unwrap(), None, "no flag: the unlabelled Services");
+        assert_eq!(name(&["--service-proxy-name=vipr"]).unwrap(), Some("vipr".into()));
+        assert_eq!(name(&["--service-proxy-name="]).unwrap(), None);
+        for bad in ["-vipr", "vipr!", "a,b", "x=y", &"v".repeat(64)] {
+            let error = name(&[&format!("--service-proxy-name={bad}")]).unwrap_err();
+            assert!(error.to_string().contains("not a label value"), "{bad}: {error}");
+        }
+    }
 }

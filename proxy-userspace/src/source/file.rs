@@ -229,6 +229,32 @@ mod tests {
     }
 
     #[test]
+    fn the_watched_file_delivers_only_what_this_proxy_owns() {
+        let path = std::env::temp_dir().join(format!("vipr-file-source-test-{}.yaml", std::process::id()));
+        let text = [
+            labelled("plain", "10.96.0.1", ""),
+            labelled("other-proxy", "10.96.0.2", "service.kubernetes.io/service-proxy-name: other"),
+        ]
+        .concat();
+        std::fs::write(&path, text).unwrap();
+        let (events_tx, events) = std::sync::mpsc::channel();
+        let (stop, stop_rx) = std::sync::mpsc::channel();
+        let watched = path.clone();
+        let thread = std::thread::spawn(move || {
+            watch(watched, &Ownership::default(), Duration::from_millis(10), events_tx, stop_rx)
+        });
+        let event = events.recv_timeout(Duration::from_secs(10));
+        let _ = stop.send(());
+        thread.join().unwrap();
+        let _ = std::fs::remove_file(&path);
+        let Ok(SourceEvent::Objects(objects)) = event else { panic!("no objects") };
+        let names: Vec<_> =
+            objects.services.iter().map(|service| service.metadata.name.clone().unwrap()).collect();
+        assert_eq!(names, ["plain"]);
+        assert_eq!(objects.slices.len(), 1);
+    }
+
+    #[test]
     fn service_cidrs_are_read() {
         let objects = parse(
             "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, 'fd00:10:96::/112']}\n",
