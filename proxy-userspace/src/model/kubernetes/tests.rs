@@ -436,3 +436,22 @@ fn an_endpoint_without_a_serving_condition_counts_as_serving() {
     ]);
     assert_eq!(pods_reach(None, list, &node_a()), ["10.1.0.1"]);
 }
+
+#[test]
+fn service_cidr_objects_replace_the_flags_range() {
+    let cidr = |name: &str, cidrs: serde_json::Value| -> ServiceCIDR {
+        serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"cidrs": cidrs}})).unwrap()
+    };
+    let flag: Vec<IpNet> = vec!["10.96.0.0/12".parse().unwrap()];
+    let text = |ranges: Vec<IpNet>| ranges.iter().map(ToString::to_string).collect::<Vec<_>>();
+    assert_eq!(text(service_cidrs(&[], &flag).0), ["10.96.0.0/12"], "none: the flag");
+    let objects = [
+        cidr("kubernetes", json!(["10.96.0.0/16", "fd00:10:96::/112"])),
+        cidr("extra", json!(["10.100.0.0/24", "10.96.0.0/16"])),
+    ];
+    assert_eq!(text(service_cidrs(&objects, &flag).0), ["10.96.0.0/16", "10.100.0.0/24", "fd00:10:96::/112"]);
+    let (ranges, rejected) = service_cidrs(&[cidr("bad", json!(["10.96.0.0/16", "ten"]))], &flag);
+    assert_eq!(text(ranges), ["10.96.0.0/16"], "the good range of it stays");
+    assert_eq!(rejected.len(), 1);
+    assert!(rejected[0].to_string().starts_with("ServiceCIDR bad: spec.cidrs[1]"), "{}", rejected[0]);
+}
