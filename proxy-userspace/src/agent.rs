@@ -72,8 +72,9 @@ pub struct ApiAccess {
 }
 
 /// What the API-server source watches (the Services and EndpointSlices vipr owns, by label and
-/// field selectors as kube-proxy's, this node's Node by a field selector, and ServiceCIDRs). deploy/'s ClusterRole grants exactly this plus [`RECORDED_EVENTS`]; the
-/// deployment test holds them together.
+/// field selectors as kube-proxy's, this node's Node by a field selector, and ServiceCIDRs).
+/// deploy/'s ClusterRole grants exactly this plus [`RECORDED_EVENTS`]; the deployment test
+/// holds them together.
 pub const WATCHED_RESOURCES: &[ApiAccess] = &[
     ApiAccess { group: "", resource: "services", verbs: &["list", "watch"] },
     ApiAccess { group: "discovery.k8s.io", resource: "endpointslices", verbs: &["list", "watch"] },

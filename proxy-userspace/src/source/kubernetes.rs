@@ -213,7 +213,7 @@ impl Source {
                         changed = true;
                     }
                     Step::Failed(error) if collection == Collection::ServiceCidrs && unavailable(&error) => {
-                        self.service_cidrs_unavailable(&error);
+                        self.note_service_cidrs_unavailable(&error);
                         // None to wait for: the snapshots go on with the store as it is.
                         changed |= listed.insert(collection);
                     }
@@ -264,7 +264,7 @@ impl Source {
         self.events.send(SourceEvent::Unusable(problem)).is_ok()
     }
 
-    fn service_cidrs_unavailable(&mut self, error: &watcher::Error) {
+    fn note_service_cidrs_unavailable(&mut self, error: &watcher::Error) {
         if !self.service_cidrs_unavailable {
             warn!(
                 "cannot watch ServiceCIDRs ({}); using --service-cluster-ip-range until they can be read",
