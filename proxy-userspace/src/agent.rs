@@ -19,6 +19,7 @@ use std::{
 };
 
 use anyhow::{bail, Context as _};
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 use tracing::{debug, error, info, warn};
 
@@ -39,12 +40,14 @@ use crate::{
     host,
     http::{HttpRuntime, Workload},
     metrics::{ProxyMetrics, Registry},
-    model::kubernetes::{incremental::Translator, NodeContext, NodeFacts, ProxySettings},
+    model::kubernetes::{
+        self as kubernetes_model, incremental::Translator, NodeContext, NodeFacts, ProxySettings,
+    },
     probe::{self, ProxyModeInfo},
     source::{
         file,
         kubernetes::{self, KubeSourceConfig},
-        Objects, SourceEvent,
+        Objects, Ownership, SourceEvent,
     },
     status::StatusPages,
     tuning,
@@ -71,13 +74,15 @@ pub struct ApiAccess {
     pub verbs: &'static [&'static str],
 }
 
-/// What the API-server source watches (all Services and EndpointSlices, this node's Node by a
-/// field selector). deploy/'s ClusterRole grants exactly this plus [`RECORDED_EVENTS`]; the
-/// deployment test holds them together.
+/// What the API-server source watches (the Services and EndpointSlices vipr owns, by label and
+/// field selectors as kube-proxy's, this node's Node by a field selector, and ServiceCIDRs).
+/// deploy/'s ClusterRole grants exactly this plus [`RECORDED_EVENTS`]; the deployment test
+/// holds them together.
 pub const WATCHED_RESOURCES: &[ApiAccess] = &[
     ApiAccess { group: "", resource: "services", verbs: &["list", "watch"] },
     ApiAccess { group: "discovery.k8s.io", resource: "endpointslices", verbs: &["list", "watch"] },
     ApiAccess { group: "", resource: "nodes", verbs: &["list", "watch"] },
+    ApiAccess { group: "networking.k8s.io", resource: "servicecidrs", verbs: &["list", "watch"] },
 ];
 
 /// Events vipr may record about the objects it serves (kube-runtime's recorder writes
@@ -225,18 +230,25 @@ fn spawn_source(
     let spawned = match &settings.source {
         SourceSettings::File(path) => {
             let path = path.clone();
-            thread.spawn(move || file::watch(path, FILE_POLL_INTERVAL, events, stop))
+            let ownership = ownership(settings);
+            thread.spawn(move || file::watch(path, &ownership, FILE_POLL_INTERVAL, events, stop))
         }
         SourceSettings::Kubernetes { kubeconfig } => {
             let config = KubeSourceConfig {
                 kubeconfig: kubeconfig.clone(),
                 node_name: settings.node_name.clone(),
                 master: settings.api_client.master.clone(),
+                ownership: ownership(settings),
             };
             thread.spawn(move || kubernetes::watch(config, events, stop))
         }
     };
     spawned.context("cannot start the source thread")
+}
+
+/// Which Services are vipr's: `--service-proxy-name`.
+fn ownership(settings: &Settings) -> Ownership {
+    Ownership { service_proxy_name: settings.service_proxy_name.clone() }
 }
 
 /// The loop's state between events and syncs.
@@ -305,7 +317,10 @@ impl<'a> Agent<'a> {
         if let Some(node) = &objects.node {
             self.health.sync_node(node);
         }
-        let node_changed = self.objects.as_ref().is_none_or(|previous| previous.node != objects.node);
+        // The node and the service ranges shape every service's translation.
+        let node_changed = self.objects.as_ref().is_none_or(|previous| {
+            previous.node != objects.node || previous.service_cidrs != objects.service_cidrs
+        });
         let first = self.objects.is_none();
         self.objects = Some(objects);
         if first || node_changed || !changes.is_empty() {
@@ -324,10 +339,17 @@ impl<'a> Agent<'a> {
         self.refresh_node_addresses();
         let Some(objects) = &self.objects else { return };
         let started = Moment::now();
-        let node = self.node_context(objects.node.as_ref());
+        let (service_cidrs, cidr_rejections) =
+            kubernetes_model::service_cidrs(&objects.service_cidrs, &self.settings.service_cidrs);
+        let node = self.node_context(objects.node.as_ref(), service_cidrs);
         let changes = self.translator.translate(&objects.services, &objects.slices, &node);
-        let rejections: BTreeSet<String> =
-            objects.rejected.iter().chain(&self.translator.rejected()).map(ToString::to_string).collect();
+        let rejections: BTreeSet<String> = objects
+            .rejected
+            .iter()
+            .chain(&cidr_rejections)
+            .chain(&self.translator.rejected())
+            .map(ToString::to_string)
+            .collect();
         for rejection in rejections.difference(&self.logged_rejections) {
             warn!("skipping {rejection}");
         }
@@ -400,8 +422,7 @@ impl<'a> Agent<'a> {
         }
     }
 
-    /// The node as the model sees it now: its name, its current addresses and the settings
-    /// that shape service semantics.
+    /// Lists the node's addresses anew; a failed listing keeps the last known ones.
     fn refresh_node_addresses(&mut self) {
         // Service addresses that the IPVS dataplane binds to its dummy interface are not the
         // node's (kube-proxy leaves them out too).
@@ -419,7 +440,9 @@ impl<'a> Agent<'a> {
         }
     }
 
-    fn node_context(&self, node: Option<&Node>) -> NodeContext {
+    /// The node as the model sees it now: its name, its current addresses, the service IP
+    /// ranges and the settings that shape service semantics.
+    fn node_context(&self, node: Option<&Node>, service_cidrs: Vec<IpNet>) -> NodeContext {
         let addresses = self.node_addresses.clone();
         let facts = NodeFacts {
             name: self.settings.node_name.clone(),
@@ -449,8 +472,7 @@ impl<'a> Agent<'a> {
             cluster_cidrs: local_cidrs,
             masquerade_all: self.settings.masquerade_all,
             node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings, self.mode), &facts),
-            // kube-proxy takes them from ServiceCIDR objects, which no source delivers yet.
-            service_cidrs: self.settings.service_cidrs.clone(),
+            service_cidrs,
             // kube-proxy's iptables mode serves them; vipr's ebpf mode through its socket hooks.
             // The iptables dataplane programs its own loopback rules, ipvs has none.
             localhost_node_ports: self.mode == ProxyMode::Ebpf

@@ -317,6 +317,13 @@ pub struct Args {
     #[arg(long, value_name = "CIDR[,CIDR]")]
     pub service_cluster_ip_range: Option<CidrPair>,
 
+    /// Serve only the Services labelled `service.kubernetes.io/service-proxy-name=NAME` (and
+    /// their EndpointSlices), beside another proxy that serves the unlabelled ones. Without
+    /// it, vipr serves the unlabelled Services and leaves every labelled one to its proxy,
+    /// as kube-proxy does.
+    #[arg(long, value_name = "NAME")]
+    pub service_proxy_name: Option<String>,
+
     /// SNAT all traffic sent to service cluster IPs [default: false].
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub masquerade_all: Option<bool>,

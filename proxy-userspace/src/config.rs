@@ -165,8 +165,11 @@ pub struct Settings {
     /// `--cluster-cidr`: the pods' ranges (one, or a dual-stack pair), which tell pod traffic
     /// from other traffic for masquerading. Carried to the model's `NodeContext`.
     pub cluster_cidrs: Vec<IpNet>,
-    /// `--service-cluster-ip-range`: addresses inside that are no cluster IP are dropped.
+    /// `--service-cluster-ip-range`: addresses inside that are no cluster IP are dropped;
+    /// used while the cluster has no ServiceCIDR objects.
     pub service_cidrs: Vec<IpNet>,
+    /// `--service-proxy-name`: serve only the Services labelled with this proxy name.
+    pub service_proxy_name: Option<String>,
     /// `--masquerade-all`: SNAT all traffic to cluster IPs. Carried to the model's
     /// `NodeContext`.
     pub masquerade_all: bool,
@@ -415,6 +418,7 @@ impl Settings {
         let local_detection = local_detection(args, &file)?;
         let service_cidrs =
             args.service_cluster_ip_range.as_ref().map(|cidrs| cidrs.0.clone()).unwrap_or_default();
+        let service_proxy_name = service_proxy_name(args.service_proxy_name.as_deref())?;
         let masquerade_all = args.masquerade_all.or(mode_section.masquerade_all).unwrap_or(false);
         let node_port_addresses = match &args.nodeport_addresses {
             Some(addresses) => addresses.clone(),
@@ -504,6 +508,7 @@ impl Settings {
             sync_period,
             cluster_cidrs,
             service_cidrs,
+            service_proxy_name,
             masquerade_all,
             node_port_addresses,
             log_level,
@@ -645,6 +650,22 @@ fn local_detection(args: &Args, file: &KubeProxyConfiguration) -> anyhow::Result
             prefix,
         )),
     }
+}
+
+/// `--service-proxy-name`: a label value, since it goes into a label selector (one the API
+/// server would refuse would leave vipr without any Service); empty means none.
+fn service_proxy_name(name: Option<&str>) -> anyhow::Result<Option<String>> {
+    let Some(name) = name.map(str::trim).filter(|name| !name.is_empty()) else { return Ok(None) };
+    let alphanumeric_ends = name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    let allowed = name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if name.len() > 63 || !alphanumeric_ends || !allowed {
+        bail!(
+            "--service-proxy-name={name:?}: not a label value (at most 63 letters, digits, '-', '_' \
+             or '.', beginning and ending with a letter or digit)"
+        );
+    }
+    Ok(Some(name.to_owned()))
 }
 
 fn balancing(args: &Args) -> anyhow::Result<Balancing> {
@@ -1932,6 +1953,18 @@ logging:
         assert!(settings(&["--xdp=auto"]).is_err(), "auto is what no flag means, not a value of it");
         // The library's embedders start without XDP unless they ask.
         assert_eq!(XdpMode::default(), XdpMode::Off);
+    }
+
+    #[test]
+    fn service_proxy_name_is_a_label_value() {
+        let name = |argv: &[&str]| settings(argv).map(|settings| settings.service_proxy_name);
+        assert_eq!(name(&[]).unwrap(), None, "no flag: the unlabelled Services");
+        assert_eq!(name(&["--service-proxy-name=vipr"]).unwrap(), Some("vipr".into()));
+        assert_eq!(name(&["--service-proxy-name="]).unwrap(), None);
+        for bad in ["-vipr", "vipr!", "a,b", "x=y", &"v".repeat(64)] {
+            let error = name(&[&format!("--service-proxy-name={bad}")]).unwrap_err();
+            assert!(error.to_string().contains("not a label value"), "{bad}: {error}");
+        }
     }
 }
 

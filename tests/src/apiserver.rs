@@ -1,17 +1,25 @@
 //! A fake Kubernetes API server, for tests with the real kube client.
 //!
 //! It speaks as much of the API server's list/watch protocol as kube-rs watchers on Services,
-//! EndpointSlices and Nodes use, over plain HTTP/1.1 on std threads, one request per
-//! connection (`Connection: close`):
+//! EndpointSlices, Nodes and ServiceCIDRs use, over plain HTTP/1.1 on std threads, one request
+//! per connection (`Connection: close`):
 //!
 //! - `GET /api/v1/services`, `/apis/discovery.k8s.io/v1/endpointslices`, `/api/v1/nodes`,
-//!   optionally with `fieldSelector=metadata.name=...,metadata.namespace=...`: a List of the
-//!   current objects at the current `metadata.resourceVersion` (`limit` is ignored: one page).
+//!   `/apis/networking.k8s.io/v1/servicecidrs`: a List of the current objects at the current
+//!   `metadata.resourceVersion` (`limit` is ignored: one page), narrowed as the real server
+//!   narrows it by a `labelSelector` (`key`, `!key`, `key=value`, `key==value`, `key!=value`,
+//!   `key in (a,b)`, `key notin (a,b)`; `!=` and `notin` also match objects without the key)
+//!   and a `fieldSelector` (`field=value`, `field==value`, `field!=value` on
+//!   `metadata.name`, `metadata.namespace`, and for Services `spec.clusterIP` and
+//!   `spec.type`; any other field is refused with 400, as the real server refuses it).
 //! - the same with `watch=true&resourceVersion=N`: a chunked stream of newline-delimited watch
 //!   events, first every change after N, then changes as they happen, and BOOKMARKs when the
 //!   test asks. A watch from a version older than the kept history gets the API server's
 //!   410 Gone ERROR event. Without a version (or with "0") the current objects come first as
-//!   ADDED events.
+//!   ADDED events. Under selectors, as the real watch cache: an object that starts to match
+//!   comes as ADDED, one that stops matching as DELETED (its last matching content, at the new
+//!   resourceVersion), one that matches neither before nor after not at all.
+//! - a collection the test marks as not served answers 404, as an older API server does.
 //! - `GET /version`.
 //!
 //! Like the real server it keeps objects and a history of changes stamped from one
@@ -49,10 +57,11 @@ pub enum Collection {
     Services,
     EndpointSlices,
     Nodes,
+    ServiceCidrs,
 }
 
 impl Collection {
-    pub const ALL: [Self; 3] = [Self::Services, Self::EndpointSlices, Self::Nodes];
+    pub const ALL: [Self; 4] = [Self::Services, Self::EndpointSlices, Self::Nodes, Self::ServiceCidrs];
 
     /// The cluster-wide URL path.
     fn path(self) -> &'static str {
@@ -60,6 +69,7 @@ impl Collection {
             Self::Services => "/api/v1/services",
             Self::EndpointSlices => "/apis/discovery.k8s.io/v1/endpointslices",
             Self::Nodes => "/api/v1/nodes",
+            Self::ServiceCidrs => "/apis/networking.k8s.io/v1/servicecidrs",
         }
     }
 
@@ -67,6 +77,7 @@ impl Collection {
         match self {
             Self::Services | Self::Nodes => "v1",
             Self::EndpointSlices => "discovery.k8s.io/v1",
+            Self::ServiceCidrs => "networking.k8s.io/v1",
         }
     }
 
@@ -75,6 +86,16 @@ impl Collection {
             Self::Services => "Service",
             Self::EndpointSlices => "EndpointSlice",
             Self::Nodes => "Node",
+            Self::ServiceCidrs => "ServiceCIDR",
+        }
+    }
+
+    /// The fields the real API server lets clients select this collection on, beside
+    /// `metadata.name` and `metadata.namespace`.
+    fn selectable_fields(self) -> &'static [&'static str] {
+        match self {
+            Self::Services => &["spec.clusterIP", "spec.type"],
+            Self::EndpointSlices | Self::Nodes | Self::ServiceCidrs => &[],
         }
     }
 
@@ -96,8 +117,17 @@ type ObjectKey = (Collection, Option<String>, String);
 
 /// One entry of the change history that watches replay.
 enum Change {
-    Object { resource_version: u64, collection: Collection, event: &'static str, object: Value },
-    Bookmark { resource_version: u64 },
+    Object {
+        resource_version: u64,
+        collection: Collection,
+        event: &'static str,
+        object: Value,
+        /// The object before this change (none for ADDED), for watches under a selector.
+        previous: Option<Value>,
+    },
+    Bookmark {
+        resource_version: u64,
+    },
 }
 
 impl Change {
@@ -108,11 +138,29 @@ impl Change {
     }
 
     /// The watch event this change is for a watch of `collection` with `selector`, if any.
-    fn event_for(&self, collection: Collection, selector: &FieldSelector) -> Option<Value> {
+    fn event_for(&self, collection: Collection, selector: &Selector) -> Option<Value> {
         match self {
-            Self::Object { collection: changed, event, object, .. } => (*changed == collection
-                && selector.matches(object))
-            .then(|| json!({"type": event, "object": object})),
+            Self::Object { collection: changed, event, object, previous, resource_version } => {
+                if *changed != collection {
+                    return None;
+                }
+                let matched_before = previous.as_ref().is_some_and(|previous| selector.matches(previous));
+                let matches_now = *event != "DELETED" && selector.matches(object);
+                let (event, object) = match (matched_before, matches_now) {
+                    (false, false) => return None,
+                    (false, true) => ("ADDED", object.clone()),
+                    (true, true) => (*event, object.clone()),
+                    (true, false) => {
+                        // The real watch cache sends what the client last saw, at this version.
+                        let mut last = previous.clone().unwrap_or_default();
+                        if let Some(metadata) = last.get_mut("metadata").and_then(Value::as_object_mut) {
+                            metadata.insert("resourceVersion".into(), resource_version.to_string().into());
+                        }
+                        ("DELETED", last)
+                    }
+                };
+                Some(json!({"type": event, "object": object}))
+            }
             Self::Bookmark { resource_version } => Some(json!({
                 "type": "BOOKMARK",
                 "object": {
@@ -139,13 +187,22 @@ struct State {
     disconnects: u64,
     /// Collections whose requests are answered 500 Internal Server Error.
     failing: HashSet<Collection>,
+    /// Collections answered 404 Not Found, as by a server without the API.
+    not_served: HashSet<Collection>,
     lists_served: HashMap<Collection, usize>,
     watches_open: HashMap<Collection, usize>,
 }
 
 impl State {
-    /// Stamps a new resourceVersion on `object`, records the change and returns the version.
-    fn record(&mut self, collection: Collection, event: &'static str, object: &mut Value) -> Result<u64> {
+    /// Stamps a new resourceVersion on `object`, records the change (from `previous`) and
+    /// returns the version.
+    fn record(
+        &mut self,
+        collection: Collection,
+        event: &'static str,
+        object: &mut Value,
+        previous: Option<Value>,
+    ) -> Result<u64> {
         let metadata = object
             .get_mut("metadata")
             .and_then(Value::as_object_mut)
@@ -153,7 +210,13 @@ impl State {
         self.resource_version += 1;
         let resource_version = self.resource_version;
         metadata.insert("resourceVersion".into(), resource_version.to_string().into());
-        self.history.push(Change::Object { resource_version, collection, event, object: object.clone() });
+        self.history.push(Change::Object {
+            resource_version,
+            collection,
+            event,
+            object: object.clone(),
+            previous,
+        });
         Ok(resource_version)
     }
 }
@@ -235,8 +298,9 @@ impl FakeApiServer {
         let name = text("/metadata/name").ok_or_else(|| anyhow!("metadata.name is missing: {object}"))?;
         let key = (collection, text("/metadata/namespace"), name);
         self.shared.change(|state| {
-            let event = if state.objects.contains_key(&key) { "MODIFIED" } else { "ADDED" };
-            let resource_version = state.record(collection, event, &mut object)?;
+            let previous = state.objects.get(&key).cloned();
+            let event = if previous.is_some() { "MODIFIED" } else { "ADDED" };
+            let resource_version = state.record(collection, event, &mut object, previous)?;
             state.objects.insert(key, object);
             Ok(resource_version)
         })
@@ -250,7 +314,8 @@ impl FakeApiServer {
             let Some(mut object) = state.objects.remove(&key) else {
                 bail!("no {} {namespace:?}/{name} to delete", K::KIND);
             };
-            state.record(collection, "DELETED", &mut object)
+            let previous = Some(object.clone());
+            state.record(collection, "DELETED", &mut object, previous)
         })
     }
 
@@ -293,6 +358,19 @@ impl FakeApiServer {
                 state.failing.insert(collection);
             } else {
                 state.failing.remove(&collection);
+            }
+            Ok(state.resource_version)
+        });
+    }
+
+    /// Makes requests for `collection` answer 404 Not Found, as an API server without that API
+    /// (ServiceCIDRs before 1.33), or serve again.
+    pub fn set_served(&self, collection: Collection, served: bool) {
+        let _ = self.shared.change(|state| {
+            if served {
+                state.not_served.remove(&collection);
+            } else {
+                state.not_served.insert(collection);
             }
             Ok(state.resource_version)
         });
@@ -399,18 +477,19 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
             &format!("the fake API server does not serve {}", request.path),
         );
     };
-    let selector = match FieldSelector::parse(request.query.get("fieldSelector").map_or("", String::as_str)) {
+    if shared.state().not_served.contains(&collection) {
+        return write_status(
+            &mut stream,
+            404,
+            "NotFound",
+            "the server could not find the requested resource",
+        );
+    }
+    let query = |name: &str| request.query.get(name).map_or("", String::as_str);
+    let selector = match Selector::parse(collection, query("labelSelector"), query("fieldSelector")) {
         Ok(selector) => selector,
         Err(message) => return write_status(&mut stream, 400, "BadRequest", &message),
     };
-    if request.query.get("labelSelector").is_some_and(|selector| !selector.is_empty()) {
-        return write_status(
-            &mut stream,
-            400,
-            "BadRequest",
-            "the fake API server does not support labelSelector",
-        );
-    }
     if shared.state().failing.contains(&collection) {
         return write_status(&mut stream, 500, "InternalError", "the test made this collection fail");
     }
@@ -478,33 +557,141 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&decoded).into_owned()
 }
 
-/// The `metadata.name` / `metadata.namespace` equality terms of a field selector.
-struct FieldSelector {
-    terms: Vec<(&'static str, String)>,
+/// One requirement of a label selector, as the API server's `labels.Parse` reads it.
+#[derive(Debug, PartialEq)]
+enum LabelRequirement {
+    Exists(String),
+    DoesNotExist(String),
+    In(String, Vec<String>),
+    /// Also matches objects without the label, as `!=` does.
+    NotIn(String, Vec<String>),
 }
 
-impl FieldSelector {
-    fn parse(selector: &str) -> Result<Self, String> {
-        let mut terms = Vec::new();
-        for term in selector.split(',').filter(|term| !term.is_empty()) {
-            let (field, value) = term
-                .split_once("==")
-                .or_else(|| term.split_once('='))
-                .ok_or_else(|| format!("field selector term {term:?} is not FIELD=VALUE"))?;
-            let pointer = match field {
-                "metadata.name" => "/metadata/name",
-                "metadata.namespace" => "/metadata/namespace",
-                other => return Err(format!("the fake API server cannot select on field {other:?}")),
-            };
-            terms.push((pointer, value.to_owned()));
+impl LabelRequirement {
+    fn matches(&self, labels: Option<&serde_json::Map<String, Value>>) -> bool {
+        let value = |key: &str| labels.and_then(|labels| labels.get(key)).and_then(Value::as_str);
+        match self {
+            Self::Exists(key) => value(key).is_some(),
+            Self::DoesNotExist(key) => value(key).is_none(),
+            Self::In(key, values) => value(key).is_some_and(|value| values.iter().any(|v| v == value)),
+            Self::NotIn(key, values) => value(key).is_none_or(|value| values.iter().all(|v| v != value)),
         }
-        Ok(Self { terms })
+    }
+}
+
+/// Splits a label selector at the commas outside `( )`.
+fn label_terms(selector: &str) -> Vec<&str> {
+    let mut terms = Vec::new();
+    let (mut depth, mut start) = (0usize, 0);
+    for (index, character) in selector.char_indices() {
+        match character {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                terms.push(&selector[start..index]);
+                start = index + 1;
+            }
+            _ => {}
+        }
+    }
+    terms.push(&selector[start..]);
+    terms.into_iter().map(str::trim).filter(|term| !term.is_empty()).collect()
+}
+
+fn label_requirement(term: &str) -> Result<LabelRequirement, String> {
+    let invalid = || format!("unable to parse requirement: {term:?}");
+    let key = |key: &str| {
+        let key = key.trim();
+        let valid = !key.is_empty()
+            && key.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
+        valid.then(|| key.to_owned()).ok_or_else(invalid)
+    };
+    let value = |value: &str| {
+        let value = value.trim();
+        let valid = value.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        valid.then(|| value.to_owned()).ok_or_else(invalid)
+    };
+    if let Some(name) = term.strip_prefix('!') {
+        return Ok(LabelRequirement::DoesNotExist(key(name)?));
+    }
+    if let Some((name, wanted)) = term.split_once("!=") {
+        return Ok(LabelRequirement::NotIn(key(name)?, vec![value(wanted)?]));
+    }
+    if let Some((name, wanted)) = term.split_once("==").or_else(|| term.split_once('=')) {
+        return Ok(LabelRequirement::In(key(name)?, vec![value(wanted)?]));
+    }
+    for (operator, negated) in [(" notin ", true), (" in ", false)] {
+        if let Some((name, set)) = term.split_once(operator) {
+            let set =
+                set.trim().strip_prefix('(').and_then(|set| set.strip_suffix(')')).ok_or_else(invalid)?;
+            let values = set.split(',').map(value).collect::<Result<Vec<_>, _>>()?;
+            return Ok(if negated {
+                LabelRequirement::NotIn(key(name)?, values)
+            } else {
+                LabelRequirement::In(key(name)?, values)
+            });
+        }
+    }
+    Ok(LabelRequirement::Exists(key(term)?))
+}
+
+/// One term of a field selector: the field's JSON pointer, the value, and whether it must
+/// equal (`=`, `==`) or differ (`!=`).
+#[derive(Debug, PartialEq)]
+struct FieldRequirement {
+    pointer: String,
+    value: String,
+    equal: bool,
+}
+
+fn field_requirement(collection: Collection, term: &str) -> Result<FieldRequirement, String> {
+    let (field, value, equal) = if let Some((field, value)) = term.split_once("!=") {
+        (field, value, false)
+    } else if let Some((field, value)) = term.split_once("==").or_else(|| term.split_once('=')) {
+        (field, value, true)
+    } else {
+        return Err(format!("invalid selector: '{term}'; can't understand '{term}'"));
+    };
+    let field = field.trim();
+    if !["metadata.name", "metadata.namespace"].contains(&field)
+        && !collection.selectable_fields().contains(&field)
+    {
+        return Err(format!("field label not supported: {field}"));
+    }
+    Ok(FieldRequirement {
+        pointer: format!("/{}", field.replace('.', "/")),
+        value: value.trim().to_owned(),
+        equal,
+    })
+}
+
+/// A list or watch's label and field selectors: every requirement must hold.
+#[derive(Debug, Default)]
+struct Selector {
+    labels: Vec<LabelRequirement>,
+    fields: Vec<FieldRequirement>,
+}
+
+impl Selector {
+    fn parse(collection: Collection, labels: &str, fields: &str) -> Result<Self, String> {
+        let labels = label_terms(labels).into_iter().map(label_requirement).collect::<Result<_, _>>()?;
+        let fields = fields
+            .split(',')
+            .map(str::trim)
+            .filter(|term| !term.is_empty())
+            .map(|term| field_requirement(collection, term))
+            .collect::<Result<_, _>>()?;
+        Ok(Self { labels, fields })
     }
 
     fn matches(&self, object: &Value) -> bool {
-        self.terms.iter().all(|(pointer, value)| {
-            object.pointer(pointer).and_then(Value::as_str).unwrap_or_default() == value
-        })
+        let labels = object.pointer("/metadata/labels").and_then(Value::as_object);
+        self.labels.iter().all(|requirement| requirement.matches(labels))
+            && self.fields.iter().all(|requirement| {
+                // An absent field selects as the empty string, as the API server's field sets.
+                let value = object.pointer(&requirement.pointer).and_then(Value::as_str).unwrap_or_default();
+                (value == requirement.value) == requirement.equal
+            })
     }
 }
 
@@ -512,7 +699,7 @@ fn list(
     stream: &mut TcpStream,
     shared: &Shared,
     collection: Collection,
-    selector: &FieldSelector,
+    selector: &Selector,
 ) -> io::Result<()> {
     let body = {
         let mut state = shared.state();
@@ -539,7 +726,7 @@ fn watch(
     stream: &mut TcpStream,
     shared: &Shared,
     collection: Collection,
-    selector: &FieldSelector,
+    selector: &Selector,
     from: Option<u64>,
 ) -> io::Result<()> {
     write!(
@@ -675,9 +862,69 @@ mod tests {
 
     #[test]
     fn field_selector_matches_name_and_namespace() {
-        let selector = FieldSelector::parse("metadata.name=web,metadata.namespace==shop").unwrap();
+        let selector =
+            Selector::parse(Collection::Nodes, "", "metadata.name=web,metadata.namespace==shop").unwrap();
         assert!(selector.matches(&json!({"metadata": {"name": "web", "namespace": "shop"}})));
         assert!(!selector.matches(&json!({"metadata": {"name": "web", "namespace": "other"}})));
-        assert!(FieldSelector::parse("spec.nodeName=a").is_err());
+        assert!(Selector::parse(Collection::Nodes, "", "spec.nodeName=a").is_err());
+        assert!(Selector::parse(Collection::Nodes, "", "spec.clusterIP!=None").is_err(), "not a Node field");
+    }
+
+    #[test]
+    fn field_selector_inequality_on_service_cluster_ip() {
+        let selector = Selector::parse(Collection::Services, "", "spec.clusterIP!=None").unwrap();
+        assert!(selector.matches(&json!({"metadata": {"name": "a"}, "spec": {"clusterIP": "10.96.0.1"}})));
+        assert!(!selector.matches(&json!({"metadata": {"name": "a"}, "spec": {"clusterIP": "None"}})));
+        assert!(selector.matches(&json!({"metadata": {"name": "a"}, "spec": {}})), "absent is \"\"");
+    }
+
+    #[test]
+    fn label_selectors_have_the_api_servers_meaning() {
+        let object = |labels: Value| json!({"metadata": {"name": "a", "labels": labels}});
+        let matches = |selector: &str, labels: Value| {
+            Selector::parse(Collection::Services, selector, "").unwrap().matches(&object(labels))
+        };
+        let kube_proxy = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+        assert!(matches(kube_proxy, json!({"app": "web"})));
+        assert!(!matches(kube_proxy, json!({"service.kubernetes.io/service-proxy-name": "other"})));
+        assert!(!matches(kube_proxy, json!({"service.kubernetes.io/headless": ""})));
+        assert!(matches("proxy=vipr", json!({"proxy": "vipr"})));
+        assert!(matches("proxy==vipr", json!({"proxy": "vipr"})));
+        assert!(!matches("proxy=vipr", json!({})));
+        assert!(matches("proxy!=vipr", json!({})), "!= matches an absent label");
+        assert!(!matches("proxy!=vipr", json!({"proxy": "vipr"})));
+        assert!(matches("proxy", json!({"proxy": ""})));
+        assert!(matches("tier in (a, b),x notin (c)", json!({"tier": "b"})));
+        assert!(!matches("tier in (a,b)", json!({"tier": "c"})));
+        assert!(Selector::parse(Collection::Services, "a b", "").is_err());
+    }
+
+    #[test]
+    fn a_watch_under_a_selector_sees_objects_enter_and_leave_it() {
+        let selector = Selector::parse(Collection::Services, "!proxy", "").unwrap();
+        let object =
+            |labels: Value| json!({"metadata": {"name": "a", "resourceVersion": "1", "labels": labels}});
+        let change = |event, object: Value, previous: Option<Value>| Change::Object {
+            resource_version: 7,
+            collection: Collection::Services,
+            event,
+            object,
+            previous,
+        };
+        let event = |change: Change| change.event_for(Collection::Services, &selector);
+        let unlabelled = object(json!({}));
+        let labelled = object(json!({"proxy": "x"}));
+        let leaves = event(change("MODIFIED", labelled.clone(), Some(unlabelled.clone()))).unwrap();
+        assert_eq!(leaves["type"], "DELETED");
+        assert_eq!(leaves["object"]["metadata"]["labels"], json!({}), "the content the watch last saw");
+        assert_eq!(leaves["object"]["metadata"]["resourceVersion"], "7");
+        let enters = event(change("MODIFIED", unlabelled.clone(), Some(labelled.clone()))).unwrap();
+        assert_eq!(enters["type"], "ADDED");
+        assert!(event(change("MODIFIED", labelled.clone(), Some(labelled.clone()))).is_none());
+        assert!(event(change("DELETED", labelled.clone(), Some(labelled))).is_none());
+        assert_eq!(
+            event(change("DELETED", unlabelled.clone(), Some(unlabelled))).unwrap()["type"],
+            "DELETED"
+        );
     }
 }

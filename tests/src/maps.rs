@@ -88,6 +88,18 @@ impl PinnedMaps {
         Ok(Some(backends))
     }
 
+    /// The unmatched-address trie: `address/prefix` -> what becomes of a packet to an address
+    /// inside that no frontend matched (`proxy_common::unmatched::*`).
+    pub fn unmatched(&self) -> Result<BTreeMap<String, u8>> {
+        Ok(self
+            .dump::<Prefix4, u8>(pins::UNMATCHED4)?
+            .into_iter()
+            .map(|(prefix, action)| {
+                (format!("{}/{}", Ipv4Addr::from(prefix.addr), prefix.prefix_len), action)
+            })
+            .collect())
+    }
+
     fn dump<K: DeserializeOwned, V: DeserializeOwned>(&self, map: &str) -> Result<Vec<(K, V)>> {
         let path = self.path(map);
         let json = cmd::run(Command::new("bpftool").arg("-j").args(["map", "dump", "pinned"]).arg(&path))?;
@@ -118,6 +130,12 @@ struct ServiceKey {
     port: u16,
     proto: u8,
     source_class: u8,
+}
+
+#[derive(Deserialize)]
+struct Prefix4 {
+    prefix_len: u32,
+    addr: [u8; 4],
 }
 
 #[derive(Deserialize)]

@@ -15,16 +15,17 @@ use k8s_openapi::{
     api::{
         core::v1::{Node, Service, ServicePort, ServiceSpec},
         discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+        networking::v1::{ServiceCIDR, ServiceCIDRSpec},
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use serde_json::json;
 use testbed::{apiserver::Collection, FakeApiServer, WorkDir};
 use vipr::{
-    model::kubernetes::{desired_state, NodeContext, Translation, SERVICE_NAME_LABEL},
+    model::kubernetes::{desired_state, service_cidrs, NodeContext, Translation, SERVICE_NAME_LABEL},
     source::{
         kubernetes::{self, KubeSourceConfig},
-        Objects, SourceEvent,
+        Objects, Ownership, SourceEvent, HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL,
     },
 };
 
@@ -48,15 +49,25 @@ struct Source {
 
 impl Source {
     fn start(server: &FakeApiServer) -> Result<Self> {
+        Self::start_owning(server, Ownership::default())
+    }
+
+    /// Starts the source with `--service-proxy-name` as `ownership` says.
+    fn start_owning(server: &FakeApiServer, ownership: Ownership) -> Result<Self> {
         let workdir = WorkDir::create("kube-source")?;
         let kubeconfig = workdir.path().join("kubeconfig");
         server.write_kubeconfig(&kubeconfig)?;
-        Ok(Self::start_with_kubeconfig(workdir, kubeconfig))
+        Ok(Self::start_with_kubeconfig(workdir, kubeconfig, ownership))
     }
 
     /// Starts the source on `kubeconfig`, which need not exist yet.
-    fn start_with_kubeconfig(workdir: WorkDir, kubeconfig: PathBuf) -> Self {
-        let config = KubeSourceConfig { kubeconfig: Some(kubeconfig), node_name: NODE.into(), master: None };
+    fn start_with_kubeconfig(workdir: WorkDir, kubeconfig: PathBuf, ownership: Ownership) -> Self {
+        let config = KubeSourceConfig {
+            kubeconfig: Some(kubeconfig),
+            node_name: NODE.into(),
+            master: None,
+            ownership,
+        };
         let (events_tx, events) = mpsc::channel();
         let (stop, stop_rx) = mpsc::channel();
         let thread = thread::spawn(move || kubernetes::watch(config, events_tx, stop_rx));
@@ -453,7 +464,7 @@ fn a_kubeconfig_written_late_is_picked_up() -> Result<()> {
     let server = server_with_web()?;
     let workdir = WorkDir::create("kube-source")?;
     let kubeconfig = workdir.path().join("kubeconfig");
-    let mut source = Source::start_with_kubeconfig(workdir, kubeconfig.clone());
+    let mut source = Source::start_with_kubeconfig(workdir, kubeconfig.clone(), Ownership::default());
 
     let outage = source.outage()?;
     assert!(outage.contains("kubeconfig"), "{outage}");
@@ -507,5 +518,180 @@ fn bursts_are_coalesced() -> Result<()> {
         "{CHANGES} changes in {:?} gave {snapshots} snapshots",
         started.elapsed()
     );
+    source.stop()
+}
+
+/// `object` with `labels` added to its metadata.
+fn with_labels<T>(mut object: T, metadata: impl Fn(&mut T) -> &mut ObjectMeta, labels: &[(&str, &str)]) -> T {
+    let all = metadata(&mut object).labels.get_or_insert_with(BTreeMap::new);
+    all.extend(labels.iter().map(|(key, value)| (key.to_string(), value.to_string())));
+    object
+}
+
+/// Service `name` at `cluster_ip` and its slice with one endpoint, both with `labels` (the
+/// EndpointSlice controller copies a Service's labels to its slices).
+fn apply_labelled(
+    server: &FakeApiServer,
+    name: &str,
+    cluster_ip: &str,
+    endpoint: &str,
+    labels: &[(&str, &str)],
+) -> Result<()> {
+    server.apply(&with_labels(service(name, cluster_ip, 80), |s| &mut s.metadata, labels))?;
+    server.apply(&with_labels(
+        slice(&format!("{name}-1"), name, &[endpoint]),
+        |s| &mut s.metadata,
+        labels,
+    ))?;
+    Ok(())
+}
+
+fn names<T>(objects: &[T], metadata: impl Fn(&T) -> &ObjectMeta) -> Vec<String> {
+    objects.iter().map(|object| metadata(object).name.clone().unwrap_or_default()).collect()
+}
+
+/// A server with `web` (unlabelled), `cilium` (another proxy's), `mine` (labelled vipr) and a
+/// headless `db`, each with a slice.
+fn server_with_labelled_services() -> Result<FakeApiServer> {
+    let server = FakeApiServer::start()?;
+    server.apply(&node(NODE))?;
+    apply_labelled(&server, "web", "10.96.0.10", "10.1.0.2", &[])?;
+    apply_labelled(&server, "cilium", "10.96.0.20", "10.1.0.3", &[(SERVICE_PROXY_NAME_LABEL, "cilium")])?;
+    apply_labelled(&server, "mine", "10.96.0.30", "10.1.0.4", &[(SERVICE_PROXY_NAME_LABEL, "vipr")])?;
+    let mut headless = service("db", "None", 5432);
+    headless.spec.as_mut().unwrap().cluster_ips = Some(vec!["None".into()]);
+    server.apply(&headless)?;
+    server.apply(&with_labels(
+        slice("db-1", "db", &["10.1.0.5"]),
+        |s| &mut s.metadata,
+        &[(HEADLESS_LABEL, "")],
+    ))?;
+    Ok(server)
+}
+
+#[test]
+fn services_labelled_for_another_proxy_and_headless_ones_are_not_watched() -> Result<()> {
+    let server = server_with_labelled_services()?;
+    let mut source = Source::start(&server)?;
+
+    let first = source.snapshot_where("the initial snapshot", |_| true)?;
+    assert_eq!(names(&first.services, |s| &s.metadata), ["web"], "the unlabelled, non-headless Service only");
+    assert_eq!(names(&first.slices, |s| &s.metadata), ["web-1"], "no labelled or headless slice");
+    assert_eq!(programmed(&first), frontends(&[("10.96.0.10:80/TCP", &["10.1.0.2:8080"])]));
+
+    // Labelled for another proxy later: it leaves, as the API server's watch reports it.
+    wait_until_watching(&server)?;
+    apply_labelled(&server, "web", "10.96.0.10", "10.1.0.2", &[(SERVICE_PROXY_NAME_LABEL, "cilium")])?;
+    apply_labelled(&server, "api", "10.96.0.11", "10.1.0.6", &[])?;
+    source.snapshot_where("web handed to another proxy", |objects| {
+        programmed(objects) == frontends(&[("10.96.0.11:80/TCP", &["10.1.0.6:8080"])])
+    })?;
+    // And back, unlabelled.
+    apply_labelled(&server, "cilium", "10.96.0.20", "10.1.0.3", &[])?;
+    server.apply(&service("cilium", "10.96.0.20", 80))?;
+    server.apply(&slice("cilium-1", "cilium", &["10.1.0.3"]))?;
+    source.snapshot_where("cilium's Service handed to vipr", |objects| {
+        programmed(objects)
+            == frontends(&[
+                ("10.96.0.11:80/TCP", &["10.1.0.6:8080"]),
+                ("10.96.0.20:80/TCP", &["10.1.0.3:8080"]),
+            ])
+    })?;
+    assert!(source.outages.is_empty(), "{:?}", source.outages);
+    source.stop()
+}
+
+#[test]
+fn with_a_service_proxy_name_only_the_services_labelled_with_it_are_watched() -> Result<()> {
+    let server = server_with_labelled_services()?;
+    let mut source = Source::start_owning(&server, Ownership { service_proxy_name: Some("vipr".into()) })?;
+
+    let first = source.snapshot_where("the initial snapshot", |_| true)?;
+    assert_eq!(names(&first.services, |s| &s.metadata), ["mine"]);
+    assert_eq!(names(&first.slices, |s| &s.metadata), ["mine-1"]);
+    assert_eq!(programmed(&first), frontends(&[("10.96.0.30:80/TCP", &["10.1.0.4:8080"])]));
+
+    // Migration one Service at a time: web is labelled for vipr and moves over.
+    wait_until_watching(&server)?;
+    apply_labelled(&server, "web", "10.96.0.10", "10.1.0.2", &[(SERVICE_PROXY_NAME_LABEL, "vipr")])?;
+    source.snapshot_where("web labelled for vipr", |objects| {
+        programmed(objects)
+            == frontends(&[
+                ("10.96.0.10:80/TCP", &["10.1.0.2:8080"]),
+                ("10.96.0.30:80/TCP", &["10.1.0.4:8080"]),
+            ])
+    })?;
+    assert!(source.outages.is_empty(), "{:?}", source.outages);
+    source.stop()
+}
+
+fn service_cidr(name: &str, cidrs: &[&str]) -> ServiceCIDR {
+    ServiceCIDR {
+        metadata: ObjectMeta { name: Some(name.into()), ..ObjectMeta::default() },
+        spec: Some(ServiceCIDRSpec { cidrs: Some(cidrs.iter().map(ToString::to_string).collect()) }),
+        status: None,
+    }
+}
+
+/// The ranges in which unallocated service IPs are dropped, for a snapshot and the
+/// `--service-cluster-ip-range` given.
+fn dropped_ranges(objects: &Objects, flag: &[&str]) -> Vec<String> {
+    let flag: Vec<_> = flag.iter().map(|cidr| cidr.parse().unwrap()).collect();
+    let (ranges, rejected) = service_cidrs(&objects.service_cidrs, &flag);
+    assert!(rejected.is_empty(), "{rejected:?}");
+    let node = NodeContext { name: NODE.into(), service_cidrs: ranges, ..NodeContext::default() };
+    let state = desired_state(&objects.services, &objects.slices, &node).state;
+    state.service_cidrs.iter().map(ToString::to_string).collect()
+}
+
+#[test]
+fn service_cidr_objects_decide_which_unallocated_service_ips_drop() -> Result<()> {
+    let server = server_with_web()?;
+    let mut source = Source::start(&server)?;
+    let flag = ["10.96.0.0/12"];
+
+    let first = source.snapshot_where("the initial snapshot", |_| true)?;
+    assert!(first.service_cidrs.is_empty());
+    assert_eq!(dropped_ranges(&first, &flag), ["10.96.0.0/12"], "no ServiceCIDR: the flag's range");
+
+    wait_until_watching(&server)?;
+    server.apply(&service_cidr("kubernetes", &["10.96.0.0/16", "fd00:10:96::/112"]))?;
+    let added =
+        source.snapshot_where("the default ServiceCIDR", |objects| !objects.service_cidrs.is_empty())?;
+    assert_eq!(
+        dropped_ranges(&added, &flag),
+        ["10.96.0.0/16", "fd00:10:96::/112"],
+        "the objects replace the flag"
+    );
+
+    server.apply(&service_cidr("extra", &["10.100.0.0/24"]))?;
+    let extended =
+        source.snapshot_where("a second ServiceCIDR", |objects| objects.service_cidrs.len() == 2)?;
+    assert_eq!(dropped_ranges(&extended, &flag), ["10.96.0.0/16", "10.100.0.0/24", "fd00:10:96::/112"]);
+
+    server.delete::<ServiceCIDR>(None, "kubernetes")?;
+    server.delete::<ServiceCIDR>(None, "extra")?;
+    let gone = source.snapshot_where("no ServiceCIDR left", |objects| objects.service_cidrs.is_empty())?;
+    assert_eq!(dropped_ranges(&gone, &flag), ["10.96.0.0/12"], "the flag again");
+    assert!(source.outages.is_empty(), "{:?}", source.outages);
+    source.stop()
+}
+
+#[test]
+fn a_server_without_service_cidrs_still_delivers_snapshots() -> Result<()> {
+    // As an API server before 1.33 (or a ClusterRole from before vipr read ServiceCIDRs).
+    let server = server_with_web()?;
+    server.set_served(Collection::ServiceCidrs, false);
+    let mut source = Source::start(&server)?;
+
+    let first = source.snapshot_where("the initial snapshot", |_| true)?;
+    assert_eq!(programmed(&first), frontends(&[("10.96.0.10:80/TCP", &["10.1.0.2:8080"])]));
+    assert!(first.service_cidrs.is_empty());
+    assert!(source.outages.is_empty(), "a missing ServiceCIDR API is no outage: {:?}", source.outages);
+
+    // Once the server serves them, they are watched.
+    server.apply(&service_cidr("kubernetes", &["10.96.0.0/16"]))?;
+    server.set_served(Collection::ServiceCidrs, true);
+    source.snapshot_where("the ServiceCIDR, once served", |objects| objects.service_cidrs.len() == 1)?;
     source.stop()
 }

@@ -38,7 +38,7 @@ use std::{
 
 use ipnet::IpNet;
 use k8s_openapi::{
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
+    api::{core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
@@ -57,7 +57,7 @@ const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10_800);
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
     pub name: String,
-    /// The node's `topology.kubernetes.io/zone`, for topology-aware routing.
+    /// The node's `topology.kubernetes.io/zone`, for zone hints.
     pub zone: Option<String>,
     /// The local-traffic detector (`--cluster-cidr`): sources inside are pods. Empty: no
     /// detector.
@@ -265,9 +265,6 @@ struct ServiceSpec {
     external_policy: TrafficPolicy,
     internal_policy: TrafficPolicy,
     affinity: Option<Duration>,
-    /// Topology-aware routing asked for (`trafficDistribution: PreferClose`, or the
-    /// `topology-mode: Auto` annotation): endpoints hinted for this node's zone are preferred.
-    topology_aware: bool,
 }
 
 /// One port of a service, validated.
@@ -288,7 +285,10 @@ struct EndpointSpec {
     serving: bool,
     terminating: bool,
     local: bool,
-    /// The zones the EndpointSlice controller hints this endpoint for.
+    /// The nodes the EndpointSlice controller hints this endpoint for (`forNodes`, set for
+    /// `trafficDistribution: PreferSameNode`).
+    node_hints: Vec<String>,
+    /// The zones the EndpointSlice controller hints this endpoint for (`forZones`).
     zone_hints: Vec<String>,
 }
 
@@ -387,23 +387,48 @@ struct Categorized {
     any_usable: bool,
 }
 
-/// kube-proxy's `canUseTopology`: only when asked for, when this node has a zone, when every
-/// ready endpoint carries hints and some is hinted for this zone — otherwise hints could
-/// leave a zone without endpoints.
-fn topology_zone<'a>(
-    service: &ServiceSpec,
-    endpoints: &[EndpointSpec],
-    node: &'a NodeContext,
-) -> Option<&'a str> {
-    let zone = node.zone.as_deref().filter(|zone| service.topology_aware && !zone.is_empty())?;
-    let ready: Vec<&EndpointSpec> = endpoints.iter().filter(|e| e.ready).collect();
-    let usable = ready.iter().all(|e| !e.zone_hints.is_empty())
-        && ready.iter().any(|e| e.zone_hints.iter().any(|hint| hint == zone));
-    usable.then_some(zone)
+/// Which endpoints topology leaves to the cluster traffic policy on this node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Topology<'a> {
+    /// Every endpoint (no usable hints).
+    Anywhere,
+    /// Those hinted for this node (`forNodes`).
+    SameNode(&'a str),
+    /// Those hinted for this node's zone (`forZones`).
+    SameZone(&'a str),
 }
 
-fn categorize(endpoints: &[EndpointSpec], zone: Option<&str>) -> Categorized {
-    let in_zone = |e: &EndpointSpec| zone.is_none_or(|zone| e.zone_hints.iter().any(|hint| hint == zone));
+impl Topology<'_> {
+    fn admits(self, endpoint: &EndpointSpec) -> bool {
+        match self {
+            Self::Anywhere => true,
+            Self::SameNode(node) => endpoint.node_hints.iter().any(|hint| hint == node),
+            Self::SameZone(zone) => endpoint.zone_hints.iter().any(|hint| hint == zone),
+        }
+    }
+}
+
+/// kube-proxy's `topologyModeFromHints`: the Service's `trafficDistribution` is the
+/// EndpointSlice controller's business, and the hints it writes are the answer. Node hints
+/// first, then zone hints; a kind of hint is used only when every ready endpoint carries it
+/// and some ready endpoint is hinted for this node (or zone), so that hints never leave this
+/// node without a ready endpoint.
+fn topology<'a>(endpoints: &[EndpointSpec], node: &'a NodeContext) -> Topology<'a> {
+    let ready: Vec<&EndpointSpec> = endpoints.iter().filter(|e| e.ready).collect();
+    let usable = |hints: fn(&EndpointSpec) -> &[String], wanted: &str| {
+        ready.iter().all(|e| !hints(e).is_empty())
+            && ready.iter().any(|e| hints(e).iter().any(|hint| hint == wanted))
+    };
+    if !node.name.is_empty() && usable(|e| &e.node_hints, &node.name) {
+        return Topology::SameNode(&node.name);
+    }
+    match node.zone.as_deref().filter(|zone| !zone.is_empty()) {
+        Some(zone) if usable(|e| &e.zone_hints, zone) => Topology::SameZone(zone),
+        _ => Topology::Anywhere,
+    }
+}
+
+fn categorize(endpoints: &[EndpointSpec], topology: Topology<'_>) -> Categorized {
     let pick = |keep: &dyn Fn(&EndpointSpec) -> bool| -> Arc<[Backend]> {
         let set: BTreeSet<Backend> = endpoints.iter().filter(|e| keep(e)).map(|e| e.backend).collect();
         set.into_iter().collect()
@@ -416,7 +441,7 @@ fn categorize(endpoints: &[EndpointSpec], zone: Option<&str>) -> Categorized {
             ready
         }
     };
-    let cluster_ready = pick(&|e| e.ready && in_zone(e));
+    let cluster_ready = pick(&|e| e.ready && topology.admits(e));
     Categorized {
         // Topology filters only the ready endpoints; the terminating fallback ignores it.
         cluster: if cluster_ready.is_empty() { ready_first(&|_| true) } else { cluster_ready },
@@ -446,7 +471,7 @@ fn family_frontends(
     let service = &port.service;
     let endpoints: Vec<EndpointSpec> =
         endpoints.iter().filter(|e| in_family(&e.backend.ip)).cloned().collect();
-    let endpoints = categorize(&endpoints, topology_zone(service, &endpoints, node));
+    let endpoints = categorize(&endpoints, topology(&endpoints, node));
     let has_detector = node.cluster_cidrs.iter().any(|cidr| in_family(&cidr.addr()));
     // No usable endpoint anywhere is the client's business; none allowed from here is not.
     let when_policy_empty = if endpoints.any_usable { WhenEmpty::Drop } else { WhenEmpty::Reject };
@@ -539,6 +564,32 @@ fn allowed_load_balancer_sources(service: &ServiceSpec, node: &NodeContext, ipv4
         );
     }
     allowed
+}
+
+/// The service IP ranges, as kube-proxy takes them: every range of every ServiceCIDR object
+/// (networking.k8s.io/v1); `fallback` (`--service-cluster-ip-range`) while there is none.
+/// A range that is not a CIDR is reported and left out.
+pub fn service_cidrs(objects: &[ServiceCIDR], fallback: &[IpNet]) -> (Vec<IpNet>, Vec<Rejection>) {
+    let mut ranges = BTreeSet::new();
+    let mut rejected = Vec::new();
+    for object in objects {
+        let cidrs = object.spec.iter().flat_map(|spec| spec.cidrs.iter().flatten());
+        for (index, cidr) in cidrs.enumerate() {
+            match cidr.trim().parse::<IpNet>() {
+                Ok(range) => {
+                    ranges.insert(range.trunc());
+                }
+                Err(_) => rejected.push(Rejection {
+                    object: format!("ServiceCIDR {}", object.metadata.name.as_deref().unwrap_or("<unnamed>")),
+                    reason: format!("spec.cidrs[{index}] {cidr:?} is not a CIDR"),
+                }),
+            }
+        }
+    }
+    if objects.is_empty() {
+        return (fallback.to_vec(), rejected);
+    }
+    (ranges.into_iter().collect(), rejected)
 }
 
 /// A hash of an object's content (its JSON form), for objects without a resourceVersion
@@ -717,16 +768,8 @@ fn service_spec(service: &Service) -> Result<Option<ServiceSpec>, String> {
         }
         Some(other) => return Err(format!("spec.sessionAffinity {other:?} is not None or ClientIP")),
     };
-    let annotation =
-        |name: &str| service.metadata.annotations.as_ref().and_then(|a| a.get(name)).map(String::as_str);
-    let topology_aware =
-        matches!(spec.traffic_distribution.as_deref(), Some("PreferClose" | "PreferSameZone"))
-            || ["service.kubernetes.io/topology-mode", "service.kubernetes.io/topology-aware-hints"]
-                .into_iter()
-                .any(|name| matches!(annotation(name), Some("Auto" | "auto")));
     Ok(Some(ServiceSpec {
         seniority: Arc::new(Seniority::of(&service.metadata)),
-        topology_aware,
         cluster_ips,
         external_ips,
         load_balancer_ips,
@@ -812,15 +855,20 @@ fn slice_endpoints(
                 slice.address_type
             ));
         }
-        // Unset conditions: ready, serving as ready, not terminating (the API's meaning).
+        // Unset conditions: ready, serving, not terminating (as kube-proxy reads them).
         let conditions = endpoint.conditions.as_ref();
-        let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
         endpoints.push(EndpointSpec {
             backend: Backend { ip, port: 0 },
-            ready,
-            serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+            ready: conditions.and_then(|c| c.ready).unwrap_or(true),
+            serving: conditions.and_then(|c| c.serving).unwrap_or(true),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
             local: endpoint.node_name.as_deref() == Some(node.name.as_str()),
+            node_hints: endpoint
+                .hints
+                .iter()
+                .flat_map(|hints| hints.for_nodes.iter().flatten())
+                .map(|node| node.name.clone())
+                .collect(),
             zone_hints: endpoint
                 .hints
                 .iter()

@@ -6,11 +6,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR};
 use serde::Deserialize;
 use tracing::debug;
 
-use super::{Objects, SourceEvent};
+use super::{Objects, Ownership, SourceEvent};
 use crate::model::kubernetes::Rejection;
 
 /// A file that is not valid YAML/JSON at all. The whole file is refused, because a syntax
@@ -25,8 +25,9 @@ pub struct SyntaxError {
     pub message: String,
 }
 
-/// Parses manifests. Documents of other kinds are ignored; Services and EndpointSlices that do
-/// not deserialize into their API types are rejected one by one.
+/// Parses manifests. Documents of other kinds are ignored; Services, EndpointSlices and
+/// ServiceCIDRs that do not deserialize into their API types are rejected one by one. Every
+/// object is kept, whoever owns it: [`watch`] applies the [`Ownership`] rules.
 pub fn parse_manifests(path: &Path, text: &str) -> Result<Objects, SyntaxError> {
     let mut objects = Objects::default();
     for (index, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
@@ -76,6 +77,13 @@ fn add_object(value: serde_yaml::Value, document: usize, objects: &mut Objects) 
                     .push(Rejection { object: describe("EndpointSlice"), reason: error.to_string() }),
             }
         }
+        ("networking.k8s.io/v1", "ServiceCIDR") => match serde_yaml::from_value::<ServiceCIDR>(value.clone())
+        {
+            Ok(cidr) => objects.service_cidrs.push(cidr),
+            Err(error) => objects
+                .rejected
+                .push(Rejection { object: describe("ServiceCIDR"), reason: error.to_string() }),
+        },
         (_, list) if list.ends_with("List") => {
             if let Some(items) = value.get("items").and_then(serde_yaml::Value::as_sequence) {
                 for item in items {
@@ -91,14 +99,21 @@ fn add_object(value: serde_yaml::Value, document: usize, objects: &mut Objects) 
     }
 }
 
-/// Watches a manifest file and sends its objects each time its content changes, until the
-/// receiving side is dropped or `stop` fires. Polling, rather than inotify, also catches
-/// editors and `kubectl`-style tools that replace the file by renaming over it.
+/// Watches a manifest file and sends the objects of it that `ownership` gives this proxy each
+/// time its content changes, until the receiving side is dropped or `stop` fires. Polling,
+/// rather than inotify, also catches editors and `kubectl`-style tools that replace the file
+/// by renaming over it.
 ///
 /// A content is sent only once it has been read unchanged for [`settle_time`]: a file caught
 /// while a tool truncates and rewrites it in place (empty, or cut after a complete document)
 /// would otherwise be applied as the truth and withdraw every service it seems to lack.
-pub fn watch(path: PathBuf, interval: Duration, events: Sender<SourceEvent>, stop: Receiver<()>) {
+pub fn watch(
+    path: PathBuf,
+    ownership: &Ownership,
+    interval: Duration,
+    events: Sender<SourceEvent>,
+    stop: Receiver<()>,
+) {
     let settle = settle_time(interval);
     let mut last_content: Option<Vec<u8>> = None;
     let mut settling: Option<(Vec<u8>, Instant)> = None;
@@ -113,7 +128,7 @@ pub fn watch(path: PathBuf, interval: Duration, events: Sender<SourceEvent>, sto
                     Some((settling_content, since)) if *settling_content == content => {
                         if now.duration_since(*since) >= settle {
                             settling = None;
-                            let event = objects_event(&path, &content);
+                            let event = objects_event(&path, &content, ownership);
                             last_content = Some(content);
                             if events.send(event).is_err() {
                                 return;
@@ -148,10 +163,13 @@ pub fn settle_time(interval: Duration) -> Duration {
     interval * 2
 }
 
-fn objects_event(path: &Path, content: &[u8]) -> SourceEvent {
+fn objects_event(path: &Path, content: &[u8], ownership: &Ownership) -> SourceEvent {
     match std::str::from_utf8(content) {
         Ok(text) => match parse_manifests(path, text) {
-            Ok(objects) => SourceEvent::Objects(objects),
+            Ok(mut objects) => {
+                ownership.retain_owned(&mut objects);
+                SourceEvent::Objects(objects)
+            }
             Err(error) => SourceEvent::Unusable(error.to_string()),
         },
         Err(error) => SourceEvent::Unusable(format!("{}: not UTF-8: {error}", path.display())),
@@ -194,7 +212,7 @@ mod tests {
         let (stop, stopped) = std::sync::mpsc::channel();
         let watcher = {
             let path = path.clone();
-            std::thread::spawn(move || watch(path, INTERVAL, events, stopped))
+            std::thread::spawn(move || watch(path, &Ownership::default(), INTERVAL, events, stopped))
         };
         let deadline = Duration::from_secs(10);
         assert_eq!(service_names(received.recv_timeout(deadline).unwrap()), ["a", "b"]);
@@ -237,6 +255,89 @@ mod tests {
         )
         .unwrap();
         assert_eq!(objects.services.len(), 2);
+    }
+
+    /// A Service and its slice, with extra labels on both (as the EndpointSlice controller
+    /// copies a Service's labels to its slices).
+    fn labelled(name: &str, cluster_ip: &str, labels: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, labels: {{{labels}}}}}\nspec: {{clusterIP: {cluster_ip}}}\n---\n\
+             apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, labels: {{kubernetes.io/service-name: {name}, {labels}}}}}\naddressType: IPv4\nendpoints: []\n---\n"
+        )
+    }
+
+    fn owned_names(ownership: &Ownership, text: &str) -> (Vec<String>, Vec<String>) {
+        let mut objects = parse(text).unwrap();
+        ownership.retain_owned(&mut objects);
+        let name = |metadata: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+            metadata.name.clone().unwrap_or_default()
+        };
+        (
+            objects.services.iter().map(|service| name(&service.metadata)).collect(),
+            objects.slices.iter().map(|slice| name(&slice.metadata)).collect(),
+        )
+    }
+
+    #[test]
+    fn services_of_another_proxy_and_headless_ones_are_not_ours() {
+        let text = [
+            labelled("plain", "10.96.0.1", ""),
+            labelled("other-proxy", "10.96.0.2", "service.kubernetes.io/service-proxy-name: other"),
+            labelled("vipr-proxy", "10.96.0.3", "service.kubernetes.io/service-proxy-name: vipr"),
+            labelled("headless", "None", "service.kubernetes.io/headless: ''"),
+        ]
+        .concat();
+        let default = Ownership::default();
+        assert_eq!(
+            owned_names(&default, &text),
+            (vec!["plain".into()], vec!["plain-1".into()]),
+            "labelled for another proxy, or headless: left alone"
+        );
+        let named = Ownership { service_proxy_name: Some("vipr".into()) };
+        assert_eq!(
+            owned_names(&named, &text),
+            (vec!["vipr-proxy".into()], vec!["vipr-proxy-1".into()]),
+            "--service-proxy-name=vipr: only what is labelled vipr"
+        );
+    }
+
+    #[test]
+    fn the_watched_file_delivers_only_what_this_proxy_owns() {
+        let path = std::env::temp_dir().join(format!("vipr-file-source-test-{}.yaml", std::process::id()));
+        let text = [
+            labelled("plain", "10.96.0.1", ""),
+            labelled("other-proxy", "10.96.0.2", "service.kubernetes.io/service-proxy-name: other"),
+        ]
+        .concat();
+        std::fs::write(&path, text).unwrap();
+        let (events_tx, events) = std::sync::mpsc::channel();
+        let (stop, stop_rx) = std::sync::mpsc::channel();
+        let watched = path.clone();
+        let thread = std::thread::spawn(move || {
+            watch(watched, &Ownership::default(), Duration::from_millis(10), events_tx, stop_rx)
+        });
+        let event = events.recv_timeout(Duration::from_secs(10));
+        let _ = stop.send(());
+        thread.join().unwrap();
+        let _ = std::fs::remove_file(&path);
+        let Ok(SourceEvent::Objects(objects)) = event else { panic!("no objects") };
+        let names: Vec<_> =
+            objects.services.iter().map(|service| service.metadata.name.clone().unwrap()).collect();
+        assert_eq!(names, ["plain"]);
+        assert_eq!(objects.slices.len(), 1);
+    }
+
+    #[test]
+    fn service_cidrs_are_read() {
+        let objects = parse(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16, 'fd00:10:96::/112']}\n",
+        )
+        .unwrap();
+        assert_eq!(objects.service_cidrs.len(), 1);
+        assert_eq!(
+            objects.service_cidrs[0].spec.as_ref().and_then(|spec| spec.cidrs.clone()).unwrap().len(),
+            2
+        );
     }
 
     #[test]

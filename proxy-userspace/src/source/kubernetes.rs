@@ -1,13 +1,17 @@
-//! The API-server source: kube-rs watchers with reflector stores on all Services, all
-//! EndpointSlices and this node's Node, delivered as complete snapshots.
+//! The API-server source: kube-rs watchers with reflector stores on what kube-proxy watches —
+//! the Services and EndpointSlices this proxy owns ([`Ownership`]: label and field selectors,
+//! applied by the API server), this node's Node and the ServiceCIDRs — delivered as complete
+//! snapshots.
 //!
 //! The contract is the file source's: [`watch`] runs on its own thread until `stop` fires or
 //! the receiving side is dropped, sends a complete [`Objects`] snapshot whenever the stores
 //! change, and sends [`SourceEvent::Unusable`] when the API server cannot be reached (the agent
 //! then keeps its datapath).
 //!
-//! - No snapshot is sent before all three initial lists have completed: a partial view would
-//!   make the agent delete the services it has not seen yet.
+//! - No snapshot is sent before every initial list has completed: a partial view would make
+//!   the agent delete the services it has not seen yet. An API server that does not serve
+//!   ServiceCIDRs (before 1.33), or forbids them to vipr (an older ClusterRole), counts as
+//!   having none: vipr then uses `--service-cluster-ip-range`, and keeps retrying.
 //! - The kube-rs watcher resumes from its resourceVersion after a disconnect and relists after
 //!   410 Gone; the reflector swaps a relisted store in at once. A snapshot is therefore always
 //!   one complete view, never an empty one mid-relist, and a relist of unchanged objects gives
@@ -30,6 +34,7 @@ use k8s_openapi::{
     api::{
         core::v1::{Node, Service},
         discovery::v1::EndpointSlice,
+        networking::v1::ServiceCIDR,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
     Metadata, Resource,
@@ -46,10 +51,10 @@ use kube::{
 };
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use self::decoded::{Decoded, Slim};
-use super::{Objects, SourceEvent};
+use super::{Objects, Ownership, SourceEvent, SERVICE_FIELD_SELECTOR};
 use crate::model::kubernetes::Rejection;
 
 mod decoded;
@@ -67,6 +72,8 @@ pub struct KubeSourceConfig {
     pub node_name: String,
     /// `--master`: the API server URL, overriding the kubeconfig's (or the in-cluster) one.
     pub master: Option<String>,
+    /// Which Services and EndpointSlices are watched (`--service-proxy-name`).
+    pub ownership: Ownership,
 }
 
 /// Watches the API server and sends a snapshot each time the watched objects change, until
@@ -80,7 +87,7 @@ pub fn watch(config: KubeSourceConfig, events: Sender<SourceEvent>, stop: Receiv
             return;
         }
     };
-    let mut source = Source { events, stop, in_outage: false };
+    let mut source = Source { events, stop, in_outage: false, service_cidrs_unavailable: false };
     runtime.block_on(source.run(config));
 }
 
@@ -90,10 +97,11 @@ enum Collection {
     Services,
     EndpointSlices,
     Node,
+    ServiceCidrs,
 }
 
 impl Collection {
-    const ALL: [Self; 3] = [Self::Services, Self::EndpointSlices, Self::Node];
+    const ALL: [Self; 4] = [Self::Services, Self::EndpointSlices, Self::Node, Self::ServiceCidrs];
 }
 
 impl fmt::Display for Collection {
@@ -102,6 +110,7 @@ impl fmt::Display for Collection {
             Self::Services => "services",
             Self::EndpointSlices => "endpointslices",
             Self::Node => "node",
+            Self::ServiceCidrs => "servicecidrs",
         })
     }
 }
@@ -130,12 +139,14 @@ struct Source {
     /// is reported when it starts, not again at every retry of every watch. (A watch that
     /// resumes without news shows nothing; the outage ends with the next event of any watch.)
     in_outage: bool,
+    /// The ServiceCIDR list is not served or not allowed (logged once until it works).
+    service_cidrs_unavailable: bool,
 }
 
 impl Source {
     async fn run(&mut self, config: KubeSourceConfig) {
         if let Some(client) = self.connect(&config).await {
-            self.watch_stores(client, &config.node_name).await;
+            self.watch_stores(client, &config).await;
         }
     }
 
@@ -160,17 +171,30 @@ impl Source {
         }
     }
 
-    async fn watch_stores(&mut self, client: Client, node_name: &str) {
-        let everything = watcher::Config::default();
-        let (services, services_progress) =
-            reflect(Api::all(client.clone()), everything.clone(), Collection::Services);
-        let (slices, slices_progress) =
-            reflect(Api::all(client.clone()), everything, Collection::EndpointSlices);
-        let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-        let (nodes, node_progress) = reflect(Api::all(client), this_node, Collection::Node);
-        let stores = Stores { services, slices, nodes, node_name: node_name.to_owned() };
-        let mut progress =
-            pin!(stream::select(services_progress, stream::select(slices_progress, node_progress)));
+    async fn watch_stores(&mut self, client: Client, config: &KubeSourceConfig) {
+        let owned = config.ownership.label_selector();
+        let (services, services_progress) = reflect(
+            Api::all(client.clone()),
+            watcher::Config::default().labels(&owned).fields(SERVICE_FIELD_SELECTOR),
+            Collection::Services,
+        );
+        let (slices, slices_progress) = reflect(
+            Api::all(client.clone()),
+            watcher::Config::default().labels(&owned),
+            Collection::EndpointSlices,
+        );
+        let this_node = watcher::Config::default().fields(&format!("metadata.name={}", config.node_name));
+        let (nodes, node_progress) = reflect(Api::all(client.clone()), this_node, Collection::Node);
+        let (service_cidrs, service_cidrs_progress) = reflect(
+            Api::all(client),
+            watcher::Config::default().labels(&Ownership::service_cidr_label_selector()),
+            Collection::ServiceCidrs,
+        );
+        let stores = Stores { services, slices, nodes, service_cidrs, node_name: config.node_name.clone() };
+        let mut progress = pin!(stream::select(
+            stream::select(services_progress, slices_progress),
+            stream::select(node_progress, service_cidrs_progress),
+        ));
 
         let mut listed = HashSet::new();
         let mut changed = false;
@@ -189,6 +213,11 @@ impl Source {
                         self.succeeded(collection);
                         listed.insert(collection);
                         changed = true;
+                    }
+                    Step::Failed(error) if collection == Collection::ServiceCidrs && unavailable(&error) => {
+                        self.note_service_cidrs_unavailable(&error);
+                        // None to wait for: the snapshots go on with the store as it is.
+                        changed |= listed.insert(collection);
                     }
                     Step::Failed(error) => {
                         if !self.failed(collection, &error) {
@@ -237,7 +266,21 @@ impl Source {
         self.events.send(SourceEvent::Unusable(problem)).is_ok()
     }
 
+    fn note_service_cidrs_unavailable(&mut self, error: &watcher::Error) {
+        if !self.service_cidrs_unavailable {
+            warn!(
+                "cannot watch ServiceCIDRs ({}); using --service-cluster-ip-range until they can be read",
+                describe_error(error)
+            );
+            self.service_cidrs_unavailable = true;
+        }
+    }
+
     fn succeeded(&mut self, collection: Collection) {
+        if collection == Collection::ServiceCidrs && self.service_cidrs_unavailable {
+            info!("watching ServiceCIDRs");
+            self.service_cidrs_unavailable = false;
+        }
         if self.in_outage {
             info!(%collection, "receiving from the API server again");
             self.in_outage = false;
@@ -315,10 +358,23 @@ where
     (store, progress)
 }
 
+/// A list or watch refused because the API server does not serve the resource (404) or
+/// vipr may not read it (403): retrying will not help soon.
+fn unavailable(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => matches!(status.code, 403 | 404),
+        watcher::Error::WatchError(status) => matches!(status.code, 403 | 404),
+        _ => false,
+    }
+}
+
 struct Stores {
     services: Store<Decoded<Service>>,
     slices: Store<Decoded<EndpointSlice>>,
     nodes: Store<Decoded<Node>>,
+    service_cidrs: Store<Decoded<ServiceCIDR>>,
     node_name: String,
 }
 
@@ -330,7 +386,8 @@ impl Stores {
         let node = usable(&self.nodes, &mut rejected)
             .into_iter()
             .find(|node| node.metadata.name.as_ref() == Some(&self.node_name));
-        Objects { services, slices, node, rejected }
+        let service_cidrs = usable(&self.service_cidrs, &mut rejected);
+        Objects { services, slices, node, service_cidrs, rejected }
     }
 }
 

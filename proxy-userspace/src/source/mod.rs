@@ -1,8 +1,11 @@
 //! Where Kubernetes objects come from. A source only delivers objects; it never sees the
 //! dataplane or its errors.
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 
 use crate::model::kubernetes::Rejection;
@@ -10,14 +13,74 @@ use crate::model::kubernetes::Rejection;
 pub mod file;
 pub mod kubernetes;
 
-/// Every Service and EndpointSlice the source currently knows, this node's Node when the
-/// source has one (the file source does not), plus the objects it could not even decode.
+/// Every Service and EndpointSlice this proxy owns ([`Ownership`]) that the source currently
+/// knows, this node's Node when the source has one (the file source does not), the cluster's
+/// ServiceCIDRs, plus the objects it could not even decode.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Objects {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
     pub node: Option<Node>,
+    pub service_cidrs: Vec<ServiceCIDR>,
     pub rejected: Vec<Rejection>,
+}
+
+/// The label by which a Service (and, copied by the EndpointSlice controller, its slices)
+/// names the proxy that serves it instead of the default one.
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// The label the EndpointSlice controller puts on the slices of headless Services.
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+/// The field selector kube-proxy watches Services with: headless ones have nothing to proxy.
+pub const SERVICE_FIELD_SELECTOR: &str = "spec.clusterIP!=None";
+
+/// Which objects are this proxy's, as kube-proxy's informers select them: Services and
+/// EndpointSlices without [`SERVICE_PROXY_NAME_LABEL`] (with `--service-proxy-name=NAME`,
+/// exactly those labelled NAME) and without [`HEADLESS_LABEL`]; Services whose clusterIP is
+/// not `None`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ownership {
+    /// `--service-proxy-name`.
+    pub service_proxy_name: Option<String>,
+}
+
+impl Ownership {
+    /// The label selector for Services and EndpointSlices.
+    pub fn label_selector(&self) -> String {
+        let proxy = match &self.service_proxy_name {
+            None => format!("!{SERVICE_PROXY_NAME_LABEL}"),
+            Some(name) => format!("{SERVICE_PROXY_NAME_LABEL}={name}"),
+        };
+        format!("{proxy},!{HEADLESS_LABEL}")
+    }
+
+    /// kube-proxy's own label selector, for ServiceCIDRs: the cluster's service ranges are
+    /// the same whichever proxy serves which Service.
+    pub fn service_cidr_label_selector() -> String {
+        Self::default().label_selector()
+    }
+
+    fn owns_labels(&self, labels: Option<&BTreeMap<String, String>>) -> bool {
+        let label = |key: &str| labels.and_then(|labels| labels.get(key));
+        label(SERVICE_PROXY_NAME_LABEL) == self.service_proxy_name.as_ref() && label(HEADLESS_LABEL).is_none()
+    }
+
+    pub fn owns_service(&self, service: &Service) -> bool {
+        let cluster_ip = service.spec.as_ref().and_then(|spec| spec.cluster_ip.as_deref());
+        self.owns_labels(service.metadata.labels.as_ref()) && cluster_ip != Some("None")
+    }
+
+    pub fn owns_slice(&self, slice: &EndpointSlice) -> bool {
+        self.owns_labels(slice.metadata.labels.as_ref())
+    }
+
+    /// Keeps only what the selectors would have delivered (for sources that cannot select
+    /// server-side, the services file).
+    pub fn retain_owned(&self, objects: &mut Objects) {
+        objects.services.retain(|service| self.owns_service(service));
+        objects.slices.retain(|slice| self.owns_slice(slice));
+        let default = Self::default();
+        objects.service_cidrs.retain(|cidr| default.owns_labels(cidr.metadata.labels.as_ref()));
+    }
 }
 
 #[allow(

@@ -53,6 +53,8 @@ pub enum IpvsOutcome {
     Pass,
     /// DNAT to these endpoints only.
     Dnat { endpoints: &'static [&'static str], masquerade: bool },
+    /// Dropped.
+    Drop,
     /// Not reproducible on the lab in ipvs mode: skipped.
     Skip,
 }
@@ -71,11 +73,12 @@ const fn ipvs_difference(
     listed(file_id, case, flow, recorded, ipvs, why)
 }
 
-/// With no local endpoint, kube-proxy's IPVS mode sends a Local policy's outside clients to
-/// the other nodes' endpoints (unmasqueraded: their replies would bypass the node in a real
-/// cluster), where the model drops them.
-pub const REMOTE_WHEN_NO_LOCAL: &str = "ipvs: with no local endpoint an eTP:Local virtual service \
-     gets the remote ones, for outside clients too (kube-proxy's IPVS mode)";
+/// With no local endpoint, an eTP:Local virtual service has no real server: its outside
+/// clients are dropped as in every kube-proxy mode, and so are pods and the node, which the
+/// other modes short-circuit to the other nodes' endpoints.
+pub const NO_SHORT_CIRCUIT_WITHOUT_LOCAL: &str = "ipvs: one set of real servers per virtual service; \
+     with eTP:Local and no local endpoint there is none, so pods and the node are dropped as outside \
+     clients are (kube-proxy's IPVS mode has no eTP:Local short-circuit)";
 
 const LOCAL_ONLY_2_1: IpvsOutcome = IpvsOutcome::Dnat { endpoints: &["10.180.2.1:80"], masquerade: false };
 const LOCAL_ONLY_0_2: IpvsOutcome = IpvsOutcome::Dnat { endpoints: &["10.180.0.2:80"], masquerade: false };
@@ -242,22 +245,13 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
         ONE_SET_PER_VIRTUAL_SERVICE,
     ),
     IpvsDifference {
-        file_id: "vipr.TestTerminatingEndpoints",
-        case: "externalTrafficPolicy Local",
-        stage: "only a remote terminating endpoint",
-        flow: 1,
-        recorded: Verdict::DROP,
-        outcome: IpvsOutcome::Dnat { endpoints: &["10.180.0.1:80"], masquerade: false },
-        why: REMOTE_WHEN_NO_LOCAL,
-    },
-    IpvsDifference {
         file_id: "vipr.TestIPv6",
         case: "ipv6 services",
         stage: "initial",
-        flow: 12,
-        recorded: Verdict::DROP,
-        outcome: IpvsOutcome::Dnat { endpoints: &["[fd00:10:180::3]:80"], masquerade: false },
-        why: REMOTE_WHEN_NO_LOCAL,
+        flow: 13,
+        recorded: Verdict::DNAT,
+        outcome: IpvsOutcome::Drop,
+        why: NO_SHORT_CIRCUIT_WITHOUT_LOCAL,
     },
 ];
 
@@ -278,6 +272,7 @@ impl IpvsDifference {
             IpvsOutcome::AsRecorded => Some(Outcome::expected(&flow.expect)),
             IpvsOutcome::Pass => Some(Outcome::of(Verdict::PASS)),
             IpvsOutcome::Skip => None,
+            IpvsOutcome::Drop => Some(Outcome::of(Verdict::DROP)),
             IpvsOutcome::Dnat { endpoints, masquerade } => {
                 let endpoints: BTreeSet<SocketAddr> = endpoints
                     .iter()

@@ -6,15 +6,15 @@
 //! model has a treatment per source class. Where the classes differ, kube-proxy's IPVS
 //! mode decides, and so does this (docs/conformance.md lists the consequences):
 //! - the real servers are the outside clients' (for a Local external policy: the local
-//!   endpoints); when those are empty, the pods' (all endpoints, with a detector), else the
-//!   node's;
+//!   endpoints, for pods and the node too: kube-proxy's IPVS mode has no short-circuit);
 //! - masquerading is decided per frontend kind by the iptables rules, not per treatment: a
 //!   Local external policy masquerades no source, a Cluster one every source; cluster IPs
 //!   follow the detector (or `--masquerade-all`);
 //! - a frontend with no real server gets no virtual service: its packets are rejected by a
 //!   filter rule (kube-proxy keeps a virtual service without real servers, whose own ICMP
-//!   answer does not reliably reach IPv6 clients), or dropped when the model says so for
-//!   every source class (endpoints only on other nodes under a Local policy).
+//!   answer does not reliably reach IPv6 clients), or dropped when the model drops the
+//!   outside clients' traffic (endpoints only on other nodes under a Local policy), as every
+//!   kube-proxy mode drops it.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -57,16 +57,13 @@ pub struct Plan {
     pub unsupported: Vec<String>,
 }
 
-/// The real servers of a frontend of `family`, as kube-proxy's IPVS mode picks them (each
-/// of its per-family proxiers sees only endpoints of its family).
+/// The real servers of a frontend of `family`, as kube-proxy's IPVS mode picks them: the
+/// outside clients' endpoints (each of its per-family proxiers sees only endpoints of its
+/// family). Under a Local external policy these are the local ones, for every client: the
+/// other nodes' endpoints, which pods and the node would reach in the other modes, are no
+/// real servers.
 pub fn real_servers(entry: &FrontendEntry, family: Family) -> BTreeSet<Backend> {
-    [&entry.from_outside, &entry.from_pod, &entry.from_node]
-        .into_iter()
-        .map(|treatment| -> BTreeSet<Backend> {
-            treatment.backends.iter().copied().filter(|backend| Family::of(backend.ip) == family).collect()
-        })
-        .find(|backends| !backends.is_empty())
-        .unwrap_or_default()
+    entry.from_outside.backends.iter().copied().filter(|backend| Family::of(backend.ip) == family).collect()
 }
 
 /// Whether the frontend follows a Local external policy (its outside clients keep their
@@ -75,14 +72,11 @@ fn external_local(entry: &FrontendEntry) -> bool {
     entry.kind != FrontendKind::ClusterIp && !entry.from_outside.masquerade
 }
 
-/// Whether every source class is to be dropped for want of an endpoint.
-fn drops_everyone(entry: &FrontendEntry) -> bool {
-    [&entry.from_outside, &entry.from_pod, &entry.from_node]
-        .into_iter()
-        .all(|treatment| treatment.backends.is_empty())
-        && [&entry.from_outside, &entry.from_pod, &entry.from_node]
-            .into_iter()
-            .any(|treatment| treatment.when_empty == WhenEmpty::Drop)
+/// Whether the frontend's traffic is dropped for want of a local endpoint (endpoints only on
+/// other nodes under a Local policy): the outside clients', and with a single set of real
+/// servers everyone's.
+fn drops_for_want_of_local_endpoints(entry: &FrontendEntry, family: Family) -> bool {
+    real_servers(entry, family).is_empty() && entry.from_outside.when_empty == WhenEmpty::Drop
 }
 
 pub fn plan(state: &DesiredState, settings: &PlanSettings) -> Plan {
@@ -171,7 +165,7 @@ pub fn plan(state: &DesiredState, settings: &PlanSettings) -> Plan {
             },
         }
 
-        if drops_everyone(entry) {
+        if drops_for_want_of_local_endpoints(entry, family) {
             add(&ipset::DROP_NO_LOCAL, family, ip_port);
             continue;
         }
@@ -311,7 +305,7 @@ mod tests {
     }
 
     #[test]
-    fn a_local_external_policy_uses_local_endpoints_else_the_cluster_s() {
+    fn a_local_external_policy_uses_local_endpoints_and_drops_without_them() {
         let (local, remote) = (backend("10.180.0.1", 80), backend("10.180.1.1", 80));
         let with_local = entry(
             FrontendKind::NodePort,
@@ -336,7 +330,8 @@ mod tests {
             ServiceKey { ip: "192.168.0.2".parse().unwrap(), port: 3001, protocol: Protocol::Tcp };
         assert_eq!(plan.services[&node_port].backends, [local].into());
         let balancer = ServiceKey { ip: "5.6.7.8".parse().unwrap(), port: 80, protocol: Protocol::Udp };
-        assert_eq!(plan.services[&balancer].backends, [remote].into());
+        assert!(!plan.services.contains_key(&balancer), "no local endpoint: no remote real servers either");
+        assert_eq!(plan.sets["KUBE-IPVS-DROP"], [Entry::IpPort(balancer.ip, Protocol::Udp, 80)].into());
         assert_eq!(plan.sets["KUBE-NODE-PORT-TCP"], [Entry::Port(3001)].into());
         assert_eq!(plan.sets["KUBE-NODE-PORT-LOCAL-TCP"], [Entry::Port(3001)].into());
         assert!(plan.sets["KUBE-LOAD-BALANCER-LOCAL"].contains(&Entry::IpPort(

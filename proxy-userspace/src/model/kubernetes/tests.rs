@@ -503,48 +503,132 @@ fn each_family_is_judged_on_its_own_endpoints_and_detector() {
     assert!(!v6.from_outside.masquerade, "IPv6 has none");
 }
 
+/// Service `web` (10.96.0.10:80) with `trafficDistribution`, if any.
+fn distributed_web(distribution: Option<&str>) -> Service {
+    let mut spec = json!({"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}]});
+    if let Some(distribution) = distribution {
+        spec["trafficDistribution"] = json!(distribution);
+    }
+    service("web", spec)
+}
+
+/// A ready endpoint with the given node and zone hints (none: no hints of that kind).
+fn hinted(address: &str, nodes: &[&str], zones: &[&str]) -> serde_json::Value {
+    let names = |names: &[&str]| names.iter().map(|name| json!({"name": name})).collect::<Vec<_>>();
+    let mut hints = json!({});
+    if !nodes.is_empty() {
+        hints["forNodes"] = json!(names(nodes));
+    }
+    if !zones.is_empty() {
+        hints["forZones"] = json!(names(zones));
+    }
+    json!({"addresses": [address], "conditions": {"ready": true}, "hints": hints})
+}
+
+/// Where pods on `node` reach `web`'s cluster IP, for `web` with `distribution` and `list`.
+fn pods_reach(distribution: Option<&str>, list: serde_json::Value, node: &NodeContext) -> Vec<String> {
+    let state = desired_state(&[distributed_web(distribution)], &[endpoints(list)], node).state;
+    addresses(&state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)].from_pod)
+}
+
+/// node-a in zone `a`.
+fn node_a_in_zone_a() -> NodeContext {
+    NodeContext { zone: Some("a".into()), ..node_a() }
+}
+
 #[test]
-fn topology_aware_routing_prefers_endpoints_hinted_for_this_zone() {
-    let web = |distribution: Option<&str>| {
-        let mut spec = json!({"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}]});
-        if let Some(distribution) = distribution {
-            spec["trafficDistribution"] = json!(distribution);
-        }
-        service("web", spec)
+fn zone_hints_are_used_whenever_every_ready_endpoint_has_one() {
+    let node = node_a_in_zone_a();
+    let zoned = || json!([hinted("10.1.0.1", &[], &["a"]), hinted("10.1.0.2", &[], &["b"])]);
+    // kube-proxy reads the hints, not the Service: whatever asked the controller for them.
+    for distribution in [Some("PreferClose"), Some("PreferSameZone"), None] {
+        assert_eq!(pods_reach(distribution, zoned(), &node), ["10.1.0.1"], "{distribution:?}");
+    }
+    // A ready endpoint without hints makes zone hints unusable.
+    let partly = json!([hinted("10.1.0.1", &[], &["a"]), {"addresses": ["10.1.0.2"]}]);
+    assert_eq!(pods_reach(Some("PreferClose"), partly, &node), ["10.1.0.1", "10.1.0.2"]);
+    // An endpoint that is not ready does not count, hints or not.
+    let unready_unhinted = json!([
+        hinted("10.1.0.1", &[], &["a"]), hinted("10.1.0.2", &[], &["b"]),
+        {"addresses": ["10.1.0.3"], "conditions": {"ready": false}},
+    ]);
+    assert_eq!(pods_reach(None, unready_unhinted, &node), ["10.1.0.1"]);
+    // No endpoint for this zone, or a node without a zone: every endpoint.
+    let elsewhere = NodeContext { zone: Some("c".into()), ..node_a() };
+    assert_eq!(pods_reach(Some("PreferClose"), zoned(), &elsewhere), ["10.1.0.1", "10.1.0.2"]);
+    assert_eq!(pods_reach(Some("PreferClose"), zoned(), &node_a()), ["10.1.0.1", "10.1.0.2"]);
+}
+
+#[test]
+fn node_hints_come_first_and_fall_back_to_zone_hints() {
+    let node = node_a_in_zone_a();
+    // As the EndpointSlice controller writes them for PreferSameNode: both kinds of hint.
+    let same_node = || {
+        json!([
+            hinted("10.1.0.1", &["node-a"], &["a"]),
+            hinted("10.1.0.2", &["node-b"], &["a"]),
+            hinted("10.1.0.3", &["node-c"], &["b"]),
+        ])
     };
-    let hinted =
-        |address: &str, zone: &str| json!({"addresses": [address], "hints": {"forZones": [{"name": zone}]}});
-    let zoned = slice(
-        "web-1",
-        "web",
-        json!({"endpoints": [hinted("10.1.0.1", "a"), hinted("10.1.0.2", "b")], "ports": [{"name": "http", "port": 8080}]}),
-    );
-    let mut node = node_a();
-    node.zone = Some("a".into());
-    let pods_reach = |services: &[Service], slices: &[EndpointSlice], node: &NodeContext| {
-        addresses(
-            &desired_state(services, slices, node).state.frontends
-                [&frontend("10.96.0.10", 80, Protocol::Tcp)]
-                .from_pod,
-        )
+    assert_eq!(pods_reach(Some("PreferSameNode"), same_node(), &node), ["10.1.0.1"]);
+    assert_eq!(pods_reach(None, same_node(), &node), ["10.1.0.1"], "hints, not the Service, decide");
+    // Node hints alone.
+    let nodes_only = json!([hinted("10.1.0.1", &["node-a"], &[]), hinted("10.1.0.2", &["node-b"], &[])]);
+    assert_eq!(pods_reach(Some("PreferSameNode"), nodes_only, &node), ["10.1.0.1"]);
+    // No endpoint hinted for this node: the zone hints decide.
+    let other = NodeContext { name: "node-z".into(), ..node.clone() };
+    assert_eq!(pods_reach(Some("PreferSameNode"), same_node(), &other), ["10.1.0.1", "10.1.0.2"]);
+    // A ready endpoint without a node hint: the zone hints decide.
+    let partly = json!([
+        hinted("10.1.0.1", &["node-a"], &["a"]),
+        hinted("10.1.0.2", &[], &["a"]),
+        hinted("10.1.0.3", &[], &["b"])
+    ]);
+    assert_eq!(pods_reach(Some("PreferSameNode"), partly, &node), ["10.1.0.1", "10.1.0.2"]);
+    // Neither kind usable: every endpoint.
+    let nothing_here = json!([hinted("10.1.0.1", &["node-b"], &["b"]), hinted("10.1.0.2", &["node-c"], &[])]);
+    assert_eq!(pods_reach(Some("PreferSameNode"), nothing_here, &node), ["10.1.0.1", "10.1.0.2"]);
+}
+
+#[test]
+fn topology_narrows_cluster_endpoints_only() {
+    // externalTrafficPolicy: Local still uses every local endpoint, whatever the hints.
+    let node = node_a_in_zone_a();
+    let mut local = hinted("10.1.0.1", &["node-b"], &["b"]);
+    local["nodeName"] = json!("node-a");
+    let list = json!([local, hinted("10.1.0.2", &["node-a"], &["a"])]);
+    let state = desired_state(&[policy_service("Local", "Cluster")], &[endpoints(list)], &node).state;
+    let cluster_ip = &state.frontends[&frontend("10.96.0.10", 80, Protocol::Tcp)];
+    assert_eq!(addresses(&cluster_ip.from_pod), ["10.1.0.2"], "the cluster policy follows the node hint");
+    let node_port = &state.frontends[&frontend("192.168.0.2", 30080, Protocol::Tcp)];
+    assert_eq!(addresses(&node_port.from_outside), ["10.1.0.1"], "the local policy ignores hints");
+}
+
+#[test]
+fn an_endpoint_without_a_serving_condition_counts_as_serving() {
+    // Terminating and not ready, serving unset: the fallback when nothing is ready.
+    let list = json!([
+        {"addresses": ["10.1.0.1"], "conditions": {"ready": false, "terminating": true}},
+        {"addresses": ["10.1.0.2"], "conditions": {"ready": false, "serving": false, "terminating": true}},
+    ]);
+    assert_eq!(pods_reach(None, list, &node_a()), ["10.1.0.1"]);
+}
+
+#[test]
+fn service_cidr_objects_replace_the_flags_range() {
+    let cidr = |name: &str, cidrs: serde_json::Value| -> ServiceCIDR {
+        serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"cidrs": cidrs}})).unwrap()
     };
-    assert_eq!(pods_reach(&[web(Some("PreferClose"))], std::slice::from_ref(&zoned), &node), ["10.1.0.1"]);
-    assert_eq!(
-        pods_reach(&[web(None)], std::slice::from_ref(&zoned), &node),
-        ["10.1.0.1", "10.1.0.2"],
-        "not asked for"
-    );
-    // A ready endpoint without hints makes hints unusable, as in kube-proxy.
-    let partly = slice(
-        "web-1",
-        "web",
-        json!({"endpoints": [hinted("10.1.0.1", "a"), {"addresses": ["10.1.0.2"]}], "ports": [{"name": "http", "port": 8080}]}),
-    );
-    assert_eq!(pods_reach(&[web(Some("PreferClose"))], &[partly], &node), ["10.1.0.1", "10.1.0.2"]);
-    node.zone = Some("c".into());
-    assert_eq!(
-        pods_reach(&[web(Some("PreferClose"))], &[zoned], &node),
-        ["10.1.0.1", "10.1.0.2"],
-        "no endpoint for zone c"
-    );
+    let flag: Vec<IpNet> = vec!["10.96.0.0/12".parse().unwrap()];
+    let text = |ranges: Vec<IpNet>| ranges.iter().map(ToString::to_string).collect::<Vec<_>>();
+    assert_eq!(text(service_cidrs(&[], &flag).0), ["10.96.0.0/12"], "none: the flag");
+    let objects = [
+        cidr("kubernetes", json!(["10.96.0.0/16", "fd00:10:96::/112"])),
+        cidr("extra", json!(["10.100.0.0/24", "10.96.0.0/16"])),
+    ];
+    assert_eq!(text(service_cidrs(&objects, &flag).0), ["10.96.0.0/16", "10.100.0.0/24", "fd00:10:96::/112"]);
+    let (ranges, rejected) = service_cidrs(&[cidr("bad", json!(["10.96.0.0/16", "ten"]))], &flag);
+    assert_eq!(text(ranges), ["10.96.0.0/16"], "the good range of it stays");
+    assert_eq!(rejected.len(), 1);
+    assert!(rejected[0].to_string().starts_with("ServiceCIDR bad: spec.cidrs[1]"), "{}", rejected[0]);
 }

@@ -12,6 +12,7 @@ use k8s_openapi::{
     api::{
         core::v1::{Node, Service},
         discovery::v1::EndpointSlice,
+        networking::v1::ServiceCIDR,
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
     Metadata, Resource,
@@ -75,6 +76,14 @@ impl Slim for Node {
             // Every image on the node, with its names and size: often the bulk of a Node.
             status.images = None;
         }
+    }
+}
+
+impl Slim for ServiceCIDR {
+    fn slim(&mut self) {
+        slim_metadata(&mut self.metadata);
+        // Its conditions: the ranges are in the spec.
+        self.status = None;
     }
 }
 

@@ -75,7 +75,8 @@ fn random_service(random: &mut Random, version: &mut u64) -> Service {
         spec["loadBalancerSourceRanges"] = json!([random.pick(&["192.168.0.0/16", "203.0.113.0/24"])]);
     }
     if random.chance(30) {
-        spec["trafficDistribution"] = json!("PreferClose");
+        spec["trafficDistribution"] =
+            json!(random.pick(&["PreferClose", "PreferSameZone", "PreferSameNode"]));
     }
     if random.chance(20) {
         spec["sessionAffinity"] = json!("ClientIP");
@@ -105,8 +106,16 @@ fn random_slice(random: &mut Random, version: &mut u64) -> EndpointSlice {
                 "conditions": {"ready": random.chance(70), "serving": random.chance(80),
                                "terminating": random.chance(30)},
             });
+            if random.chance(20) {
+                // Unset: serving, as kube-proxy reads it.
+                endpoint["conditions"].as_object_mut().unwrap().remove("serving");
+            }
             if random.chance(50) {
                 endpoint["hints"] = json!({"forZones": [{"name": random.pick(&["zone-1", "zone-2"])}]});
+            }
+            if random.chance(40) {
+                let hints = endpoint.as_object_mut().unwrap().entry("hints").or_insert_with(|| json!({}));
+                hints["forNodes"] = json!([{"name": random.pick(&["node-a", "node-b"])}]);
             }
             endpoint
         })
