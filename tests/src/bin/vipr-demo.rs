@@ -153,6 +153,11 @@ fn print_lab(lab: &Lab, services_file: &Path) {
     println!("  services: {}", services_file.display());
     println!("  its log:  {}", vipr.log_path().display());
     println!("Look at the datapath while it runs (--pause keeps it running):");
+    let bpf_root = lab.bpf_root().display();
+    println!("  vipr inspect services --bpf-root={bpf_root}   # frontends -> backends, with counters");
+    println!("  vipr inspect maps --bpf-root={bpf_root}       # every map: entries against capacity");
+    println!("  ip netns exec {} vipr inspect devices --bpf-root={bpf_root}", lab.node().name());
+    println!("or the raw maps:");
     for (map, what) in [
         (pins::SERVICES4, "frontends: VIP, port, protocol -> backend set"),
         (pins::BACKENDS4, "backend sets: (set, slot) -> endpoint"),
