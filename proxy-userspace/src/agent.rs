@@ -156,7 +156,12 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let registry = Arc::new(Registry::default());
     registry.register(metrics.clone());
     for collector in dataplane.collectors() {
-        registry.register(collector);
+        if settings.metrics_per_endpoint {
+            registry.register(collector);
+        } else {
+            let prefix = crate::metrics::PER_ENDPOINT_PREFIX;
+            registry.register(Arc::new(crate::metrics::WithoutFamilies { inner: collector, prefix }));
+        }
     }
     registry.register(Arc::new(ProxyModeInfo { mode, requested: settings.proxy_mode }));
     registry.register(Arc::new(crate::metrics::process::ProcessMetrics));
@@ -361,7 +366,9 @@ impl<'a> Agent<'a> {
         dataplane.set_health_check_node_ports(&health_checks);
         let state = self.translator.state();
         let result = dataplane.sync_changes(state, &changes);
-        self.metrics.sync_duration.observe_duration(started.instant.elapsed());
+        // A sync without a previous generation compares everything: kube-proxy's full sync.
+        self.metrics.observe_sync(started.instant.elapsed(), changes.since.is_none());
+        self.metrics.set_no_local_endpoints(crate::metrics::kube_proxy::no_local_endpoints(state));
         let size = (state.frontends.len(), state.listed_endpoints.len());
         let outcome = match result {
             Ok(report) => {
