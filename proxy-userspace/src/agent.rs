@@ -165,6 +165,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     }
     registry.register(Arc::new(ProxyModeInfo { mode, requested: settings.proxy_mode }));
     registry.register(Arc::new(crate::metrics::process::ProcessMetrics));
+    registry.register(Arc::new(crate::metrics::rest_client::RestClientCollector));
     let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
     // Every HTTP server of the agent (health, metrics, health-check node ports) on its threads.
     let http = HttpRuntime::start().context("cannot start the HTTP servers")?;

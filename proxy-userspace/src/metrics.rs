@@ -22,6 +22,7 @@ pub mod kube_proxy;
 #[cfg(test)]
 mod parity;
 pub mod process;
+pub mod rest_client;
 
 /// kube-proxy's `ip_family` label values. kube-proxy runs one proxier per family and labels
 /// their series apart; vipr programs both families in one sync, so a value it cannot split

@@ -4,7 +4,12 @@ use std::{
     sync::Arc,
 };
 
-use super::{exponential_buckets, linear_buckets, process::ProcessMetrics, ProxyMetrics, Registry};
+use super::{
+    exponential_buckets, linear_buckets,
+    process::ProcessMetrics,
+    rest_client::{RestClientCollector, REST_CLIENT},
+    ProxyMetrics, Registry,
+};
 
 /// One line of the fixture.
 struct Expected {
@@ -121,6 +126,8 @@ fn kube_proxy_parity() {
     metrics.livez_answers.inc("200");
     registry.register(metrics);
     registry.register(Arc::new(ProcessMetrics));
+    REST_CLIENT.record("GET", "10.96.0.1:443", "200", std::time::Duration::from_millis(5));
+    registry.register(Arc::new(RestClientCollector));
     let reply = registry.handler("ebpf")("/metrics");
     let scraped = scrape(&reply.body);
 
