@@ -315,11 +315,22 @@ impl<'a> Agent<'a> {
     fn receive(&mut self, objects: Objects) {
         let changes = self.changes.observe(&objects);
         self.metrics.service_changes.add(changes.services);
-        self.metrics.endpoint_changes.add(changes.endpoint_slices);
+        for (counter, count) in self.metrics.endpoint_changes.iter().zip(changes.endpoint_slices_by_family) {
+            counter.add(count);
+        }
         self.pending.services += changes.services;
         self.pending.endpoint_slices += changes.endpoint_slices;
+        for (pending, count) in
+            self.pending.endpoint_slices_by_family.iter_mut().zip(changes.endpoint_slices_by_family)
+        {
+            *pending += count;
+        }
         self.metrics.service_changes_pending.set(self.pending.services as f64);
-        self.metrics.endpoint_changes_pending.set(self.pending.endpoint_slices as f64);
+        for (gauge, pending) in
+            self.metrics.endpoint_changes_pending.iter().zip(self.pending.endpoint_slices_by_family)
+        {
+            gauge.set(pending as f64);
+        }
         if let Some(node) = &objects.node {
             self.health.sync_node(node);
         }
@@ -399,7 +410,7 @@ impl<'a> Agent<'a> {
                 }
                 self.pending = Changes::default();
                 self.metrics.service_changes_pending.set(0.0);
-                self.metrics.endpoint_changes_pending.set(0.0);
+                self.metrics.endpoint_changes_pending.iter().for_each(|gauge| gauge.set(0.0));
             }
             Outcome::Failed => {
                 self.metrics.failed_syncs.add(1);

@@ -26,7 +26,7 @@ pub mod rest_client;
 
 /// kube-proxy's `ip_family` label values. kube-proxy runs one proxier per family and labels
 /// their series apart; vipr programs both families in one sync, so a value it cannot split
-/// by family (a sync's duration, its timestamps, change counts) is reported under both.
+/// by family (a sync's duration, its timestamps, Service change counts) is reported under both.
 pub const IP_FAMILIES: [&str; 2] = ["IPv4", "IPv6"];
 
 /// The `ip_family` value of an address.
@@ -351,9 +351,11 @@ pub struct ProxyMetrics {
     /// When a sync was last asked for by a change.
     pub last_queued_timestamp: Gauge,
     pub service_changes: Counter,
-    pub endpoint_changes: Counter,
+    /// By IP family, as [`IP_FAMILIES`].
+    pub endpoint_changes: [Counter; 2],
     pub service_changes_pending: Gauge,
-    pub endpoint_changes_pending: Gauge,
+    /// By IP family, as [`IP_FAMILIES`].
+    pub endpoint_changes_pending: [Gauge; 2],
     /// Service ports with a Local traffic policy and no usable local endpoint, by
     /// `(traffic_policy, ip_family)`, as of the last sync.
     pub no_local_endpoints: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
@@ -387,9 +389,9 @@ impl Default for ProxyMetrics {
             last_sync_timestamp: Gauge::default(),
             last_queued_timestamp: Gauge::default(),
             service_changes: Counter::default(),
-            endpoint_changes: Counter::default(),
+            endpoint_changes: Default::default(),
             service_changes_pending: Gauge::default(),
-            endpoint_changes_pending: Gauge::default(),
+            endpoint_changes_pending: Default::default(),
             no_local_endpoints: Mutex::default(),
             healthz_answers: LabeledCounter::new("code"),
             livez_answers: LabeledCounter::new("code"),
@@ -441,6 +443,20 @@ impl Collector for ProxyMetrics {
             samples: sample.per_family(),
         };
         let number = |value: f64| Sample { labels: Vec::new(), value: SampleValue::Number(value) };
+        // A value vipr has for each family apart (EndpointSlices have one family each).
+        let by_family = |name: &str, help: &str, kind: MetricKind, values: [f64; 2]| MetricFamily {
+            name: name.to_owned(),
+            help: help.to_owned(),
+            kind,
+            samples: IP_FAMILIES
+                .iter()
+                .zip(values)
+                .map(|(family, value)| Sample {
+                    labels: vec![("ip_family".to_owned(), (*family).to_owned())],
+                    value: SampleValue::Number(value),
+                })
+                .collect(),
+        };
         let labeled = |name: &str, help: &str, counter: &LabeledCounter| MetricFamily {
             name: name.to_owned(),
             help: help.to_owned(),
@@ -490,11 +506,11 @@ impl Collector for ProxyMetrics {
                 Counter,
                 number(self.service_changes.get() as f64),
             ),
-            family(
+            by_family(
                 "kubeproxy_sync_proxy_rules_endpoint_changes_total",
                 "[ALPHA] Cumulative proxy rules Endpoint changes",
                 Counter,
-                number(self.endpoint_changes.get() as f64),
+                self.endpoint_changes.each_ref().map(|counter| counter.get() as f64),
             ),
             family(
                 "kubeproxy_sync_proxy_rules_service_changes_pending",
@@ -502,11 +518,11 @@ impl Collector for ProxyMetrics {
                 Gauge,
                 number(self.service_changes_pending.get()),
             ),
-            family(
+            by_family(
                 "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
                 "[ALPHA] Pending proxy rules Endpoint changes",
                 Gauge,
-                number(self.endpoint_changes_pending.get()),
+                self.endpoint_changes_pending.each_ref().map(|gauge| gauge.get()),
             ),
             MetricFamily {
                 name: "kubeproxy_sync_proxy_rules_no_local_endpoints_total".to_owned(),

@@ -188,6 +188,11 @@ fn health_metrics_and_proxy_mode_answer_as_kube_proxy_does() {
         metrics.metric(r#"kubeproxy_sync_proxy_rules_endpoint_changes_total{ip_family="IPv4"}"#),
         Some(1.0)
     );
+    // The lab's slice is an IPv4 one: kube-proxy's IPv6 proxier would see no change.
+    assert_eq!(
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_endpoint_changes_total{ip_family="IPv6"}"#),
+        Some(0.0)
+    );
     assert_eq!(metrics.metric("vipr_rejected_objects"), Some(0.0));
     assert_eq!(metrics.metric("vipr_sync_failures_total"), Some(0.0));
     assert!(metrics.metric("kubeproxy_proxy_healthz_total{code=\"200\"}").unwrap() >= 1.0);
