@@ -156,10 +156,16 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let registry = Arc::new(Registry::default());
     registry.register(metrics.clone());
     for collector in dataplane.collectors() {
-        registry.register(collector);
+        if settings.metrics_per_endpoint {
+            registry.register(collector);
+        } else {
+            let prefix = crate::metrics::PER_ENDPOINT_PREFIX;
+            registry.register(Arc::new(crate::metrics::WithoutFamilies { inner: collector, prefix }));
+        }
     }
     registry.register(Arc::new(ProxyModeInfo { mode, requested: settings.proxy_mode }));
     registry.register(Arc::new(crate::metrics::process::ProcessMetrics));
+    registry.register(Arc::new(crate::metrics::rest_client::RestClientCollector));
     let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
     // Every HTTP server of the agent (health, metrics, health-check node ports) on its threads.
     let http = HttpRuntime::start().context("cannot start the HTTP servers")?;
@@ -309,11 +315,22 @@ impl<'a> Agent<'a> {
     fn receive(&mut self, objects: Objects) {
         let changes = self.changes.observe(&objects);
         self.metrics.service_changes.add(changes.services);
-        self.metrics.endpoint_changes.add(changes.endpoint_slices);
+        for (counter, count) in self.metrics.endpoint_changes.iter().zip(changes.endpoint_slices_by_family) {
+            counter.add(count);
+        }
         self.pending.services += changes.services;
         self.pending.endpoint_slices += changes.endpoint_slices;
+        for (pending, count) in
+            self.pending.endpoint_slices_by_family.iter_mut().zip(changes.endpoint_slices_by_family)
+        {
+            *pending += count;
+        }
         self.metrics.service_changes_pending.set(self.pending.services as f64);
-        self.metrics.endpoint_changes_pending.set(self.pending.endpoint_slices as f64);
+        for (gauge, pending) in
+            self.metrics.endpoint_changes_pending.iter().zip(self.pending.endpoint_slices_by_family)
+        {
+            gauge.set(pending as f64);
+        }
         if let Some(node) = &objects.node {
             self.health.sync_node(node);
         }
@@ -361,7 +378,9 @@ impl<'a> Agent<'a> {
         dataplane.set_health_check_node_ports(&health_checks);
         let state = self.translator.state();
         let result = dataplane.sync_changes(state, &changes);
-        self.metrics.sync_duration.observe_duration(started.instant.elapsed());
+        // A sync without a previous generation compares everything: kube-proxy's full sync.
+        self.metrics.observe_sync(started.instant.elapsed(), changes.since.is_none());
+        self.metrics.set_no_local_endpoints(crate::metrics::kube_proxy::no_local_endpoints(state));
         let size = (state.frontends.len(), state.listed_endpoints.len());
         let outcome = match result {
             Ok(report) => {
@@ -391,7 +410,7 @@ impl<'a> Agent<'a> {
                 }
                 self.pending = Changes::default();
                 self.metrics.service_changes_pending.set(0.0);
-                self.metrics.endpoint_changes_pending.set(0.0);
+                self.metrics.endpoint_changes_pending.iter().for_each(|gauge| gauge.set(0.0));
             }
             Outcome::Failed => {
                 self.metrics.failed_syncs.add(1);

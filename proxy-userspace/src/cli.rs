@@ -343,6 +343,11 @@ pub struct Args {
     #[arg(long, value_name = "IP:PORT", value_parser = BindAddress::parser(DEFAULT_METRICS_BIND_ADDRESS.port()))]
     pub metrics_bind_address: Option<BindAddress>,
 
+    /// Export the per-endpoint series (`vipr_backend_*`, one per service port and endpoint);
+    /// false keeps only the per-service sums, for clusters with many endpoints [default: true].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub metrics_per_endpoint: Option<bool>,
+
     /// Deprecated kube-proxy flag: the port of /healthz; 0 disables the server. Without
     /// --config only, as kube-proxy.
     #[arg(long, value_name = "PORT")]

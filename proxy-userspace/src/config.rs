@@ -157,6 +157,8 @@ pub struct Settings {
     pub healthz_bind_address: Option<SocketAddr>,
     /// `/metrics` and `/proxyMode`; `None` disables the server.
     pub metrics_bind_address: Option<SocketAddr>,
+    /// `--metrics-per-endpoint`: whether `/metrics` has the `vipr_backend_*` series.
+    pub metrics_per_endpoint: bool,
     /// Syncs happen at most this often, however fast objects change.
     pub min_sync_period: Duration,
     /// Syncs happen at least this often, even without changes; a change not synced within
@@ -504,6 +506,7 @@ impl Settings {
             cleanup: args.cleanup,
             healthz_bind_address,
             metrics_bind_address,
+            metrics_per_endpoint: args.metrics_per_endpoint.unwrap_or(true),
             min_sync_period,
             sync_period,
             cluster_cidrs,

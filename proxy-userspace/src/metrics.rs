@@ -18,7 +18,25 @@ use std::{
 
 use crate::http::{Handler, Reply};
 
+pub mod kube_proxy;
+#[cfg(test)]
+mod parity;
 pub mod process;
+pub mod rest_client;
+
+/// kube-proxy's `ip_family` label values. kube-proxy runs one proxier per family and labels
+/// their series apart; vipr programs both families in one sync, so a value it cannot split
+/// by family (a sync's duration, its timestamps, Service change counts) is reported under both.
+pub const IP_FAMILIES: [&str; 2] = ["IPv4", "IPv6"];
+
+/// The `ip_family` value of an address.
+pub fn ip_family(ip: std::net::IpAddr) -> &'static str {
+    if ip.is_ipv4() {
+        IP_FAMILIES[0]
+    } else {
+        IP_FAMILIES[1]
+    }
+}
 
 /// Content type of the Prometheus text exposition format.
 pub const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -58,6 +76,20 @@ pub struct Sample {
     pub value: SampleValue,
 }
 
+impl Sample {
+    /// The same value once for each IP family, labelled `ip_family` after its other labels.
+    pub fn per_family(self) -> Vec<Sample> {
+        IP_FAMILIES
+            .iter()
+            .map(|family| {
+                let mut labels = self.labels.clone();
+                labels.push(("ip_family".to_owned(), (*family).to_owned()));
+                Sample { labels, value: self.value.clone() }
+            })
+            .collect()
+    }
+}
+
 /// A metric name with its help, type and samples: what a [`Collector`] returns.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MetricFamily {
@@ -82,6 +114,21 @@ impl MetricFamily {
 /// Something that reports metric families when `/metrics` is scraped.
 pub trait Collector: Send + Sync {
     fn collect(&self) -> Vec<MetricFamily>;
+}
+
+/// Prefix of the per-endpoint families, left out with `--metrics-per-endpoint=false`.
+pub const PER_ENDPOINT_PREFIX: &str = "vipr_backend_";
+
+/// A collector without the families whose names start with a prefix.
+pub struct WithoutFamilies {
+    pub inner: Arc<dyn Collector>,
+    pub prefix: &'static str,
+}
+
+impl Collector for WithoutFamilies {
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.inner.collect().into_iter().filter(|family| !family.name.starts_with(self.prefix)).collect()
+    }
 }
 
 /// Every collector `/metrics` reports.
@@ -291,6 +338,11 @@ pub fn linear_buckets(start: f64, width: f64, count: usize) -> Vec<f64> {
 pub struct ProxyMetrics {
     /// Duration of every sync of the dataplane, successful or not.
     pub sync_duration: Histogram,
+    /// Duration of the syncs that compared the whole state (the first one, a new node
+    /// context) and of those that applied only what changed since the last one, as
+    /// kube-proxy's iptables mode tells its full and partial syncs apart.
+    pub sync_full_duration: Histogram,
+    pub sync_partial_duration: Histogram,
     /// From the change of an EndpointSlice (its `endpoints.kubernetes.io/last-change-trigger-time`)
     /// to the sync that programmed it.
     pub network_programming_duration: Histogram,
@@ -299,9 +351,14 @@ pub struct ProxyMetrics {
     /// When a sync was last asked for by a change.
     pub last_queued_timestamp: Gauge,
     pub service_changes: Counter,
-    pub endpoint_changes: Counter,
+    /// By IP family, as [`IP_FAMILIES`].
+    pub endpoint_changes: [Counter; 2],
     pub service_changes_pending: Gauge,
-    pub endpoint_changes_pending: Gauge,
+    /// By IP family, as [`IP_FAMILIES`].
+    pub endpoint_changes_pending: [Gauge; 2],
+    /// Service ports with a Local traffic policy and no usable local endpoint, by
+    /// `(traffic_policy, ip_family)`, as of the last sync.
+    pub no_local_endpoints: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
     /// `/healthz` answers by status code.
     pub healthz_answers: LabeledCounter,
     /// `/livez` answers by status code.
@@ -326,13 +383,16 @@ impl Default for ProxyMetrics {
         programming_buckets.extend(linear_buckets(120.0, 30.0, 7));
         Self {
             sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            sync_full_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            sync_partial_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
             network_programming_duration: Histogram::new(programming_buckets),
             last_sync_timestamp: Gauge::default(),
             last_queued_timestamp: Gauge::default(),
             service_changes: Counter::default(),
-            endpoint_changes: Counter::default(),
+            endpoint_changes: Default::default(),
             service_changes_pending: Gauge::default(),
-            endpoint_changes_pending: Gauge::default(),
+            endpoint_changes_pending: Default::default(),
+            no_local_endpoints: Mutex::default(),
             healthz_answers: LabeledCounter::new("code"),
             livez_answers: LabeledCounter::new("code"),
             rejected_objects: Gauge::default(),
@@ -343,14 +403,59 @@ impl Default for ProxyMetrics {
     }
 }
 
+impl ProxyMetrics {
+    /// Records one sync's duration; `full` when it compared the whole state.
+    pub fn observe_sync(&self, duration: Duration, full: bool) {
+        self.sync_duration.observe_duration(duration);
+        if full { &self.sync_full_duration } else { &self.sync_partial_duration }.observe_duration(duration);
+    }
+
+    pub fn set_no_local_endpoints(&self, counts: BTreeMap<(&'static str, &'static str), u64>) {
+        *self.no_local_endpoints.lock().unwrap_or_else(PoisonError::into_inner) = counts;
+    }
+
+    fn no_local_endpoints_samples(&self) -> Vec<Sample> {
+        let counts = self.no_local_endpoints.lock().unwrap_or_else(PoisonError::into_inner);
+        // kube-proxy sets both policies on every sync, so both are there even at zero.
+        ["internal", "external"]
+            .into_iter()
+            .flat_map(|policy| IP_FAMILIES.map(|family| (policy, family)))
+            .map(|key| Sample {
+                labels: vec![
+                    ("traffic_policy".to_owned(), key.0.to_owned()),
+                    ("ip_family".to_owned(), key.1.to_owned()),
+                ],
+                value: SampleValue::Number(counts.get(&key).copied().unwrap_or(0) as f64),
+            })
+            .collect()
+    }
+}
+
 impl Collector for ProxyMetrics {
     fn collect(&self) -> Vec<MetricFamily> {
         use MetricKind::{Counter, Gauge, Histogram};
-        let histogram = |name: &str, help: &str, histogram: &self::Histogram| MetricFamily {
+        // Under kube-proxy's names, with its `ip_family` label (kube-proxy 1.33+); see
+        // [`IP_FAMILIES`] for why vipr reports one value under both families.
+        let family = |name: &str, help: &str, kind: MetricKind, sample: Sample| MetricFamily {
             name: name.to_owned(),
             help: help.to_owned(),
-            kind: Histogram,
-            samples: vec![histogram.sample()],
+            kind,
+            samples: sample.per_family(),
+        };
+        let number = |value: f64| Sample { labels: Vec::new(), value: SampleValue::Number(value) };
+        // A value vipr has for each family apart (EndpointSlices have one family each).
+        let by_family = |name: &str, help: &str, kind: MetricKind, values: [f64; 2]| MetricFamily {
+            name: name.to_owned(),
+            help: help.to_owned(),
+            kind,
+            samples: IP_FAMILIES
+                .iter()
+                .zip(values)
+                .map(|(family, value)| Sample {
+                    labels: vec![("ip_family".to_owned(), (*family).to_owned())],
+                    value: SampleValue::Number(value),
+                })
+                .collect(),
         };
         let labeled = |name: &str, help: &str, counter: &LabeledCounter| MetricFamily {
             name: name.to_owned(),
@@ -359,52 +464,72 @@ impl Collector for ProxyMetrics {
             samples: counter.samples(),
         };
         vec![
-            histogram(
+            family(
                 "kubeproxy_sync_proxy_rules_duration_seconds",
                 "[ALPHA] SyncProxyRules latency in seconds",
-                &self.sync_duration,
+                Histogram,
+                self.sync_duration.sample(),
             ),
-            histogram(
+            family(
+                "kubeproxy_sync_full_proxy_rules_duration_seconds",
+                "[ALPHA] SyncProxyRules latency in seconds for full resyncs",
+                Histogram,
+                self.sync_full_duration.sample(),
+            ),
+            family(
+                "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+                "[ALPHA] SyncProxyRules latency in seconds for partial resyncs",
+                Histogram,
+                self.sync_partial_duration.sample(),
+            ),
+            family(
                 "kubeproxy_network_programming_duration_seconds",
                 "[ALPHA] In Cluster Network Programming Latency in seconds",
-                &self.network_programming_duration,
+                Histogram,
+                self.network_programming_duration.sample(),
             ),
-            MetricFamily::single(
+            family(
                 "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
                 "[ALPHA] The last time proxy rules were successfully synced",
                 Gauge,
-                self.last_sync_timestamp.get(),
+                number(self.last_sync_timestamp.get()),
             ),
-            MetricFamily::single(
+            family(
                 "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
                 "[ALPHA] The last time a sync of proxy rules was queued",
                 Gauge,
-                self.last_queued_timestamp.get(),
+                number(self.last_queued_timestamp.get()),
             ),
-            MetricFamily::single(
+            family(
                 "kubeproxy_sync_proxy_rules_service_changes_total",
                 "[ALPHA] Cumulative proxy rules Service changes",
                 Counter,
-                self.service_changes.get() as f64,
+                number(self.service_changes.get() as f64),
             ),
-            MetricFamily::single(
+            by_family(
                 "kubeproxy_sync_proxy_rules_endpoint_changes_total",
                 "[ALPHA] Cumulative proxy rules Endpoint changes",
                 Counter,
-                self.endpoint_changes.get() as f64,
+                self.endpoint_changes.each_ref().map(|counter| counter.get() as f64),
             ),
-            MetricFamily::single(
+            family(
                 "kubeproxy_sync_proxy_rules_service_changes_pending",
                 "[ALPHA] Pending proxy rules Service changes",
                 Gauge,
-                self.service_changes_pending.get(),
+                number(self.service_changes_pending.get()),
             ),
-            MetricFamily::single(
+            by_family(
                 "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
                 "[ALPHA] Pending proxy rules Endpoint changes",
                 Gauge,
-                self.endpoint_changes_pending.get(),
+                self.endpoint_changes_pending.each_ref().map(|gauge| gauge.get()),
             ),
+            MetricFamily {
+                name: "kubeproxy_sync_proxy_rules_no_local_endpoints_total".to_owned(),
+                help: "[ALPHA] Number of services with a Local traffic policy and no endpoints".to_owned(),
+                kind: Gauge,
+                samples: self.no_local_endpoints_samples(),
+            },
             labeled(
                 "kubeproxy_proxy_healthz_total",
                 "[ALPHA] Cumulative proxy healthz HTTP status",
@@ -461,6 +586,48 @@ mod tests {
         assert_eq!(&bounds[..5], [0.0, 0.25, 0.5, 1.0, 2.0]);
         assert_eq!(bounds.len(), 1 + 2 + 59 + 12 + 7);
         assert_eq!(bounds.last(), Some(&300.0));
+    }
+
+    #[test]
+    fn syncs_are_told_apart_as_full_and_partial() {
+        let metrics = ProxyMetrics::default();
+        metrics.observe_sync(Duration::from_millis(30), true);
+        metrics.observe_sync(Duration::from_millis(2), false);
+        metrics.observe_sync(Duration::from_millis(3), false);
+        let count = |histogram: &Histogram| match histogram.sample().value {
+            SampleValue::Histogram { count, .. } => count,
+            SampleValue::Number(_) => unreachable!(),
+        };
+        assert_eq!(
+            (
+                count(&metrics.sync_duration),
+                count(&metrics.sync_full_duration),
+                count(&metrics.sync_partial_duration)
+            ),
+            (3, 1, 2)
+        );
+        let mut counts = BTreeMap::new();
+        counts.insert(("external", "IPv6"), 2);
+        metrics.set_no_local_endpoints(counts);
+        let text = {
+            let registry = Registry::default();
+            registry.register(Arc::new(metrics));
+            registry.encode()
+        };
+        for line in [
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 2",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\",ip_family=\"IPv6\"} 2",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\",ip_family=\"IPv4\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn per_endpoint_families_can_be_left_out() {
+        let collector = WithoutFamilies { inner: Arc::new(Extra), prefix: PER_ENDPOINT_PREFIX };
+        assert!(collector.collect().is_empty());
     }
 
     #[test]
@@ -523,9 +690,9 @@ mod tests {
         assert_eq!((reply.status, reply.content_type), (200, TEXT_FORMAT));
         for line in [
             "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
-            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.001\"} 0",
-            "kubeproxy_sync_proxy_rules_service_changes_total 3",
-            "kubeproxy_sync_proxy_rules_last_timestamp_seconds 1700000000.5",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.001\"} 0",
+            "kubeproxy_sync_proxy_rules_service_changes_total{ip_family=\"IPv6\"} 3",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 1700000000.5",
             "vipr_backend_packets_total 7",
         ] {
             assert!(reply.body.lines().any(|l| l == line), "no {line:?} in\n{}", reply.body);

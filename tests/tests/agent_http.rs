@@ -170,30 +170,53 @@ fn health_metrics_and_proxy_mode_answer_as_kube_proxy_does() {
     ] {
         assert!(metrics.body.contains(&format!("# TYPE {family} ")), "no {family} in\n{}", metrics.body);
     }
-    assert!(metrics.metric("kubeproxy_sync_proxy_rules_duration_seconds_count").unwrap() >= 1.0);
-    let last_sync = metrics.metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds").unwrap();
+    assert!(
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family="IPv4"}"#).unwrap()
+            >= 1.0
+    );
+    let last_sync =
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"}"#).unwrap();
     assert!(
         (started..=unix_now()).contains(&last_sync),
         "last sync at {last_sync}, test started at {started}"
     );
-    assert_eq!(metrics.metric("kubeproxy_sync_proxy_rules_service_changes_total"), Some(1.0));
-    assert_eq!(metrics.metric("kubeproxy_sync_proxy_rules_endpoint_changes_total"), Some(1.0));
+    assert_eq!(
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_service_changes_total{ip_family="IPv4"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_endpoint_changes_total{ip_family="IPv4"}"#),
+        Some(1.0)
+    );
+    // The lab's slice is an IPv4 one: kube-proxy's IPv6 proxier would see no change.
+    assert_eq!(
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_endpoint_changes_total{ip_family="IPv6"}"#),
+        Some(0.0)
+    );
     assert_eq!(metrics.metric("vipr_rejected_objects"), Some(0.0));
     assert_eq!(metrics.metric("vipr_sync_failures_total"), Some(0.0));
     assert!(metrics.metric("kubeproxy_proxy_healthz_total{code=\"200\"}").unwrap() >= 1.0);
 
     // One endpoint goes: one EndpointSlice change, no Service change, one more sync.
-    let syncs = metrics.metric("kubeproxy_sync_proxy_rules_duration_seconds_count").unwrap();
+    let syncs =
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family="IPv4"}"#).unwrap();
     lab.set_services(vec![web(&[BACKEND])]).unwrap();
     lab.wait_programmed().unwrap();
     let node = lab.node();
     let metrics =
         wait_for_answer(&mut agent, node, METRICS, "/metrics", "the endpoint change to be counted", |m| {
-            m.metric("kubeproxy_sync_proxy_rules_endpoint_changes_total") == Some(2.0)
-                && m.metric("kubeproxy_sync_proxy_rules_endpoint_changes_pending") == Some(0.0)
+            m.metric(r#"kubeproxy_sync_proxy_rules_endpoint_changes_total{ip_family="IPv4"}"#) == Some(2.0)
+                && m.metric(r#"kubeproxy_sync_proxy_rules_endpoint_changes_pending{ip_family="IPv4"}"#)
+                    == Some(0.0)
         });
-    assert_eq!(metrics.metric("kubeproxy_sync_proxy_rules_service_changes_total"), Some(1.0));
-    assert!(metrics.metric("kubeproxy_sync_proxy_rules_duration_seconds_count").unwrap() > syncs);
+    assert_eq!(
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_service_changes_total{ip_family="IPv4"}"#),
+        Some(1.0)
+    );
+    assert!(
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family="IPv4"}"#).unwrap()
+            > syncs
+    );
 
     // The metrics server listens on the node's loopback only, as kube-proxy's default.
     let outside = SocketAddr::from((Ipv4Addr::new(10, 10, 0, 1), METRICS.port()));
@@ -215,7 +238,8 @@ fn datapath_counters_reach_the_metrics() {
     let done = lab.client().run(|| exchanges(frontend, CONNECTIONS, TIMEOUT)).unwrap();
     let answered = count_by_backend(&done);
 
-    let service = r#"service="default/web",port="http",protocol="TCP""#;
+    // Label names Prometheus-Operator does not overwrite with its target labels.
+    let service = r#"service_namespace="default",service_name="web",service_port="http",protocol="TCP""#;
     let service_packets = format!("vipr_service_packets_total{{{service}}}");
     // A connection is at least SYN, SYN-ACK, the request and its answer; the closing packets
     // may still be on their way.
@@ -224,7 +248,7 @@ fn datapath_counters_reach_the_metrics() {
     });
     let mut sum = (0.0, 0.0);
     for (name, addr) in [("b1", BACKEND), ("b2", OTHER_BACKEND)] {
-        let labels = format!(r#"{{{service},endpoint="{addr}:8080"}}"#);
+        let labels = format!(r#"{{{service},backend="{addr}:8080"}}"#);
         let packets = metrics.metric(&format!("vipr_backend_packets_total{labels}")).unwrap();
         let bytes = metrics.metric(&format!("vipr_backend_bytes_total{labels}")).unwrap();
         let connections = answered.get(name).copied().unwrap_or(0) as f64;
@@ -247,6 +271,30 @@ fn datapath_counters_reach_the_metrics() {
         metrics.metric(r#"vipr_datapath_flow_insert_failures_total{cause="forward_entry"}"#),
         Some(0.0)
     );
+    // No series carries a label that Prometheus-Operator sets on every series of a target.
+    for line in metrics.body.lines().filter(|line| !line.starts_with('#')) {
+        for target_label in ["namespace", "service", "pod", "endpoint", "instance", "job", "container"] {
+            assert!(
+                !line.contains(&format!("{{{target_label}=\""))
+                    && !line.contains(&format!(",{target_label}=\"")),
+                "{line} has the target label {target_label}"
+            );
+        }
+    }
+}
+
+/// `--metrics-per-endpoint=false` leaves out the per-endpoint series and keeps the
+/// per-service sums.
+#[test]
+fn per_endpoint_series_can_be_turned_off() {
+    let mut lab = lab("http-no-backend");
+    let mut agent = start_vipr(&lab, &["--metrics-per-endpoint=false"]);
+    lab.wait_programmed().unwrap();
+    let metrics =
+        wait_for_answer(&mut agent, lab.node(), METRICS, "/metrics", "the service counters", |answer| {
+            answer.body.contains("# TYPE vipr_service_packets_total counter")
+        });
+    assert!(!metrics.body.contains("vipr_backend_"), "per-endpoint series in\n{}", metrics.body);
 }
 
 /// vipr's services map filled to capacity with entries for addresses nobody uses, as on a
@@ -322,7 +370,10 @@ fn healthz_turns_unhealthy_while_a_change_cannot_be_programmed_and_healthy_after
     assert_eq!(get(node, HEALTHZ, "/livez").unwrap().status, 503);
     let metrics = get(node, METRICS, "/metrics").unwrap();
     assert!(metrics.metric("vipr_sync_failures_total").unwrap() >= 1.0, "{}", metrics.body);
-    assert!(metrics.metric("kubeproxy_sync_proxy_rules_service_changes_pending").unwrap() >= 1.0);
+    assert!(
+        metrics.metric(r#"kubeproxy_sync_proxy_rules_service_changes_pending{ip_family="IPv4"}"#).unwrap()
+            >= 1.0
+    );
     assert!(metrics.metric("kubeproxy_proxy_healthz_total{code=\"503\"}").unwrap() >= 1.0);
 
     // Room again: the next retry programs the change and the proxy is healthy.
@@ -407,7 +458,8 @@ fn health_check_node_port_answers_with_the_local_endpoints() {
     );
     let metrics = get(lab.node(), METRICS, "/metrics").unwrap();
     assert!(
-        metrics.metric("kubeproxy_network_programming_duration_seconds_count").unwrap() >= 1.0,
+        metrics.metric(r#"kubeproxy_network_programming_duration_seconds_count{ip_family="IPv4"}"#).unwrap()
+            >= 1.0,
         "the slice's trigger time was not measured:\n{}",
         metrics.body
     );

@@ -142,6 +142,8 @@ fn check_serving_as_kube_proxy(agent: &mut Vipr, lab: &Lab, mode: &str) {
         "process_cpu_seconds_total counter",
         "process_resident_memory_bytes gauge",
         "vipr_build_info gauge",
+        "rest_client_requests_total counter",
+        "rest_client_request_duration_seconds histogram",
     ] {
         assert!(metrics.body.contains(&format!("# TYPE {family}\n")), "no {family} in\n{}", metrics.body);
     }

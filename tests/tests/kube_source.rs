@@ -297,6 +297,36 @@ fn adds_changes_and_deletes_reach_the_snapshot() -> Result<()> {
     source.stop()
 }
 
+/// The source's lists and watches are counted as client-go counts kube-proxy's:
+/// `rest_client_requests_total{code, host, method}` and the request durations by verb and host.
+#[test]
+fn api_requests_are_counted_in_rest_client_metrics() -> Result<()> {
+    use vipr::metrics::{rest_client::RestClientCollector, Collector, SampleValue};
+    let server = server_with_web()?;
+    let mut source = Source::start(&server)?;
+    source.snapshot_where("the initial snapshot", |_| true)?;
+    let host = server.url().trim_start_matches("http://").trim_start_matches("https://").to_owned();
+    let label = |name: &str, value: &str| (name.to_owned(), value.to_owned());
+    let families = RestClientCollector.collect();
+    let requests = families.iter().find(|family| family.name == "rest_client_requests_total").unwrap();
+    let listed = requests
+        .samples
+        .iter()
+        .find(|sample| sample.labels == [label("code", "200"), label("host", &host), label("method", "GET")]);
+    // Services, slices, the node and service CIDRs are listed at least.
+    assert!(
+        matches!(listed, Some(sample) if matches!(sample.value, SampleValue::Number(n) if n >= 4.0)),
+        "{requests:?}"
+    );
+    let durations =
+        families.iter().find(|family| family.name == "rest_client_request_duration_seconds").unwrap();
+    assert!(
+        durations.samples.iter().any(|sample| sample.labels == [label("verb", "GET"), label("host", &host)]),
+        "{durations:?}"
+    );
+    source.stop()
+}
+
 #[test]
 fn no_snapshot_before_every_initial_list_completed() -> Result<()> {
     let server = server_with_web()?;

@@ -21,6 +21,9 @@ pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-
 pub struct Changes {
     pub services: u64,
     pub endpoint_slices: u64,
+    /// `endpoint_slices` by the slices' address family (IPv4, IPv6), as kube-proxy's
+    /// per-family proxiers each count only their family's slices.
+    pub endpoint_slices_by_family: [u64; 2],
 }
 
 impl Changes {
@@ -34,6 +37,8 @@ impl Changes {
 pub struct ChangeTracker {
     services: BTreeMap<(String, String), u64>,
     slices: BTreeMap<(String, String), u64>,
+    /// Each slice's address family (0 IPv4, 1 IPv6), so that a deleted one is counted in its.
+    slice_families: BTreeMap<(String, String), usize>,
     /// Trigger times of slice changes no successful sync has programmed yet.
     pending_trigger_times: Vec<SystemTime>,
     /// Trigger times before this are from before the agent ran: the first snapshot lists
@@ -46,6 +51,7 @@ impl ChangeTracker {
         Self {
             services: BTreeMap::new(),
             slices: BTreeMap::new(),
+            slice_families: BTreeMap::new(),
             pending_trigger_times: Vec::new(),
             started,
         }
@@ -55,9 +61,23 @@ impl ChangeTracker {
     pub fn observe(&mut self, objects: &Objects) -> Changes {
         let services = versions(&objects.services, |service| &service.metadata);
         let slices = versions(&objects.slices, |slice| &slice.metadata);
+        let slice_families: BTreeMap<(String, String), usize> = objects
+            .slices
+            .iter()
+            .map(|slice| (key(&slice.metadata), usize::from(slice.address_type == "IPv6")))
+            .collect();
+        let mut endpoint_slices_by_family = [0; 2];
+        let changed = slices.iter().filter(|(key, version)| self.slices.get(*key) != Some(version));
+        for (key, _) in changed {
+            endpoint_slices_by_family[slice_families[key]] += 1;
+        }
+        for key in self.slices.keys().filter(|key| !slices.contains_key(*key)) {
+            endpoint_slices_by_family[self.slice_families.get(key).copied().unwrap_or(0)] += 1;
+        }
         let changes = Changes {
             services: count_changes(&self.services, &services),
             endpoint_slices: count_changes(&self.slices, &slices),
+            endpoint_slices_by_family,
         };
         for slice in &objects.slices {
             let key = key(&slice.metadata);
@@ -76,6 +96,7 @@ impl ChangeTracker {
         }
         self.services = services;
         self.slices = slices;
+        self.slice_families = slice_families;
         changes
     }
 
@@ -151,7 +172,7 @@ mod tests {
         let mut tracker = ChangeTracker::new(SystemTime::UNIX_EPOCH);
         let first = tracker
             .observe(&objects(vec![service("a", 80), service("b", 80)], vec![slice("a-1", "1", None)]));
-        assert_eq!(first, Changes { services: 2, endpoint_slices: 1 });
+        assert_eq!(first, Changes { services: 2, endpoint_slices: 1, endpoint_slices_by_family: [1, 0] });
         let same = tracker
             .observe(&objects(vec![service("a", 80), service("b", 80)], vec![slice("a-1", "1", None)]));
         assert!(same.is_empty());
@@ -159,7 +180,24 @@ mod tests {
             vec![service("a", 81)],
             vec![slice("a-1", "2", None), slice("a-2", "1", None)],
         ));
-        assert_eq!(changed, Changes { services: 2, endpoint_slices: 2 });
+        assert_eq!(changed, Changes { services: 2, endpoint_slices: 2, endpoint_slices_by_family: [2, 0] });
+    }
+
+    #[test]
+    fn slice_changes_are_counted_in_their_address_family() {
+        let ipv6 = |name: &str, version: &str| {
+            let mut slice = slice(name, version, None);
+            slice.address_type = "IPv6".to_owned();
+            slice
+        };
+        let mut tracker = ChangeTracker::new(SystemTime::UNIX_EPOCH);
+        let first = tracker.observe(&objects(vec![], vec![slice("a-v4", "1", None), ipv6("a-v6", "1")]));
+        assert_eq!(first.endpoint_slices_by_family, [1, 1]);
+        let changed = tracker.observe(&objects(vec![], vec![slice("a-v4", "1", None), ipv6("a-v6", "2")]));
+        assert_eq!(changed.endpoint_slices_by_family, [0, 1]);
+        // A deleted slice counts in the family it had.
+        let deleted = tracker.observe(&objects(vec![], vec![slice("a-v4", "1", None)]));
+        assert_eq!(deleted.endpoint_slices_by_family, [0, 1]);
     }
 
     #[test]

@@ -55,7 +55,7 @@ use tracing::{debug, info, warn};
 
 use self::decoded::{Decoded, Slim};
 use super::{Objects, Ownership, SourceEvent, SERVICE_FIELD_SELECTOR};
-use crate::model::kubernetes::Rejection;
+use crate::{metrics::rest_client::REST_CLIENT, model::kubernetes::Rejection};
 
 mod decoded;
 
@@ -328,7 +328,50 @@ async fn client(config: &KubeSourceConfig) -> Result<Client, String> {
     if let Some(url) = master {
         client_config.cluster_url = url;
     }
-    Client::try_from(client_config).map_err(|error| format!("cannot create the API client: {error}"))
+    let host = client_config.cluster_url.authority().map(ToString::to_string).unwrap_or_default();
+    let builder = kube::client::ClientBuilder::try_from(client_config)
+        .map_err(|error| format!("cannot create the API client: {error}"))?;
+    Ok(builder
+        .with_layer(&tower::layer::layer_fn(|inner| CountedRequests { inner, host: host.clone() }))
+        .build())
+}
+
+/// The API client's stack with each request counted in `rest_client_*`, as client-go counts
+/// kube-proxy's.
+struct CountedRequests<S> {
+    inner: S,
+    /// The API server's `host:port`, client-go's `host` label.
+    host: String,
+}
+
+impl<S, B, R> tower::Service<::http::Request<B>> for CountedRequests<S>
+where
+    S: tower::Service<::http::Request<B>, Response = ::http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: ::http::Request<B>) -> Self::Future {
+        let method = request.method().to_string();
+        let host = self.host.clone();
+        let started = std::time::Instant::now();
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let result = response.await;
+            let code = match &result {
+                Ok(response) => response.status().as_u16().to_string(),
+                Err(_) => "<error>".to_owned(),
+            };
+            REST_CLIENT.record(&method, &host, &code, started.elapsed());
+            result
+        })
+    }
 }
 
 /// A reflector store of `K` fed by a watcher that retries with kube's default backoff, and

@@ -417,10 +417,13 @@ pub const INSERT_FAILURES: [(u32, &str); 3] = [
     (datapath_stat::SNAT_PORT_EXHAUSTED, "snat_port_exhausted"),
 ];
 
+/// Label names stay clear of the target labels Prometheus-Operator puts on every series
+/// (`namespace`, `service`, `pod`, `endpoint`, ...), which would rename them `exported_*`.
 fn service_labels(service: &ServicePortName) -> Vec<(String, String)> {
     vec![
-        ("service".to_owned(), format!("{}/{}", service.namespace, service.name)),
-        ("port".to_owned(), service.port.clone()),
+        ("service_namespace".to_owned(), service.namespace.clone()),
+        ("service_name".to_owned(), service.name.clone()),
+        ("service_port".to_owned(), service.port.clone()),
         ("protocol".to_owned(), service.protocol.to_string()),
     ]
 }
@@ -461,7 +464,7 @@ impl Collector for DatapathCollector {
                 total.packets += counted.packets;
                 total.bytes += counted.bytes;
                 let mut labels = service_labels(&pair.service);
-                labels.push(("endpoint".to_owned(), pair.endpoint.to_string()));
+                labels.push(("backend".to_owned(), pair.endpoint.to_string()));
                 backend_packets.push(sample(labels.clone(), counted.packets));
                 backend_bytes.push(sample(labels, counted.bytes));
             }
