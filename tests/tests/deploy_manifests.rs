@@ -739,7 +739,7 @@ fn vipr_in_a_lab_exposes_every_monitored_metric_and_its_maps_fit_the_request() {
         Ok(match get(lab.node(), metrics, "/metrics") {
             Ok(answer)
                 if answer
-                    .metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds")
+                    .metric(r#"kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"}"#)
                     .is_some_and(|t| t > 0.0) =>
             {
                 Check::Done(answer.body)
