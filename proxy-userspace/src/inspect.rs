@@ -15,7 +15,9 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo, MapType};
 use clap::{Parser, Subcommand, ValueEnum};
-use proxy_common::{pins, proto, service_flags, source_class, Backend4, Backend6, BackendSlot, Service};
+use proxy_common::{
+    flow_flags, pins, proto, service_flags, source_class, Backend4, Backend6, BackendSlot, Service,
+};
 use serde::Serialize;
 
 use crate::{bpf_sys, dataplane::ebpf::counters::CounterMap};
@@ -44,6 +46,22 @@ enum View {
         /// Only frontends on this address (`10.96.0.10`) or address and port (`10.96.0.10:53`).
         #[arg(long)]
         frontend: Option<String>,
+    },
+    /// Tracked connections: client, frontend, backend (and the masquerade source), state, idle
+    /// time. Filters combine.
+    Flows {
+        /// Only connections to this frontend address, or address and port.
+        #[arg(long)]
+        frontend: Option<String>,
+        /// Only connections balanced to this backend address, or address and port.
+        #[arg(long)]
+        backend: Option<String>,
+        /// Only connections from this client address, or address and port.
+        #[arg(long)]
+        client: Option<String>,
+        /// Show at most this many (the oldest-idle last); the total is always counted.
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
     },
     /// Every pinned map: its type, entries and capacity.
     Maps,
@@ -89,6 +107,18 @@ pub fn render(args: &InspectArgs) -> anyhow::Result<String> {
             Ok(match args.output {
                 Output::Json => json(&frontends)?,
                 Output::Text => services_text(&frontends),
+            })
+        }
+        View::Flows { frontend, backend, client, limit } => {
+            let filter = FlowFilter {
+                frontend: frontend.as_deref().map(Endpoint::parse).transpose()?,
+                backend: backend.as_deref().map(Endpoint::parse).transpose()?,
+                client: client.as_deref().map(Endpoint::parse).transpose()?,
+            };
+            let flows = flows(&dir, &filter, *limit)?;
+            Ok(match args.output {
+                Output::Json => json(&flows)?,
+                Output::Text => flows_text(&flows),
             })
         }
         View::Maps => {
@@ -306,6 +336,182 @@ fn services_text(frontends: &[FrontendView]) -> String {
             );
         }
     }
+    text
+}
+
+/// An address, or an address and port, to filter by.
+#[derive(Clone, Copy, Debug)]
+enum Endpoint {
+    Address(IpAddr),
+    Socket(SocketAddr),
+}
+
+impl Endpoint {
+    fn parse(text: &str) -> anyhow::Result<Self> {
+        if let Ok(socket) = text.parse::<SocketAddr>() {
+            return Ok(Self::Socket(socket));
+        }
+        text.trim_matches(['[', ']'])
+            .parse::<IpAddr>()
+            .map(Self::Address)
+            .map_err(|_| anyhow::anyhow!("{text:?} is not an address or address:port"))
+    }
+
+    fn matches(self, address: SocketAddr) -> bool {
+        match self {
+            Self::Address(ip) => address.ip() == ip,
+            Self::Socket(socket) => address == socket,
+        }
+    }
+}
+
+struct FlowFilter {
+    frontend: Option<Endpoint>,
+    backend: Option<Endpoint>,
+    client: Option<Endpoint>,
+}
+
+impl FlowFilter {
+    fn admits(&self, flow: &FlowView) -> bool {
+        let matches =
+            |filter: Option<Endpoint>, address: SocketAddr| filter.is_none_or(|f| f.matches(address));
+        matches(self.frontend, flow.frontend)
+            && matches(self.backend, flow.backend)
+            && matches(self.client, flow.client)
+    }
+}
+
+/// One tracked connection, from its forward entry (client to frontend).
+#[derive(Debug, Serialize)]
+pub struct FlowView {
+    pub protocol: &'static str,
+    pub client: SocketAddr,
+    pub frontend: SocketAddr,
+    pub backend: SocketAddr,
+    /// The node's address and port the backend sees when the connection is masqueraded.
+    pub masquerade: Option<SocketAddr>,
+    /// `new`, `syn-sent`, `syn-recv`, `replied`, `established`, `closing` (a FIN seen),
+    /// `reset`, or `tracked` (an entry of an earlier vipr without handshake tracking).
+    pub state: &'static str,
+    /// Seconds since the client's latest packet (to about a second).
+    pub idle_seconds: u64,
+}
+
+/// The connections matching `filter`, the most recently active first, at most `limit`; the
+/// total of matches is returned too.
+#[derive(Debug, Serialize)]
+pub struct FlowsView {
+    pub matching: usize,
+    pub shown: Vec<FlowView>,
+}
+
+fn state_name(protocol: u8, state: u32) -> &'static str {
+    use proxy_common::flow_state::*;
+    if state & RST != 0 {
+        "reset"
+    } else if state & FIN != 0 {
+        "closing"
+    } else if state & HANDSHAKE_TRACKED == 0 {
+        "tracked"
+    } else if state & ESTABLISHED != 0 {
+        "established"
+    } else if protocol == proto::TCP && state & SYN_ACK != 0 {
+        "syn-recv"
+    } else if state & REPLIED != 0 {
+        "replied"
+    } else if state & SYN != 0 {
+        "syn-sent"
+    } else {
+        "new"
+    }
+}
+
+fn flows(dir: &Path, filter: &FlowFilter, limit: usize) -> anyhow::Result<FlowsView> {
+    let now = crate::dataplane::ebpf::reaper::monotonic_coarse_ns();
+    let mut matching = Vec::new();
+    let view = |protocol: u8,
+                client: SocketAddr,
+                frontend: SocketAddr,
+                flags: u32,
+                nat_src: SocketAddr,
+                nat_dst: SocketAddr,
+                track: &proxy_common::FlowTrack| {
+        let rewrites = |bit: u32| flags & bit != 0;
+        FlowView {
+            protocol: protocol_name(protocol),
+            client,
+            frontend,
+            backend: if rewrites(flow_flags::REWRITE_DESTINATION) { nat_dst } else { frontend },
+            masquerade: rewrites(flow_flags::REWRITE_SOURCE).then_some(nat_src),
+            state: state_name(protocol, track.state),
+            idle_seconds: now.saturating_sub(track.last_seen) / 1_000_000_000,
+        }
+    };
+    let flows4 = open_hash::<proxy_common::FlowKey4, proxy_common::Flow4>(dir, pins::FLOWS4)?;
+    for entry in flows4.iter() {
+        let (key, flow) = entry?;
+        if flow.flags & flow_flags::REPLY != 0 {
+            continue;
+        }
+        let address = |addr: [u8; 4], port: u16| SocketAddr::new(IpAddr::from(addr), port);
+        let flow = view(
+            key.proto,
+            address(key.src_addr, key.src_port),
+            address(key.dst_addr, key.dst_port),
+            flow.flags,
+            address(flow.src_addr, flow.src_port),
+            address(flow.dst_addr, flow.dst_port),
+            &flow.track,
+        );
+        if filter.admits(&flow) {
+            matching.push(flow);
+        }
+    }
+    let flows6 = open_hash::<proxy_common::FlowKey6, proxy_common::Flow6>(dir, pins::FLOWS6)?;
+    for entry in flows6.iter() {
+        let (key, flow) = entry?;
+        if flow.flags & flow_flags::REPLY != 0 {
+            continue;
+        }
+        let address = |addr: [u8; 16], port: u16| SocketAddr::new(IpAddr::from(addr), port);
+        let flow = view(
+            key.proto,
+            address(key.src_addr, key.src_port),
+            address(key.dst_addr, key.dst_port),
+            flow.flags,
+            address(flow.src_addr, flow.src_port),
+            address(flow.dst_addr, flow.dst_port),
+            &flow.track,
+        );
+        if filter.admits(&flow) {
+            matching.push(flow);
+        }
+    }
+    let total = matching.len();
+    matching.sort_by_key(|flow| (flow.idle_seconds, flow.frontend, flow.client));
+    matching.truncate(limit);
+    Ok(FlowsView { matching: total, shown: matching })
+}
+
+fn flows_text(flows: &FlowsView) -> String {
+    let mut text = format!(
+        "{:<5} {:<30} {:<30} {:<30} {:<12} {:>5}  Masquerade\n",
+        "Prot", "Client", "Frontend", "Backend", "State", "Idle"
+    );
+    for flow in &flows.shown {
+        let _ = writeln!(
+            text,
+            "{:<5} {:<30} {:<30} {:<30} {:<12} {:>4}s  {}",
+            flow.protocol,
+            flow.client.to_string(),
+            flow.frontend.to_string(),
+            flow.backend.to_string(),
+            flow.state,
+            flow.idle_seconds,
+            flow.masquerade.map_or_else(|| "-".to_owned(), |address| address.to_string())
+        );
+    }
+    let _ = writeln!(text, "{} of {} matching connections shown", flows.shown.len(), flows.matching);
     text
 }
 

@@ -337,6 +337,43 @@ fn inspect_shows_frontends_backends_maps_and_devices_while_vipr_runs_and_after()
     }
 }
 
+#[test]
+fn inspect_flows_lists_each_open_connection_with_its_backend() {
+    let lab = running_lab("e2e-flows");
+    let sessions = open_sessions(&lab, 6);
+    let clients: BTreeSet<String> =
+        sessions.iter().map(|session| session.connection.local_addr().unwrap().to_string()).collect();
+
+    let flows: serde_json::Value =
+        serde_json::from_str(&inspect(&lab, &["flows", "-o", "json", "--frontend", "10.96.0.10:80"]))
+            .unwrap();
+    let shown = flows["shown"].as_array().unwrap();
+    // The sessions asked and were answered: their handshakes completed.
+    let established: BTreeSet<String> = shown
+        .iter()
+        .filter(|flow| flow["state"] == "established")
+        .map(|flow| flow["client"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(clients.is_subset(&established), "{clients:?} not all established in {flows:#}");
+    for session in &sessions {
+        let client = session.connection.local_addr().unwrap().to_string();
+        let flow = shown.iter().find(|flow| flow["client"] == client.as_str()).unwrap();
+        let backend = SocketAddr::from((backend_addr(&session.backend), 8080)).to_string();
+        assert_eq!(flow["backend"], backend.as_str(), "{flow:#}");
+        assert_eq!(flow["frontend"], "10.96.0.10:80");
+    }
+
+    // By backend: only the sessions that went there.
+    let first = &sessions[0].backend;
+    let backend = SocketAddr::from((backend_addr(first), 8080)).to_string();
+    let text = inspect(&lab, &["flows", "--backend", &backend]);
+    let to_first = sessions.iter().filter(|session| &session.backend == first).count();
+    let rows: Vec<&str> = text.lines().filter(|line| line.starts_with("TCP")).collect();
+    assert_eq!(rows.len(), to_first, "{text}");
+    assert!(rows.iter().all(|row| row.contains(&backend) && row.contains("established")), "{text}");
+    assert!(text.ends_with(&format!("{to_first} of {to_first} matching connections shown\n")), "{text}");
+}
+
 /// Sends from `socket` to `frontend` and returns the name of the backend that answered.
 fn ask_over(socket: &std::net::UdpSocket, frontend: Frontend) -> anyhow::Result<String> {
     socket.send_to(b"who are you?", frontend.socket_addr())?;

@@ -35,7 +35,7 @@ pub mod maglev;
 mod mirror;
 mod pin_dir;
 pub mod plan;
-mod reaper;
+pub(crate) mod reaper;
 mod snat;
 mod xdp_attach;
 

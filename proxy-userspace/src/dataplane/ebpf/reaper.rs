@@ -254,7 +254,7 @@ fn reap_gone(options: &ReaperOptions, listed: &Listed, metrics: &FlowMetrics) {
 }
 
 /// CLOCK_MONOTONIC_COARSE, the clock of the datapath's `bpf_ktime_get_coarse_ns`.
-fn monotonic_coarse_ns() -> u64 {
+pub(crate) fn monotonic_coarse_ns() -> u64 {
     let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `now` is valid for writes; CLOCK_MONOTONIC_COARSE always exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut now) };
