@@ -54,6 +54,7 @@ use crate::{
 };
 
 pub mod changes;
+mod links;
 pub mod node;
 pub mod runner;
 
@@ -187,25 +188,36 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(signal, terminate.clone()).context("cannot install signal handlers")?;
     }
-    let (events_tx, events) = mpsc::channel();
+    let (wakeups_tx, wakeups) = mpsc::channel();
     let (stop_source, stop) = mpsc::channel();
-    let source = spawn_source(settings, events_tx, stop)?;
+    let source = spawn_source(settings, forward_to(wakeups_tx.clone())?, stop)?;
+    // The devices to serve change when links come and go; only the eBPF dataplane attaches
+    // to them.
+    let _links = (mode == ProxyMode::Ebpf)
+        .then(|| links::watch(links::sender(wakeups_tx, || Wakeup::Links)))
+        .flatten();
 
     info!(node = settings.node_name, mode = dataplane.mode(), "vipr running");
     let mut agent = Agent::new(settings, mode, health, metrics, http);
     let mut devices_checked = Instant::now();
     while !terminate.load(Ordering::Relaxed) {
         let wait = agent.runner.time_until_due(Instant::now()).map_or(TICK, |until_due| until_due.min(TICK));
-        match events.recv_timeout(wait) {
-            Ok(SourceEvent::Objects(objects)) => agent.receive(objects),
-            Ok(SourceEvent::Unusable(reason)) => error!("{reason}; keeping the running datapath"),
+        let mut links_changed = false;
+        match wakeups.recv_timeout(wait) {
+            Ok(Wakeup::Source(event)) => match *event {
+                SourceEvent::Objects(objects) => agent.receive(objects),
+                SourceEvent::Unusable(reason) => error!("{reason}; keeping the running datapath"),
+            },
+            Ok(Wakeup::Links) => links_changed = true,
+            Ok(Wakeup::SourceStopped) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                bail!("the source of services stopped")
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => bail!("the source of services stopped"),
         }
         if agent.runner.is_due(Instant::now()) {
             agent.sync(dataplane.as_mut());
         }
-        if devices_checked.elapsed() >= DEVICE_POLL_INTERVAL {
+        if links_changed || devices_checked.elapsed() >= DEVICE_POLL_INTERVAL {
             // New pods bring new veths; their traffic must be balanced from their first packet.
             // A listed device can be deleted and created again (a bond or VLAN re-configured),
             // and must then be attached again.
@@ -224,6 +236,34 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let _ = source.join();
     info!("stopping; the datapath stays in place and keeps serving (vipr --cleanup removes it)");
     Ok(())
+}
+
+/// What wakes the agent's loop besides its timers.
+enum Wakeup {
+    /// Boxed: a snapshot of objects is large, the other wakeups are words.
+    Source(Box<SourceEvent>),
+    /// The source thread ended: there will be no more objects.
+    SourceStopped,
+    /// A network interface appeared, changed or went away.
+    Links,
+}
+
+/// A channel for the source's events, whose events are passed on to `wakeups` (and its end as
+/// [`Wakeup::SourceStopped`]), so that the loop waits on one channel for everything.
+fn forward_to(wakeups: mpsc::Sender<Wakeup>) -> anyhow::Result<mpsc::Sender<SourceEvent>> {
+    let (events, received) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("source-events".to_owned())
+        .spawn(move || {
+            for event in received {
+                if wakeups.send(Wakeup::Source(Box::new(event))).is_err() {
+                    return;
+                }
+            }
+            let _ = wakeups.send(Wakeup::SourceStopped);
+        })
+        .context("cannot start the source events thread")?;
+    Ok(events)
 }
 
 /// Starts the source thread: the manifests file when there is one, else the API server.

@@ -374,6 +374,20 @@ fn inspect_flows_lists_each_open_connection_with_its_backend() {
     assert!(text.ends_with(&format!("{to_first} of {to_first} matching connections shown\n")), "{text}");
 }
 
+#[test]
+fn the_first_datagram_of_a_pod_created_after_vipr_started_is_balanced() {
+    let mut lab = lab("e2e-first");
+    lab.start_vipr_on_all_devices().unwrap();
+    lab.wait_programmed().unwrap();
+    let late_client = Ipv4Addr::new(10, 30, 0, 3);
+    let late = lab.add_leaf(LeafSpec::in_own_slash24("late", late_client).unwrap()).unwrap();
+    // No retry and no wait: a pod's first DNS query leaves as soon as its interface is up, and
+    // must already find vipr's program there.
+    let exchange = late.run(|| exchange(dns(), TIMEOUT)).unwrap();
+    exchange.verify(dns(), late_client).unwrap();
+    assert!(ENDPOINTS.contains(&exchange.answer.backend.as_str()), "{exchange:?}");
+}
+
 /// Sends from `socket` to `frontend` and returns the name of the backend that answered.
 fn ask_over(socket: &std::net::UdpSocket, frontend: Frontend) -> anyhow::Result<String> {
     socket.send_to(b"who are you?", frontend.socket_addr())?;
