@@ -10,6 +10,7 @@
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
+    path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
         mpsc, Arc,
@@ -193,6 +194,9 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let source = spawn_source(settings, forward_to(wakeups_tx.clone())?, stop)?;
     // The devices to serve change when links come and go; only the eBPF dataplane attaches
     // to them.
+    if let Some(path) = &settings.config_file {
+        watch_config_file(path.clone(), wakeups_tx.clone())?;
+    }
     let _links = (mode == ProxyMode::Ebpf)
         .then(|| links::watch(links::sender(wakeups_tx, || Wakeup::Links)))
         .flatten();
@@ -209,6 +213,11 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
                 SourceEvent::Unusable(reason) => error!("{reason}; keeping the running datapath"),
             },
             Ok(Wakeup::Links) => links_changed = true,
+            Ok(Wakeup::ConfigChanged(path)) => {
+                // As kube-proxy: the container restarts and reads the new file; the datapath
+                // serves on meanwhile.
+                bail!("the configuration file {} changed; exiting to be restarted with it", path.display())
+            }
             Ok(Wakeup::SourceStopped) | Err(mpsc::RecvTimeoutError::Disconnected) => {
                 bail!("the source of services stopped")
             }
@@ -246,6 +255,34 @@ enum Wakeup {
     SourceStopped,
     /// A network interface appeared, changed or went away.
     Links,
+    /// The `--config` file's content is not what vipr started with.
+    ConfigChanged(PathBuf),
+}
+
+/// How often the `--config` file is read again.
+const CONFIG_POLL_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Reads `path` every [`CONFIG_POLL_INTERVAL`] and sends [`Wakeup::ConfigChanged`] once its
+/// content differs from what it was now. Content rather than a modification time: a ConfigMap
+/// update replaces the mounted file by a symlink swap, which an mtime of the old link target
+/// would not show. A file that cannot be read is no change (a swap in progress); one that reads
+/// again with the same content is none either.
+fn watch_config_file(path: PathBuf, wakeups: mpsc::Sender<Wakeup>) -> anyhow::Result<()> {
+    let started_with = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    std::thread::Builder::new()
+        .name("config-file".to_owned())
+        .spawn(move || loop {
+            std::thread::sleep(CONFIG_POLL_INTERVAL);
+            match std::fs::read(&path) {
+                Ok(content) if content != started_with => {
+                    let _ = wakeups.send(Wakeup::ConfigChanged(path));
+                    return;
+                }
+                _ => {}
+            }
+        })
+        .context("cannot start the config file watcher")?;
+    Ok(())
 }
 
 /// A channel for the source's events, whose events are passed on to `wakeups` (and its end as

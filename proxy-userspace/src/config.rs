@@ -134,6 +134,9 @@ impl LogLevel {
 /// Everything the agent needs, resolved and validated.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Settings {
+    /// `--config`: the KubeProxyConfiguration file these settings were read from, which the
+    /// agent watches (a changed file means a restart, as for kube-proxy).
+    pub config_file: Option<PathBuf>,
     pub proxy_mode: ProxyMode,
     pub source: SourceSettings,
     /// This node's name: lower-cased `--hostname-override` / `--node-name`, else the host
@@ -493,6 +496,7 @@ impl Settings {
             args.iptables_localhost_nodeports.or(file.iptables.localhost_node_ports).unwrap_or(true);
 
         Ok(Self {
+            config_file: args.config.clone(),
             proxy_mode,
             source,
             node_name,

@@ -14,7 +14,7 @@ use std::{
 };
 
 use testbed::{
-    count_by_backend, exchanges,
+    count_by_backend, exchange, exchanges,
     http::{get, HttpAnswer},
     locate_vipr, wait_for, Check, ClusterIpService, Endpoint, FakeApiServer, Frontend, Lab, LabConfig,
     LeafSpec, Netns, Protocol, ServicePort, Vipr,
@@ -419,4 +419,34 @@ fn write_config_to_round_trips_and_json_logging() {
         &[format!("--config={}", written.display()), format!("--write-config-to={}", rewritten.display())],
     );
     assert_eq!(std::fs::read_to_string(&rewritten).unwrap(), text);
+}
+
+#[test]
+fn a_changed_config_file_makes_vipr_exit_to_be_restarted_with_it() {
+    let lab = lab("kp-config-change");
+    let config = lab.services_file().with_file_name("kube-proxy.yaml");
+    std::fs::copy(fixture("kubeadm-1.37.yaml"), &config).unwrap();
+    let mut agent =
+        start_vipr(&lab, &[format!("--config={}", config.display()), "--proxy-mode=ebpf".to_owned()]);
+    wait_for_cluster_ip(&mut agent, &lab);
+    // An unchanged rewrite is no change.
+    std::fs::copy(fixture("kubeadm-1.37.yaml"), &config).unwrap();
+    // As a ConfigMap update: a new file swapped in under the name.
+    let changed = config.with_file_name("kube-proxy.yaml.new");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&changed, text.replace("masqueradeAll: false", "masqueradeAll: true")).unwrap();
+    assert!(std::fs::read_to_string(&changed).unwrap() != text, "the fixture has masqueradeAll: false");
+    std::fs::rename(&changed, &config).unwrap();
+    let exit = wait_for("vipr to exit after its config file changed", SETTLE, || {
+        Ok(match agent.ensure_running() {
+            Err(exited) => Check::Done(format!("{exited:#}")),
+            Ok(()) => Check::NotYet("still running".to_owned()),
+        })
+    })
+    .unwrap();
+    assert!(exit.contains("exit status: 1"), "{exit}");
+    assert!(exit.contains("configuration file") && exit.contains("changed"), "{exit}");
+    // The datapath it leaves keeps serving until the restarted vipr takes it over.
+    let frontend = Frontend { addr: SocketAddrV4::new(VIP, 80), protocol: Protocol::Tcp };
+    lab.client().run(|| exchange(frontend, Duration::from_secs(2))).unwrap();
 }
