@@ -189,6 +189,8 @@ struct State {
     failing: HashSet<Collection>,
     /// Collections answered 404 Not Found, as by a server without the API.
     not_served: HashSet<Collection>,
+    /// Collections answered 403 Forbidden, as for a ServiceAccount whose ClusterRole lacks them.
+    forbidden: HashSet<Collection>,
     lists_served: HashMap<Collection, usize>,
     watches_open: HashMap<Collection, usize>,
 }
@@ -376,6 +378,19 @@ impl FakeApiServer {
         });
     }
 
+    /// Makes requests for `collection` answer 403 Forbidden, as when RBAC does not grant it, or
+    /// serve again.
+    pub fn set_forbidden(&self, collection: Collection, forbidden: bool) {
+        let _ = self.shared.change(|state| {
+            if forbidden {
+                state.forbidden.insert(collection);
+            } else {
+                state.forbidden.remove(&collection);
+            }
+            Ok(state.resource_version)
+        });
+    }
+
     /// How many lists of `collection` were served: a relist shows as one more.
     pub fn lists_served(&self, collection: Collection) -> usize {
         self.shared.state().lists_served.get(&collection).copied().unwrap_or(0)
@@ -483,6 +498,14 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
             404,
             "NotFound",
             "the server could not find the requested resource",
+        );
+    }
+    if shared.state().forbidden.contains(&collection) {
+        return write_status(
+            &mut stream,
+            403,
+            "Forbidden",
+            &format!("the test's ServiceAccount may not list {}", request.path),
         );
     }
     let query = |name: &str| request.query.get(name).map_or("", String::as_str);
@@ -835,6 +858,7 @@ fn write_json(stream: &mut TcpStream, code: u16, body: &Value) -> io::Result<()>
     let phrase = match code {
         200 => "OK",
         400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         410 => "Gone",

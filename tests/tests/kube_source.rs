@@ -725,3 +725,21 @@ fn a_server_without_service_cidrs_still_delivers_snapshots() -> Result<()> {
     source.snapshot_where("the ServiceCIDR, once served", |objects| objects.service_cidrs.len() == 1)?;
     source.stop()
 }
+
+#[test]
+fn a_forbidden_node_watch_does_not_keep_services_from_being_served() -> Result<()> {
+    // A ClusterRole without nodes (or a Node API that refuses this ServiceAccount): the
+    // services must still be programmed.
+    let server = server_with_web()?;
+    server.set_forbidden(Collection::Nodes, true);
+    let mut source = Source::start(&server)?;
+    let first = source.snapshot_where("a snapshot without the Node", |_| true)?;
+    assert_eq!(programmed(&first), frontends(&[("10.96.0.10:80/TCP", &["10.1.0.2:8080"])]));
+    assert!(first.node.is_none());
+    assert!(source.outages.is_empty(), "a forbidden Node is no outage: {:?}", source.outages);
+
+    // Once it may be read, it is.
+    server.set_forbidden(Collection::Nodes, false);
+    source.snapshot_where("the Node, once allowed", |objects| objects.node.is_some())?;
+    source.stop()
+}

@@ -87,7 +87,8 @@ pub fn watch(config: KubeSourceConfig, events: Sender<SourceEvent>, stop: Receiv
             return;
         }
     };
-    let mut source = Source { events, stop, in_outage: false, service_cidrs_unavailable: false };
+    let mut source =
+        Source { events, stop, in_outage: false, service_cidrs_unavailable: false, node_unavailable: false };
     runtime.block_on(source.run(config));
 }
 
@@ -141,6 +142,8 @@ struct Source {
     in_outage: bool,
     /// The ServiceCIDR list is not served or not allowed (logged once until it works).
     service_cidrs_unavailable: bool,
+    /// The Node watch answered 403 or 404: logged once, and snapshots go on without it.
+    node_unavailable: bool,
 }
 
 impl Source {
@@ -219,6 +222,12 @@ impl Source {
                         // None to wait for: the snapshots go on with the store as it is.
                         changed |= listed.insert(collection);
                     }
+                    Step::Failed(error) if collection == Collection::Node && unavailable(&error) => {
+                        self.note_node_unavailable(&error);
+                        // The node's facts refine the services (zone, pod CIDRs, primary IPs);
+                        // without them the services are still served, from the interfaces.
+                        changed |= listed.insert(collection);
+                    }
                     Step::Failed(error) => {
                         if !self.failed(collection, &error) {
                             return;
@@ -266,6 +275,17 @@ impl Source {
         self.events.send(SourceEvent::Unusable(problem)).is_ok()
     }
 
+    fn note_node_unavailable(&mut self, error: &watcher::Error) {
+        if !self.node_unavailable {
+            warn!(
+                "cannot watch this node's Node object ({}); serving without it (no zone, no pod CIDRs \
+                 from it, primary addresses from the interfaces) until it can be read",
+                describe_error(error)
+            );
+            self.node_unavailable = true;
+        }
+    }
+
     fn note_service_cidrs_unavailable(&mut self, error: &watcher::Error) {
         if !self.service_cidrs_unavailable {
             warn!(
@@ -277,6 +297,10 @@ impl Source {
     }
 
     fn succeeded(&mut self, collection: Collection) {
+        if collection == Collection::Node && self.node_unavailable {
+            info!("watching this node's Node object");
+            self.node_unavailable = false;
+        }
         if collection == Collection::ServiceCidrs && self.service_cidrs_unavailable {
             info!("watching ServiceCIDRs");
             self.service_cidrs_unavailable = false;
