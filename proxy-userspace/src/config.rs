@@ -2299,6 +2299,8 @@ mod kube_proxy_fixtures {
         assert!(read.ignored_config.is_empty(), "{:?}\n{written}", read.ignored_config);
         // Reported anew from the file: the same gates.
         read.ignored_flags = original.ignored_flags.clone();
+        // Read from a file this time, which the agent would watch.
+        assert_eq!(read.config_file.take(), Some(file));
         assert_eq!(read, original, "{written}");
     }
 

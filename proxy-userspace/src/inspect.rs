@@ -20,7 +20,10 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::{bpf_sys, dataplane::ebpf::counters::CounterMap};
+use crate::{
+    bpf_sys,
+    dataplane::ebpf::{counters::CounterMap, reaper::TrackedFlow},
+};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -428,69 +431,46 @@ fn state_name(protocol: u8, state: u32) -> &'static str {
 
 fn flows(dir: &Path, filter: &FlowFilter, limit: usize) -> anyhow::Result<FlowsView> {
     let now = crate::dataplane::ebpf::reaper::monotonic_coarse_ns();
-    let mut matching = Vec::new();
-    let view = |protocol: u8,
-                client: SocketAddr,
-                frontend: SocketAddr,
-                flags: u32,
-                nat_src: SocketAddr,
-                nat_dst: SocketAddr,
-                track: &proxy_common::FlowTrack| {
-        let rewrites = |bit: u32| flags & bit != 0;
-        FlowView {
-            protocol: protocol_name(protocol),
-            client,
-            frontend,
-            backend: if rewrites(flow_flags::REWRITE_DESTINATION) { nat_dst } else { frontend },
-            masquerade: rewrites(flow_flags::REWRITE_SOURCE).then_some(nat_src),
-            state: state_name(protocol, track.state),
-            idle_seconds: now.saturating_sub(track.last_seen) / 1_000_000_000,
-        }
-    };
-    let flows4 = open_hash::<proxy_common::FlowKey4, proxy_common::Flow4>(dir, pins::FLOWS4)?;
-    for entry in flows4.iter() {
-        let (key, flow) = entry?;
-        if flow.flags & flow_flags::REPLY != 0 {
-            continue;
-        }
-        let address = |addr: [u8; 4], port: u16| SocketAddr::new(IpAddr::from(addr), port);
-        let flow = view(
-            key.proto,
-            address(key.src_addr, key.src_port),
-            address(key.dst_addr, key.dst_port),
-            flow.flags,
-            address(flow.src_addr, flow.src_port),
-            address(flow.dst_addr, flow.dst_port),
-            &flow.track,
-        );
-        if filter.admits(&flow) {
-            matching.push(flow);
-        }
-    }
-    let flows6 = open_hash::<proxy_common::FlowKey6, proxy_common::Flow6>(dir, pins::FLOWS6)?;
-    for entry in flows6.iter() {
-        let (key, flow) = entry?;
-        if flow.flags & flow_flags::REPLY != 0 {
-            continue;
-        }
-        let address = |addr: [u8; 16], port: u16| SocketAddr::new(IpAddr::from(addr), port);
-        let flow = view(
-            key.proto,
-            address(key.src_addr, key.src_port),
-            address(key.dst_addr, key.dst_port),
-            flow.flags,
-            address(flow.src_addr, flow.src_port),
-            address(flow.dst_addr, flow.dst_port),
-            &flow.track,
-        );
-        if filter.admits(&flow) {
-            matching.push(flow);
-        }
-    }
+    let mut matching = forward_flows::<proxy_common::Flow4>(dir, pins::FLOWS4, now, filter)?;
+    matching.extend(forward_flows::<proxy_common::Flow6>(dir, pins::FLOWS6, now, filter)?);
     let total = matching.len();
     matching.sort_by_key(|flow| (flow.idle_seconds, flow.frontend, flow.client));
     matching.truncate(limit);
     Ok(FlowsView { matching: total, shown: matching })
+}
+
+/// The connections of one family's flows map that `filter` admits, from their forward entries
+/// (client to frontend; the reply entries say the same backwards).
+fn forward_flows<F: TrackedFlow>(
+    dir: &Path,
+    pin: &str,
+    now: u64,
+    filter: &FlowFilter,
+) -> anyhow::Result<Vec<FlowView>> {
+    let mut flows = Vec::new();
+    for entry in open_hash::<F::Key, F>(dir, pin)?.iter() {
+        let (key, flow) = entry?;
+        if flow.is_reply() {
+            continue;
+        }
+        let [client, frontend, nat_source, nat_destination] = F::wire(&key, &flow);
+        let rewrites = |bit: u32| flow.flags() & bit != 0;
+        let protocol = F::proto(&key);
+        let track = flow.track();
+        let view = FlowView {
+            protocol: protocol_name(protocol),
+            client,
+            frontend,
+            backend: if rewrites(flow_flags::REWRITE_DESTINATION) { nat_destination } else { frontend },
+            masquerade: rewrites(flow_flags::REWRITE_SOURCE).then_some(nat_source),
+            state: state_name(protocol, track.state),
+            idle_seconds: now.saturating_sub(track.last_seen) / 1_000_000_000,
+        };
+        if filter.admits(&view) {
+            flows.push(view);
+        }
+    }
+    Ok(flows)
 }
 
 fn flows_text(flows: &FlowsView) -> String {

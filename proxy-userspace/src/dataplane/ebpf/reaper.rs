@@ -262,8 +262,14 @@ pub(crate) fn monotonic_coarse_ns() -> u64 {
 }
 
 /// A flows-map value of one family, with its key type.
-trait TrackedFlow: Pod {
+pub(crate) trait TrackedFlow: Pod {
     type Key: Pod + Eq + Hash;
+
+    /// The key's source and destination and the entry's rewrite targets (source,
+    /// destination), as socket addresses, for tools that show connections.
+    fn wire(key: &Self::Key, flow: &Self) -> [std::net::SocketAddr; 4];
+    /// Bits of [`flow_flags`].
+    fn flags(&self) -> u32;
 
     /// The backend a flow entry leads to (forward) or comes from (reply).
     fn backend(key: &Self::Key, flow: &Self) -> Backend;
@@ -278,6 +284,20 @@ macro_rules! tracked_flow {
     ($flow:ty, $key:ty) => {
         impl TrackedFlow for $flow {
             type Key = $key;
+
+            fn wire(key: &$key, flow: &$flow) -> [std::net::SocketAddr; 4] {
+                let at = |addr, port| std::net::SocketAddr::new(IpAddr::from(addr), port);
+                [
+                    at(key.src_addr, key.src_port),
+                    at(key.dst_addr, key.dst_port),
+                    at(flow.src_addr, flow.src_port),
+                    at(flow.dst_addr, flow.dst_port),
+                ]
+            }
+
+            fn flags(&self) -> u32 {
+                self.flags
+            }
 
             fn backend(key: &$key, flow: &$flow) -> Backend {
                 let (addr, port) = if flow.flags & flow_flags::REPLY != 0 {
