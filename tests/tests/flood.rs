@@ -290,15 +290,23 @@ fn spoofed_floods_do_not_keep_legitimate_connections_out() {
     metrics_tell(&lab).unwrap();
 }
 
-/// `/metrics` shows the map's fill level against its capacity and the early drops.
+/// `/metrics` shows the map's fill level against its capacity (the map draining once the
+/// reaper's next pass has counted it) and the early drops.
 fn metrics_tell(lab: &Lab) -> Result<()> {
-    let metrics = testbed::http::get(lab.node(), "127.0.0.1:10249".parse()?, "/metrics")?;
     let flows = format!("{{map=\"{}\"}}", pins::FLOWS4);
+    let metrics =
+        testbed::wait_for("the fill level below capacity in /metrics", Duration::from_secs(20), || {
+            let metrics = testbed::http::get(lab.node(), "127.0.0.1:10249".parse()?, "/metrics")?;
+            let entries =
+                metrics.metric(&format!("vipr_bpf_map_entries{flows}")).context("no flows map fill level")?;
+            Ok(if entries < FLOWS_MAX as f64 {
+                Check::Done(metrics)
+            } else {
+                Check::NotYet(format!("{entries} entries"))
+            })
+        })?;
     let capacity = metrics.metric(&format!("vipr_bpf_map_capacity{flows}"));
     ensure!(capacity == Some(FLOWS_MAX as f64), "flows map capacity {capacity:?}\n{}", metrics.body);
-    let entries =
-        metrics.metric(&format!("vipr_bpf_map_entries{flows}")).context("no flows map fill level")?;
-    ensure!(entries < FLOWS_MAX as f64, "{entries} entries");
     let early_drops = metrics.metric("vipr_flow_evictions_total{reason=\"early_drop\"}").unwrap_or(0.0)
         + metrics.metric("vipr_flow_evictions_total{reason=\"pressure\"}").unwrap_or(0.0);
     ensure!(early_drops > 0.0, "no eviction counted:\n{}", metrics.body);

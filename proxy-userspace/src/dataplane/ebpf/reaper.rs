@@ -551,9 +551,6 @@ impl<K: Pod + Eq + Hash> Expiry<K> {
         }
         let under_pressure =
             self.ports_short || entries * 100 >= capacity * u64::from(timeouts.pressure.threshold_percent);
-        if let Some(name) = flows_pin.file_name() {
-            metrics.set_fill(&name.to_string_lossy(), MapFill { entries, capacity });
-        }
         let mut unstamped = HashSet::new();
         let mut deleted = 0;
         for (key, age) in old {
@@ -593,6 +590,12 @@ impl<K: Pod + Eq + Hash> Expiry<K> {
             deleted += removed;
         }
         self.unstamped = unstamped;
+        // The fill level as the pass leaves the map, not as it found it: after a flood the
+        // gauge must show the map draining, not the peak until the next pass.
+        if let Some(name) = flows_pin.file_name() {
+            let entries = entries.saturating_sub(deleted as u64);
+            metrics.set_fill(&name.to_string_lossy(), MapFill { entries, capacity });
+        }
         Ok(Pass { deleted, under_pressure })
     }
 }
@@ -922,7 +925,8 @@ mod tests {
         let left: BTreeSet<u16> =
             flows.keys().map(|key| key.unwrap().src_port).filter(|port| *port < 100).collect();
         assert_eq!(left, BTreeSet::from([2, 3]));
-        assert_eq!(metrics.fill()[proxy_common::pins::FLOWS4], MapFill { entries: 6, capacity: 512 });
+        // The fill level as the pass left the map: six found, two deleted.
+        assert_eq!(metrics.fill()[proxy_common::pins::FLOWS4], MapFill { entries: 4, capacity: 512 });
 
         // Below the mark, but masquerade ports ran short: the same early expiry.
         let stale = connection(proto::TCP, 4, (syn_recv, now - 3 * S), (syn_recv, now - 3 * S));
