@@ -661,6 +661,28 @@ fn exposed_metric_names(body: &str) -> BTreeSet<String> {
     names
 }
 
+/// The families (`# TYPE` names) in `body` that the metrics reference does not name in
+/// backquotes.
+fn undocumented_families(body: &str, reference: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|line| line.strip_prefix("# TYPE ")?.split_whitespace().next())
+        .filter(|name| !reference.contains(&format!("`{name}`")))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn metrics_reference() -> String {
+    let path = deploy_dir().parent().unwrap().join("docs").join("metrics.md");
+    std::fs::read_to_string(&path).unwrap_or_else(|error| panic!("{}: {error}", path.display()))
+}
+
+#[test]
+fn the_metrics_reference_check_catches_an_undocumented_family() {
+    let body = "# TYPE vipr_documented gauge\nvipr_documented 1\n# TYPE vipr_new counter\nvipr_new 2\n";
+    assert_eq!(undocumented_families(body, "| `vipr_documented` | gauge |"), ["vipr_new"]);
+    assert!(metrics_reference().contains("`vipr_bpf_map_capacity`"));
+}
+
 /// Series Prometheus itself adds to every scrape target.
 const SCRAPE_SERIES: &[&str] = &["up", "scrape_duration_seconds", "scrape_samples_scraped"];
 
@@ -755,6 +777,8 @@ fn vipr_in_a_lab_exposes_every_monitored_metric_and_its_maps_fit_the_request() {
     // The check itself catches a name vipr does not have.
     let misspelt = [("a rule".to_owned(), "vipr_bpf_map_entrie > 0".to_owned())];
     assert_eq!(unknown_metrics(&misspelt, &exposed), ["a rule: vipr_bpf_map_entrie"]);
+    let undocumented = undocumented_families(&body, &metrics_reference());
+    assert!(undocumented.is_empty(), "exposed but missing from docs/metrics.md: {undocumented:?}");
 
     let cpus = std::thread::available_parallelism().unwrap().get() as u64;
     let maps_mib = bpf_map_memory(agent.pid()) >> 20;

@@ -1,4 +1,4 @@
-//! `cargo xtask bench <datapath|control-plane|e2e|all> [--quick]`: builds `vipr-bench` (release,
+//! `cargo xtask bench <datapath|control-plane|e2e|all|report> [--quick]`: builds `vipr-bench` (release,
 //! so the agent code it times is what ships; for `e2e` the `vipr` binary too) and runs the
 //! suites. A full run writes
 //! `docs/bench/<suite>.json`, the plots in `docs/bench/` and rewrites `docs/benchmarks.md`; a
@@ -43,6 +43,9 @@ enum Suite {
     E2e,
     /// All of them.
     All,
+    /// Measures nothing: redraws the plots and rewrites the report from the results already in
+    /// --out-dir.
+    Report,
 }
 
 impl Suite {
@@ -52,6 +55,7 @@ impl Suite {
             Self::ControlPlane => "control-plane",
             Self::E2e => "e2e",
             Self::All => "all",
+            Self::Report => "report",
         }
     }
 }
@@ -87,9 +91,11 @@ pub fn run(workspace: &Workspace, args: &BenchArgs) -> Result<ExitCode> {
         .arg("--out-dir")
         .arg(&out_dir)
         .arg("--doc")
-        .arg(&doc)
-        .arg("--invoked-as")
-        .arg(OsString::from(invoked_as));
+        .arg(&doc);
+    if matches!(args.suite, Suite::Report) {
+        return Ok(exit_code_of(cmd::status(&mut bench)?));
+    }
+    bench.arg("--invoked-as").arg(OsString::from(invoked_as));
     if args.quick {
         bench.arg("--quick");
     }

@@ -61,8 +61,66 @@ const PLOTTED: [PathKind; 7] = [
     PathKind::EstablishedCold,
 ];
 
-/// A series: its label and (x, cost) points.
+/// A series: its label and (x, cost) points, in x order (a line joins them in that order).
 type Series = (String, Vec<(f64, Summary)>);
+
+/// `points` ordered by x: results are stored in the order they were measured, which is not
+/// always the axis's.
+fn by_x(mut points: Vec<(f64, Summary)>) -> Vec<(f64, Summary)> {
+    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    points
+}
+
+/// What a legend entry shows beside its label.
+#[derive(Clone, Copy)]
+enum Key {
+    Line { color: RGBColor, dashed: bool },
+    Cross(RGBColor),
+}
+
+/// Draws a legend on its own area, beside or below the plot, so that it never hides data:
+/// entries fill `columns` columns, row by row.
+fn legend(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    entries: &[(String, Key)],
+    columns: usize,
+) -> Result<()> {
+    const ROW: i32 = 20;
+    let (width, _) = area.dim_in_pixel();
+    let column_width = (width as usize / columns.max(1)) as i32;
+    for (i, (label, key)) in entries.iter().enumerate() {
+        let x = 10 + (i % columns.max(1)) as i32 * column_width;
+        let y = 12 + (i / columns.max(1)) as i32 * ROW;
+        match *key {
+            Key::Line { color, dashed } => {
+                let style = ShapeStyle::from(&color).stroke_width(2);
+                if dashed {
+                    area.draw(&PathElement::new(vec![(x, y), (x + 10, y)], style))?;
+                    area.draw(&PathElement::new(vec![(x + 16, y), (x + 26, y)], style))?;
+                } else {
+                    area.draw(&PathElement::new(vec![(x, y), (x + 26, y)], style))?;
+                }
+            }
+            Key::Cross(color) => {
+                area.draw(&Cross::new((x + 13, y), 6, ShapeStyle::from(&color).stroke_width(2)))?
+            }
+        }
+        area.draw(&Text::new(label.clone(), (x + 34, y - 8), (FONT, 14)))?;
+    }
+    Ok(())
+}
+
+/// Tick labels without a spurious ".0" and with k/M for thousands and millions (10000 -> 10k).
+fn tick(value: f64) -> String {
+    let (scaled, suffix) = match value.abs() {
+        v if v >= 1e6 => (value / 1e6, "M"),
+        v if v >= 1e3 => (value / 1e3, "k"),
+        _ => (value, ""),
+    };
+    let digits = if scaled.abs() >= 10.0 || scaled.fract().abs() < 1e-9 { 0 } else { 1 };
+    let text = format!("{scaled:.digits$}");
+    format!("{}{suffix}", text.strip_suffix(".0").unwrap_or(&text))
+}
 
 /// The cold (one packet per call) paths are drawn dashed.
 fn dashed(label: &str) -> bool {
@@ -139,61 +197,54 @@ fn x_range(points: impl Iterator<Item = f64>) -> (f64, f64) {
 }
 
 fn latency_plot(path: &Path, title: &str, x_label: &str, series: &[Series]) -> Result<()> {
-    let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1100, 620)).into_drawing_area();
     root.fill(&WHITE)?;
+    let (plot_area, legend_area) = root.split_horizontally(800);
     let (x_low, x_high) = x_range(series.iter().flat_map(|(_, points)| points.iter().map(|(x, _)| *x)));
     let values = series.iter().flat_map(|(_, points)| points.iter().flat_map(|(_, s)| [s.min, s.max]));
     let (y_low, y_high) = values
         .chain([120.0, 300.0])
         .filter(|y| *y > 0.0)
         .fold((f64::MAX, f64::MIN), |(low, high), y| (low.min(y), high.max(y)));
-    let mut chart = ChartBuilder::on(&root)
+    let mut chart = ChartBuilder::on(&plot_area)
         .caption(title, (FONT, 24))
         .margin(16)
         .x_label_area_size(48)
-        .y_label_area_size(64)
+        .y_label_area_size(72)
         .build_cartesian_2d((x_low..x_high).log_scale(), (y_low / 1.5..y_high * 1.5).log_scale())?;
     chart
         .configure_mesh()
         .x_desc(x_label)
-        .y_desc("ns per packet (program, median; bars: min-max; dashed: cold)")
+        .y_desc("ns per packet (program, median; bars: min-max)")
         .x_label_formatter(&|x| thousands(*x))
+        .y_label_formatter(&|y| tick(*y))
         .label_style((FONT, 14))
         .draw()?;
+    let mut keys = Vec::new();
+    let target_color = RGBColor(0xaa, 0x00, 0x00);
     for (target, label) in [(120.0, "target: established <= 120 ns"), (300.0, "target: new flow <= 300 ns")] {
-        let style = ShapeStyle::from(&RGBColor(0xaa, 0x00, 0x00)).stroke_width(1);
-        chart
-            .draw_series(DashedLineSeries::new(vec![(x_low, target), (x_high, target)], 8, 6, style))?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+        let style = ShapeStyle::from(&target_color).stroke_width(1);
+        chart.draw_series(DashedLineSeries::new(vec![(x_low, target), (x_high, target)], 8, 6, style))?;
+        keys.push((label.to_owned(), Key::Line { color: target_color, dashed: true }));
     }
     for (i, (label, points)) in series.iter().enumerate() {
         if points.is_empty() {
             continue;
         }
+        let points = by_x(points.clone());
         let style = ShapeStyle::from(&color(i)).stroke_width(2);
         let line = points.iter().map(|(x, s)| (*x, s.median));
-        let drawn = if dashed(label) {
-            chart.draw_series(DashedLineSeries::new(line, 10, 5, style))?
+        if dashed(label) {
+            chart.draw_series(DashedLineSeries::new(line, 10, 5, style))?;
         } else {
-            chart.draw_series(LineSeries::new(line, style))?
-        };
-        let is_dashed = dashed(label);
-        drawn.label(label.as_str()).legend(move |(x, y)| {
-            let end = if is_dashed { x + 10 } else { x + 20 };
-            PathElement::new(vec![(x, y), (end, y)], style)
-        });
+            chart.draw_series(LineSeries::new(line, style))?;
+        }
+        keys.push((label.clone(), Key::Line { color: color(i), dashed: dashed(label) }));
         chart.draw_series(points.iter().map(|(x, s)| {
             ErrorBar::new_vertical(*x, s.min, s.median, s.max, ShapeStyle::from(&color(i)).filled(), 8)
         }))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font((FONT, 14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
+    legend(&legend_area.margin(60, 0, 0, 0), &keys, 1)?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
@@ -212,7 +263,7 @@ const CONTROL_X: &str = "services (10 endpoints each)";
 /// Four panels over the number of services, one line per mode: TCP connections/s and p99
 /// latency to the cluster IP, UDP transactions/s to the cluster IP and to the NodePort.
 fn e2e_plot(path: &Path, results: &e2e::Results) -> Result<()> {
-    let root = BitMapBackend::new(path, (1400, 1000)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1400, 1100)).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((2, 2));
     let (x_low, x_high) = x_range(results.cells.iter().map(|cell| cell.services as f64));
@@ -291,7 +342,7 @@ fn e2e_plot(path: &Path, results: &e2e::Results) -> Result<()> {
 }
 
 fn control_plot(path: &Path, results: &control_plane::Results) -> Result<()> {
-    let root = BitMapBackend::new(path, (1500, 520)).into_drawing_area();
+    let root = BitMapBackend::new(path, (1500, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((1, 3));
     let sizes = &results.sizes;
@@ -346,7 +397,8 @@ fn control_plot(path: &Path, results: &control_plane::Results) -> Result<()> {
     Ok(())
 }
 
-/// A log-log panel over services; targets are drawn as a red cross at (services, value).
+/// A log-log panel over services, its legend below it; targets are drawn as a red cross at
+/// (services, value).
 fn log_panel(
     area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
     title: &str,
@@ -356,47 +408,77 @@ fn log_panel(
     targets: &[(f64, f64, &str)],
     x_desc: &str,
 ) -> Result<()> {
+    let (width, height) = area.dim_in_pixel();
+    // Two legend columns where the longest label fits in half the width (about 7 px a
+    // character at this size), else one.
+    let longest = series.iter().map(|(label, _)| label.len()).chain(targets.iter().map(|t| t.2.len())).max();
+    let columns = if longest.unwrap_or(0) * 7 + 60 <= width as usize / 2 { 2 } else { 1 };
+    let rows = (series.len() + targets.len()).div_ceil(columns) as u32;
+    let (plot_area, legend_area) = area.split_vertically(height.saturating_sub(16 + rows * 20));
     let values = series.iter().flat_map(|(_, points)| points.iter().flat_map(|(_, s)| [s.min, s.max]));
     let values = values.chain(targets.iter().map(|(_, y, _)| *y));
     let (y_low, y_high) = values.fold((f64::MAX, f64::MIN), |(low, high), y| (low.min(y), high.max(y)));
     let (y_low, y_high) =
         if y_low > y_high || y_low <= 0.0 { (0.01, 10.0) } else { (y_low / 3.0, y_high * 3.0) };
-    let mut chart = ChartBuilder::on(area)
+    let mut chart = ChartBuilder::on(&plot_area)
         .caption(title, (FONT, 20))
         .margin(12)
         .x_label_area_size(44)
-        .y_label_area_size(60)
+        .y_label_area_size(70)
         .build_cartesian_2d((x_low..x_high).log_scale(), (y_low..y_high).log_scale())?;
     chart
         .configure_mesh()
         .x_desc(x_desc)
         .y_desc(unit)
         .x_label_formatter(&|x| thousands(*x))
+        .y_label_formatter(&|y| tick(*y))
         .label_style((FONT, 13))
         .draw()?;
+    let mut keys = Vec::new();
     let red = RGBColor(0xcc, 0x00, 0x00);
     for (x, y, label) in targets {
-        chart
-            .draw_series(std::iter::once(Cross::new((*x, *y), 9, ShapeStyle::from(&red).stroke_width(3))))?
-            .label(*label)
-            .legend(move |(x, y)| Cross::new((x + 10, y), 6, ShapeStyle::from(&red).stroke_width(2)));
+        chart.draw_series(std::iter::once(Cross::new(
+            (*x, *y),
+            9,
+            ShapeStyle::from(&red).stroke_width(3),
+        )))?;
+        keys.push(((*label).to_owned(), Key::Cross(red)));
     }
     for (i, (label, points)) in series.iter().enumerate() {
+        let points = by_x(points.clone());
         let style = ShapeStyle::from(&color(i)).stroke_width(2);
-        chart
-            .draw_series(LineSeries::new(points.iter().map(|(x, s)| (*x, s.median)), style))?
-            .label(label.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+        chart.draw_series(LineSeries::new(points.iter().map(|(x, s)| (*x, s.median)), style))?;
+        keys.push((label.clone(), Key::Line { color: color(i), dashed: false }));
         chart.draw_series(points.iter().map(|(x, s)| {
             ErrorBar::new_vertical(*x, s.min, s.median, s.max, ShapeStyle::from(&color(i)).filled(), 8)
         }))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .label_font((FONT, 13))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
+    legend(&legend_area.margin(0, 0, 70, 0), &keys, columns)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticks_read_as_numbers_not_floats() {
+        assert_eq!(tick(10_000.0), "10k");
+        assert_eq!(tick(1_000.0), "1k");
+        assert_eq!(tick(300_000.0), "300k");
+        assert_eq!(tick(2_500.0), "2.5k");
+        assert_eq!(tick(100.0), "100");
+        assert_eq!(tick(0.5), "0.5");
+        assert_eq!(tick(3_000_000.0), "3M");
+    }
+
+    #[test]
+    fn lines_join_points_in_x_order() {
+        let point = |x: f64| (x, Summary::of(&[x]).unwrap());
+        let xs: Vec<f64> = by_x(vec![point(1.0), point(1000.0), point(10.0), point(100.0)])
+            .into_iter()
+            .map(|(x, _)| x)
+            .collect();
+        assert_eq!(xs, [1.0, 10.0, 100.0, 1000.0]);
+    }
 }
