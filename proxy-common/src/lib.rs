@@ -292,7 +292,11 @@ pub mod datapath_stat {
     /// The flows map was full and a connection that never completed its handshake (or a UDP
     /// flow never answered) was deleted to make room for a new one (early drop).
     pub const EARLY_DROP: u32 = 3;
-    pub const COUNT: u32 = 4;
+    /// A new unmasqueraded connection's reply tuple was another connection's (the same
+    /// client port to the same backend through another frontend): it was given another
+    /// source port, its address kept, as the kernel's NAT resolves such a clash.
+    pub const REPLY_CLASH_REMAPPED: u32 = 4;
+    pub const COUNT: u32 = 5;
 }
 
 /// Value of the [`pins::EARLY_DROP4`] array (one element): a queue of the forward keys of the

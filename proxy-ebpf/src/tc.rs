@@ -403,7 +403,8 @@ fn no_backend<A: Family>(ctx: &TcContext, packet: &Packet<A>, service: &Service)
     }
 }
 
-/// Records both directions of a new connection that keeps its source; an error when the flows
+/// Records both directions of a new connection that keeps its source (or only its address,
+/// when its reply tuple is taken); an error when the flows
 /// map is full, and the caller drops the packet: a connection whose replies could not be
 /// reverse-NATed, or whose next packet could go to another backend, must not start. Unless
 /// `last_try`, a full map is [`Refusal::MapFull`], not counted: the caller makes room and
@@ -445,8 +446,20 @@ pub(crate) fn track<A: Family>(
         last_seen: now,
         state: initial_state(packet),
     };
-    if let Err(error) = A::record(&reply_key, &reply) {
-        return Err(refuse(error, last_try, datapath_stat::FLOW_INSERT_REPLY));
+    match A::claim(&reply_key, &reply) {
+        Ok(()) => {}
+        Err(error) if is_full(error) => {
+            return Err(refuse(error, last_try, datapath_stat::FLOW_INSERT_REPLY))
+        }
+        // Another connection's replies already come back on this tuple: the same client port
+        // reached the same backend through another frontend (or this one, while the old
+        // connection's entries live on). Overwriting its reply entry would hand its replies to
+        // this connection, and deleting it later would strand them. As the kernel's NAT does
+        // on such a clash, the new connection gets another source port (its address kept).
+        Err(_) => {
+            stat(datapath_stat::REPLY_CLASH_REMAPPED);
+            return track_masqueraded(packet, backend, counter, client.src, now, last_try);
+        }
     }
     if let Err(error) = A::record(client, &forward) {
         A::forget(&reply_key);

@@ -127,6 +127,10 @@ impl Lab {
         Ok(())
     }
 
+    pub fn vipr_mut(&mut self) -> Option<&mut Vipr> {
+        self.vipr.as_mut()
+    }
+
     pub fn vipr(&self) -> Option<&Vipr> {
         self.vipr.as_ref()
     }
@@ -178,6 +182,11 @@ impl Lab {
     /// Stops vipr with SIGTERM and returns its exit status.
     pub fn stop_vipr(&mut self) -> Result<ExitStatus> {
         self.vipr.take().context("vipr is not running")?.stop()
+    }
+
+    /// Kills vipr with SIGKILL (see [`Vipr::kill`]).
+    pub fn kill_vipr(&mut self) -> Result<ExitStatus> {
+        self.vipr.take().context("vipr is not running")?.kill()
     }
 
     /// Runs `vipr --cleanup` on this lab's bpffs.

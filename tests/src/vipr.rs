@@ -137,6 +137,16 @@ impl Vipr {
         self.terminate()
     }
 
+    /// Kills vipr with SIGKILL, as the OOM killer or a node's crash would: it gets no chance
+    /// to finish a sync or tidy anything.
+    pub fn kill(mut self) -> Result<ExitStatus> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("vipr had exited already ({status}); {}", log_tail(&self.log));
+        }
+        signal(&self.child, libc::SIGKILL)?;
+        Ok(self.child.wait()?)
+    }
+
     fn terminate(&mut self) -> Result<ExitStatus> {
         if let Some(status) = self.child.try_wait()? {
             return Ok(status);

@@ -1005,3 +1005,44 @@ fn checksum_checks_can_fail() {
     zeroed[at..at + 2].copy_from_slice(&[0, 0]);
     assert!(compare_frames(&frame, &zeroed).is_err());
 }
+
+// ---------------------------------------------------------------------------------------------
+// A reply tuple that is already another connection's.
+
+/// The same client port reaches the same backend through two frontends (two services sharing
+/// a pod, or a port reused toward another frontend): both connections would have the reply
+/// tuple backend -> client:port. The second must not take the first's replies: it is given
+/// another source port, its address kept, as the kernel's NAT resolves such a clash, and each
+/// connection's replies come back from its own frontend.
+#[test]
+fn a_reply_tuple_clash_remaps_the_new_connections_port_and_leaves_the_old_one_alone() {
+    reply_clash().unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+fn reply_clash() -> Result<()> {
+    const OTHER: Ep = ep([10, 96, 0, 11], 80);
+    let mut h = Harness::new()?;
+    standard_world(&mut h)?;
+    h.add_service(OTHER, IPPROTO_TCP, 7, &[WEB_BACKEND])?;
+    let first = Packet::tcp(CLIENT, WEB);
+    check(&h, &first.build(), TC_ACT_OK, Expect::Frame(&first.clone().to(WEB_BACKEND).build()))?;
+
+    let second = Packet::tcp(CLIENT, OTHER).payload(b"second");
+    let (verdict, out) = h.run(&second.build())?;
+    ensure!(verdict == TC_ACT_OK, "verdict {}", verdict_name(verdict));
+    let out = parse_ipv4(&out[..]).map_err(|error| anyhow!("{error}"))?;
+    ensure!(out.destination() == WEB_BACKEND, "the second connection went to {:?}", out.destination());
+    ensure!(out.src == CLIENT.addr, "the client's address must be kept, got {:?}", out.src);
+    ensure!(out.sport != CLIENT.port, "the second connection kept the clashing port {}", out.sport);
+    ensure!(out.ip_checksum_valid && matches!(out.l4_checksum, L4Checksum::Valid), "checksums: {out:?}");
+    ensure!(h.datapath_stat(datapath_stat::REPLY_CLASH_REMAPPED)? == 1, "the remap is not counted");
+
+    let first_reply = Packet::tcp(WEB_BACKEND, CLIENT).payload(b"to the first");
+    check(&h, &first_reply.build(), TC_ACT_OK, Expect::Frame(&first_reply.clone().from(WEB).build()))
+        .context("the first connection's replies still come from its frontend")?;
+    let second_reply = Packet::tcp(WEB_BACKEND, out.source()).payload(b"to the second");
+    let expected = Packet::tcp(OTHER, CLIENT).payload(b"to the second");
+    check(&h, &second_reply.build(), TC_ACT_OK, Expect::Frame(&expected.build()))
+        .context("the second connection's replies come from its frontend, to the client's own port")?;
+    Ok(())
+}

@@ -474,7 +474,7 @@ impl Collector for DatapathCollector {
             service_packets.push(sample(service_labels(service), total.packets));
             service_bytes.push(sample(service_labels(service), total.bytes));
         }
-        let (failures, evictions, refusals) = {
+        let (failures, evictions, refusals, remapped) = {
             let stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
             let failures = INSERT_FAILURES
                 .iter()
@@ -494,7 +494,7 @@ impl Collector for DatapathCollector {
                 ),
                 reason("snat_port_exhausted", stats.read(datapath_stat::SNAT_PORT_EXHAUSTED)),
             ];
-            (failures, evictions, refusals)
+            (failures, evictions, refusals, stats.read(datapath_stat::REPLY_CLASH_REMAPPED))
         };
         let (mut entries, mut capacities) = (Vec::new(), Vec::new());
         for (map, fill) in self.flows.fill() {
@@ -564,6 +564,12 @@ impl Collector for DatapathCollector {
                 "New connections the datapath refused (their packet dropped), by reason: map_full (no entry could be \
                  stored nor evicted), snat_port_exhausted (no masquerade port free or reclaimable)",
                 refusals,
+            ),
+            family(
+                "vipr_flow_source_ports_remapped_total",
+                "New connections given another source port (their address kept) because their reply tuple was \
+                 another connection's: the same client port reaching the same backend through another frontend",
+                vec![sample(Vec::new(), remapped)],
             ),
             gauge(
                 "vipr_bpf_map_entries",
