@@ -139,7 +139,7 @@ mod tests {
         assert_eq!(link, Link { index: 7, name: "veth1".into(), master: Some(3) });
         let bridge = Link { index: 3, name: "cbr0".into(), master: None };
         assert_eq!(link.master_name(&[bridge.clone(), link.clone()]), Some("cbr0"));
-        assert_eq!(bridge.master_name(&[bridge.clone()]), None);
+        assert_eq!(bridge.master_name(std::slice::from_ref(&bridge)), None);
         assert_eq!(parse_link(&payload[..IFINFOMSG_LEN]), None, "no name");
     }
 

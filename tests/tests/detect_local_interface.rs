@@ -1,6 +1,7 @@
 //! kube-proxy's interface detectors of local traffic, `--detect-local-mode=InterfaceNamePrefix`
-//! (`--pod-interface-name-prefix`) and `BridgeInterface` (`--pod-bridge-interface`), end to end
-//! in the eBPF and iptables modes. A pod of the node (its host-side veth named like the pods',
+//! (`--pod-interface-name-prefix`, as flags) and `BridgeInterface` (the KubeProxyConfiguration
+//! file's `detectLocalMode` and `detectLocal.bridgeInterface`), end to end in the eBPF and
+//! iptables modes. A pod of the node (its host-side veth named like the pods',
 //! or a port of the pods' bridge) and an off-cluster client (another interface) reach:
 //! - a cluster IP: the pod keeps its address, the off-cluster client is masqueraded;
 //! - an `externalTrafficPolicy: Local` external IP and NodePort whose only endpoint is on
@@ -62,8 +63,9 @@ enum Mode {
 enum Detector {
     /// `--detect-local-mode=InterfaceNamePrefix --pod-interface-name-prefix=podveth`.
     NamePrefix,
-    /// `--detect-local-mode=BridgeInterface --pod-bridge-interface=cbr0`, the pod's veth a port
-    /// of the bridge, which holds the node's address on the pods' link.
+    /// `detectLocalMode: BridgeInterface` and `detectLocal.bridgeInterface: cbr0` in a
+    /// KubeProxyConfiguration file, the pod's veth a port of the bridge, which holds the node's
+    /// address on the pods' link.
     Bridge,
 }
 
@@ -120,12 +122,22 @@ impl DetectorLab {
             "-v".to_owned(),
         ];
         args.extend(match detector {
-            Detector::NamePrefix => [
+            Detector::NamePrefix => vec![
                 "--detect-local-mode=InterfaceNamePrefix".to_owned(),
                 format!("--pod-interface-name-prefix={POD_PREFIX}"),
             ],
             Detector::Bridge => {
-                ["--detect-local-mode=BridgeInterface".to_owned(), format!("--pod-bridge-interface={BRIDGE}")]
+                let config = workdir.path().join("kube-proxy.yaml");
+                write_atomically(
+                    &config,
+                    &format!(
+                        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+                         detectLocalMode: BridgeInterface\ndetectLocal:\n  bridgeInterface: {BRIDGE}\n  \
+                         interfaceNamePrefix: \"\"\n"
+                    ),
+                )
+                .unwrap();
+                vec![format!("--config={}", config.display())]
             }
         });
         let bpffs = match mode {
