@@ -747,3 +747,19 @@ const _: () = assert!(core::mem::size_of::<SnatPorts>() == 8);
 // SAFETY: repr(C), Copy, no implicit padding (size assert above).
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for SnatPorts {}
+
+// ---------------------------------------------------------------------------------------------
+// The local-traffic detector by interface (`--detect-local-mode=BridgeInterface` or
+// `InterfaceNamePrefix`): packets that enter through a pod interface are
+// [`source_class::POD`], whatever their source address. Shared by both families.
+
+/// Names and capacity of the pod interfaces map.
+pub mod pod_interfaces {
+    /// Interface indexes of the node's pod interfaces: `u32` ifindex -> `u8` (unused value),
+    /// written by the agent from the interfaces' names as links come and go. Empty unless the
+    /// detector is by interface.
+    pub const MAP: &str = "vipr_podif_v1";
+    /// Pod interfaces on one node: a pod's veth each (kubelet's default limit is 110 pods),
+    /// or a bridge and its ports.
+    pub const CAPACITY: u32 = 8192;
+}

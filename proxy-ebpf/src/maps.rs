@@ -320,6 +320,20 @@ const _: () = assert!(same_name("vipr_snat_v1", proxy_common::snat::PORTS));
 #[unsafe(export_name = "vipr_snat_v1")]
 pub static SNAT_PORTS: PinnedMap<u32, proxy_common::SnatPorts, ARRAY, 1> = PinnedMap::new();
 
+// The local-traffic detector by interface (tc.rs `classify`): interface indexes the agent keeps
+// from the pod interfaces' names. Only the agent writes it.
+const _: () = assert!(same_name("vipr_podif_v1", proxy_common::pod_interfaces::MAP));
+
+#[unsafe(link_section = ".maps")]
+#[unsafe(export_name = "vipr_podif_v1")]
+pub static POD_INTERFACES: PinnedMap<
+    u32,
+    u8,
+    HASH,
+    { proxy_common::pod_interfaces::CAPACITY as usize },
+    NO_PREALLOC,
+> = PinnedMap::new();
+
 // ---------------------------------------------------------------------------------------------
 // IPv6: the same maps as the IPv4 ones above, with the `*6` key and value types. The services
 // and backends maps are not preallocated: only the agent writes them, so an allocation never

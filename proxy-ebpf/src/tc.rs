@@ -16,7 +16,7 @@ use crate::{
     family::{Endpoint, Family, Ipv4, Ipv6, Nat},
     fragment::{self, LaterFragment},
     icmp_error,
-    maps::{BACKEND_COUNTERS, DATAPATH_STATS},
+    maps::{BACKEND_COUNTERS, DATAPATH_STATS, POD_INTERFACES},
     packet::{
         ethertype, rewrite, Packet, Side, Tuple, ETH_P_IP, ETH_P_IPV6, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
     },
@@ -127,7 +127,9 @@ fn balance_new<A: Family>(ctx: &TcContext, last_try: bool) -> i32 {
         return TC_ACT_UNSPEC;
     };
     let packet = &packet;
-    let Some(service) = A::service(&packet.flow, classify(&packet.flow.src)) else {
+    // At TC ingress the packet's device is the one it entered through.
+    let entered_through = unsafe { (*ctx.skb.skb).ifindex };
+    let Some(service) = A::service(&packet.flow, classify(&packet.flow.src, entered_through)) else {
         return unmatched_destination(ctx, packet);
     };
     if service.flags & service_flags::SOURCE_RANGES != 0
@@ -370,13 +372,14 @@ pub(crate) fn make_room<A: Family>() -> bool {
 /// Queue entries [`make_room`] looks at, at most.
 const EARLY_DROP_CANDIDATES: u32 = 8;
 
-/// The source class of an address: the node's own, a pod's (by the local-traffic
-/// detector), or anything else.
+/// The source class of a packet from `source` that entered through interface
+/// `entered_through`: the node's own, a pod's (by the local-traffic detector: its CIDRs, or
+/// the pod interfaces, whichever the agent filled), or anything else.
 #[inline(always)]
-pub(crate) fn classify<A: Family>(source: &A) -> u8 {
+pub(crate) fn classify<A: Family>(source: &A, entered_through: u32) -> u8 {
     if A::is_node(source) {
         source_class::NODE
-    } else if A::in_pod_cidr(source) {
+    } else if A::in_pod_cidr(source) || POD_INTERFACES.contains(&entered_through) {
         source_class::POD
     } else {
         source_class::OUTSIDE

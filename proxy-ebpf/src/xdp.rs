@@ -169,7 +169,8 @@ fn egress(ctx: &XdpContext, destination: Ipv4, tot_len: u16) -> Option<Egress> {
 fn fast_path(ctx: &XdpContext) -> Option<u32> {
     let Parsed { packet, tot_len } = parse(ctx)?;
     // Only traffic from outside carries complete checksums (see the module's documentation).
-    if classify(&packet.flow.src) != source_class::OUTSIDE {
+    // The interface index fits in 32 bits (the kernel's own type for it).
+    if classify(&packet.flow.src, ctx.ingress_ifindex() as u32) != source_class::OUTSIDE {
         return None;
     }
     if let Some(tracked) = Ipv4::flow(&packet.flow) {

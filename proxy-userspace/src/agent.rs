@@ -41,8 +41,11 @@ use crate::{
     host,
     http::{HttpRuntime, Workload},
     metrics::{ProxyMetrics, Registry},
-    model::kubernetes::{
-        self as kubernetes_model, incremental::Translator, NodeContext, NodeFacts, ProxySettings,
+    model::{
+        kubernetes::{
+            self as kubernetes_model, incremental::Translator, NodeContext, NodeFacts, ProxySettings,
+        },
+        PodInterfaces,
     },
     probe::{self, ProxyModeInfo},
     source::{
@@ -551,6 +554,7 @@ impl<'a> Agent<'a> {
         };
         let local_cidrs = match self.settings.local_detection {
             LocalDetection::ClusterCidr => self.settings.cluster_cidrs.clone(),
+            LocalDetection::BridgeInterface(_) | LocalDetection::InterfaceNamePrefix(_) => Vec::new(),
             LocalDetection::NodeCidr => {
                 let cidrs = node::pod_cidrs(node);
                 // kube-proxy waits for them; vipr serves meanwhile, without pod detection.
@@ -566,6 +570,7 @@ impl<'a> Agent<'a> {
         };
         let proxy_settings = ProxySettings {
             cluster_cidrs: local_cidrs,
+            pod_interfaces: pod_interfaces(&self.settings.local_detection),
             masquerade_all: self.settings.masquerade_all,
             node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings, self.mode), &facts),
             service_cidrs,
@@ -587,12 +592,21 @@ impl<'a> Agent<'a> {
     }
 }
 
+/// The local-traffic detector by interface, as the model takes it.
+fn pod_interfaces(detection: &LocalDetection) -> Option<PodInterfaces> {
+    match detection {
+        LocalDetection::BridgeInterface(bridge) => Some(PodInterfaces::Bridge(bridge.clone())),
+        LocalDetection::InterfaceNamePrefix(prefix) => Some(PodInterfaces::NamePrefix(prefix.clone())),
+        LocalDetection::ClusterCidr | LocalDetection::NodeCidr => None,
+    }
+}
+
 /// The one start-up line that says which settings vipr runs with and which of those it was
 /// given mean nothing to it (kube-proxy flags and `--config` fields), so that nobody believes
 /// an ignored setting took effect.
 fn log_settings(settings: &Settings) {
     let address = |address: Option<std::net::SocketAddr>| address.map_or("off".to_owned(), |a| a.to_string());
-    let detection = match settings.local_detection {
+    let detection = match &settings.local_detection {
         LocalDetection::ClusterCidr if settings.cluster_cidrs.is_empty() => {
             "ClusterCIDR (none given: no pod traffic detection)".to_owned()
         }
@@ -601,6 +615,8 @@ fn log_settings(settings: &Settings) {
             settings.cluster_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
         ),
         LocalDetection::NodeCidr => "NodeCIDR (the Node's spec.podCIDRs)".to_owned(),
+        LocalDetection::BridgeInterface(bridge) => format!("BridgeInterface {bridge}"),
+        LocalDetection::InterfaceNamePrefix(prefix) => format!("InterfaceNamePrefix {prefix}"),
     };
     let used = format!(
         "mode={} node={} sync-period={} min-sync-period={} healthz={} metrics={} detect-local={} \

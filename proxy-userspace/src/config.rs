@@ -222,6 +222,11 @@ pub enum LocalDetection {
     ClusterCidr,
     /// `NodeCIDR`: the Node object's `spec.podCIDRs`, followed as the Node changes.
     NodeCidr,
+    /// `BridgeInterface`: traffic that enters through this bridge (`--pod-bridge-interface`).
+    BridgeInterface(String),
+    /// `InterfaceNamePrefix`: traffic that enters through an interface whose name starts with
+    /// this (`--pod-interface-name-prefix`).
+    InterfaceNamePrefix(String),
 }
 
 /// The node's netfilter conntrack settings (`--conntrack-*`, the file's `conntrack`), as
@@ -612,8 +617,9 @@ fn sync_periods(
 }
 
 /// `--detect-local-mode` over the file's `detectLocalMode`; "" is kube-proxy's default,
-/// ClusterCIDR. The interface modes are refused: vipr's datapaths tell pod traffic by source
-/// address only, and a detector silently dropped would masquerade (or not) the wrong traffic.
+/// ClusterCIDR. The interface modes need their interface (`--pod-bridge-interface`,
+/// `--pod-interface-name-prefix`, or the file's `detectLocal`), as kube-proxy refuses them
+/// without.
 fn local_detection(args: &Args, file: &KubeProxyConfiguration) -> anyhow::Result<LocalDetection> {
     let mode = match args.detect_local_mode {
         Some(mode) => mode,
@@ -632,30 +638,31 @@ fn local_detection(args: &Args, file: &KubeProxyConfiguration) -> anyhow::Result
     let bridge = args.pod_bridge_interface.clone().or_else(|| file.detect_local.bridge_interface.clone());
     let prefix =
         args.pod_interface_name_prefix.clone().or_else(|| file.detect_local.interface_name_prefix.clone());
-    let unsupported = |name: &str, what: &str, value: Option<String>| {
-        if value.is_none_or(|value| value.trim().is_empty()) {
-            anyhow::anyhow!("--detect-local-mode={name} needs {what}")
-        } else {
-            anyhow::anyhow!(
-                "--detect-local-mode={name} is not implemented by vipr: its datapaths tell pod traffic \
-                 by source address, not by interface; use ClusterCIDR (--cluster-cidr) or NodeCIDR \
-                 (the Node's spec.podCIDRs)"
-            )
+    let interface = |name: &str, what: &str, value: Option<String>| {
+        let value = value.map(|value| value.trim().to_owned()).filter(|value| !value.is_empty());
+        let value = value.ok_or_else(|| anyhow::anyhow!("--detect-local-mode={name} needs {what}"))?;
+        // An interface name: at most IFNAMSIZ - 1 bytes, no '/', ':' or white space (what the
+        // kernel accepts), and no '+', which iptables would read as a wildcard.
+        let valid = value.len() < 16
+            && value.chars().all(|c| c.is_ascii_graphic() && !matches!(c, '/' | ':' | '+' | '!'));
+        if !valid {
+            bail!("{what}: {value:?} is not an interface name");
         }
+        Ok(value)
     };
     match mode {
         DetectLocalMode::ClusterCidr => Ok(LocalDetection::ClusterCidr),
         DetectLocalMode::NodeCidr => Ok(LocalDetection::NodeCidr),
-        DetectLocalMode::BridgeInterface => Err(unsupported(
+        DetectLocalMode::BridgeInterface => Ok(LocalDetection::BridgeInterface(interface(
             "BridgeInterface",
             "--pod-bridge-interface (detectLocal.bridgeInterface)",
             bridge,
-        )),
-        DetectLocalMode::InterfaceNamePrefix => Err(unsupported(
+        )?)),
+        DetectLocalMode::InterfaceNamePrefix => Ok(LocalDetection::InterfaceNamePrefix(interface(
             "InterfaceNamePrefix",
             "--pod-interface-name-prefix (detectLocal.interfaceNamePrefix)",
             prefix,
-        )),
+        )?)),
     }
 }
 
@@ -1518,6 +1525,18 @@ impl Settings {
             "detectLocalMode": match self.local_detection {
                 LocalDetection::ClusterCidr => "ClusterCIDR",
                 LocalDetection::NodeCidr => "NodeCIDR",
+                LocalDetection::BridgeInterface(_) => "BridgeInterface",
+                LocalDetection::InterfaceNamePrefix(_) => "InterfaceNamePrefix",
+            },
+            "detectLocal": {
+                "bridgeInterface": match &self.local_detection {
+                    LocalDetection::BridgeInterface(bridge) => bridge.as_str(),
+                    _ => "",
+                },
+                "interfaceNamePrefix": match &self.local_detection {
+                    LocalDetection::InterfaceNamePrefix(prefix) => prefix.as_str(),
+                    _ => "",
+                },
             },
             "featureGates": self.feature_gates.0,
             "healthzBindAddress": address(self.healthz_bind_address),
@@ -2181,7 +2200,7 @@ mod kube_proxy_fixtures {
     }
 
     #[test]
-    fn detect_local_mode_is_honoured_or_refused_never_dropped() {
+    fn detect_local_mode_is_honoured_with_its_interface() {
         assert_eq!(settings(&[]).unwrap().local_detection, LocalDetection::ClusterCidr);
         assert_eq!(
             settings(&["--detect-local-mode=NodeCIDR"]).unwrap().local_detection,
@@ -2196,15 +2215,40 @@ mod kube_proxy_fixtures {
             LocalDetection::ClusterCidr
         );
 
+        assert_eq!(
+            settings(&["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"])
+                .unwrap()
+                .local_detection,
+            LocalDetection::BridgeInterface("cbr0".into())
+        );
+        assert_eq!(
+            settings(&["--detect-local-mode=InterfaceNamePrefix", "--pod-interface-name-prefix=veth"])
+                .unwrap()
+                .local_detection,
+            LocalDetection::InterfaceNamePrefix("veth".into())
+        );
+        let file = Written::new(
+            "detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: cali, bridgeInterface: cbr0}\n",
+        );
+        let from_file = settings(&[&file.arg()]).unwrap();
+        assert_eq!(from_file.local_detection, LocalDetection::InterfaceNamePrefix("cali".into()));
+        assert!(from_file.ignored_config.is_empty(), "{:?}", from_file.ignored_config);
+        assert_eq!(
+            settings(&[&file.arg(), "--detect-local-mode=BridgeInterface"]).unwrap().local_detection,
+            LocalDetection::BridgeInterface("cbr0".into())
+        );
+        assert_eq!(
+            settings(&[&file.arg(), "--pod-interface-name-prefix=veth"]).unwrap().local_detection,
+            LocalDetection::InterfaceNamePrefix("veth".into())
+        );
+
         let refused = |argv: &[&str]| format!("{:#}", settings(argv).unwrap_err());
-        let message = refused(&["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"]);
-        assert!(message.contains("BridgeInterface is not implemented by vipr"), "{message}");
         let message = refused(&["--detect-local-mode=BridgeInterface"]);
         assert!(message.contains("needs --pod-bridge-interface"), "{message}");
-        let file =
-            Written::new("detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth}\n");
-        let message = refused(&[&file.arg()]);
-        assert!(message.contains("InterfaceNamePrefix is not implemented by vipr"), "{message}");
+        let message = refused(&["--detect-local-mode=InterfaceNamePrefix", "--pod-interface-name-prefix= "]);
+        assert!(message.contains("needs --pod-interface-name-prefix"), "{message}");
+        let message = refused(&["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=a/b"]);
+        assert!(message.contains("not an interface name"), "{message}");
         let bad = Written::new("detectLocalMode: Cluster\n");
         assert!(refused(&[&bad.arg()]).contains("detectLocalMode"));
     }
@@ -2302,6 +2346,21 @@ mod kube_proxy_fixtures {
         // Read from a file this time, which the agent would watch.
         assert_eq!(read.config_file.take(), Some(file));
         assert_eq!(read, original, "{written}");
+
+        for detection in [
+            ["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"],
+            ["--detect-local-mode=InterfaceNamePrefix", "--pod-interface-name-prefix=veth"],
+        ] {
+            let original = settings(&detection).unwrap();
+            let written = serde_yaml::to_string(&original.to_kube_proxy_configuration()).unwrap();
+            let file =
+                std::env::temp_dir().join(format!("vipr-written-detector-{}.yaml", std::process::id()));
+            std::fs::write(&file, &written).unwrap();
+            let read = settings(&[&format!("--config={}", file.display())]);
+            let _ = std::fs::remove_file(&file);
+            let read = read.unwrap_or_else(|error| panic!("{error:#}\n{written}"));
+            assert_eq!(read.local_detection, original.local_detection, "{written}");
+        }
     }
 
     #[test]

@@ -132,7 +132,11 @@ fn state(
         .collect(),
         cluster_ips: [IpAddr::V4(VIP)].into(),
         listed_endpoints: tcp.iter().chain(udp).chain(terminating).copied().collect(),
-        sources: SourceClassifier { pod_cidrs: vec![POD_CIDR.parse().unwrap()], node_ips },
+        sources: SourceClassifier {
+            pod_cidrs: vec![POD_CIDR.parse().unwrap()],
+            node_ips,
+            ..SourceClassifier::default()
+        },
         ..DesiredState::default()
     }
 }

@@ -43,7 +43,7 @@ use k8s_openapi::{
 };
 
 use super::{
-    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, Protocol, ServicePortName,
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, PodInterfaces, Protocol, ServicePortName,
     SourceClassifier, Treatment, WhenEmpty,
 };
 
@@ -60,8 +60,10 @@ pub struct NodeContext {
     /// The node's `topology.kubernetes.io/zone`, for zone hints.
     pub zone: Option<String>,
     /// The local-traffic detector (`--cluster-cidr`): sources inside are pods. Empty: no
-    /// detector.
+    /// detector (unless it is by interface).
     pub cluster_cidrs: Vec<IpNet>,
+    /// The local-traffic detector by interface: packets entering through them are pods'.
+    pub pod_interfaces: Option<PodInterfaces>,
     /// `--masquerade-all`: masquerade all cluster-IP traffic.
     pub masquerade_all: bool,
     /// The node's addresses (every family; loopback excluded).
@@ -98,6 +100,7 @@ pub struct NodeFacts {
 #[derive(Clone, Debug, Default)]
 pub struct ProxySettings {
     pub cluster_cidrs: Vec<IpNet>,
+    pub pod_interfaces: Option<PodInterfaces>,
     pub masquerade_all: bool,
     /// `--nodeport-addresses`; empty means the primary node IPs (kube-proxy's nftables
     /// default).
@@ -139,6 +142,7 @@ impl NodeContext {
             name: facts.name.clone(),
             zone: facts.zone.clone(),
             cluster_cidrs: settings.cluster_cidrs.clone(),
+            pod_interfaces: settings.pod_interfaces.clone(),
             masquerade_all: settings.masquerade_all,
             node_ips,
             primary_ips,
@@ -146,6 +150,17 @@ impl NodeContext {
             service_cidrs: settings.service_cidrs.clone(),
             own_ports: settings.own_ports.clone(),
             localhost_node_ports: settings.localhost_node_ports,
+        }
+    }
+}
+
+impl NodeContext {
+    /// How the dataplanes tell sources apart on this node.
+    pub fn source_classifier(&self) -> SourceClassifier {
+        SourceClassifier {
+            pod_cidrs: self.cluster_cidrs.clone(),
+            pod_interfaces: self.pod_interfaces.clone(),
+            node_ips: self.node_ips.clone(),
         }
     }
 }
@@ -325,7 +340,7 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &Node
 
     let mut state = DesiredState {
         service_cidrs: node.service_cidrs.clone(),
-        sources: SourceClassifier { pod_cidrs: node.cluster_cidrs.clone(), node_ips: node.node_ips.clone() },
+        sources: node.source_classifier(),
         ..DesiredState::default()
     };
     let health_check_node_ports: HashSet<u16> = services.iter().filter_map(health_check_node_port).collect();
@@ -472,7 +487,9 @@ fn family_frontends(
     let endpoints: Vec<EndpointSpec> =
         endpoints.iter().filter(|e| in_family(&e.backend.ip)).cloned().collect();
     let endpoints = categorize(&endpoints, topology(&endpoints, node));
-    let has_detector = node.cluster_cidrs.iter().any(|cidr| in_family(&cidr.addr()));
+    // An interface detector serves both families.
+    let has_detector =
+        node.pod_interfaces.is_some() || node.cluster_cidrs.iter().any(|cidr| in_family(&cidr.addr()));
     // No usable endpoint anywhere is the client's business; none allowed from here is not.
     let when_policy_empty = if endpoints.any_usable { WhenEmpty::Drop } else { WhenEmpty::Reject };
     let treatment = |backends: &Arc<[Backend]>, masquerade: bool| Treatment {

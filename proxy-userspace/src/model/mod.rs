@@ -109,7 +109,9 @@ pub enum FrontendKind {
 /// Who opened a connection, as far as service semantics care.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SourceClass {
-    /// Inside a cluster CIDR of the local-traffic detector (`--cluster-cidr`).
+    /// From a pod of this node, as the local-traffic detector tells: a source inside its
+    /// CIDRs (`--cluster-cidr`, the Node's pod CIDRs), or a packet that entered through a pod
+    /// interface ([`PodInterfaces`]).
     Pod,
     /// One of the node's own addresses.
     Node,
@@ -173,17 +175,45 @@ impl FrontendEntry {
     }
 }
 
-/// How a dataplane tells the [`SourceClass`] of a packet's source address.
+/// The local-traffic detector by interface (kube-proxy's `--detect-local-mode`
+/// `BridgeInterface` and `InterfaceNamePrefix`): pod traffic is what enters the node through
+/// these interfaces, whatever its source address (both families).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PodInterfaces {
+    /// `--pod-bridge-interface`: the bridge the node's pods are attached to. A packet that
+    /// enters through one of its ports enters through the bridge.
+    Bridge(String),
+    /// `--pod-interface-name-prefix`: every interface whose name starts with it (the pods'
+    /// host-side veths).
+    NamePrefix(String),
+}
+
+impl PodInterfaces {
+    /// Whether a packet that enters the node through interface `name`, a port of `master`
+    /// (its bridge, if any), comes from a pod.
+    pub fn admits(&self, name: &str, master: Option<&str>) -> bool {
+        match self {
+            Self::Bridge(bridge) => name == bridge || master == Some(bridge.as_str()),
+            Self::NamePrefix(prefix) => name.starts_with(prefix.as_str()),
+        }
+    }
+}
+
+/// How a dataplane tells the [`SourceClass`] of a packet: its source address, and with an
+/// interface detector the interface it entered through.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SourceClassifier {
-    /// The local-traffic detector's CIDRs; empty when there is none, and then no source is a
-    /// pod.
+    /// The local-traffic detector's CIDRs; empty when there is none (or it is by interface).
     pub pod_cidrs: Vec<IpNet>,
+    /// The local-traffic detector's interfaces, when it tells pods by interface.
+    pub pod_interfaces: Option<PodInterfaces>,
     /// The node's own addresses.
     pub node_ips: BTreeSet<IpAddr>,
 }
 
 impl SourceClassifier {
+    /// The class of a packet from `source` that did not enter through a pod interface (with
+    /// an interface detector an address alone never makes a pod).
     pub fn classify(&self, source: IpAddr) -> SourceClass {
         if self.node_ips.contains(&source) || source.is_loopback() {
             SourceClass::Node

@@ -118,6 +118,7 @@ fn node_context() -> NodeContext {
     };
     let settings = ProxySettings {
         cluster_cidrs: vec![CLUSTER_CIDR.parse().expect("valid CIDR")],
+        pod_interfaces: None,
         masquerade_all: false,
         node_port_cidrs: Vec::new(),
         service_cidrs: vec![SERVICE_CIDR.parse().expect("valid CIDR")],

@@ -83,6 +83,7 @@ pub fn node_context(node: &Node) -> Result<NodeContext> {
         name: node.node_name.clone(),
         zone: None,
         cluster_cidrs: node.detector_cidrs()?,
+        pod_interfaces: None,
         masquerade_all: node.masquerade_all,
         node_ips,
         primary_ips,

@@ -35,6 +35,7 @@ pub mod maglev;
 mod mirror;
 mod pin_dir;
 pub mod plan;
+mod pod_interfaces;
 pub(crate) mod reaper;
 mod snat;
 mod xdp_attach;
@@ -80,6 +81,8 @@ pub struct EbpfDataplane {
     host_traffic: Option<HostTraffic>,
     /// The masquerade port range, kept clear of the node's ephemeral ports.
     snat: snat::SnatRange,
+    /// The pod interfaces of a local-traffic detector by interface.
+    pod_interfaces: pod_interfaces::PodInterfaceMap,
     /// Counter indices of (service port, backend) pairs, and the map they index.
     counter_ids: CounterIds,
     counter_map: CounterMap,
@@ -124,6 +127,7 @@ impl EbpfDataplane {
         warn_about_kept_sizes(&ebpf, wanted_sizes);
         // Before the program is attached: until then it would use the default range.
         let snat = snat::SnatRange::start(&mut ebpf)?;
+        let pod_interfaces = pod_interfaces::PodInterfaceMap::start(&mut ebpf)?;
 
         let program: &mut SchedClassifier = ebpf
             .program_mut(pins::TC_INGRESS_PROGRAM)
@@ -190,6 +194,7 @@ impl EbpfDataplane {
             balancing: options.balancing,
             host_traffic,
             snat,
+            pod_interfaces,
         })
     }
 
@@ -222,6 +227,8 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn serve_devices(&mut self, devices: &[String]) -> anyhow::Result<()> {
+        // Before a new pod's veth gets the program: its first packet must count as a pod's.
+        self.pod_interfaces.refresh();
         let devices = with_indexes(devices);
         if devices == self.devices {
             return Ok(());
@@ -285,6 +292,7 @@ impl Dataplane for EbpfDataplane {
             host_traffic.refresh();
         }
         self.snat.refresh();
+        self.pod_interfaces.follow(state.sources.pod_interfaces.as_ref());
         // Classification and filtering maps first: a new service entry must never be matched
         // with the previous state's source classes or ranges.
         let classifiers = touched.is_none() || changes.classifiers;

@@ -33,7 +33,7 @@ use ipnet::{IpNet, Ipv4Net};
 
 use super::names::{self, endpoint_chain, protocol_name, service_chain};
 use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, WhenEmpty,
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, PodInterfaces, ServicePortName, WhenEmpty,
 };
 
 /// The bit kube-proxy marks packets to masquerade with (`--iptables-masquerade-bit` 14).
@@ -351,8 +351,9 @@ fn treatments(entry: &FrontendEntry, family: Family) -> Treatments {
 
 /// How a class is matched, and how it is named in comments.
 struct Classes {
-    /// The pod CIDRs of this family (the local-traffic detector).
-    pod_cidrs: Vec<IpNet>,
+    /// The matches of pod traffic of this family (the local-traffic detector): `-s CIDR` for
+    /// each pod CIDR, or `-i IF` for the pod interfaces, as kube-proxy's detectors.
+    pods: Vec<String>,
     /// Some node address lies inside a pod CIDR: then "not a pod" does not imply "not the
     /// node", and rules must test the node first.
     node_in_pod_cidr: bool,
@@ -361,13 +362,27 @@ struct Classes {
 const LOCAL: &str = "-m addrtype --src-type LOCAL";
 const NOT_LOCAL: &str = "-m addrtype ! --src-type LOCAL";
 
+/// The `-i` argument that matches the pod interfaces: the bridge, or the prefix with
+/// iptables' wildcard (`veth+`). (Shared with the IPVS mode's rules.)
+pub(crate) fn interface_match(pods: &PodInterfaces) -> String {
+    match pods {
+        PodInterfaces::Bridge(bridge) => bridge.clone(),
+        PodInterfaces::NamePrefix(prefix) => format!("{prefix}+"),
+    }
+}
+
 impl Classes {
     fn new(state: &DesiredState, family: Family) -> Self {
+        // A node's own packets enter through no interface (OUTPUT has none, and `-i` never
+        // matches there), so with an interface detector the node is never a pod.
+        if let Some(pods) = &state.sources.pod_interfaces {
+            return Self { pods: vec![format!("-i {}", interface_match(pods))], node_in_pod_cidr: false };
+        }
         let pod_cidrs: Vec<IpNet> =
             state.sources.pod_cidrs.iter().copied().filter(|cidr| Family::of_net(cidr) == family).collect();
         let node_in_pod_cidr =
             state.sources.node_ips.iter().any(|ip| pod_cidrs.iter().any(|cidr| cidr.contains(ip)));
-        Self { pod_cidrs, node_in_pod_cidr }
+        Self { pods: pod_cidrs.iter().map(|cidr| format!("-s {cidr}")).collect(), node_in_pod_cidr }
     }
 
     /// Matches for the classes whose flag is set, as non-exclusive rules (for marks, which
@@ -376,33 +391,33 @@ impl Classes {
     fn matching(&self, set: [bool; 3]) -> Option<Vec<String>> {
         let [node, pod, outside] = set;
         // Without a detector no source is a pod.
-        let pod = if self.pod_cidrs.is_empty() { outside } else { pod };
+        let pod = if self.pods.is_empty() { outside } else { pod };
         if node && pod && outside {
             return Some(vec![String::new()]);
         }
         if !node && !pod && !outside {
             return Some(Vec::new());
         }
-        let cidr = match self.pod_cidrs.as_slice() {
+        let pods = match self.pods.as_slice() {
             [] => {
                 return Some(vec![if node { LOCAL } else { NOT_LOCAL }.to_owned()]);
             }
-            [cidr] => cidr,
+            [pods] => pods,
             _ => return None,
         };
         let rules = match (node, pod, outside) {
             (true, false, true) => {
-                let mut rules = vec![format!("! -s {cidr}")];
+                let mut rules = vec![format!("! {pods}")];
                 if self.node_in_pod_cidr {
                     rules.push(LOCAL.to_owned());
                 }
                 rules
             }
             (true, false, false) => vec![LOCAL.to_owned()],
-            (false, true, false) if self.node_in_pod_cidr => vec![format!("-s {cidr} {NOT_LOCAL}")],
-            (false, true, false) => vec![format!("-s {cidr}")],
-            (false, false, true) => vec![format!("! -s {cidr} {NOT_LOCAL}")],
-            (true, true, false) => vec![format!("-s {cidr}"), LOCAL.to_owned()],
+            (false, true, false) if self.node_in_pod_cidr => vec![format!("{pods} {NOT_LOCAL}")],
+            (false, true, false) => vec![pods.clone()],
+            (false, false, true) => vec![format!("! {pods} {NOT_LOCAL}")],
+            (true, true, false) => vec![pods.clone(), LOCAL.to_owned()],
             (false, true, true) => vec![NOT_LOCAL.to_owned()],
             (true, true, true) | (false, false, false) => unreachable!("handled above"),
         };
@@ -848,7 +863,7 @@ impl Builder {
         let what =
             if external { format!("{name} external destinations") } else { format!("{name} cluster IP") };
         let [node, pod, outside] = [&treatments[NODE], &treatments[POD], &treatments[OUTSIDE]];
-        let has_pods = !self.classes.pod_cidrs.is_empty();
+        let has_pods = !self.classes.pods.is_empty();
         let emit_pod = has_pods && pod != outside;
         let emit_node = node != outside || (emit_pod && self.classes.node_in_pod_cidr && node != pod);
         let mut rules = Vec::new();
@@ -876,8 +891,8 @@ impl Builder {
             class_rules(LOCAL, node, "LOCAL ", &mut rules);
         }
         if emit_pod {
-            for cidr in &self.classes.pod_cidrs {
-                class_rules(&format!("-s {cidr}"), pod, "pod ", &mut rules);
+            for pods in &self.classes.pods {
+                class_rules(pods, pod, "pod ", &mut rules);
             }
         }
         if !outside.backends.is_empty() {
@@ -907,8 +922,8 @@ impl Builder {
             }
         };
         guarded(LOCAL, &treatments[NODE]);
-        for cidr in &self.classes.pod_cidrs {
-            guarded(&format!("-s {cidr}"), &treatments[POD]);
+        for pods in &self.classes.pods {
+            guarded(pods, &treatments[POD]);
         }
         if let Some(verdict) = outside_verdict {
             rules.push(format!("{} {dest} -j {}", comment(&text(verdict)), verdict.target()));

@@ -27,6 +27,7 @@ use super::{
     ipset::{self, Entry, Family, SetContents, SetSpec},
     rules::{ClusterIpMasquerade, RestrictedLoadBalancer, RuleInputs},
 };
+use crate::dataplane::iptables::ruleset::interface_match;
 use crate::model::{Backend, DesiredState, FrontendEntry, FrontendKind, Protocol, WhenEmpty};
 
 /// Settings of the IPVS dataplane that shape the plan.
@@ -200,6 +201,8 @@ pub fn plan(state: &DesiredState, settings: &PlanSettings) -> Plan {
     }
     let cluster_ip_masquerade = if settings.masquerade_all {
         ClusterIpMasquerade::All
+    } else if let Some(pods) = &state.sources.pod_interfaces {
+        ClusterIpMasquerade::NotVia(interface_match(pods))
     } else if !state.sources.pod_cidrs.is_empty() {
         ClusterIpMasquerade::NotFrom(state.sources.pod_cidrs.clone())
     } else {
@@ -227,7 +230,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::model::{Frontend, ServicePortName, SourceClassifier, Treatment};
+    use crate::model::{Frontend, PodInterfaces, ServicePortName, SourceClassifier, Treatment};
 
     fn backend(text: &str, port: u16) -> Backend {
         Backend { ip: text.parse().unwrap(), port }
@@ -268,6 +271,7 @@ mod tests {
             sources: SourceClassifier {
                 pod_cidrs: vec!["10.0.0.0/8".parse().unwrap()],
                 node_ips: ["192.168.0.2".parse().unwrap()].into(),
+                ..SourceClassifier::default()
             },
             ..DesiredState::default()
         }
@@ -434,5 +438,20 @@ mod tests {
         );
         let all = PlanSettings { masquerade_all: true, ..settings() };
         assert_eq!(plan(&no_detector, &all).rules[1].cluster_ip_masquerade, ClusterIpMasquerade::All);
+
+        let mut by_interface = no_detector.clone();
+        by_interface.sources.pod_interfaces = Some(PodInterfaces::NamePrefix("veth".into()));
+        for family in 0..2 {
+            assert_eq!(
+                plan(&by_interface, &settings()).rules[family].cluster_ip_masquerade,
+                ClusterIpMasquerade::NotVia("veth+".into())
+            );
+        }
+        by_interface.sources.pod_interfaces = Some(PodInterfaces::Bridge("cbr0".into()));
+        assert_eq!(
+            plan(&by_interface, &settings()).rules[0].cluster_ip_masquerade,
+            ClusterIpMasquerade::NotVia("cbr0".into())
+        );
+        assert_eq!(plan(&by_interface, &all).rules[0].cluster_ip_masquerade, ClusterIpMasquerade::All);
     }
 }

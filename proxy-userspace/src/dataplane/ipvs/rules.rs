@@ -80,6 +80,9 @@ pub enum ClusterIpMasquerade {
     All,
     /// Everything not from these (the local-traffic detector's) CIDRs.
     NotFrom(Vec<IpNet>),
+    /// Everything that did not enter through the pod interfaces (an interface detector):
+    /// their `-i` match, `cbr0` or `veth+`.
+    NotVia(String),
     /// No detector: only connections whose source is a service address itself (the node
     /// reaching a service address picks it as source, as it is local).
     FromServiceAddress,
@@ -183,6 +186,12 @@ pub fn restore_input(inputs: &RuleInputs) -> String {
                     ),
                 );
             }
+        }
+        ClusterIpMasquerade::NotVia(interface) => {
+            rule(
+                KUBE_SERVICES,
+                format!("{} ! -i {interface} -j {KUBE_MARK_MASQ}", match_set(&CLUSTER_IP, family, "dst,dst")),
+            );
         }
         ClusterIpMasquerade::FromServiceAddress => {
             rule(KUBE_SERVICES, format!("{} -j {KUBE_MARK_MASQ}", match_set(&CLUSTER_IP, family, "src,dst")));
@@ -402,6 +411,18 @@ mod tests {
         );
         let all = restore_input(&inputs(ClusterIpMasquerade::All));
         assert!(all.contains("-m set --match-set KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ"), "{all}");
+        let bridge = restore_input(&inputs(ClusterIpMasquerade::NotVia("cbr0".into())));
+        assert!(
+            bridge.contains("-m set --match-set KUBE-CLUSTER-IP dst,dst ! -i cbr0 -j KUBE-MARK-MASQ"),
+            "{bridge}"
+        );
+        let mut v6 = inputs(ClusterIpMasquerade::NotVia("veth+".into()));
+        v6.family = Family::V6;
+        let prefix = restore_input(&v6);
+        assert!(
+            prefix.contains("-m set --match-set KUBE-6-CLUSTER-IP dst,dst ! -i veth+ -j KUBE-MARK-MASQ"),
+            "{prefix}"
+        );
         let none = restore_input(&inputs(ClusterIpMasquerade::FromServiceAddress));
         assert!(none.contains("-m set --match-set KUBE-CLUSTER-IP src,dst -j KUBE-MARK-MASQ"), "{none}");
     }

@@ -25,8 +25,7 @@ use super::{
     service_ports, slice_endpoints, ClaimRank, EndpointSpec, NodeContext, Rejection, SERVICE_NAME_LABEL,
 };
 use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, SourceClassifier,
-    StateChanges,
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, StateChanges,
 };
 
 /// Namespace and name, as the objects name a service (an absent namespace is "default").
@@ -215,10 +214,7 @@ impl Translator {
                 node: Some(node.clone()),
                 state: DesiredState {
                     service_cidrs: node.service_cidrs.clone(),
-                    sources: SourceClassifier {
-                        pod_cidrs: node.cluster_cidrs.clone(),
-                        node_ips: node.node_ips.clone(),
-                    },
+                    sources: node.source_classifier(),
                     ..DesiredState::default()
                 },
                 ..Self::default()

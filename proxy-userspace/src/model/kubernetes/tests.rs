@@ -503,6 +503,64 @@ fn each_family_is_judged_on_its_own_endpoints_and_detector() {
     assert!(!v6.from_outside.masquerade, "IPv6 has none");
 }
 
+#[test]
+fn an_interface_detector_is_a_detector_of_both_families() {
+    let dual = service(
+        "web",
+        json!({"type": "NodePort", "clusterIPs": ["10.96.0.10", "fd00::10"], "externalTrafficPolicy": "Local",
+               "ports": [{"name": "http", "port": 80, "nodePort": 30080}]}),
+    );
+    let remote = [
+        slice(
+            "web-4",
+            "web",
+            json!({"endpoints": [{"addresses": ["10.1.0.1"], "nodeName": "node-b"}], "ports": [{"name": "http", "port": 8080}]}),
+        ),
+        slice(
+            "web-6",
+            "web",
+            json!({"addressType": "IPv6", "endpoints": [{"addresses": ["fd00:1::1"], "nodeName": "node-b"}],
+                   "ports": [{"name": "http", "port": 8080}]}),
+        ),
+    ];
+    for pods in [PodInterfaces::NamePrefix("veth".into()), PodInterfaces::Bridge("cbr0".into())] {
+        let node = NodeContext::resolve(
+            &NodeFacts {
+                name: "node-a".into(),
+                addresses: ["192.168.0.2", "2001:db8::1"].map(|ip| ip.parse().unwrap()).to_vec(),
+                ..NodeFacts::default()
+            },
+            &ProxySettings { pod_interfaces: Some(pods.clone()), ..ProxySettings::default() },
+        );
+        let translation = desired_state(std::slice::from_ref(&dual), &remote, &node);
+        assert!(translation.rejected.is_empty(), "{:?}", translation.rejected);
+        let state = translation.state;
+        assert_eq!(state.sources.pod_interfaces, Some(pods.clone()));
+        assert!(state.sources.pod_cidrs.is_empty());
+        for (cluster_ip, node_ip, endpoint) in
+            [("10.96.0.10", "192.168.0.2", "10.1.0.1"), ("fd00::10", "2001:db8::1", "fd00:1::1")]
+        {
+            let cluster = &state.frontends[&frontend(cluster_ip, 80, Protocol::Tcp)];
+            assert!(!cluster.from_pod.masquerade, "{pods:?} {cluster_ip}");
+            assert!(
+                cluster.from_outside.masquerade,
+                "{pods:?} {cluster_ip}: off-cluster traffic masqueraded"
+            );
+            // eTP:Local with the only endpoint elsewhere: pods are short-circuited to it,
+            // outside clients dropped.
+            let node_port = &state.frontends[&frontend(node_ip, 30080, Protocol::Tcp)];
+            assert_eq!(addresses(&node_port.from_pod), [endpoint], "{pods:?}");
+            assert!(node_port.from_outside.backends.is_empty());
+            assert_eq!(node_port.from_outside.when_empty, WhenEmpty::Drop);
+        }
+    }
+    assert!(PodInterfaces::Bridge("cbr0".into()).admits("cbr0", None));
+    assert!(PodInterfaces::Bridge("cbr0".into()).admits("veth1", Some("cbr0")));
+    assert!(!PodInterfaces::Bridge("cbr0".into()).admits("eth0", None));
+    assert!(PodInterfaces::NamePrefix("veth".into()).admits("veth1234", None));
+    assert!(!PodInterfaces::NamePrefix("veth".into()).admits("eth0", Some("veth")));
+}
+
 /// Service `web` (10.96.0.10:80) with `trafficDistribution`, if any.
 fn distributed_web(distribution: Option<&str>) -> Service {
     let mut spec = json!({"clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80}]});

@@ -406,6 +406,56 @@ fn each_family_gets_its_own_frontends_and_endpoints() {
 }
 
 #[test]
+fn an_interface_detector_matches_the_pod_interfaces_instead_of_a_cidr_in_both_families() {
+    let spec = json!({"clusterIP": "172.30.0.41", "clusterIPs": ["172.30.0.41", "fd00:172:30::41"],
+        "ipFamilies": ["IPv4", "IPv6"], "type": "NodePort", "externalTrafficPolicy": "Local",
+        "ports": [{"name": "p80", "port": 80, "protocol": "TCP", "nodePort": 3001}]});
+    // Endpoints on another node only: pods are short-circuited to them, outside clients dropped.
+    let slices = [
+        slice("svc1", "IPv4", &[("10.180.2.1", "node-b")]),
+        slice("svc1", "IPv6", &[("fd00:10:180::1", "node-b")]),
+    ];
+    for (pods, matched) in [
+        (PodInterfaces::NamePrefix("veth".into()), "-i veth+"),
+        (PodInterfaces::Bridge("cbr0".into()), "-i cbr0"),
+    ] {
+        let node = NodeContext { cluster_cidrs: Vec::new(), pod_interfaces: Some(pods), ..node() };
+        for (family, cluster_ip) in [(Family::Ipv4, "172.30.0.41/32"), (Family::Ipv6, "fd00:172:30::41/128")]
+        {
+            let ruleset = rules_for(&[service("svc1", spec.clone())], &slices, &node, family);
+            let nat = &ruleset.nat;
+            let text = render_all(&ruleset);
+            assert!(!text.contains("-s 10.0.0.0/8"), "no CIDR detector: {text}");
+            // Cluster IP: what did not enter through a pod interface is masqueraded.
+            assert_eq!(
+                chain(nat, SVC1)[0],
+                format!(
+                    "-m comment --comment \"ns1/svc1:p80 cluster IP\" -p tcp -m tcp -d {cluster_ip} --dport 80 ! {matched} -j KUBE-MARK-MASQ"
+                )
+            );
+            // The NodePort: pods through to every endpoint, the node masqueraded, nothing else.
+            let ext = chains_with(nat, "KUBE-EXT-");
+            assert_eq!(
+                chain(nat, &ext[0]),
+                [
+                    "-m comment --comment \"masquerade LOCAL traffic for ns1/svc1:p80 external destinations\" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ".to_owned(),
+                    format!("-m comment --comment \"route LOCAL traffic for ns1/svc1:p80 external destinations\" -m addrtype --src-type LOCAL -j {SVC1}"),
+                    format!("-m comment --comment \"route pod traffic for ns1/svc1:p80 external destinations\" {matched} -j {SVC1}"),
+                ],
+                "{family:?}"
+            );
+            let external = chain(&ruleset.filter, KUBE_EXTERNAL_SERVICES);
+            assert!(
+                external
+                    .iter()
+                    .all(|rule| rule.contains("has no local endpoints") && rule.ends_with("-j DROP")),
+                "{external:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn internal_policy_local_without_local_endpoints_drops_cluster_ip_traffic() {
     let ruleset = rules(
         &[svc1(json!({"internalTrafficPolicy": "Local"}))],

@@ -151,6 +151,7 @@ fn random_node(random: &mut Random) -> NodeContext {
         name: random.pick(&["node-a", "node-b"]).to_string(),
         zone: random.chance(50).then(|| "zone-1".to_owned()),
         cluster_cidrs: if random.chance(70) { vec!["10.0.0.0/8".parse().unwrap()] } else { Vec::new() },
+        pod_interfaces: random.chance(20).then(|| crate::model::PodInterfaces::NamePrefix("veth".into())),
         masquerade_all: random.chance(20),
         node_ips: [ip("192.168.0.2"), ip("2001:db8::1")].into(),
         primary_ips: vec![ip("192.168.0.2"), ip("2001:db8::1")],
