@@ -1,5 +1,6 @@
 //! Kubernetes Events, with the real vipr binary reading the in-suite API server inside a lab's
-//! node: vipr records its start (version and mode) and the mode it chose and why on its Node,
+//! node: vipr records its start (version and mode; its first log line says the version too) and
+//! the mode it chose and why on its Node,
 //! and each object it refuses once on that object (not at every sync); an API server that
 //! refuses Events does not keep vipr from programming services, and the dropped Events are
 //! counted. Needs root and a built vipr (`cargo build -p proxy-userspace`, or VIPR_BIN).
@@ -138,6 +139,11 @@ fn start_and_the_chosen_mode_are_recorded_on_the_node() {
     // Cluster-scoped: the Event lives in `default`, regarding the Node as kubelet names it.
     assert_eq!(start["metadata"]["namespace"], "default");
     assert_eq!(start["regarding"]["apiVersion"], "v1");
+
+    // The log says the version at start too.
+    let log = std::fs::read_to_string(vipr.log_path()).unwrap();
+    let starting = format!("vipr {} starting", env!("CARGO_PKG_VERSION"));
+    assert!(log.lines().next().is_some_and(|line| line.contains(&starting)), "{log}");
 
     let mode = events_lab.wait_for_event(&mut vipr, "ProxyMode", "Node", &node);
     assert_recorded_by_vipr(&mode, &node, "Normal");
