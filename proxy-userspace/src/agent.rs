@@ -105,7 +105,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     if settings.cleanup {
         // Every mode's state, so that switching modes (or from kube-proxy) leaves nothing behind.
         // Without --devices, every interface: a clsact filter may be on any of them (the
-        // uninstall DaemonSet runs `vipr --cleanup` without flags).
+        // uninstall DaemonSet passes no --devices).
         let devices = node::devices(&settings.devices).unwrap_or_else(|_| settings.devices.clone());
         let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &devices);
         // An uninstall while kube-proxy is back leaves kube-proxy's rules serving.

@@ -228,3 +228,54 @@ fn refused_events_do_not_stop_programming() {
     events_lab.move_web_to(&BACKENDS);
     vipr.ensure_running().unwrap();
 }
+
+/// The recorder itself against the in-suite API server (no lab): the same Event recorded again
+/// is not sent again (an object refused anew after it was fixed and broken again, say), and
+/// another message about the same object is an Event of its own.
+#[test]
+fn repeats_of_an_event_are_sent_once() {
+    use vipr::{
+        events::{reasons, ApiEvents, EventSink, ObjectRef},
+        metrics::{Collector, SampleValue},
+        source::{kubernetes::KubeSourceConfig, Objects},
+    };
+    let api = FakeApiServer::start().unwrap();
+    let workdir = testbed::WorkDir::create("events-repeats").unwrap();
+    let kubeconfig = workdir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let config = KubeSourceConfig {
+        kubeconfig: Some(kubeconfig),
+        node_name: "node-a".into(),
+        master: None,
+        ownership: Default::default(),
+    };
+    let recorder = ApiEvents::start(config, "node-a".into()).unwrap();
+    let web = ObjectRef::service("shop", "web", &Objects::default());
+    for _ in 0..3 {
+        recorder.refused(web.clone(), reasons::REJECTED_OBJECT, "spec.ports[0] is wrong".into());
+    }
+    recorder.refused(web.clone(), reasons::REJECTED_OBJECT, "spec.ports[1] is wrong".into());
+    let sent = || {
+        let families = recorder.metrics().collect();
+        let family = families.iter().find(|family| family.name == "vipr_events_sent_total").unwrap();
+        match family.samples[0].value {
+            SampleValue::Number(count) => count,
+            SampleValue::Histogram { .. } => panic!("a counter"),
+        }
+    };
+    // Requests go out in order: once the last Event is stored and counted, every earlier one
+    // has been handled.
+    let events = wait_for("the last Event", SETTLE, || {
+        let events = api.objects(Collection::Events);
+        let last = events.iter().any(|event| event["note"] == "spec.ports[1] is wrong");
+        Ok(if last && sent() >= 2.0 { Check::Done(events) } else { Check::NotYet(format!("{events:#?}")) })
+    })
+    .unwrap();
+    assert_eq!(sent(), 2.0);
+    assert_eq!(events.len(), 2, "{events:#?}");
+    for event in &events {
+        assert!(is_about(event, "RejectedObject", "Service", "web"), "{event:#}");
+        assert_eq!(event["metadata"]["namespace"], "shop");
+        assert!(event["series"].is_null(), "{event:#}");
+    }
+}
