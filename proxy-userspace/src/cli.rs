@@ -580,6 +580,8 @@ mod tests {
         assert!(parse(&["--cleanup"]).unwrap().cleanup);
         assert!(parse(&["--cleanup=true"]).unwrap().cleanup);
         assert!(!parse(&["--cleanup=false"]).unwrap().cleanup);
+        assert!(!args.cleanup_keep_kube_proxy);
+        assert!(parse(&["--cleanup", "--cleanup-keep-kube-proxy"]).unwrap().cleanup_keep_kube_proxy);
     }
 
     #[test]
