@@ -5,6 +5,7 @@
 #   deploy/render.sh --api-server=HOST:PORT [--image=IMAGE] [--cluster-cidr=CIDR[,CIDR]]
 #                    [--mode=ebpf|auto|iptables|ipvs] [--ports=side-by-side|kube-proxy]
 #                    [--monitoring] | kubectl apply -f -
+#   deploy/render.sh --uninstall [--image=IMAGE] [--pause-image=IMAGE] | kubectl apply -f -
 #
 # --api-server    the API server's own endpoint (not the `kubernetes` Service, which vipr
 #                 itself serves): becomes KUBERNETES_SERVICE_HOST/PORT of the pod.
@@ -16,6 +17,9 @@
 #                 10249, once kube-proxy is gone (cloud load balancers probe :10256/healthz).
 # --monitoring    also print the PodMonitor and PrometheusRule (monitoring.yaml; needs the
 #                 Prometheus operator's CRDs).
+# --uninstall     print only the DaemonSet that removes vipr's datapath from every node
+#                 (uninstall.yaml: `vipr --cleanup`); no --api-server needed.
+# --pause-image   the uninstall DaemonSet's idle container; default registry.k8s.io/pause:3.10.
 # docs/deploy.md explains each value and the two phases.
 set -eu
 
@@ -26,6 +30,8 @@ cluster_cidr=
 mode=ebpf
 ports=side-by-side
 monitoring=no
+uninstall=no
+pause_image=registry.k8s.io/pause:3.10
 
 fail() {
 	echo "render.sh: $*" >&2
@@ -40,6 +46,8 @@ for arg in "$@"; do
 	--mode=*) mode=${arg#*=} ;;
 	--ports=*) ports=${arg#*=} ;;
 	--monitoring) monitoring=yes ;;
+	--uninstall) uninstall=yes ;;
+	--pause-image=*) pause_image=${arg#*=} ;;
 	*) fail "unknown argument $arg (see the comment at the top of $0)" ;;
 	esac
 done
@@ -49,6 +57,15 @@ done
 case $image in
 '' | *[!A-Za-z0-9./:@_-]*) fail "--image=$image: not an image reference" ;;
 esac
+case $pause_image in
+'' | *[!A-Za-z0-9./:@_-]*) fail "--pause-image=$pause_image: not an image reference" ;;
+esac
+if [ "$uninstall" = yes ]; then
+	echo "---"
+	echo "# Source: deploy/uninstall.yaml"
+	sed -e "s|\${VIPR_IMAGE}|$image|g" -e "s|\${VIPR_PAUSE_IMAGE}|$pause_image|g" "$dir/uninstall.yaml"
+	exit 0
+fi
 case $cluster_cidr in
 *[!0-9A-Fa-f.:/,]*) fail "--cluster-cidr=$cluster_cidr: not a list of CIDRs" ;;
 esac

@@ -8,7 +8,7 @@
 //! While the source is unusable, the last good objects stay in force: periodic syncs re-apply
 //! them, and nothing is removed.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr},
     path::PathBuf,
     sync::{
@@ -37,6 +37,7 @@ use crate::{
         ipvs::{self as ipvs_dataplane, IpvsDataplane, IpvsOptions},
         Dataplane, SyncReport,
     },
+    events::{reasons as event_reasons, ApiEvents, Event, EventSink, LogOnly, ObjectRef, Severity},
     health::{service_health_checks, Moment, ProxyHealth, ServiceHealthServer},
     host,
     http::{HttpRuntime, Workload},
@@ -106,9 +107,19 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     }
     if settings.cleanup {
         // Every mode's state, so that switching modes (or from kube-proxy) leaves nothing behind.
-        let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices);
-        let iptables = IptablesDataplane::cleanup();
-        let ipvs = IpvsDataplane::cleanup(&settings.ipvs.exclude_cidrs);
+        // Without --devices, every interface: a clsact filter may be on any of them (the
+        // uninstall DaemonSet passes no --devices).
+        let devices = node::devices(&settings.devices).unwrap_or_else(|_| settings.devices.clone());
+        let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &devices);
+        // An uninstall while kube-proxy is back leaves kube-proxy's rules serving.
+        let (iptables, ipvs) = if settings.cleanup_keep_kube_proxy {
+            (
+                IptablesDataplane::cleanup_leftovers(),
+                IpvsDataplane::cleanup_leftovers(&settings.ipvs.exclude_cidrs),
+            )
+        } else {
+            (IptablesDataplane::cleanup(), IpvsDataplane::cleanup(&settings.ipvs.exclude_cidrs))
+        };
         let errors: Vec<String> = [ebpf, iptables, ipvs]
             .into_iter()
             .filter_map(Result::err)
@@ -116,8 +127,9 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
             .collect();
         return if errors.is_empty() { Ok(()) } else { Err(anyhow::anyhow!(errors.join("; "))) };
     }
+    info!(version = env!("CARGO_PKG_VERSION"), "vipr {} starting", env!("CARGO_PKG_VERSION"));
     log_settings(settings);
-    let mode = running_mode(settings)?;
+    let (mode, mode_reason) = running_mode(settings)?;
     // kube-proxy's one-time initialisation; the kernel's conntrack matters to the modes that
     // use it (the eBPF datapath tracks its connections itself).
     let netfilter = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs);
@@ -171,6 +183,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     registry.register(Arc::new(ProxyModeInfo { mode, requested: settings.proxy_mode }));
     registry.register(Arc::new(crate::metrics::process::ProcessMetrics));
     registry.register(Arc::new(crate::metrics::rest_client::RestClientCollector));
+    let events = event_sink(settings, &registry);
+    record_start(events.as_ref(), settings, dataplane.mode(), &mode_reason);
     let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
     // Every HTTP server of the agent (health, metrics, health-check node ports) on its threads.
     let http = HttpRuntime::start().context("cannot start the HTTP servers")?;
@@ -205,7 +219,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         .flatten();
 
     info!(node = settings.node_name, mode = dataplane.mode(), "vipr running");
-    let mut agent = Agent::new(settings, mode, health, metrics, http);
+    let mut agent = Agent::new(settings, mode, health, metrics, http, events);
     let mut devices_checked = Instant::now();
     while !terminate.load(Ordering::Relaxed) {
         let wait = agent.runner.time_until_due(Instant::now()).map_or(TICK, |until_due| until_due.min(TICK));
@@ -248,6 +262,51 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let _ = source.join();
     info!("stopping; the datapath stays in place and keeps serving (vipr --cleanup removes it)");
     Ok(())
+}
+
+/// Where the agent's Kubernetes Events go: the API server vipr reads from, or nowhere with a
+/// services file (the log says it all).
+fn event_sink(settings: &Settings, registry: &Registry) -> Arc<dyn EventSink> {
+    let SourceSettings::Kubernetes { kubeconfig } = &settings.source else {
+        return Arc::new(LogOnly);
+    };
+    let config = KubeSourceConfig {
+        kubeconfig: kubeconfig.clone(),
+        node_name: settings.node_name.clone(),
+        master: settings.api_client.master.clone(),
+        ownership: ownership(settings),
+    };
+    match ApiEvents::start(config, settings.node_name.clone()) {
+        Ok(events) => {
+            registry.register(events.metrics());
+            Arc::new(events)
+        }
+        Err(error) => {
+            warn!("cannot start recording Kubernetes Events; logging only: {error:#}");
+            Arc::new(LogOnly)
+        }
+    }
+}
+
+/// kube-proxy's "Starting" Event on this node, with vipr's version and mode, and the mode's
+/// reason (`--proxy-mode=auto`'s probes) in an Event of its own.
+fn record_start(events: &dyn EventSink, settings: &Settings, mode: &str, mode_reason: &str) {
+    let version = env!("CARGO_PKG_VERSION");
+    let node = ObjectRef::node(&settings.node_name);
+    events.record(Event {
+        regarding: node.clone(),
+        severity: Severity::Normal,
+        reason: event_reasons::STARTING,
+        action: "Start",
+        note: format!("Starting vipr {version} in {mode} mode"),
+    });
+    events.record(Event {
+        regarding: node,
+        severity: Severity::Normal,
+        reason: event_reasons::PROXY_MODE,
+        action: "ChooseProxyMode",
+        note: format!("--proxy-mode={}: {mode_reason}", probe::mode_name(settings.proxy_mode)),
+    });
 }
 
 /// What wakes the agent's loop besides its timers.
@@ -353,6 +412,8 @@ struct Agent<'a> {
     /// Their translation, redone for what changed on each sync.
     translator: Translator,
     service_health: ServiceHealthServer,
+    /// Each newly logged rejection is also an Event about the object.
+    events: Arc<dyn EventSink>,
     /// Rejections and unsupported frontends already logged, so that periodic syncs do not
     /// repeat them; one that goes away and comes back is logged again.
     logged_rejections: BTreeSet<String>,
@@ -372,6 +433,7 @@ impl<'a> Agent<'a> {
         health: Arc<ProxyHealth>,
         metrics: Arc<ProxyMetrics>,
         http: HttpRuntime,
+        events: Arc<dyn EventSink>,
     ) -> Self {
         Self {
             settings,
@@ -382,6 +444,7 @@ impl<'a> Agent<'a> {
             objects: None,
             translator: Translator::new(),
             service_health: ServiceHealthServer::new(health.clone(), http),
+            events,
             health,
             metrics,
             logged_rejections: BTreeSet::new(),
@@ -440,15 +503,22 @@ impl<'a> Agent<'a> {
             kubernetes_model::service_cidrs(&objects.service_cidrs, &self.settings.service_cidrs);
         let node = self.node_context(objects.node.as_ref(), service_cidrs);
         let changes = self.translator.translate(&objects.services, &objects.slices, &node);
-        let rejections: BTreeSet<String> = objects
-            .rejected
-            .iter()
-            .chain(&cidr_rejections)
-            .chain(&self.translator.rejected())
-            .map(ToString::to_string)
-            .collect();
-        for rejection in rejections.difference(&self.logged_rejections) {
-            warn!("skipping {rejection}");
+        let mut rejections = BTreeSet::new();
+        // One Event per object and reason: a Service losing several frontends is one Event.
+        let mut refusals: BTreeMap<(ObjectRef, &'static str), Vec<String>> = BTreeMap::new();
+        for rejection in objects.rejected.iter().chain(&cidr_rejections).chain(&self.translator.rejected()) {
+            let described = rejection.to_string();
+            if !self.logged_rejections.contains(&described) && !rejections.contains(&described) {
+                warn!("skipping {described}");
+                if let Some(regarding) = ObjectRef::of_rejection(rejection, objects) {
+                    let reason = crate::events::rejection_reason(rejection);
+                    refusals.entry((regarding, reason)).or_default().push(rejection.reason.clone());
+                }
+            }
+            rejections.insert(described);
+        }
+        for ((regarding, reason), messages) in refusals {
+            self.events.refused(regarding, reason, messages.join("; "));
         }
         self.metrics.rejected_objects.set(rejections.len() as f64);
         let health_checks =
@@ -670,15 +740,16 @@ fn node_port_addresses(settings: &Settings, mode: ProxyMode) -> Vec<crate::confi
 }
 
 /// The dataplane to start: the requested one, or for auto what [`probe::decide`] finds this
-/// kernel and node offer (logged with every reason that ruled a better mode out).
-fn running_mode(settings: &Settings) -> anyhow::Result<ProxyMode> {
+/// kernel and node offer (logged with every reason that ruled a better mode out); and why, in
+/// words.
+fn running_mode(settings: &Settings) -> anyhow::Result<(ProxyMode, String)> {
     if settings.proxy_mode != ProxyMode::Auto {
         info!("proxy mode {} (requested)", probe::mode_name(settings.proxy_mode));
-        return Ok(settings.proxy_mode);
+        return Ok((settings.proxy_mode, "requested".to_owned()));
     }
     let decision = probe::decide(&settings.bpf_root, settings.cgroup_root.as_deref())?;
     info!("proxy mode auto: {}", decision.summary());
-    Ok(decision.mode)
+    Ok((decision.mode, decision.summary()))
 }
 
 /// Removes what vipr left behind in another `--proxy-mode` (a mode switch), before the first

@@ -291,6 +291,12 @@ pub struct Args {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub cleanup: bool,
 
+    /// With --cleanup: leave the iptables chains and IPVS state that kube-proxy's canary chain
+    /// (KUBE-PROXY-CANARY) says are a kube-proxy's, as an uninstall does while kube-proxy serves
+    /// the node again; vipr's eBPF datapath and vipr's own chains still go.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub cleanup_keep_kube_proxy: bool,
+
     /// The pods' CIDR (or a comma-separated IPv4,IPv6 pair): with --detect-local-mode
     /// ClusterCIDR, traffic from inside it is pod traffic, the rest is masqueraded toward
     /// cluster IPs.
@@ -574,6 +580,8 @@ mod tests {
         assert!(parse(&["--cleanup"]).unwrap().cleanup);
         assert!(parse(&["--cleanup=true"]).unwrap().cleanup);
         assert!(!parse(&["--cleanup=false"]).unwrap().cleanup);
+        assert!(!args.cleanup_keep_kube_proxy);
+        assert!(parse(&["--cleanup", "--cleanup-keep-kube-proxy"]).unwrap().cleanup_keep_kube_proxy);
     }
 
     #[test]

@@ -156,6 +156,8 @@ pub struct Settings {
     /// KubeProxyConfiguration has no such setting).
     pub xdp: XdpMode,
     pub cleanup: bool,
+    /// `--cleanup-keep-kube-proxy`: `--cleanup` leaves kube-proxy's chains and IPVS state.
+    pub cleanup_keep_kube_proxy: bool,
     /// `/healthz` and `/livez`; `None` disables the server (an empty address, as kube-proxy).
     pub healthz_bind_address: Option<SocketAddr>,
     /// `/metrics` and `/proxyMode`; `None` disables the server.
@@ -513,6 +515,7 @@ impl Settings {
             balancing: balancing(args)?,
             xdp: args.xdp.unwrap_or(XdpMode::Auto),
             cleanup: args.cleanup,
+            cleanup_keep_kube_proxy: args.cleanup_keep_kube_proxy,
             healthz_bind_address,
             metrics_bind_address,
             metrics_per_endpoint: args.metrics_per_endpoint.unwrap_or(true),

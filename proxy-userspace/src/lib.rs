@@ -10,6 +10,7 @@ pub mod bpf_sys;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
+pub mod events;
 pub mod health;
 pub mod host;
 pub mod http;

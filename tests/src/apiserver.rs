@@ -21,6 +21,13 @@
 //!   resourceVersion), one that matches neither before nor after not at all.
 //! - a collection the test marks as not served answers 404, as an older API server does.
 //! - `GET /version`.
+//! - Events (events.k8s.io/v1), which vipr records: `POST
+//!   /apis/events.k8s.io/v1/namespaces/NS/events` creates one (201 with the stored object,
+//!   409 AlreadyExists for a name taken, 400 for a body that is not an Event of that
+//!   namespace), `PATCH .../events/NAME` with a JSON merge patch changes one (200, 404 when
+//!   there is none, 415 for another patch type); both answer 403 when the test forbids
+//!   Events, as RBAC would. The test reads them back with [`FakeApiServer::objects`], or lists
+//!   and watches them cluster-wide like any collection.
 //!
 //! Like the real server it keeps objects and a history of changes stamped from one
 //! resourceVersion counter. The test changes objects (real k8s-openapi objects, or any JSON, to
@@ -58,10 +65,16 @@ pub enum Collection {
     EndpointSlices,
     Nodes,
     ServiceCidrs,
+    /// events.k8s.io/v1 Events, which vipr creates rather than watches.
+    Events,
 }
 
 impl Collection {
+    /// The collections vipr watches.
     pub const ALL: [Self; 4] = [Self::Services, Self::EndpointSlices, Self::Nodes, Self::ServiceCidrs];
+    /// Every collection the fake serves.
+    const SERVED: [Self; 5] =
+        [Self::Services, Self::EndpointSlices, Self::Nodes, Self::ServiceCidrs, Self::Events];
 
     /// The cluster-wide URL path.
     fn path(self) -> &'static str {
@@ -70,6 +83,7 @@ impl Collection {
             Self::EndpointSlices => "/apis/discovery.k8s.io/v1/endpointslices",
             Self::Nodes => "/api/v1/nodes",
             Self::ServiceCidrs => "/apis/networking.k8s.io/v1/servicecidrs",
+            Self::Events => "/apis/events.k8s.io/v1/events",
         }
     }
 
@@ -78,6 +92,7 @@ impl Collection {
             Self::Services | Self::Nodes => "v1",
             Self::EndpointSlices => "discovery.k8s.io/v1",
             Self::ServiceCidrs => "networking.k8s.io/v1",
+            Self::Events => "events.k8s.io/v1",
         }
     }
 
@@ -87,6 +102,7 @@ impl Collection {
             Self::EndpointSlices => "EndpointSlice",
             Self::Nodes => "Node",
             Self::ServiceCidrs => "ServiceCIDR",
+            Self::Events => "Event",
         }
     }
 
@@ -95,13 +111,13 @@ impl Collection {
     fn selectable_fields(self) -> &'static [&'static str] {
         match self {
             Self::Services => &["spec.clusterIP", "spec.type"],
-            Self::EndpointSlices | Self::Nodes | Self::ServiceCidrs => &[],
+            Self::EndpointSlices | Self::Nodes | Self::ServiceCidrs | Self::Events => &[],
         }
     }
 
     /// The collection of objects with this apiVersion and kind.
     pub fn of(api_version: &str, kind: &str) -> Option<Self> {
-        Self::ALL
+        Self::SERVED
             .into_iter()
             .find(|collection| collection.api_version() == api_version && collection.kind() == kind)
     }
@@ -391,6 +407,18 @@ impl FakeApiServer {
         });
     }
 
+    /// The objects of `collection` now stored (Events as vipr created and patched them), in
+    /// namespace and name order.
+    pub fn objects(&self, collection: Collection) -> Vec<Value> {
+        let state = self.shared.state();
+        state
+            .objects
+            .iter()
+            .filter(|((stored, _, _), _)| *stored == collection)
+            .map(|(_, o)| o.clone())
+            .collect()
+    }
+
     /// How many lists of `collection` were served: a relist shows as one more.
     pub fn lists_served(&self, collection: Collection) -> usize {
         self.shared.state().lists_served.get(&collection).copied().unwrap_or(0)
@@ -466,7 +494,13 @@ struct Request {
     method: String,
     path: String,
     query: HashMap<String, String>,
+    content_type: String,
+    /// `Content-Length` bytes of body (none for a GET).
+    body: Vec<u8>,
 }
+
+/// The largest request body accepted: an Event is a few kB.
+const MAX_BODY: usize = 1 << 20;
 
 fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     stream.set_nonblocking(false)?;
@@ -475,15 +509,26 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     let Some(request) = read_request(&stream)? else {
         return write_status(&mut stream, 400, "BadRequest", "malformed request");
     };
+    if let Some(namespaced) = request.path.strip_prefix("/apis/events.k8s.io/v1/namespaces/") {
+        if request.method != "GET" {
+            return write_event(&mut stream, shared, &request, namespaced);
+        }
+    }
     if request.method != "GET" {
-        return write_status(&mut stream, 405, "MethodNotAllowed", "the fake API server only serves GET");
+        return write_status(
+            &mut stream,
+            405,
+            "MethodNotAllowed",
+            "the fake API server only serves GET, and POST and PATCH of Events",
+        );
     }
     if request.path == "/version" {
         let version =
             json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-fake", "platform": "linux/amd64"});
         return write_json(&mut stream, 200, &version);
     }
-    let Some(collection) = Collection::ALL.into_iter().find(|collection| collection.path() == request.path)
+    let Some(collection) =
+        Collection::SERVED.into_iter().find(|collection| collection.path() == request.path)
     else {
         return write_status(
             &mut stream,
@@ -525,17 +570,29 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
     }
 }
 
-/// Reads the request line and headers of a GET; `None` if they are not HTTP.
+/// Reads the request line, headers and `Content-Length` body; `None` if they are not HTTP.
 fn read_request(stream: &TcpStream) -> io::Result<Option<Request>> {
     let mut reader = BufReader::new(stream);
     let mut request_line = String::new();
     reader.read_line(&mut request_line)?;
+    let (mut content_length, mut content_type) = (0, String::new());
     for _ in 0..MAX_HEADER_LINES {
         let mut header = String::new();
         if reader.read_line(&mut header)? == 0 || header.trim_end().is_empty() {
             break;
         }
+        let Some((name, value)) = header.split_once(':') else { continue };
+        match name.trim().to_ascii_lowercase().as_str() {
+            "content-length" => content_length = value.trim().parse().unwrap_or(usize::MAX),
+            "content-type" => content_type = value.trim().to_owned(),
+            _ => {}
+        }
     }
+    if content_length > MAX_BODY {
+        return Ok(None);
+    }
+    let mut body = vec![0; content_length];
+    std::io::Read::read_exact(&mut reader, &mut body)?;
     let mut parts = request_line.split_whitespace();
     let (Some(method), Some(target), Some(_version)) = (parts.next(), parts.next(), parts.next()) else {
         return Ok(None);
@@ -549,7 +606,158 @@ fn read_request(stream: &TcpStream) -> io::Result<Option<Request>> {
             (percent_decode(key), percent_decode(value))
         })
         .collect();
-    Ok(Some(Request { method: method.to_owned(), path: path.to_owned(), query }))
+    Ok(Some(Request { method: method.to_owned(), path: path.to_owned(), query, content_type, body }))
+}
+
+/// `POST /apis/events.k8s.io/v1/namespaces/NS/events` and `PATCH .../NS/events/NAME`, as the
+/// real API server answers them; `namespaced` is the path after `namespaces/`.
+fn write_event(
+    stream: &mut TcpStream,
+    shared: &Shared,
+    request: &Request,
+    namespaced: &str,
+) -> io::Result<()> {
+    let (namespace, name) = match namespaced.split('/').collect::<Vec<_>>()[..] {
+        [namespace, "events"] => (namespace, None),
+        [namespace, "events", name] => (namespace, Some(name)),
+        _ => return write_status(stream, 404, "NotFound", &format!("no such path {}", request.path)),
+    };
+    {
+        let state = shared.state();
+        let refusal = if state.not_served.contains(&Collection::Events) {
+            Some((404, "NotFound", "the server could not find the requested resource".to_owned()))
+        } else if state.forbidden.contains(&Collection::Events) {
+            let verb = if name.is_some() { "patch" } else { "create" };
+            let message = format!(
+                "events.events.k8s.io is forbidden: the test's ServiceAccount cannot {verb} resource \"events\" \
+                 in API group \"events.k8s.io\" in the namespace \"{namespace}\""
+            );
+            Some((403, "Forbidden", message))
+        } else if state.failing.contains(&Collection::Events) {
+            Some((500, "InternalError", "the test made this collection fail".to_owned()))
+        } else {
+            None
+        };
+        if let Some((code, reason, message)) = refusal {
+            drop(state);
+            return write_status(stream, code, reason, &message);
+        }
+    }
+    let Ok(body) = serde_json::from_slice::<Value>(&request.body) else {
+        return write_status(stream, 400, "BadRequest", "the request body is not JSON");
+    };
+    match (request.method.as_str(), name) {
+        ("POST", None) => create_event(stream, shared, namespace, body),
+        ("PATCH", Some(name)) => {
+            if request.content_type != "application/merge-patch+json" {
+                let message = format!(
+                    "the fake API server only takes JSON merge patches, not {:?}",
+                    request.content_type
+                );
+                return write_status(stream, 415, "UnsupportedMediaType", &message);
+            }
+            patch_event(stream, shared, namespace, name, &body)
+        }
+        _ => write_status(stream, 405, "MethodNotAllowed", &format!("{} {}", request.method, request.path)),
+    }
+}
+
+fn create_event(
+    stream: &mut TcpStream,
+    shared: &Shared,
+    namespace: &str,
+    mut event: Value,
+) -> io::Result<()> {
+    let text = |pointer: &str| event.pointer(pointer).and_then(Value::as_str).map(str::to_owned);
+    if (text("/apiVersion").as_deref(), text("/kind").as_deref()) != (Some("events.k8s.io/v1"), Some("Event"))
+    {
+        return write_status(stream, 400, "BadRequest", "the body is not an events.k8s.io/v1 Event");
+    }
+    if text("/metadata/namespace").is_some_and(|given| given != namespace) {
+        let message = "the namespace of the provided object does not match the namespace sent on the request";
+        return write_status(stream, 400, "BadRequest", message);
+    }
+    // The real server validates these (eventTime, reportingController, action and reason are
+    // required of events.k8s.io/v1 Events).
+    for required in
+        ["/metadata/name", "/eventTime", "/reportingController", "/reportingInstance", "/action", "/reason"]
+    {
+        if event.pointer(required).is_none_or(Value::is_null) {
+            let message = format!("Event.events.k8s.io is invalid: {required}: Required value");
+            return write_status(stream, 422, "Invalid", &message);
+        }
+    }
+    let name = text("/metadata/name").unwrap_or_default();
+    let key = (Collection::Events, Some(namespace.to_owned()), name.clone());
+    let created = shared.change(|state| {
+        if state.objects.contains_key(&key) {
+            bail!("exists");
+        }
+        let uid = format!("00000000-0000-4000-8000-{:012x}", state.resource_version + 1);
+        let metadata =
+            event.get_mut("metadata").and_then(Value::as_object_mut).ok_or_else(|| anyhow!("no metadata"))?;
+        metadata.insert("namespace".into(), namespace.into());
+        metadata.insert("uid".into(), uid.into());
+        metadata.insert("creationTimestamp".into(), "2026-01-01T00:00:00Z".into());
+        let version = state.record(Collection::Events, "ADDED", &mut event, None)?;
+        state.objects.insert(key.clone(), event.clone());
+        Ok(version)
+    });
+    if created.is_err() {
+        let mut status =
+            status(409, "AlreadyExists", &format!("events.events.k8s.io \"{name}\" already exists"));
+        status["details"] = json!({"name": name, "group": "events.k8s.io", "kind": "events"});
+        return write_json(stream, 409, &status);
+    }
+    write_json(stream, 201, &event)
+}
+
+fn patch_event(
+    stream: &mut TcpStream,
+    shared: &Shared,
+    namespace: &str,
+    name: &str,
+    patch: &Value,
+) -> io::Result<()> {
+    let key = (Collection::Events, Some(namespace.to_owned()), name.to_owned());
+    let mut patched = None;
+    let _ = shared.change(|state| {
+        let Some(previous) = state.objects.get(&key).cloned() else { bail!("not found") };
+        let mut object = previous.clone();
+        merge_patch(&mut object, patch);
+        // Identity is the server's, whatever the patch says.
+        for field in ["name", "namespace", "uid", "creationTimestamp"] {
+            object["metadata"][field] = previous["metadata"][field].clone();
+        }
+        let version = state.record(Collection::Events, "MODIFIED", &mut object, Some(previous))?;
+        state.objects.insert(key.clone(), object.clone());
+        patched = Some(object);
+        Ok(version)
+    });
+    match patched {
+        Some(object) => write_json(stream, 200, &object),
+        None => write_status(stream, 404, "NotFound", &format!("events.events.k8s.io \"{name}\" not found")),
+    }
+}
+
+/// RFC 7386 JSON merge patch: objects merge member by member, `null` deletes, anything else
+/// replaces.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    let Value::Object(members) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    let Value::Object(target) = target else { return };
+    for (name, value) in members {
+        if value.is_null() {
+            target.remove(name);
+        } else {
+            merge_patch(target.entry(name.clone()).or_insert(Value::Null), value);
+        }
+    }
 }
 
 /// Decodes `%XX` escapes and `+` of a URL query component.
@@ -857,11 +1065,15 @@ fn write_status(stream: &mut TcpStream, code: u16, reason: &str, message: &str) 
 fn write_json(stream: &mut TcpStream, code: u16, body: &Value) -> io::Result<()> {
     let phrase = match code {
         200 => "OK",
+        201 => "Created",
         400 => "Bad Request",
         403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        409 => "Conflict",
         410 => "Gone",
+        415 => "Unsupported Media Type",
+        422 => "Unprocessable Entity",
         500 => "Internal Server Error",
         _ => "Error",
     };
@@ -877,6 +1089,81 @@ fn write_json(stream: &mut TcpStream, code: u16, body: &Value) -> io::Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One request to `server`: the status code and the JSON body.
+    fn request(
+        server: &FakeApiServer,
+        method: &str,
+        path: &str,
+        content_type: &str,
+        body: &Value,
+    ) -> (u16, Value) {
+        use std::io::Read as _;
+        let mut stream = TcpStream::connect(server.address).unwrap();
+        let body = body.to_string();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let code = response.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let (_, body) = response.split_once("\r\n\r\n").unwrap();
+        (code, serde_json::from_str(body).unwrap())
+    }
+
+    #[test]
+    fn events_are_created_once_patched_and_refused_as_the_api_server_does() {
+        let server = FakeApiServer::start().unwrap();
+        let events = "/apis/events.k8s.io/v1/namespaces/default/events";
+        let event = json!({
+            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"name": "node-a.1"},
+            "eventTime": "2026-01-01T00:00:00.000000Z", "reportingController": "vipr",
+            "reportingInstance": "node-a", "action": "Start", "reason": "Starting",
+            "regarding": {"kind": "Node", "name": "node-a"},
+        });
+        let json = "application/json";
+        let (code, created) = request(&server, "POST", events, json, &event);
+        assert_eq!(code, 201, "{created}");
+        assert_eq!(created["metadata"]["namespace"], "default");
+        assert!(created["metadata"]["uid"].is_string() && created["metadata"]["resourceVersion"].is_string());
+        let (code, conflict) = request(&server, "POST", events, json, &event);
+        assert_eq!((code, &conflict["reason"]), (409, &json!("AlreadyExists")), "{conflict}");
+        let mut missing_reason = event.clone();
+        missing_reason["metadata"]["name"] = "node-a.2".into();
+        missing_reason.as_object_mut().unwrap().remove("reason");
+        assert_eq!(request(&server, "POST", events, json, &missing_reason).0, 422);
+        let other_namespace = "/apis/events.k8s.io/v1/namespaces/shop/events";
+        let mut in_default = event.clone();
+        in_default["metadata"]["namespace"] = "default".into();
+        assert_eq!(request(&server, "POST", other_namespace, json, &in_default).0, 400);
+
+        let series = json!({"series": {"count": 2, "lastObservedTime": "2026-01-01T00:10:00.000000Z"}});
+        let merge = "application/merge-patch+json";
+        let (code, patched) = request(&server, "PATCH", &format!("{events}/node-a.1"), merge, &series);
+        assert_eq!(code, 200, "{patched}");
+        assert_eq!(patched["series"]["count"], 2);
+        assert_eq!(patched["reason"], "Starting", "a merge patch keeps the rest");
+        assert_eq!(request(&server, "PATCH", &format!("{events}/node-a.1"), json, &series).0, 415);
+        assert_eq!(request(&server, "PATCH", &format!("{events}/nothing"), merge, &series).0, 404);
+        assert_eq!(server.objects(Collection::Events), [patched]);
+
+        server.set_forbidden(Collection::Events, true);
+        let mut another = event.clone();
+        another["metadata"]["name"] = "node-a.3".into();
+        assert_eq!(request(&server, "POST", events, json, &another).0, 403);
+        assert_eq!(server.objects(Collection::Events).len(), 1);
+    }
+
+    #[test]
+    fn merge_patch_follows_rfc_7386() {
+        let mut target = json!({"a": "b", "c": {"d": "e", "f": "g"}, "series": null});
+        merge_patch(&mut target, &json!({"a": "z", "c": {"f": null}, "series": {"count": 2}}));
+        assert_eq!(target, json!({"a": "z", "c": {"d": "e"}, "series": {"count": 2}}));
+    }
 
     #[test]
     fn query_components_are_percent_decoded() {

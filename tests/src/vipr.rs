@@ -197,10 +197,30 @@ pub(crate) fn log_tail(log: &Path) -> String {
     }
 }
 
-/// Runs `vipr --cleanup --bpf-root=<bpf_root>` inside `netns` (where the agent ran, in case
-/// detaching needs to see its devices) and returns its output.
+/// Runs the command of the uninstall DaemonSet's cleanup container ([`uninstall_args`]:
+/// `vipr --cleanup`) inside `netns` (the node's network namespace, as the container's host
+/// network), with `--bpf-root=<bpf_root>` standing for its mount of the host's /sys/fs/bpf,
+/// and returns its output.
 pub fn vipr_cleanup(binary: &Path, netns: &Netns, bpf_root: &Path) -> Result<String> {
     let mut command = netns.command(binary)?;
-    command.arg("--cleanup").arg(format!("--bpf-root={}", bpf_root.display()));
+    command.args(uninstall_args()?).arg(format!("--bpf-root={}", bpf_root.display()));
     cmd::run(&mut command).context("vipr --cleanup failed")
+}
+
+/// The arguments of the cleanup container of the DaemonSet that `deploy/render.sh
+/// --uninstall` prints (the image's entrypoint is vipr).
+pub fn uninstall_args() -> Result<Vec<String>> {
+    let render = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/render.sh");
+    let output = std::process::Command::new("sh").arg(&render).arg("--uninstall").output()?;
+    if !output.status.success() {
+        bail!("{} --uninstall: {}", render.display(), String::from_utf8_lossy(&output.stderr));
+    }
+    let daemon_set: serde_yaml::Value = serde_yaml::from_slice(&output.stdout)?;
+    let containers = &daemon_set["spec"]["template"]["spec"]["initContainers"];
+    let args = containers
+        .as_sequence()
+        .and_then(|containers| containers.iter().find(|container| container["name"] == "cleanup"))
+        .map(|container| &container["args"])
+        .context("the uninstall DaemonSet has no cleanup init container")?;
+    Ok(serde_yaml::from_value(args.clone())?)
 }

@@ -335,6 +335,77 @@ fn the_pod_is_a_privileged_host_network_node_critical_agent_with_its_mounts() {
     assert_eq!(container.image.as_deref(), Some(IMAGE));
 }
 
+/// `render.sh --uninstall` prints one DaemonSet that runs `vipr --cleanup` (the command
+/// testbed's `vipr_cleanup` runs against live datapaths in e2e_netns, iptables_lab and
+/// host_traffic) on every node, in the agent's network namespace, privileged, with the agent's
+/// host mounts (the bpffs where the datapath is pinned, the xtables lock, ...), and needs
+/// nothing of the install (no ServiceAccount token, no ConfigMap) so that it runs after it is
+/// deleted.
+#[test]
+fn the_uninstall_daemon_set_runs_cleanup_on_every_node_with_the_agents_mounts() {
+    let output =
+        render(&["--uninstall", &format!("--image={IMAGE}"), "--pause-image=registry.example/pause:1"])
+            .unwrap_or_else(|error| panic!("render.sh --uninstall failed: {error}"));
+    let uninstall = parse_manifests(&output, "render.sh --uninstall");
+    let daemon_set = only(&uninstall.daemon_sets, "uninstall DaemonSet");
+    assert!(
+        uninstall.config_maps.is_empty()
+            && uninstall.service_accounts.is_empty()
+            && uninstall.cluster_roles.is_empty()
+    );
+    assert_eq!(daemon_set.metadata.name.as_deref(), Some("vipr-uninstall"));
+    let pod = pod_spec(daemon_set);
+    let agent_manifests = manifests();
+    let agent_pod = pod_spec(only(&agent_manifests.daemon_sets, "DaemonSet"));
+    assert_eq!(pod.host_network, Some(true));
+    assert_eq!(
+        pod.tolerations, agent_pod.tolerations,
+        "the uninstall must reach every node the agent ran on"
+    );
+    assert_eq!(pod.node_selector, agent_pod.node_selector);
+    assert_eq!(pod.automount_service_account_token, Some(false));
+
+    let cleanup = only(pod.init_containers.as_deref().unwrap_or_default(), "init container");
+    assert_eq!(cleanup.image.as_deref(), Some(IMAGE));
+    let args = cleanup.args.clone().unwrap_or_default();
+    assert_eq!(args, ["--cleanup", "--cleanup-keep-kube-proxy"]);
+    assert_eq!(testbed::uninstall_args().unwrap(), args, "testbed runs another command");
+    assert_eq!(cleanup.security_context.as_ref().and_then(|context| context.privileged), Some(true));
+    // vipr accepts the command line: a cleanup that leaves a returned kube-proxy's rules.
+    let parsed = Args::try_parse_kube_proxy_style(std::iter::once("vipr".to_owned()).chain(args)).unwrap();
+    let settings = Settings::resolve(&parsed).unwrap();
+    assert!(settings.cleanup && settings.cleanup_keep_kube_proxy);
+    assert_eq!(settings.bpf_root, Path::new("/sys/fs/bpf"), "the cleanup must look where the agent pins");
+
+    // Every host path the agent mounts, mounted the same, but for its ConfigMap.
+    let agent = vipr_container(agent_pod);
+    let host_mounts =
+        |pod: &PodSpec, container: &Container| -> BTreeMap<String, (String, bool, Option<String>)> {
+            container
+                .volume_mounts
+                .iter()
+                .flatten()
+                .filter_map(|mount| {
+                    let volume = pod.volumes.iter().flatten().find(|volume| volume.name == mount.name)?;
+                    let host = volume.host_path.as_ref()?;
+                    Some((
+                        mount.mount_path.clone(),
+                        (host.path.clone(), mount.read_only == Some(true), mount.mount_propagation.clone()),
+                    ))
+                })
+                .collect()
+        };
+    let agent_mounts = host_mounts(agent_pod, agent);
+    assert!(agent_mounts.contains_key("/sys/fs/bpf"), "{agent_mounts:?}");
+    assert_eq!(host_mounts(pod, cleanup), agent_mounts);
+    assert!(cleanup.volume_mounts.iter().flatten().all(|mount| mount.mount_path != "/var/lib/vipr"));
+
+    // Once the cleanup is done the pod idles, Ready, so `rollout status` returns.
+    let done = only(&pod.containers, "container");
+    assert_eq!(done.image.as_deref(), Some("registry.example/pause:1"));
+    assert!(render(&["--uninstall", "--pause-image=a b"]).is_err());
+}
+
 /// A memory quantity in bytes (the binary and decimal suffixes the manifests use).
 fn bytes(quantity: &k8s_openapi::apimachinery::pkg::api::resource::Quantity) -> u64 {
     let text = quantity.0.as_str();
@@ -390,16 +461,22 @@ const CPUS_SIZED_FOR: u64 = 64;
 
 #[test]
 fn render_puts_every_value_in_place_and_leaves_no_placeholder() {
-    // Every manifest of deploy/ is rendered.
+    // Every manifest of deploy/ is rendered: the uninstall DaemonSet alone, the others together.
     let output = render(&["--api-server=[2001:db8::1]:443", "--mode=auto", "--monitoring"]).unwrap();
+    let uninstall = render(&["--uninstall"]).unwrap();
     for entry in std::fs::read_dir(deploy_dir()).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|extension| extension == "yaml") {
             let name = path.file_name().unwrap().to_str().unwrap();
-            assert!(output.contains(&format!("# Source: deploy/{name}\n")), "render.sh leaves out {name}");
+            let rendered_in = if name == "uninstall.yaml" { &uninstall } else { &output };
+            assert!(
+                rendered_in.contains(&format!("# Source: deploy/{name}\n")),
+                "render.sh leaves out {name}"
+            );
         }
     }
     assert!(!output.contains("${"), "a placeholder is left:\n{output}");
+    assert!(!uninstall.contains("${"), "a placeholder is left:\n{uninstall}");
 
     // Defaults: side by side with kube-proxy, on ports it does not hold.
     let manifests = parse_manifests(&output, "render.sh's side-by-side output");

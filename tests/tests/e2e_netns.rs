@@ -204,6 +204,33 @@ fn an_established_connection_survives_endpoint_changes_and_agent_restarts() {
     assert_eq!(backends_reached(&lab, http(), CONNECTIONS), names(&ENDPOINTS));
 }
 
+/// The ids of the BPF links pinned anywhere under `dir` (the TCX and XDP attachments).
+fn pinned_link_ids(dir: &std::path::Path) -> Vec<u64> {
+    let mut ids = Vec::new();
+    let mut pending = vec![dir.to_owned()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                pending.push(path);
+                continue;
+            }
+            let shown = std::process::Command::new("bpftool")
+                .args(["-j", "link", "show", "pinned"])
+                .arg(&path)
+                .output()
+                .unwrap();
+            // A map's pin is no link: bpftool refuses it.
+            if let Ok(link) = serde_json::from_slice::<serde_json::Value>(&shown.stdout) {
+                ids.extend(link["id"].as_u64());
+            }
+        }
+    }
+    ids
+}
+
+/// Stopping vipr leaves its datapath; the uninstall DaemonSet's command removes all of it:
+/// no pin, no link (so no program on a device), no service answered.
 #[test]
 fn cleanup_detaches_the_datapath_and_removes_the_pins() {
     let mut lab = running_lab("e2e-cleanup");
@@ -213,10 +240,21 @@ fn cleanup_detaches_the_datapath_and_removes_the_pins() {
 
     let status = lab.stop_vipr().unwrap();
     assert!(status.success(), "vipr exited with {status} on SIGTERM");
+    let pins = lab.maps().dir().to_owned();
+    let links = pinned_link_ids(&pins);
+    assert!(!links.is_empty(), "no pinned link under {}", pins.display());
+    // The uninstall DaemonSet's command (`vipr --cleanup`, without the agent's --devices).
     lab.cleanup_vipr().unwrap();
 
-    let pins = lab.maps().dir().to_owned();
     assert!(!pins.exists(), "{} survived vipr --cleanup", pins.display());
+    for id in links {
+        let shown =
+            std::process::Command::new("bpftool").args(["link", "show", "id", &id.to_string()]).output();
+        assert!(
+            !shown.unwrap().status.success(),
+            "link {id} (the program on a device) survived vipr --cleanup"
+        );
+    }
     for frontend in [http(), dns()] {
         if let Ok(exchange) = lab.client().run(|| exchange(frontend, TIMEOUT)) {
             panic!("{frontend} still answers after vipr --cleanup: {exchange:?}");

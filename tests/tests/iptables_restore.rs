@@ -356,12 +356,14 @@ fn chains_and_rules(saved: &str) -> Vec<String> {
 }
 
 /// A vipr starting in another mode takes kube-proxy's chains (its canary says so) for
-/// kube-proxy's and leaves them alone; `vipr --cleanup` removes them, and only them.
+/// kube-proxy's and leaves them alone, and so does the uninstall DaemonSet's command (vipr
+/// `--cleanup --cleanup-keep-kube-proxy`, run while kube-proxy serves again); `vipr --cleanup`
+/// removes them, and only them.
 #[test]
 fn cleanup_removes_kube_proxys_chains_and_a_mode_switch_does_not() {
     testbed::require_root().unwrap();
     let netns = Netns::create(&unique_name("ipt-kp")).unwrap();
-    netns
+    let before = netns
         .run(|| {
             let tools = Tools::detect(None)?;
             tools.restore(Family::Ipv4, KUBE_PROXY_RULES)?;
@@ -373,6 +375,24 @@ fn cleanup_removes_kube_proxys_chains_and_a_mode_switch_does_not() {
                 chains_and_rules(&tools.save(Family::Ipv4)?),
                 before,
                 "kube-proxy's rules were touched"
+            );
+            Ok(before)
+        })
+        .unwrap();
+    let uninstall = testbed::vipr_cleanup(
+        &testbed::locate_vipr().unwrap(),
+        &netns,
+        std::path::Path::new("/nonexistent-vipr-bpffs"),
+    );
+    eprintln!("uninstall: {uninstall:?}");
+    uninstall.unwrap();
+    netns
+        .run(|| {
+            let tools = Tools::detect(None)?;
+            assert_eq!(
+                chains_and_rules(&tools.save(Family::Ipv4)?),
+                before,
+                "the uninstall touched kube-proxy's rules"
             );
 
             IptablesDataplane::cleanup()?;

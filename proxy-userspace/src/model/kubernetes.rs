@@ -177,6 +177,16 @@ pub struct Rejection {
     pub reason: String,
 }
 
+/// How a [`Rejection`] says another Service already has the frontend ([`lost_claim`]).
+const ALREADY_SERVED: &str = "is already served by";
+
+impl Rejection {
+    /// Whether another Service won the frontend this object asked for.
+    pub fn is_frontend_conflict(&self) -> bool {
+        self.reason.contains(ALREADY_SERVED)
+    }
+}
+
 impl fmt::Display for Rejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.object, self.reason)
@@ -390,7 +400,7 @@ fn claimant(rank: &ClaimRank) -> String {
 fn lost_claim(frontend: &Frontend, loser: &ClaimRank, owner: &ClaimRank) -> Rejection {
     Rejection {
         object: claimant(loser),
-        reason: format!("frontend {frontend} is already served by {}", owner.name),
+        reason: format!("frontend {frontend} {ALREADY_SERVED} {}", owner.name),
     }
 }
 

@@ -331,7 +331,7 @@ impl Source {
 /// In-cluster configuration by default, as kube-proxy; the given kubeconfig otherwise. A
 /// `--master` URL replaces the kubeconfig's server; given alone, it is the whole configuration
 /// (no credentials), as with kube-proxy's `clientcmd.BuildConfigFromFlags`.
-async fn client(config: &KubeSourceConfig) -> Result<Client, String> {
+pub(crate) async fn client(config: &KubeSourceConfig) -> Result<Client, String> {
     let master = match config.master.as_deref() {
         Some(url) => Some(url.parse::<::http::Uri>().map_err(|error| format!("--master {url:?}: {error}"))?),
         None => None,
