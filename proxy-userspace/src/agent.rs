@@ -32,7 +32,7 @@ use crate::{
     cli::ProxyMode,
     config::{LocalDetection, Settings, SourceSettings},
     dataplane::{
-        ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions},
+        ebpf::{record as ebpf_record, EbpfDataplane, EbpfOptions, HostTrafficOptions},
         iptables::{self, IptablesDataplane, IptablesOptions},
         ipvs::{self as ipvs_dataplane, IpvsDataplane, IpvsOptions},
         Dataplane, SyncReport,
@@ -137,7 +137,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
             if devices.is_empty() {
                 bail!("no device to attach to: pass --devices=IF[,IF...]");
             }
-            Box::new(EbpfDataplane::start_with(
+            let mut ebpf = EbpfDataplane::start_with(
                 &EbpfOptions {
                     bpf_root: settings.bpf_root.clone(),
                     devices,
@@ -147,7 +147,9 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
                     xdp: settings.xdp,
                 },
                 &HostTrafficOptions { cgroup_root: settings.cgroup_root.clone() },
-            )?)
+            )?;
+            ebpf.record_desired_state(settings.state_dir.join(ebpf_record::FILE_NAME));
+            Box::new(ebpf)
         }
         ProxyMode::Ipvs => Box::new(IpvsDataplane::start(ipvs_options(settings))?),
     };

@@ -108,6 +108,11 @@ impl Lab {
         self.bpffs.path()
     }
 
+    /// The `--state-dir` of the agents this lab starts (where vipr records its desired state).
+    pub fn state_dir(&self) -> PathBuf {
+        self.workdir.path().join("state")
+    }
+
     pub fn maps(&self) -> PinnedMaps {
         PinnedMaps::new(self.bpf_root())
     }
@@ -169,6 +174,8 @@ impl Lab {
         };
         let log = self.workdir.path().join(format!("vipr-{}.log", self.logs.len() + 1));
         let mut args = config.args();
+        // The lab's own, not the host's /run/vipr.
+        args.push(format!("--state-dir={}", self.state_dir().display()));
         args.extend(extra_args.iter().map(|arg| (*arg).to_owned()));
         let vipr = Vipr::start_with_args(&self.binary, self.node(), &args, &log)?;
         self.logs.push(log);
