@@ -813,25 +813,21 @@ fn drift_text(drift: &DriftView) -> String {
         text.push_str("No drift: the kernel holds what the agent wants.\n");
         return text;
     }
-    let _ = writeln!(text, "{:<10} {:<16} {:<40} Wanted / kernel", "Drift", "Map", "Entry");
+    let _ = writeln!(text, "{:<10} {:<16} {:<40} Content", "Drift", "Map", "Entry");
     for difference in &drift.differences {
-        let _ = writeln!(
-            text,
-            "{:<10} {:<16} {:<40} {}",
-            difference.kind,
-            difference.map,
-            difference.key,
-            difference.wanted.as_deref().unwrap_or("-")
-        );
-        if difference.kind == "different" || difference.kernel.is_some() {
-            let _ = writeln!(
-                text,
-                "{:<10} {:<16} {:<40} {}",
-                "",
-                "",
-                "  kernel:",
-                difference.kernel.as_deref().unwrap_or("-")
-            );
+        // One line per side that has the entry: `wanted:` (missing, different), `kernel:`
+        // (extra, different).
+        let sides = [("wanted", &difference.wanted), ("kernel", &difference.kernel)];
+        let mut first = true;
+        for (side, content) in sides {
+            let Some(content) = content else { continue };
+            let (kind, map, key) = if first {
+                (difference.kind, difference.map.as_str(), difference.key.as_str())
+            } else {
+                ("", "", "")
+            };
+            let _ = writeln!(text, "{kind:<10} {map:<16} {key:<40} {side}: {content}");
+            first = false;
         }
     }
     let _ = writeln!(

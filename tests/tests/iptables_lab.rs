@@ -337,6 +337,17 @@ fn inspect_reads_services_and_flows_from_the_kernel_in_iptables_mode() {
         assert_eq!(shown[0]["backend"], SocketAddr::from((backend_addr(&landed), 8080)).to_string().as_str());
 
         if running {
+            // Without endpoints the filter table rejects: so says inspect.
+            lab.set_endpoints(&[]);
+            let services: serde_json::Value = serde_json::from_str(&inspect(
+                &lab,
+                &["services", "-o", "json", "--frontend", "10.96.0.10:80"],
+            ))
+            .unwrap();
+            assert_eq!(services.as_array().unwrap().len(), 1, "{services:#}");
+            assert_eq!(services[0]["flags"], serde_json::json!(["rejects"]), "{services:#}");
+            assert_eq!(services[0]["backends"], serde_json::json!([]), "{services:#}");
+            lab.set_endpoints(&ENDPOINTS);
             // The rules outlive the agent: inspect reads them all the same.
             let status = lab.vipr.take().unwrap().stop().unwrap();
             assert!(status.success(), "{status}");

@@ -12,7 +12,7 @@ use super::{BackendView, FrontendView};
 use crate::dataplane::iptables::{
     names,
     restore::split_words,
-    ruleset::{Family, TableName, KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_SERVICES},
+    ruleset::{Family, TableName, KUBE_EXTERNAL_SERVICES, KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_SERVICES},
     tools::Tools,
 };
 
@@ -61,15 +61,23 @@ fn parse(text: &str) -> BTreeMap<String, Vec<Rule>> {
     chains
 }
 
-/// Every frontend of both families' nat tables. A family whose tools fail (no ip6tables, no
-/// IPv6 in the kernel) is left out; only both failing is an error.
+/// Every frontend of both families' nat tables, and those the filter table rejects or drops
+/// for want of endpoints. A family whose tools fail (no ip6tables, no IPv6 in the kernel) is
+/// left out; only both failing is an error.
 pub fn services() -> anyhow::Result<Vec<FrontendView>> {
     let tools = Tools::detect(None)?;
     let mut frontends = Vec::new();
     let mut errors = Vec::new();
     for family in Family::ALL {
-        match tools.save_counted(family, TableName::Nat) {
-            Ok(text) => frontends.extend(frontends_of(&parse(&text), family)),
+        let tables = tools
+            .save_counted(family, TableName::Nat)
+            .and_then(|nat| Ok((nat, tools.save_counted(family, TableName::Filter)?)));
+        match tables {
+            Ok((nat, filter)) => {
+                let mut found = frontends_of(&parse(&nat), family);
+                found.extend(without_endpoints(&parse(&filter), &found, family));
+                frontends.extend(found);
+            }
             Err(error) => errors.push(format!("{error:#}")),
         }
     }
@@ -89,10 +97,7 @@ pub fn present() -> bool {
 }
 
 fn frontends_of(chains: &BTreeMap<String, Vec<Rule>>, family: Family) -> Vec<FrontendView> {
-    let any_address = match family {
-        Family::Ipv4 => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-        Family::Ipv6 => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-    };
+    let any_address = unspecified(family);
     let entries = |chain: &str| chains.get(chain).into_iter().flatten();
     let mut frontends = Vec::new();
     // KUBE-SERVICES: cluster, external and load-balancer IPs; KUBE-NODEPORTS: node ports, on
@@ -143,6 +148,57 @@ fn frontends_of(chains: &BTreeMap<String, Vec<Rule>>, family: Family) -> Vec<Fro
         });
     }
     frontends
+}
+
+/// The frontends the filter table rejects or drops because they have no endpoints at all
+/// (the nat table has no rule for them), as the dataplane writes them: `"NAME has no
+/// endpoints"` (REJECT) or `"NAME has no local endpoints"` (DROP) in `KUBE-SERVICES` (cluster
+/// IPs) and `KUBE-EXTERNAL-SERVICES` (the rest).
+fn without_endpoints(
+    chains: &BTreeMap<String, Vec<Rule>>,
+    served: &[FrontendView],
+    family: Family,
+) -> Vec<FrontendView> {
+    let any_address = unspecified(family);
+    let mut frontends: Vec<FrontendView> = Vec::new();
+    let rules =
+        [KUBE_SERVICES, KUBE_EXTERNAL_SERVICES].into_iter().flat_map(|chain| chains.get(chain)).flatten();
+    for rule in rules {
+        let Some(comment) = rule.value("--comment") else { continue };
+        let verdict = match rule.target() {
+            Some("REJECT") if comment.ends_with(" has no endpoints") => "rejects",
+            Some("DROP") if comment.ends_with(" has no local endpoints") => "drops",
+            _ => continue,
+        };
+        let (Some(port), Some(protocol)) =
+            (rule.value("--dport").and_then(|p| p.parse().ok()), rule.value("-p").map(protocol_name))
+        else {
+            continue;
+        };
+        let frontend = SocketAddr::new(rule.value("-d").and_then(host).unwrap_or(any_address), port);
+        let known = |view: &FrontendView| view.frontend == frontend && view.protocol == protocol;
+        if served.iter().any(known) || frontends.iter().any(known) {
+            continue;
+        }
+        frontends.push(FrontendView {
+            protocol,
+            frontend,
+            source: "all",
+            service_id: None,
+            service: Some(service_of(comment).to_owned()),
+            flags: vec![verdict],
+            affinity_seconds: None,
+            backends: Vec::new(),
+        });
+    }
+    frontends
+}
+
+fn unspecified(family: Family) -> IpAddr {
+    match family {
+        Family::Ipv4 => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        Family::Ipv6 => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
 }
 
 /// What a frontend's service chains lead to.
@@ -250,6 +306,31 @@ COMMIT
         let node_port = &frontends[1];
         assert_eq!(node_port.frontend, "0.0.0.0:30080".parse().unwrap());
         assert_eq!(node_port.backends.len(), 2);
+    }
+
+    #[test]
+    fn the_filter_table_names_frontends_without_any_endpoint() {
+        let filter = "*filter\n\
+            [0:0] -A KUBE-SERVICES -d 10.96.0.12/32 -p tcp -m comment --comment \"a/b:http has no endpoints\" \
+            -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable\n\
+            [0:0] -A KUBE-EXTERNAL-SERVICES -p tcp -m comment --comment \"a/c:http has no local endpoints\" \
+            -m addrtype --dst-type LOCAL -m tcp --dport 30081 -j DROP\n\
+            [0:0] -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment \"default/web:http has no endpoints\" \
+            -m addrtype --src-type LOCAL -m tcp --dport 80 -j REJECT\nCOMMIT\n";
+        let served = frontends_of(&parse(SAVED), Family::Ipv4);
+        let empty = without_endpoints(&parse(filter), &served, Family::Ipv4);
+        let found: Vec<(String, &str, Option<&str>)> = empty
+            .iter()
+            .map(|view| (view.frontend.to_string(), view.flags[0], view.service.as_deref()))
+            .collect();
+        // 10.96.0.10:80 has endpoints for other source classes: it is listed from the nat table.
+        assert_eq!(
+            found,
+            [
+                ("10.96.0.12:80".to_owned(), "rejects", Some("a/b:http")),
+                ("0.0.0.0:30081".to_owned(), "drops", Some("a/c:http"))
+            ]
+        );
     }
 
     #[test]
