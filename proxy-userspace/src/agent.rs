@@ -104,6 +104,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     if settings.cleanup {
         // Every mode's state, so that switching modes (or from kube-proxy) leaves nothing behind.
         let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices);
+        // The record of what the removed maps should hold (`vipr inspect drift`).
+        let _ = std::fs::remove_file(ebpf_record::path(&settings.state_dir, &settings.bpf_root));
         let iptables = IptablesDataplane::cleanup();
         let ipvs = IpvsDataplane::cleanup(&settings.ipvs.exclude_cidrs);
         let errors: Vec<String> = [ebpf, iptables, ipvs]
@@ -148,7 +150,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
                 },
                 &HostTrafficOptions { cgroup_root: settings.cgroup_root.clone() },
             )?;
-            ebpf.record_desired_state(settings.state_dir.join(ebpf_record::FILE_NAME));
+            ebpf.record_desired_state(ebpf_record::path(&settings.state_dir, &settings.bpf_root));
             Box::new(ebpf)
         }
         ProxyMode::Ipvs => Box::new(IpvsDataplane::start(ipvs_options(settings))?),

@@ -252,7 +252,7 @@ pub fn render(args: &InspectArgs) -> anyhow::Result<Rendered> {
             if mode != Mode::Ebpf {
                 return Err(unsupported("drift"));
             }
-            let drift = drift(&dir, &args.state_dir.join(record::FILE_NAME))?;
+            let drift = drift(&dir, &record::path(&args.state_dir, &args.bpf_root))?;
             let text = match args.output {
                 Output::Json => json(&drift)?,
                 Output::Text => drift_text(&drift),

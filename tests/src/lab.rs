@@ -108,11 +108,6 @@ impl Lab {
         self.bpffs.path()
     }
 
-    /// The `--state-dir` of the agents this lab starts (where vipr records its desired state).
-    pub fn state_dir(&self) -> PathBuf {
-        self.workdir.path().join("state")
-    }
-
     pub fn maps(&self) -> PinnedMaps {
         PinnedMaps::new(self.bpf_root())
     }
@@ -174,8 +169,6 @@ impl Lab {
         };
         let log = self.workdir.path().join(format!("vipr-{}.log", self.logs.len() + 1));
         let mut args = config.args();
-        // The lab's own, not the host's /run/vipr.
-        args.push(format!("--state-dir={}", self.state_dir().display()));
         args.extend(extra_args.iter().map(|arg| (*arg).to_owned()));
         let vipr = Vipr::start_with_args(&self.binary, self.node(), &args, &log)?;
         self.logs.push(log);
@@ -243,6 +236,11 @@ impl Drop for Lab {
                 eprintln!("testbed: earlier vipr {}", log_tail(log));
             }
         }
+        // The agent first, so that it writes no record after this: the record of its desired
+        // state it left in the host's state directory goes with the lab.
+        drop(self.vipr.take());
+        let state_dir = Path::new(vipr::inspect::DEFAULT_STATE_DIR);
+        let _ = std::fs::remove_file(vipr::dataplane::ebpf::record::path(state_dir, self.bpf_root()));
     }
 }
 

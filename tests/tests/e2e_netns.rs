@@ -269,8 +269,8 @@ fn a_listed_device_created_again_is_served_again() {
     assert_eq!(backends_reached(&lab, http(), CONNECTIONS), names(&ENDPOINTS));
 }
 
-/// `vipr inspect ARGS --bpf-root=<the lab's> --state-dir=<the lab's>` in the node namespace:
-/// its exit code, stdout and stderr.
+/// `vipr inspect ARGS --bpf-root=<the lab's>` in the node namespace: its exit code, stdout and
+/// stderr.
 fn run_inspect(lab: &Lab, args: &[&str]) -> (Option<i32>, String, String) {
     let output = lab
         .node()
@@ -279,7 +279,6 @@ fn run_inspect(lab: &Lab, args: &[&str]) -> (Option<i32>, String, String) {
         .arg("inspect")
         .args(args)
         .arg(format!("--bpf-root={}", lab.bpf_root().display()))
-        .arg(format!("--state-dir={}", lab.state_dir().display()))
         .output()
         .unwrap();
     let text = |bytes: Vec<u8>| String::from_utf8(bytes).unwrap();

@@ -25,8 +25,20 @@ use super::{
     mirror::KeyedMap as _,
 };
 
-/// The file name of the record in the state directory (`--state-dir`).
-pub const FILE_NAME: &str = "ebpf-desired-state.json";
+/// The record of the datapath pinned under `bpf_root`, in the state directory
+/// (`--state-dir`): one file per bpffs (`ebpf-desired-state-sys-fs-bpf.json` for
+/// `/sys/fs/bpf`), so that agents on several bpffs keep theirs apart and `vipr inspect` finds
+/// the one of the `--bpf-root` it is given.
+pub fn path(state_dir: &Path, bpf_root: &Path) -> PathBuf {
+    let root = bpf_root.canonicalize().unwrap_or_else(|_| bpf_root.to_owned());
+    let escaped: String = root
+        .to_string_lossy()
+        .trim_matches('/')
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '_' { c } else { '-' })
+        .collect();
+    state_dir.join(format!("ebpf-desired-state-{escaped}.json"))
+}
 
 /// Bumped when the record's layout changes: an older record is refused, not misread.
 const FORMAT: u32 = 1;
@@ -430,7 +442,8 @@ mod tests {
     #[test]
     fn the_record_is_written_whole_and_read_back() {
         let dir = std::env::temp_dir().join(format!("vipr-record-test-{}", std::process::id()));
-        let path = dir.join("state").join(FILE_NAME);
+        let path = path(&dir.join("state"), Path::new("/sys/fs/bpf"));
+        assert!(path.ends_with("state/ebpf-desired-state-sys-fs-bpf.json"), "{}", path.display());
         let mut entries = Entries::default();
         entries.services.insert("TCP 10.96.0.10:80 from pod".into(), entry(&["10.1.0.2:8080"]));
         write(&path, Path::new("/sys/fs/bpf/vipr"), &entries).unwrap();
