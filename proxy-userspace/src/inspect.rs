@@ -386,7 +386,7 @@ fn frontend_view(
         source: source_name(source),
         service_id: Some(service.service_id),
         service: None,
-        flags: flag_names(service.flags, usize::from(service.backend_count != 0)),
+        flags: flag_names(service.flags, service.backend_count != 0),
         affinity_seconds: (service.affinity_timeout != 0).then_some(service.affinity_timeout),
         backends,
     }

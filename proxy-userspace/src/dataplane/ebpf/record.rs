@@ -79,7 +79,7 @@ pub struct ServiceEntry {
 impl fmt::Display for ServiceEntry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "service {}", self.service_id)?;
-        let flags = flag_names(self.flags, self.backends.len());
+        let flags = flag_names(self.flags, !self.backends.is_empty());
         if !flags.is_empty() {
             write!(f, " [{}]", flags.join(","))?;
         }
@@ -125,7 +125,7 @@ pub fn source_name(class: u8) -> &'static str {
 }
 
 /// The names of a services entry's flags, and what it does without backends.
-pub fn flag_names(flags: u32, backend_count: usize) -> Vec<&'static str> {
+pub fn flag_names(flags: u32, has_backends: bool) -> Vec<&'static str> {
     let mut names = Vec::new();
     for (bit, name) in [
         (service_flags::MASQUERADE, "masquerade"),
@@ -137,7 +137,7 @@ pub fn flag_names(flags: u32, backend_count: usize) -> Vec<&'static str> {
             names.push(name);
         }
     }
-    if backend_count == 0 {
+    if !has_backends {
         names.push(if flags & service_flags::REJECT_WHEN_EMPTY != 0 { "rejects" } else { "drops" });
     }
     names
