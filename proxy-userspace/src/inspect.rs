@@ -94,7 +94,8 @@ enum View {
         #[arg(long, default_value_t = 1000)]
         limit: usize,
     },
-    /// Every pinned map: its type, entries and capacity.
+    /// Every pinned map: its type, entries and capacity; in ipvs mode kube-proxy's ipsets, and
+    /// in the iptables and ipvs modes the conntrack table.
     Maps,
     /// The devices with a pinned program link (TC ingress, XDP).
     Devices,
@@ -229,8 +230,13 @@ pub fn render(args: &InspectArgs) -> anyhow::Result<Rendered> {
         }
         View::Maps => {
             let maps = match mode {
-                Mode::Ipvs => ipvs::maps()?,
-                Mode::Iptables => return Err(unsupported("maps")),
+                // Without nf_conntrack loaded there is no table to fill.
+                Mode::Ipvs => {
+                    let mut maps = ipvs::maps()?;
+                    maps.extend(conntrack_table().ok());
+                    maps
+                }
+                Mode::Iptables => conntrack_table().into_iter().collect(),
                 _ => maps(&dir)?,
             };
             Rendered::from(match args.output {
@@ -705,6 +711,24 @@ fn maps(dir: &Path) -> anyhow::Result<Vec<MapView>> {
     }
     maps.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(maps)
+}
+
+/// The kernel's conntrack table as a map (iptables and ipvs modes): its entries in this
+/// network namespace against `nf_conntrack_max`. A full table drops new connections.
+fn conntrack_table() -> anyhow::Result<MapView> {
+    let read = |name: &str| -> anyhow::Result<u64> {
+        let path = Path::new("/proc/sys/net/netfilter").join(name);
+        let text =
+            std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        text.trim().parse().with_context(|| format!("{} holds {text:?}", path.display()))
+    };
+    Ok(MapView {
+        name: "conntrack".to_owned(),
+        kind: "netfilter".to_owned(),
+        entries: read("nf_conntrack_count")?,
+        capacity: u32::try_from(read("nf_conntrack_max")?).unwrap_or(u32::MAX),
+        fills: true,
+    })
 }
 
 fn maps_text(maps: &[MapView]) -> String {

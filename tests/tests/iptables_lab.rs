@@ -336,6 +336,17 @@ fn inspect_reads_services_and_flows_from_the_kernel_in_iptables_mode() {
         assert_eq!(shown[0]["frontend"], "10.96.0.10:80");
         assert_eq!(shown[0]["backend"], SocketAddr::from((backend_addr(&landed), 8080)).to_string().as_str());
 
+        // The conntrack table holds the session, within its capacity.
+        let maps: serde_json::Value = serde_json::from_str(&inspect(&lab, &["maps", "-o", "json"])).unwrap();
+        let conntrack = maps
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|map| map["name"] == "conntrack")
+            .unwrap_or_else(|| panic!("no conntrack table in {maps:#}"));
+        let entries = conntrack["entries"].as_u64().unwrap();
+        assert!(entries >= 1 && entries <= conntrack["capacity"].as_u64().unwrap(), "{conntrack:#}");
+
         if running {
             // Without endpoints the filter table rejects: so says inspect.
             lab.set_endpoints(&[]);
