@@ -32,7 +32,7 @@ use crate::{
     cli::ProxyMode,
     config::{LocalDetection, Settings, SourceSettings},
     dataplane::{
-        ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions},
+        ebpf::{record as ebpf_record, EbpfDataplane, EbpfOptions, HostTrafficOptions},
         iptables::{self, IptablesDataplane, IptablesOptions},
         ipvs::{self as ipvs_dataplane, IpvsDataplane, IpvsOptions},
         Dataplane, SyncReport,
@@ -111,6 +111,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         // uninstall DaemonSet passes no --devices).
         let devices = node::devices(&settings.devices).unwrap_or_else(|_| settings.devices.clone());
         let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &devices);
+        // The record of what the removed maps should hold (`vipr inspect drift`).
+        let _ = std::fs::remove_file(ebpf_record::path(&settings.state_dir, &settings.bpf_root));
         // An uninstall while kube-proxy is back leaves kube-proxy's rules serving.
         let (iptables, ipvs) = if settings.cleanup_keep_kube_proxy {
             (
@@ -152,7 +154,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
             if devices.is_empty() {
                 bail!("no device to attach to: pass --devices=IF[,IF...]");
             }
-            Box::new(EbpfDataplane::start_with(
+            let mut ebpf = EbpfDataplane::start_with(
                 &EbpfOptions {
                     bpf_root: settings.bpf_root.clone(),
                     devices,
@@ -162,7 +164,9 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
                     xdp: settings.xdp,
                 },
                 &HostTrafficOptions { cgroup_root: settings.cgroup_root.clone() },
-            )?)
+            )?;
+            ebpf.record_desired_state(ebpf_record::path(&settings.state_dir, &settings.bpf_root));
+            Box::new(ebpf)
         }
         ProxyMode::Ipvs => Box::new(IpvsDataplane::start(ipvs_options(settings))?),
     };

@@ -173,6 +173,11 @@ pub struct Args {
     #[arg(long, value_name = "DIR", default_value = "/sys/fs/bpf")]
     pub bpf_root: PathBuf,
 
+    /// Where vipr records the state it last programmed (eBPF mode: the map entries it
+    /// wants), for `vipr inspect drift` to compare with the kernel's.
+    #[arg(long, value_name = "DIR", default_value = crate::inspect::DEFAULT_STATE_DIR)]
+    pub state_dir: PathBuf,
+
     /// The cgroup v2 directory whose processes' connections to services are balanced at the
     /// socket level (eBPF mode; descendants included) [default: the cgroup2 mount point].
     #[arg(long, value_name = "DIR")]

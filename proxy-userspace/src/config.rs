@@ -145,6 +145,8 @@ pub struct Settings {
     /// Interfaces to serve; empty means every interface but loopback.
     pub devices: Vec<String>,
     pub bpf_root: PathBuf,
+    /// `--state-dir`: where the last programmed state is recorded for `vipr inspect drift`.
+    pub state_dir: PathBuf,
     /// `--cgroup-root`; `None`: the cgroup2 mount point.
     pub cgroup_root: Option<PathBuf>,
     pub bpf_map_sizes: BpfMapSizes,
@@ -509,6 +511,7 @@ impl Settings {
             node_name,
             devices: args.devices.iter().map(|d| d.trim().to_owned()).filter(|d| !d.is_empty()).collect(),
             bpf_root: args.bpf_root.clone(),
+            state_dir: args.state_dir.clone(),
             cgroup_root: args.cgroup_root.clone(),
             bpf_map_sizes: BpfMapSizes::resolve(args)?,
             conntrack: ConntrackTimeouts::resolve(args, &file)?,

@@ -1,7 +1,11 @@
-//! `vipr inspect`: what this node's eBPF datapath holds, read from its pinned maps, as
-//! `ipvsadm -Ln` shows IPVS: each frontend with its flags and backends, every map's fill
-//! against its capacity, the devices vipr is attached to. It reads the pins only, so it works
-//! while the agent runs and after it stopped (the datapath keeps serving then).
+//! `vipr inspect`: what this node's datapath holds, as `ipvsadm -Ln` shows IPVS: each frontend
+//! with its flags and backends, the tracked connections, every map's fill against its
+//! capacity, the devices vipr is attached to, and what differs between the state the agent
+//! last programmed and the kernel's (drift). In ebpf mode it reads the pinned maps; in
+//! iptables mode the nat table's chains ([`iptables`]); in ipvs mode the virtual services and
+//! ipsets ([`ipvs`]); flows come from conntrack in those two. It reads only the kernel (and
+//! the agent's record of its desired state), so it works while the agent runs and after it
+//! stopped (the datapath keeps serving then).
 use std::{
     collections::BTreeMap,
     ffi::OsString,
@@ -15,20 +19,37 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData, MapInfo, MapType};
 use clap::{Parser, Subcommand, ValueEnum};
-use proxy_common::{
-    flow_flags, pins, proto, service_flags, source_class, Backend4, Backend6, BackendSlot, Service,
-};
+use proxy_common::{flow_flags, pins, proto, Backend4, Backend6, BackendSlot, Service};
 use serde::Serialize;
 
 use crate::{
     bpf_sys,
-    dataplane::ebpf::{counters::CounterMap, reaper::TrackedFlow},
+    dataplane::{
+        ebpf::{
+            counters::CounterMap,
+            reaper::TrackedFlow,
+            record::{self, flag_names, protocol_name, source_name},
+        },
+        iptables::conntrack,
+    },
 };
+
+mod iptables;
+mod ipvs;
+
+/// Where the agent records the state it last programmed, unless `--state-dir` says otherwise.
+pub const DEFAULT_STATE_DIR: &str = "/run/vipr";
+
+/// Exit status of `vipr inspect drift` when the kernel differs from the agent's desired state
+/// (0: it does not; 2: inspect failed).
+pub const EXIT_DRIFT: u8 = 1;
+const EXIT_ERROR: u8 = 2;
 
 #[derive(Parser, Debug)]
 #[command(
     name = "vipr inspect",
-    about = "Shows what this node's eBPF datapath holds (read from its pinned maps)"
+    about = "Shows what this node's datapath holds: the pinned maps in ebpf mode, the kernel's \
+             rules, IPVS services and conntrack in the iptables and ipvs modes"
 )]
 pub struct InspectArgs {
     #[command(subcommand)]
@@ -36,6 +57,13 @@ pub struct InspectArgs {
     /// Where the bpffs is: vipr's pins are under `<bpf-root>/vipr`.
     #[arg(long, global = true, default_value = "/sys/fs/bpf")]
     bpf_root: PathBuf,
+    /// The agent's `--state-dir`, where it records the state it last programmed (for `drift`).
+    #[arg(long, global = true, default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    /// The datapath to read. `auto`: ebpf when vipr's pins are under --bpf-root, else ipvs when
+    /// the interface kube-ipvs0 exists, else iptables when vipr's chains are in the nat table.
+    #[arg(long, visible_alias = "proxy-mode", global = true, value_enum, default_value_t = Mode::Auto)]
+    mode: Mode,
     /// `text` (aligned columns) or `json`.
     #[arg(short = 'o', long = "output", global = true, value_enum, default_value_t = Output::Text)]
     output: Output,
@@ -66,10 +94,34 @@ enum View {
         #[arg(long, default_value_t = 1000)]
         limit: usize,
     },
-    /// Every pinned map: its type, entries and capacity.
+    /// Every pinned map: its type, entries and capacity; in ipvs mode kube-proxy's ipsets, and
+    /// in the iptables and ipvs modes the conntrack table.
     Maps,
     /// The devices with a pinned program link (TC ingress, XDP).
     Devices,
+    /// What differs between the entries the agent last meant to program (recorded in
+    /// --state-dir after each sync) and what the maps hold: entries missing from the kernel,
+    /// extra there, or different. Exits 1 when anything differs. ebpf mode.
+    Drift,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    Auto,
+    Ebpf,
+    Iptables,
+    Ipvs,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Ebpf => "ebpf",
+            Self::Iptables => "iptables",
+            Self::Ipvs => "ipvs",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -82,34 +134,82 @@ enum Output {
 pub fn main(args: Vec<OsString>) -> ExitCode {
     let args = InspectArgs::parse_from(std::iter::once(OsString::from("vipr inspect")).chain(args));
     match render(&args) {
-        Ok(text) => {
-            print!("{text}");
-            ExitCode::SUCCESS
+        Ok(rendered) => {
+            print!("{}", rendered.text);
+            if rendered.drift {
+                ExitCode::from(EXIT_DRIFT)
+            } else {
+                ExitCode::SUCCESS
+            }
         }
         Err(error) => {
             eprintln!("vipr inspect: {error:#}");
-            ExitCode::FAILURE
+            ExitCode::from(EXIT_ERROR)
         }
     }
 }
 
+/// A view as it is printed.
+pub struct Rendered {
+    pub text: String,
+    /// The drift view found differences.
+    pub drift: bool,
+}
+
+impl From<String> for Rendered {
+    fn from(text: String) -> Self {
+        Self { text, drift: false }
+    }
+}
+
+/// The mode `args` asks for, or the one whose state is found here.
+fn detect(args: &InspectArgs, pin_dir: &Path) -> anyhow::Result<Mode> {
+    if args.mode != Mode::Auto {
+        return Ok(args.mode);
+    }
+    if pin_dir.join(pins::SERVICES4).exists() {
+        Ok(Mode::Ebpf)
+    } else if ipvs::present() {
+        Ok(Mode::Ipvs)
+    } else if iptables::present() {
+        Ok(Mode::Iptables)
+    } else {
+        anyhow::bail!(
+            "no vipr datapath found here: no pins under {}, no interface {}, no service chains in the \
+             nat table (pass --mode, or --bpf-root for pins elsewhere)",
+            pin_dir.display(),
+            crate::dataplane::ipvs::link::DUMMY_INTERFACE
+        )
+    }
+}
+
 /// The view `args` asks for, as it is printed.
-pub fn render(args: &InspectArgs) -> anyhow::Result<String> {
+pub fn render(args: &InspectArgs) -> anyhow::Result<Rendered> {
     let dir = args.bpf_root.join(pins::DIR);
-    anyhow::ensure!(
-        dir.is_dir(),
-        "{} does not exist: vipr's eBPF datapath is not installed here",
-        dir.display()
-    );
-    match &args.view {
+    let mode = detect(args, &dir)?;
+    if mode == Mode::Ebpf {
+        anyhow::ensure!(
+            dir.is_dir(),
+            "{} does not exist: vipr's eBPF datapath is not installed here",
+            dir.display()
+        );
+    }
+    let unsupported =
+        |view: &str| anyhow::anyhow!("`vipr inspect {view}` has nothing to show in {} mode", mode.name());
+    Ok(match &args.view {
         View::Services { frontend } => {
-            let mut frontends = services(&dir)?;
+            let mut frontends = match mode {
+                Mode::Iptables => iptables::services()?,
+                Mode::Ipvs => ipvs::services()?,
+                _ => services(&dir)?,
+            };
+            sort_frontends(&mut frontends);
             if let Some(filter) = frontend {
                 frontends.retain(|frontend| matches_frontend(frontend, filter));
             }
-            Ok(match args.output {
+            Rendered::from(match args.output {
                 Output::Json => json(&frontends)?,
-                Output::Text => services_text(&frontends),
+                Output::Text => services_text(&frontends, mode),
             })
         }
         View::Flows { frontend, backend, client, limit } => {
@@ -118,27 +218,54 @@ pub fn render(args: &InspectArgs) -> anyhow::Result<String> {
                 backend: backend.as_deref().map(Endpoint::parse).transpose()?,
                 client: client.as_deref().map(Endpoint::parse).transpose()?,
             };
-            let flows = flows(&dir, &filter, *limit)?;
-            Ok(match args.output {
+            let flows = match mode {
+                Mode::Iptables => conntrack_flows(&iptables::services()?, &filter, *limit)?,
+                Mode::Ipvs => conntrack_flows(&ipvs::services()?, &filter, *limit)?,
+                _ => flows(&dir, &filter, *limit)?,
+            };
+            Rendered::from(match args.output {
                 Output::Json => json(&flows)?,
                 Output::Text => flows_text(&flows),
             })
         }
         View::Maps => {
-            let maps = maps(&dir)?;
-            Ok(match args.output {
+            let maps = match mode {
+                // Without nf_conntrack loaded there is no table to fill.
+                Mode::Ipvs => {
+                    let mut maps = ipvs::maps()?;
+                    maps.extend(conntrack_table().ok());
+                    maps
+                }
+                Mode::Iptables => conntrack_table().into_iter().collect(),
+                _ => maps(&dir)?,
+            };
+            Rendered::from(match args.output {
                 Output::Json => json(&maps)?,
                 Output::Text => maps_text(&maps),
             })
         }
         View::Devices => {
+            if mode != Mode::Ebpf {
+                return Err(unsupported("devices"));
+            }
             let devices = devices(&dir)?;
-            Ok(match args.output {
+            Rendered::from(match args.output {
                 Output::Json => json(&devices)?,
                 Output::Text => devices_text(&devices),
             })
         }
-    }
+        View::Drift => {
+            if mode != Mode::Ebpf {
+                return Err(unsupported("drift"));
+            }
+            let drift = drift(&dir, &record::path(&args.state_dir, &args.bpf_root))?;
+            let text = match args.output {
+                Output::Json => json(&drift)?,
+                Output::Text => drift_text(&drift),
+            };
+            Rendered { text, drift: !drift.differences.is_empty() }
+        }
+    })
 }
 
 fn json<T: Serialize>(value: &T) -> anyhow::Result<String> {
@@ -151,8 +278,13 @@ pub struct FrontendView {
     pub protocol: &'static str,
     pub frontend: SocketAddr,
     /// `outside`, `pod` or `node`: whose packets this entry decides for.
+    /// `all` in the iptables and ipvs modes, which are read per frontend only.
     pub source: &'static str,
-    pub service_id: u32,
+    /// The services map's id of the service port (ebpf mode).
+    pub service_id: Option<u32>,
+    /// The service port, where the kernel's state names it (iptables mode's comments).
+    pub service: Option<String>,
+    /// The entry's flags; in ipvs mode the scheduler (`rr`, ...).
     pub flags: Vec<&'static str>,
     /// ClientIP affinity's timeout; none without affinity.
     pub affinity_seconds: Option<u32>,
@@ -163,47 +295,18 @@ pub struct FrontendView {
 pub struct BackendView {
     pub address: SocketAddr,
     /// How many of the frontend's slots hold it: 1 each with random choice, its share of
-    /// the table with Maglev.
+    /// the table with Maglev; in ipvs mode the real server's weight.
     pub slots: u32,
-    /// Since the agent programmed this (frontend, backend) pair, both directions.
+    /// Since the agent programmed this (frontend, backend) pair, both directions. In
+    /// iptables mode the counters of the endpoint's DNAT rule, which sees the first packet
+    /// of each connection only; none in ipvs mode.
     pub packets: u64,
     pub bytes: u64,
-}
-
-fn protocol_name(number: u8) -> &'static str {
-    match number {
-        proto::TCP => "TCP",
-        proto::UDP => "UDP",
-        proto::SCTP => "SCTP",
-        _ => "?",
-    }
-}
-
-fn source_name(class: u8) -> &'static str {
-    match class {
-        source_class::OUTSIDE => "outside",
-        source_class::POD => "pod",
-        source_class::NODE => "node",
-        _ => "?",
-    }
-}
-
-fn flag_names(service: &Service) -> Vec<&'static str> {
-    let mut names = Vec::new();
-    for (bit, name) in [
-        (service_flags::MASQUERADE, "masquerade"),
-        (service_flags::REJECT_WHEN_EMPTY, "reject-when-empty"),
-        (service_flags::SOURCE_RANGES, "source-ranges"),
-        (service_flags::MAGLEV, "maglev"),
-    ] {
-        if service.flags & bit != 0 {
-            names.push(name);
-        }
-    }
-    if service.backend_count == 0 {
-        names.push(if service.flags & service_flags::REJECT_WHEN_EMPTY != 0 { "rejects" } else { "drops" });
-    }
-    names
+    /// ipvs mode: the connections IPVS tracks to the real server.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_connections: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inactive_connections: Option<u32>,
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(dir: &Path, name: &str) -> anyhow::Result<BpfHashMap<MapData, K, V>> {
@@ -242,6 +345,11 @@ fn services(dir: &Path) -> anyhow::Result<Vec<FrontendView>> {
         });
         frontends.push(frontend_view(address, key.proto, key.source_class, &service, slots, &counted));
     }
+    Ok(frontends)
+}
+
+/// By address, port, protocol and source class.
+fn sort_frontends(frontends: &mut [FrontendView]) {
     frontends.sort_by(|a, b| {
         (a.frontend.ip(), a.frontend.port(), a.protocol, a.source).cmp(&(
             b.frontend.ip(),
@@ -250,7 +358,6 @@ fn services(dir: &Path) -> anyhow::Result<Vec<FrontendView>> {
             b.source,
         ))
     });
-    Ok(frontends)
 }
 
 fn frontend_view(
@@ -269,15 +376,23 @@ fn frontend_view(
         .into_iter()
         .map(|(address, (slots, counter))| {
             let (packets, bytes) = counted(counter);
-            BackendView { address, slots, packets, bytes }
+            BackendView {
+                address,
+                slots,
+                packets,
+                bytes,
+                active_connections: None,
+                inactive_connections: None,
+            }
         })
         .collect();
     FrontendView {
         protocol: protocol_name(protocol),
         frontend,
         source: source_name(source),
-        service_id: service.service_id,
-        flags: flag_names(service),
+        service_id: Some(service.service_id),
+        service: None,
+        flags: flag_names(service.flags, service.backend_count != 0),
         affinity_seconds: (service.affinity_timeout != 0).then_some(service.affinity_timeout),
         backends,
     }
@@ -296,10 +411,15 @@ fn same_backends(a: &[BackendView], b: &[BackendView]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(a, b)| (a.address, a.slots) == (b.address, b.slots))
 }
 
-fn services_text(frontends: &[FrontendView]) -> String {
+fn services_text(frontends: &[FrontendView], mode: Mode) -> String {
     let mut text = String::new();
-    let _ = writeln!(text, "{:<5} {:<42} {:<18} {:<6} Flags", "Prot", "Frontend", "From", "Id");
-    let _ = writeln!(text, "  -> {:<38} {:>6} {:>12} {:>14}", "Backend", "Slots", "Packets", "Bytes");
+    let (service, columns) = match mode {
+        Mode::Iptables => ("Service", ["Weight", "Conns", "Bytes"]),
+        Mode::Ipvs => ("Id", ["Weight", "ActiveConn", "InActConn"]),
+        _ => ("Id", ["Slots", "Packets", "Bytes"]),
+    };
+    let _ = writeln!(text, "{:<5} {:<42} {:<18} {:<6} Flags", "Prot", "Frontend", "From", service);
+    let _ = writeln!(text, "  -> {:<38} {:>6} {:>12} {:>14}", "Backend", columns[0], columns[1], columns[2]);
     // Source classes that a frontend treats alike share one block: the counters belong to the
     // (frontend, backend) pair, not to a class.
     let mut index = 0;
@@ -319,23 +439,32 @@ fn services_text(frontends: &[FrontendView]) -> String {
         if let Some(seconds) = frontend.affinity_seconds {
             flags.push_str(&format!("{}affinity {seconds}s", if flags.is_empty() { "" } else { "," }));
         }
+        let service = match (&frontend.service, frontend.service_id) {
+            (Some(name), _) => name.clone(),
+            (None, Some(id)) => id.to_string(),
+            (None, None) => "-".to_owned(),
+        };
         let _ = writeln!(
             text,
             "{:<5} {:<42} {:<18} {:<6} {}",
             frontend.protocol,
             frontend.frontend.to_string(),
             sources.join(","),
-            frontend.service_id,
+            service,
             flags
         );
         for backend in &frontend.backends {
+            let counts = match (backend.active_connections, backend.inactive_connections) {
+                (Some(active), Some(inactive)) => (u64::from(active), u64::from(inactive)),
+                _ => (backend.packets, backend.bytes),
+            };
             let _ = writeln!(
                 text,
                 "  -> {:<38} {:>6} {:>12} {:>14}",
                 backend.address.to_string(),
                 backend.slots,
-                backend.packets,
-                backend.bytes
+                counts.0,
+                counts.1
             );
         }
     }
@@ -394,10 +523,11 @@ pub struct FlowView {
     /// The node's address and port the backend sees when the connection is masqueraded.
     pub masquerade: Option<SocketAddr>,
     /// `new`, `syn-sent`, `syn-recv`, `replied`, `established`, `closing` (a FIN seen),
-    /// `reset`, or `tracked` (an entry of an earlier vipr without handshake tracking).
+    /// `reset`, or `tracked` (an entry of an earlier vipr without handshake tracking, or a
+    /// conntrack entry in the iptables and ipvs modes).
     pub state: &'static str,
-    /// Seconds since the client's latest packet (to about a second).
-    pub idle_seconds: u64,
+    /// Seconds since the client's latest packet (to about a second); none from conntrack.
+    pub idle_seconds: Option<u64>,
 }
 
 /// The connections matching `filter`, the most recently active first, at most `limit`; the
@@ -464,13 +594,60 @@ fn forward_flows<F: TrackedFlow>(
             backend: if rewrites(flow_flags::REWRITE_DESTINATION) { nat_destination } else { frontend },
             masquerade: rewrites(flow_flags::REWRITE_SOURCE).then_some(nat_source),
             state: state_name(protocol, track.state),
-            idle_seconds: now.saturating_sub(track.last_seen) / 1_000_000_000,
+            idle_seconds: Some(now.saturating_sub(track.last_seen) / 1_000_000_000),
         };
         if filter.admits(&view) {
             flows.push(view);
         }
     }
     Ok(flows)
+}
+
+/// The conntrack entries to `frontends` (iptables and ipvs modes): a connection whose reply
+/// comes from another address than the client asked for was sent to that backend; one whose
+/// reply goes to another address than the client's was masqueraded. Node ports (listed on
+/// the unspecified address) match on any address.
+fn conntrack_flows(
+    frontends: &[FrontendView],
+    filter: &FlowFilter,
+    limit: usize,
+) -> anyhow::Result<FlowsView> {
+    let served: std::collections::BTreeSet<(SocketAddr, &str)> =
+        frontends.iter().map(|frontend| (frontend.frontend, frontend.protocol)).collect();
+    let entries = conntrack::entries().context("cannot read the conntrack table")?;
+    let mut matching: Vec<FlowView> = entries
+        .into_iter()
+        .filter_map(|entry| {
+            let protocol = protocol_name(entry.original.protocol);
+            let frontend = entry.original.dst;
+            let any = SocketAddr::new(
+                if frontend.is_ipv4() {
+                    std::net::Ipv4Addr::UNSPECIFIED.into()
+                } else {
+                    std::net::Ipv6Addr::UNSPECIFIED.into()
+                },
+                frontend.port(),
+            );
+            if !served.contains(&(frontend, protocol)) && !served.contains(&(any, protocol)) {
+                return None;
+            }
+            let client = entry.original.src;
+            Some(FlowView {
+                protocol,
+                client,
+                frontend,
+                backend: entry.reply.src,
+                masquerade: (entry.reply.dst != client).then_some(entry.reply.dst),
+                state: "tracked",
+                idle_seconds: None,
+            })
+        })
+        .filter(|flow| filter.admits(flow))
+        .collect();
+    let total = matching.len();
+    matching.sort_by_key(|flow| (flow.frontend, flow.client));
+    matching.truncate(limit);
+    Ok(FlowsView { matching: total, shown: matching })
 }
 
 fn flows_text(flows: &FlowsView) -> String {
@@ -481,13 +658,13 @@ fn flows_text(flows: &FlowsView) -> String {
     for flow in &flows.shown {
         let _ = writeln!(
             text,
-            "{:<5} {:<30} {:<30} {:<30} {:<12} {:>4}s  {}",
+            "{:<5} {:<30} {:<30} {:<30} {:<12} {:>5}  {}",
             flow.protocol,
             flow.client.to_string(),
             flow.frontend.to_string(),
             flow.backend.to_string(),
             flow.state,
-            flow.idle_seconds,
+            flow.idle_seconds.map_or_else(|| "-".to_owned(), |seconds| format!("{seconds}s")),
             flow.masquerade.map_or_else(|| "-".to_owned(), |address| address.to_string())
         );
     }
@@ -534,6 +711,24 @@ fn maps(dir: &Path) -> anyhow::Result<Vec<MapView>> {
     }
     maps.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(maps)
+}
+
+/// The kernel's conntrack table as a map (iptables and ipvs modes): its entries in this
+/// network namespace against `nf_conntrack_max`. A full table drops new connections.
+fn conntrack_table() -> anyhow::Result<MapView> {
+    let read = |name: &str| -> anyhow::Result<u64> {
+        let path = Path::new("/proc/sys/net/netfilter").join(name);
+        let text =
+            std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        text.trim().parse().with_context(|| format!("{} holds {text:?}", path.display()))
+    };
+    Ok(MapView {
+        name: "conntrack".to_owned(),
+        kind: "netfilter".to_owned(),
+        entries: read("nf_conntrack_count")?,
+        capacity: u32::try_from(read("nf_conntrack_max")?).unwrap_or(u32::MAX),
+        fills: true,
+    })
 }
 
 fn maps_text(maps: &[MapView]) -> String {
@@ -592,5 +787,77 @@ fn devices_text(devices: &[DeviceView]) -> String {
         let state = if device.present { "attached" } else { "device gone" };
         let _ = writeln!(text, "{:<16} {:<12} {state}", device.device, device.program);
     }
+    text
+}
+
+/// The agent's record against the pins.
+#[derive(Debug, Serialize)]
+pub struct DriftView {
+    /// The record compared with, and when the agent wrote it.
+    pub record: PathBuf,
+    pub recorded_unix_seconds: u64,
+    /// Entries compared (services entries and classifier entries the agent wants).
+    pub wanted_entries: usize,
+    pub differences: Vec<record::Difference>,
+}
+
+fn drift(pin_dir: &Path, record_path: &Path) -> anyhow::Result<DriftView> {
+    let recorded = record::read(record_path)?;
+    let same_dir = |a: &Path, b: &Path| {
+        a == b || a.canonicalize().ok().is_some_and(|a| b.canonicalize().ok() == Some(a))
+    };
+    anyhow::ensure!(
+        same_dir(&recorded.pin_dir, pin_dir),
+        "{} records the datapath pinned at {}, not {} (pass the agent's --bpf-root and --state-dir)",
+        record_path.display(),
+        recorded.pin_dir.display(),
+        pin_dir.display()
+    );
+    let kernel = record::Entries::pinned(pin_dir)?;
+    let wanted = &recorded.entries;
+    Ok(DriftView {
+        record: record_path.to_owned(),
+        recorded_unix_seconds: recorded.written_unix_seconds,
+        wanted_entries: wanted.services.len() + wanted.classifiers.values().map(BTreeMap::len).sum::<usize>(),
+        differences: record::compare(wanted, &kernel),
+    })
+}
+
+fn drift_text(drift: &DriftView) -> String {
+    let age = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |now| now.as_secs())
+        .saturating_sub(drift.recorded_unix_seconds);
+    let mut text = format!(
+        "Desired state: {} ({} entries, recorded {age}s ago)\n",
+        drift.record.display(),
+        drift.wanted_entries
+    );
+    if drift.differences.is_empty() {
+        text.push_str("No drift: the kernel holds what the agent wants.\n");
+        return text;
+    }
+    let _ = writeln!(text, "{:<10} {:<16} {:<40} Content", "Drift", "Map", "Entry");
+    for difference in &drift.differences {
+        // One line per side that has the entry: `wanted:` (missing, different), `kernel:`
+        // (extra, different).
+        let sides = [("wanted", &difference.wanted), ("kernel", &difference.kernel)];
+        let mut first = true;
+        for (side, content) in sides {
+            let Some(content) = content else { continue };
+            let (kind, map, key) = if first {
+                (difference.kind, difference.map.as_str(), difference.key.as_str())
+            } else {
+                ("", "", "")
+            };
+            let _ = writeln!(text, "{kind:<10} {map:<16} {key:<40} {side}: {content}");
+            first = false;
+        }
+    }
+    let _ = writeln!(
+        text,
+        "{} entries differ (a sync in progress can show briefly: run again to confirm)",
+        drift.differences.len()
+    );
     text
 }

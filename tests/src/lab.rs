@@ -245,6 +245,11 @@ impl Drop for Lab {
                 eprintln!("testbed: earlier vipr {}", log_tail(log));
             }
         }
+        // The agent first, so that it writes no record after this: the record of its desired
+        // state it left in the host's state directory goes with the lab.
+        drop(self.vipr.take());
+        let state_dir = Path::new(vipr::inspect::DEFAULT_STATE_DIR);
+        let _ = std::fs::remove_file(vipr::dataplane::ebpf::record::path(state_dir, self.bpf_root()));
     }
 }
 

@@ -307,8 +307,9 @@ fn a_listed_device_created_again_is_served_again() {
     assert_eq!(backends_reached(&lab, http(), CONNECTIONS), names(&ENDPOINTS));
 }
 
-/// `vipr inspect ARGS --bpf-root=<the lab's>` in the node namespace: its stdout.
-fn inspect(lab: &Lab, args: &[&str]) -> String {
+/// `vipr inspect ARGS --bpf-root=<the lab's>` in the node namespace: its exit code, stdout and
+/// stderr.
+fn run_inspect(lab: &Lab, args: &[&str]) -> (Option<i32>, String, String) {
     let output = lab
         .node()
         .command(locate_vipr().unwrap())
@@ -318,8 +319,15 @@ fn inspect(lab: &Lab, args: &[&str]) -> String {
         .arg(format!("--bpf-root={}", lab.bpf_root().display()))
         .output()
         .unwrap();
-    assert!(output.status.success(), "vipr inspect {args:?}: {}", String::from_utf8_lossy(&output.stderr));
-    String::from_utf8(output.stdout).unwrap()
+    let text = |bytes: Vec<u8>| String::from_utf8(bytes).unwrap();
+    (output.status.code(), text(output.stdout), text(output.stderr))
+}
+
+/// [`run_inspect`] that must succeed: its stdout.
+fn inspect(lab: &Lab, args: &[&str]) -> String {
+    let (code, stdout, stderr) = run_inspect(lab, args);
+    assert_eq!(code, Some(0), "vipr inspect {args:?}: {stderr}");
+    stdout
 }
 
 #[test]
@@ -567,4 +575,80 @@ fn icmp_errors_and_fragments_cross_the_vip() {
     let received = server.join().unwrap().expect("b1 received the datagram");
     assert!(received == sent, "b1 received {} bytes, not the 4000 sent", received.len());
     assert!(echoed == sent, "the echo came back as {} bytes, not the 4000 sent", echoed.len());
+}
+
+#[test]
+fn inspect_drift_is_empty_when_synced_and_names_entries_changed_behind_the_agent() {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_common::{pins, source_class, Backend4, BackendSlot, Service, ServiceKey4};
+
+    let mut lab = running_lab("e2e-drift");
+    // The agent records its desired state after the sync that programmed the maps.
+    let report = testbed::wait_for("no drift on the synced node", Duration::from_secs(10), || {
+        let (code, stdout, stderr) = run_inspect(&lab, &["drift", "-o", "json"]);
+        Ok(match code {
+            Some(0) => Check::Done(stdout),
+            other => Check::NotYet(format!("exit {other:?}: {stdout}{stderr}")),
+        })
+    })
+    .unwrap();
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert_eq!(report["differences"], serde_json::json!([]), "{report:#}");
+    // http and dns for three source classes, and the cluster IP's reject entry at least.
+    assert!(report["wanted_entries"].as_u64().unwrap() >= 7, "{report:#}");
+    assert!(inspect(&lab, &["drift"]).contains("No drift"));
+
+    // Behind the stopped agent's back: one entry deleted, one backend slot pointed elsewhere.
+    lab.stop_vipr().unwrap();
+    let open = |map: &str| MapData::from_pin(lab.maps().path(map)).unwrap();
+    let mut services: HashMap<_, ServiceKey4, Service> =
+        HashMap::try_from(Map::HashMap(open(pins::SERVICES4))).unwrap();
+    let key = |port, proto, source_class| ServiceKey4 { addr: VIP.octets(), port, proto, source_class };
+    services.remove(&key(80, proxy_common::proto::TCP, source_class::POD)).unwrap();
+    let dns = services.get(&key(53, proxy_common::proto::UDP, source_class::OUTSIDE), 0).unwrap();
+    let mut backends: HashMap<_, BackendSlot, Backend4> =
+        HashMap::try_from(Map::HashMap(open(pins::BACKENDS4))).unwrap();
+    let slot = BackendSlot { backend_set: dns.backend_set, slot: 0 };
+    let mut backend = backends.get(&slot, 0).unwrap();
+    backend.addr = backend_addr(DECOY).octets();
+    backends.insert(slot, backend, 0).unwrap();
+
+    let (code, stdout, stderr) = run_inspect(&lab, &["drift", "-o", "json"]);
+    assert_eq!(code, Some(1), "drift exits 1: {stdout}{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let differences = report["differences"].as_array().unwrap();
+    let found = |key: &str| {
+        differences
+            .iter()
+            .find(|difference| difference["key"] == key)
+            .unwrap_or_else(|| panic!("{key} not in {report:#}"))
+    };
+    let missing = found("TCP 10.96.0.10:80 from pod");
+    assert_eq!(missing["kind"], "missing", "{missing:#}");
+    assert!(missing["kernel"].is_null());
+    // Every entry sharing the set sees the decoy now.
+    let decoy = SocketAddr::from((backend_addr(DECOY), 5353)).to_string();
+    for source in ["outside", "pod", "node"] {
+        let changed = found(&format!("UDP 10.96.0.10:53 from {source}"));
+        assert_eq!(changed["kind"], "different", "{changed:#}");
+        assert!(changed["kernel"].as_str().unwrap().contains(&decoy), "{changed:#}");
+        assert!(!changed["wanted"].as_str().unwrap().contains(&decoy), "{changed:#}");
+    }
+    assert_eq!(differences.len(), 4, "nothing else differs: {report:#}");
+
+    let (code, text, _) = run_inspect(&lab, &["drift"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        text.lines().any(|line| line.starts_with("missing") && line.contains("TCP 10.96.0.10:80 from pod")),
+        "{text}"
+    );
+
+    // A restarted agent repairs the maps: no drift again.
+    lab.start_vipr().unwrap();
+    lab.wait_programmed().unwrap();
+    testbed::wait_for("the restarted agent to repair the drift", Duration::from_secs(10), || {
+        let (code, stdout, stderr) = run_inspect(&lab, &["drift"]);
+        Ok(if code == Some(0) { Check::Done(()) } else { Check::NotYet(format!("{stdout}{stderr}")) })
+    })
+    .unwrap();
 }

@@ -268,3 +268,101 @@ fn cluster_ip_and_node_port_are_balanced_by_iptables_rules() {
         lab.client().run(|| Ok(testbed::tcp_exchange(SocketAddr::from((VIP, 80)), TIMEOUT))).unwrap();
     assert!(after_cleanup.is_err(), "the VIP is no longer served: {after_cleanup:?}");
 }
+
+/// `vipr inspect ARGS` in the lab's node namespace (mode detected: no pins, no kube-ipvs0):
+/// its stdout, which must come with success.
+fn inspect(lab: &IptablesLab, args: &[&str]) -> String {
+    let output = lab
+        .topology
+        .node()
+        .command(locate_vipr().unwrap())
+        .unwrap()
+        .arg("inspect")
+        .args(args)
+        .arg("--bpf-root=/nonexistent-vipr-bpffs")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "vipr inspect {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8(output.stdout).unwrap()
+}
+
+#[test]
+fn inspect_reads_services_and_flows_from_the_kernel_in_iptables_mode() {
+    let mut lab = IptablesLab::start("ipt-inspect");
+    let endpoints = |port| -> BTreeSet<String> {
+        ENDPOINTS.iter().map(|name| SocketAddr::from((backend_addr(name), port)).to_string()).collect()
+    };
+    // A connection held open, to be found among the flows.
+    let mut session =
+        lab.client().run(|| testbed::TcpSession::connect(SocketAddr::from((VIP, 80)), TIMEOUT)).unwrap();
+    let landed = session.ask().unwrap().backend;
+    let client = session.local_addr().unwrap().to_string();
+
+    for running in [true, false] {
+        let services: serde_json::Value =
+            serde_json::from_str(&inspect(&lab, &["services", "-o", "json"])).unwrap();
+        for (frontend, protocol, port) in
+            [("10.96.0.10:80", "TCP", 8080), ("10.96.0.10:53", "UDP", 5353), ("0.0.0.0:30080", "TCP", 8080)]
+        {
+            let entry = services
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|entry| entry["frontend"] == frontend && entry["protocol"] == protocol)
+                .unwrap_or_else(|| panic!("no {protocol} {frontend} in {services:#}"));
+            let listed: BTreeSet<String> = entry["backends"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|backend| backend["address"].as_str().unwrap().to_owned())
+                .collect();
+            assert_eq!(listed, endpoints(port), "{entry:#}");
+            assert_eq!(
+                entry["service"],
+                if protocol == "TCP" { "default/web:http" } else { "default/web:dns" }
+            );
+        }
+        let text = inspect(&lab, &["services", "--mode=iptables", "--frontend", "10.96.0.10:80"]);
+        assert!(text.lines().any(|line| line.starts_with("TCP") && line.contains("10.96.0.10:80")), "{text}");
+        for endpoint in endpoints(8080) {
+            assert!(text.contains(&format!("  -> {endpoint}")), "{endpoint} missing:\n{text}");
+        }
+
+        // Where the client's connection landed, from conntrack.
+        let flows: serde_json::Value =
+            serde_json::from_str(&inspect(&lab, &["flows", "-o", "json", "--client", &client])).unwrap();
+        let shown = flows["shown"].as_array().unwrap();
+        assert_eq!(shown.len(), 1, "{flows:#}");
+        assert_eq!(shown[0]["frontend"], "10.96.0.10:80");
+        assert_eq!(shown[0]["backend"], SocketAddr::from((backend_addr(&landed), 8080)).to_string().as_str());
+
+        // The conntrack table holds the session, within its capacity.
+        let maps: serde_json::Value = serde_json::from_str(&inspect(&lab, &["maps", "-o", "json"])).unwrap();
+        let conntrack = maps
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|map| map["name"] == "conntrack")
+            .unwrap_or_else(|| panic!("no conntrack table in {maps:#}"));
+        let entries = conntrack["entries"].as_u64().unwrap();
+        assert!(entries >= 1 && entries <= conntrack["capacity"].as_u64().unwrap(), "{conntrack:#}");
+
+        if running {
+            // Without endpoints the filter table rejects: so says inspect.
+            lab.set_endpoints(&[]);
+            let services: serde_json::Value = serde_json::from_str(&inspect(
+                &lab,
+                &["services", "-o", "json", "--frontend", "10.96.0.10:80"],
+            ))
+            .unwrap();
+            assert_eq!(services.as_array().unwrap().len(), 1, "{services:#}");
+            assert_eq!(services[0]["flags"], serde_json::json!(["rejects"]), "{services:#}");
+            assert_eq!(services[0]["backends"], serde_json::json!([]), "{services:#}");
+            lab.set_endpoints(&ENDPOINTS);
+            // The rules outlive the agent: inspect reads them all the same.
+            let status = lab.vipr.take().unwrap().stop().unwrap();
+            assert!(status.success(), "{status}");
+        }
+    }
+    assert_eq!(session.ask().unwrap().backend, landed);
+}

@@ -75,7 +75,7 @@ fn in_a_uml_guest() {
     assert_eq!(outcome.code, 0, "the guest tests failed (their output is above)");
     let passed =
         outcome.stdout.lines().filter(|line| line.starts_with("test guest_") && line.ends_with("ok")).count();
-    assert_eq!(passed, 3, "every guest test ran and passed:\n{}", outcome.stdout);
+    assert_eq!(passed, 4, "every guest test ran and passed:\n{}", outcome.stdout);
 }
 
 fn tcp_frontend(port: u16) -> Frontend {
@@ -401,4 +401,70 @@ fn guest_cleanup_removes_everything_the_dataplane_installed() {
     assert!(!run_in(&node, "ipset", &["list", "-n"]).contains("KUBE-"));
     assert!(!run_in(&node, "ip", &["link"]).contains(DUMMY_INTERFACE));
     assert!(node.run(|| Ok(Ipvs::open()?.services()?.is_empty())).unwrap());
+}
+
+#[test]
+#[ignore = "runs inside the UML guest that in_a_uml_guest boots"]
+fn guest_inspect_lists_the_virtual_services_and_ipsets() {
+    let node = Netns::create(&testbed::unique_name("ipvs-inspect")).unwrap();
+    let desired = state(&[backend(B1, 8080), backend(B2, 8080)], &[backend(B1, 5353)], &[], BTreeSet::new());
+    node.run(|| {
+        let mut dataplane = IpvsDataplane::start(IpvsOptions::default())?;
+        dataplane.sync(&desired)?;
+        Ok(())
+    })
+    .unwrap();
+    let vipr = testbed::locate_vipr().unwrap();
+    let inspect = |args: &[&str]| {
+        let output = node
+            .command(&vipr)
+            .unwrap()
+            .arg("inspect")
+            .args(args)
+            // No pins to find: the mode is told by kube-ipvs0.
+            .arg("--bpf-root=/nonexistent-vipr-bpffs")
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "vipr inspect {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8(output.stdout).unwrap()
+    };
+
+    let services: serde_json::Value = serde_json::from_str(&inspect(&["services", "-o", "json"])).unwrap();
+    let listed: BTreeMap<String, BTreeSet<String>> = services
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| {
+            let backends = entry["backends"].as_array().unwrap();
+            assert!(backends.iter().all(|backend| backend["slots"] == 1), "weight 1 each: {entry:#}");
+            let key =
+                format!("{} {}", entry["protocol"].as_str().unwrap(), entry["frontend"].as_str().unwrap());
+            (key, backends.iter().map(|backend| backend["address"].as_str().unwrap().to_owned()).collect())
+        })
+        .collect();
+    let set = |addresses: &[&str]| addresses.iter().map(|address| (*address).to_owned()).collect();
+    assert_eq!(listed["TCP 10.96.0.10:80"], set(&["10.20.1.2:8080", "10.20.2.2:8080"]), "{services:#}");
+    assert_eq!(listed["UDP 10.96.0.10:53"], set(&["10.20.1.2:5353"]), "{services:#}");
+
+    let text = inspect(&["services", "--frontend", "10.96.0.10:80"]);
+    assert!(
+        text.lines()
+            .any(|line| line.starts_with("TCP") && line.contains("10.96.0.10:80") && line.contains("rr")),
+        "{text}"
+    );
+    assert!(text.contains("  -> 10.20.2.2:8080"), "{text}");
+
+    let maps: serde_json::Value = serde_json::from_str(&inspect(&["maps", "-o", "json"])).unwrap();
+    let cluster_ips = maps
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|map| map["name"] == "KUBE-CLUSTER-IP")
+        .unwrap_or_else(|| panic!("no KUBE-CLUSTER-IP in {maps:#}"));
+    // 10.96.0.10 on ports 80, 53 and the drain port.
+    assert_eq!(cluster_ips["entries"], 3, "{cluster_ips:#}");
 }

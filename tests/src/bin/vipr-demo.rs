@@ -156,6 +156,7 @@ fn print_lab(lab: &Lab, services_file: &Path) {
     let bpf_root = lab.bpf_root().display();
     println!("  vipr inspect services --bpf-root={bpf_root}   # frontends -> backends, with counters");
     println!("  vipr inspect maps --bpf-root={bpf_root}       # every map: entries against capacity");
+    println!("  vipr inspect drift --bpf-root={bpf_root}      # the agent's desired state against the maps");
     println!("  ip netns exec {} vipr inspect devices --bpf-root={bpf_root}", lab.node().name());
     println!("or the raw maps:");
     for (map, what) in [

@@ -49,6 +49,10 @@ pub trait Family: Debug + Default + Clone + Copy + PartialEq + Eq + 'static {
     fn service_key(addr: Self::Addr, port: u16, proto: u8, source_class: u8) -> Self::ServiceKey;
     /// The frontend of a services-map key: address, port, protocol.
     fn frontend(key: &Self::ServiceKey) -> (IpAddr, u16, u8);
+    /// The source class of a services-map key.
+    fn source_class(key: &Self::ServiceKey) -> u8;
+    /// The service id and address of a source-ranges trie key's data.
+    fn source_range_parts(data: &Self::RangeData) -> (u32, IpAddr);
     /// A backend slot's value; `counter` is the (service port, backend) pair's index in the
     /// counters map.
     fn backend(addr: Self::Addr, port: u16, counter: u32) -> Self::Backend;
@@ -77,6 +81,19 @@ macro_rules! same_shape {
 
         fn frontend(key: &$service_key) -> (IpAddr, u16, u8) {
             (IpAddr::from(key.addr), key.port, key.proto)
+        }
+
+        fn source_class(key: &$service_key) -> u8 {
+            key.source_class
+        }
+
+        fn source_range_parts(data: &Self::RangeData) -> (u32, IpAddr) {
+            let (id, addr) = data.split_at(4);
+            let mut service_id = [0; 4];
+            service_id.copy_from_slice(id);
+            let mut bytes: Self::Addr = [0; _];
+            bytes.copy_from_slice(addr);
+            (u32::from_be_bytes(service_id), IpAddr::from(bytes))
         }
 
         fn backend(addr: Self::Addr, port: u16, counter: u32) -> $backend {

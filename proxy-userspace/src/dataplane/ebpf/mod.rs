@@ -37,6 +37,7 @@ mod pin_dir;
 pub mod plan;
 mod pod_interfaces;
 pub(crate) mod reaper;
+pub mod record;
 mod snat;
 mod xdp_attach;
 
@@ -88,6 +89,11 @@ pub struct EbpfDataplane {
     counter_map: CounterMap,
     /// `/metrics` families of the datapath's counters; `None` if its maps cannot be opened.
     collector: Option<Arc<DatapathCollector>>,
+    /// Where the entries the maps should hold are recorded after a sync that changed them,
+    /// for `vipr inspect drift`; `None`: not recorded.
+    record: Option<PathBuf>,
+    /// The encoding changed since the record was last written.
+    record_stale: bool,
 }
 
 impl EbpfDataplane {
@@ -195,7 +201,29 @@ impl EbpfDataplane {
             host_traffic,
             snat,
             pod_interfaces,
+            record: None,
+            record_stale: true,
         })
+    }
+
+    /// Records the entries the maps should hold in the file `path` after every sync that
+    /// changes them (see [`record`]).
+    pub fn record_desired_state(&mut self, path: PathBuf) {
+        self.record = Some(path);
+        self.record_stale = true;
+    }
+
+    fn write_record(&mut self) {
+        let Some(path) = &self.record else { return };
+        if !self.record_stale {
+            return;
+        }
+        let entries = record::Entries::wanted(&self.wanted);
+        match record::write(path, self.pin_dir.path(), &entries) {
+            Ok(()) => self.record_stale = false,
+            // `vipr inspect drift` then compares with an older record; the datapath is fine.
+            Err(error) => warn!("cannot record the desired state: {error:#}"),
+        }
     }
 
     /// Removes every program, link and pin vipr installed under `bpf_root`, and clsact filters
@@ -284,6 +312,9 @@ impl Dataplane for EbpfDataplane {
             self.wanted = encode(state, self.balancing, &mut self.service_ids, &mut self.counter_ids);
             None
         };
+        self.record_stale |= touched.as_ref().is_none_or(|(v4, v6)| {
+            !v4.keys.is_empty() || !v6.keys.is_empty() || v4.source_ranges || changes.classifiers
+        });
         let wanted = &self.wanted;
         let mut report = SyncReport::default();
         // Before any slot carries them: a reused index must not show its earlier pair's count.
@@ -325,6 +356,7 @@ impl Dataplane for EbpfDataplane {
         if report.is_complete() {
             self.synced = Some(changes.generation);
         }
+        self.write_record();
         debug!(%report, incremental, "ebpf sync");
         Ok(report)
     }

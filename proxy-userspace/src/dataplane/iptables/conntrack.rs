@@ -104,6 +104,15 @@ pub fn count_stale_udp(keep: &Keep) -> io::Result<usize> {
     stale_entries(keep, false)
 }
 
+/// Every entry of the conntrack table, both families (`vipr inspect flows` in the iptables
+/// and ipvs modes).
+pub fn entries() -> io::Result<Vec<Entry>> {
+    let socket = Socket::open()?;
+    let mut entries = socket.dump(libc::AF_INET as u8)?;
+    entries.extend(socket.dump(libc::AF_INET6 as u8)?);
+    Ok(entries)
+}
+
 fn stale_entries(keep: &Keep, delete: bool) -> io::Result<usize> {
     let mut found = 0;
     let socket = Socket::open()?;

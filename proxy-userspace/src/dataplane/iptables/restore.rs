@@ -86,7 +86,7 @@ pub fn rule_target(rule: &str) -> Option<String> {
 
 /// Splits a rule into words as iptables-restore does: whitespace separates, double quotes
 /// group.
-fn split_words(rule: &str) -> Vec<String> {
+pub fn split_words(rule: &str) -> Vec<String> {
     let mut words = Vec::new();
     let mut word = String::new();
     let mut quoted = false;

@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context as _};
 
-use super::ruleset::Family;
+use super::ruleset::{Family, TableName};
 use crate::tool;
 
 /// How long iptables waits for the xtables lock (legacy; nft ignores it), in seconds.
@@ -104,6 +104,14 @@ impl Tools {
     pub fn save(&self, family: Family) -> anyhow::Result<String> {
         let program = self.program(family, Some("save"));
         tool::run(&mut Command::new(&program), None, tool::RULESET_TIMEOUT)?.stdout_if_success(&program)
+    }
+
+    /// `iptables-save -c -t TABLE`: one table of `family`, each rule with its
+    /// `[packets:bytes]` counters.
+    pub fn save_counted(&self, family: Family, table: TableName) -> anyhow::Result<String> {
+        let program = self.program(family, Some("save"));
+        tool::run(Command::new(&program).args(["-c", "-t", table.as_str()]), None, tool::QUERY_TIMEOUT)?
+            .stdout_if_success(&program)
     }
 
     /// `iptables-restore --noflush` with `input`; returns how long it took.
