@@ -89,7 +89,9 @@ pub struct ContainerSpec {
     pub seccomp: Seccomp,
     /// `(host path, container path and options)`, e.g. `(bpffs, "/sys/fs/bpf:rshared")`.
     pub volumes: Vec<(PathBuf, String)>,
-    /// vipr's command line.
+    /// Another program of the image to run instead of vipr.
+    pub entrypoint: Option<String>,
+    /// vipr's command line, or the entrypoint's.
     pub args: Vec<String>,
 }
 
@@ -117,6 +119,9 @@ impl ContainerSpec {
         }
         for (host, target) in &self.volumes {
             command.arg("--volume").arg(format!("{}:{target}", host.display()));
+        }
+        if let Some(entrypoint) = &self.entrypoint {
+            command.args(["--entrypoint", entrypoint]);
         }
         command.arg(&self.image).args(&self.args);
         Ok(command)

@@ -22,8 +22,8 @@ use testbed::{
         deny_bpf_profile, run_to_completion, test_image, Cgroup2Dir, Container, ContainerSpec, Privileges,
         Seccomp,
     },
-    count_by_backend, exchange, exchanges, locate_vipr, wait_for, Check, ClusterIpService, Endpoint,
-    Frontend, Lab, LabConfig, LeafSpec, Protocol,
+    count_by_backend, exchange, exchanges, locate_vipr, unique_name, wait_for, Check, ClusterIpService,
+    Endpoint, Frontend, Lab, LabConfig, LeafSpec, Netns, Protocol,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -88,6 +88,7 @@ fn spec(lab: &Lab, cgroup: &Cgroup2Dir, (privileges, seccomp): Security, args: V
             (services_dir.to_owned(), format!("{}:ro", services_dir.display())),
             (cgroup.path().to_owned(), CGROUP_IN_CONTAINER.to_owned()),
         ],
+        entrypoint: None,
         args,
     }
 }
@@ -293,4 +294,49 @@ fn without_bpf_auto_mode_falls_back_to_the_nodes_iptables_variant() {
     assert!(left.is_empty(), "left behind by --cleanup: {left:?}");
     assert!(legacy.contains(":KUBE-IPTABLES-HINT"), "the kubelet's chain is not vipr's to remove:\n{legacy}");
     assert_service_gone(&lab);
+}
+
+/// Runs `iptables` of the image in `netns`, then reports which variant `iptables` has
+/// become: its `--version` and where /usr/sbin/iptables leads.
+fn image_iptables_in(netns: &Netns) -> String {
+    let spec = ContainerSpec {
+        image: test_image().unwrap().to_owned(),
+        privileges: Privileges::Privileged,
+        seccomp: Seccomp::RuntimeDefault,
+        volumes: Vec::new(),
+        entrypoint: Some("sh".to_owned()),
+        args: vec!["-c".to_owned(), "iptables --version && readlink -f /usr/sbin/iptables".to_owned()],
+    };
+    run_to_completion(netns, &spec).unwrap()
+}
+
+/// In `netns`, runs `program args` (a host iptables of one variant) to prepare its rules.
+fn host(netns: &Netns, program: &str, args: &[&str]) {
+    let output = netns.command(program).unwrap().args(args).output().unwrap();
+    assert!(output.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+}
+
+/// The image's iptables is the variant holding the node's rules: the one the kubelet marked,
+/// else the one with more rules, else nft; after the first call, iptables is that variant.
+#[test]
+fn the_images_iptables_is_the_variant_holding_the_nodes_rules() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let netns = |label: &str| Netns::create(&unique_name(label)).unwrap();
+
+    let empty = netns("image-ipt-empty");
+    let chosen = image_iptables_in(&empty);
+    assert!(chosen.contains("(nf_tables)") && chosen.contains("xtables-nft-multi"), "{chosen}");
+
+    let legacy_rules = netns("image-ipt-legacy");
+    host(&legacy_rules, "iptables-legacy", &["-A", "INPUT", "-s", "192.0.2.1", "-j", "ACCEPT"]);
+    let chosen = image_iptables_in(&legacy_rules);
+    assert!(chosen.contains("(legacy)") && chosen.contains("xtables-legacy-multi"), "{chosen}");
+
+    // The kubelet's mark outweighs rule counts.
+    let marked_nft = netns("image-ipt-marked");
+    host(&marked_nft, "iptables-legacy", &["-A", "INPUT", "-s", "192.0.2.1", "-j", "ACCEPT"]);
+    host(&marked_nft, "ip6tables-legacy", &["-A", "INPUT", "-s", "2001:db8::1", "-j", "ACCEPT"]);
+    host(&marked_nft, "iptables-nft", &["-t", "mangle", "-N", "KUBE-IPTABLES-HINT"]);
+    let chosen = image_iptables_in(&marked_nft);
+    assert!(chosen.contains("(nf_tables)") && chosen.contains("xtables-nft-multi"), "{chosen}");
 }

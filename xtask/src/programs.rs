@@ -40,6 +40,7 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
     ("ip6tables-save", Provider::Debian("iptables")),
     ("ip6tables-restore", Provider::Debian("iptables")),
     ("iptables-legacy", Provider::Debian("iptables")),
+    ("ip6tables-legacy", Provider::Debian("iptables")),
     ("iptables-legacy-save", Provider::Debian("iptables")),
     ("iptables-legacy-restore", Provider::Debian("iptables")),
     ("ip6tables-legacy-save", Provider::Debian("iptables")),
