@@ -8,6 +8,7 @@
 //! (`setns()`, not `ip netns exec`, which would hide the cgroup mounts podman needs).
 
 use std::{
+    hash::{Hash as _, Hasher as _},
     path::{Path, PathBuf},
     process::{Command, ExitStatus},
     sync::OnceLock,
@@ -19,31 +20,34 @@ use crate::{cmd, left_by_dead_process, locate_vipr, unique_name, Netns, Vipr};
 
 /// Written by `cargo xtask image` (`image::containers_conf`).
 pub const CONTAINERS_CONF: &str = "/var/cache/vipr-image/containers.conf";
-/// The tests' image, built from the vipr binary they run.
-const TEST_IMAGE: &str = "localhost/vipr:test";
 /// Start of the tests' container and cgroup names.
 const PREFIX: &str = "vipr-image";
 
 /// Builds the tests' image once per test process (seconds once xtask's cached base exists;
 /// ~40 s more for debootstrap on a machine that has never built one) and returns its name.
 pub fn test_image() -> Result<&'static str> {
-    static BUILT: OnceLock<Result<(), String>> = OnceLock::new();
+    static BUILT: OnceLock<Result<String, String>> = OnceLock::new();
     BUILT
         .get_or_init(|| build_test_image().map_err(|error| format!("{error:#}")))
-        .clone()
-        .map_err(|error| anyhow!("cannot build the image: {error}"))?;
-    Ok(TEST_IMAGE)
+        .as_deref()
+        .map_err(|error| anyhow!("cannot build the image: {error}"))
 }
 
-fn build_test_image() -> Result<()> {
+fn build_test_image() -> Result<String> {
     let vipr = locate_vipr()?;
     let xtask = vipr.with_file_name("xtask");
     if !xtask.is_file() {
         anyhow::bail!("no xtask binary next to {}: run `cargo build --workspace`", vipr.display());
     }
+    // A name of each checkout's own, so that two checkouts testing at once on one machine
+    // do not replace each other's image (each build replaces its checkout's previous one).
+    let mut checkout = std::hash::DefaultHasher::new();
+    vipr.hash(&mut checkout);
+    let tag = format!("localhost/vipr:test-{:016x}", checkout.finish());
     let mut build = Command::new(&xtask);
-    build.arg("image").arg("--vipr").arg(&vipr).args(["--tag", TEST_IMAGE, "--no-save"]);
-    cmd::run(&mut build).map(drop)
+    build.arg("image").arg("--vipr").arg(&vipr).args(["--tag", &tag, "--no-save"]);
+    cmd::run(&mut build)?;
+    Ok(tag)
 }
 
 /// `podman` inside `netns`, with vipr's settings.

@@ -13,7 +13,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context as _, Result};
 
-use crate::cmd::{self, ProbeFailure};
+use crate::cmd;
 use crate::Workspace;
 
 /// The base image's cache and podman's settings for vipr's image; outside the repository, so
@@ -174,10 +174,9 @@ fn ensure_base() -> Result<String> {
 
 /// The image id `tag` names, if podman has it.
 fn image_id(tag: &str) -> Option<String> {
-    match cmd::probe(podman().args(["image", "inspect", "--format", "{{.Id}}", tag])) {
-        Ok(id) => Some(id.trim().to_owned()),
-        Err(ProbeFailure::NotFound | ProbeFailure::Failed(_)) => None,
-    }
+    cmd::probe(podman().args(["image", "inspect", "--format", "{{.Id}}", tag]))
+        .ok()
+        .map(|id| id.trim().to_owned())
 }
 
 /// Makes the base's root file system with debootstrap and archives it as `archive`.
