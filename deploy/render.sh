@@ -11,7 +11,8 @@
 #                 itself serves): becomes KUBERNETES_SERVICE_HOST/PORT of the pod.
 # --image         default vipr:0.1.0.
 # --cluster-cidr  the pods' CIDR(s), kube-proxy's clusterCIDR; default empty.
-# --mode          --proxy-mode; default ebpf.
+# --mode          --proxy-mode; default ebpf. eBPF mode runs with a capability list, the
+#                 others privileged (they write sysctls).
 # --ports         side-by-side (default): health on :10266 and metrics on :10269, free while
 #                 kube-proxy holds 10256 and 10249; kube-proxy: kube-proxy's own 10256 and
 #                 10249, once kube-proxy is gone (cloud load balancers probe :10256/healthz).
@@ -69,8 +70,11 @@ fi
 case $cluster_cidr in
 *[!0-9A-Fa-f.:/,]*) fail "--cluster-cidr=$cluster_cidr: not a list of CIDRs" ;;
 esac
+# eBPF mode needs a few capabilities; the others write sysctls, which takes a privileged
+# container (daemonset.yaml says why).
 case $mode in
-ebpf | auto | iptables | ipvs) ;;
+ebpf) privileged=false bpffs_propagation=HostToContainer ;;
+auto | iptables | ipvs) privileged=true bpffs_propagation=Bidirectional ;;
 *) fail "--mode=$mode: one of ebpf, auto, iptables, ipvs" ;;
 esac
 case $ports in
@@ -106,6 +110,8 @@ for file in $files; do
 		-e "s|\${VIPR_API_SERVER_PORT}|$api_port|g" \
 		-e "s|\${VIPR_CLUSTER_CIDR}|$cluster_cidr|g" \
 		-e "s|\${VIPR_MODE}|$mode|g" \
+		-e "s|\${VIPR_PRIVILEGED}|$privileged|g" \
+		-e "s|\${VIPR_BPFFS_PROPAGATION}|$bpffs_propagation|g" \
 		-e "s|\${VIPR_HEALTHZ_PORT}|$healthz_port|g" \
 		-e "s|\${VIPR_METRICS_PORT}|$metrics_port|g" \
 		"$dir/$file"

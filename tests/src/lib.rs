@@ -20,6 +20,7 @@ mod bpffs;
 mod client;
 mod cmd;
 pub mod conformance;
+pub mod container;
 mod echo;
 pub mod http;
 mod lab;

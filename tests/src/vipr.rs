@@ -4,7 +4,7 @@ use std::{
     fs::File,
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
-    process::{Child, ExitStatus, Stdio},
+    process::{Child, Command, ExitStatus, Stdio},
     thread,
     time::{Duration, Instant},
 };
@@ -92,10 +92,16 @@ impl Vipr {
     /// [`Self::start`] with a command line of the caller's (the conformance runner passes
     /// flags that [`ViprConfig`] does not model).
     pub fn start_with_args(binary: &Path, netns: &Netns, args: &[String], log: &Path) -> Result<Self> {
-        let log_file = File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
         let mut command = netns.command(binary)?;
+        command.args(args);
+        Self::start_command(command, log)
+    }
+
+    /// Starts `command`, a vipr command line (or one that runs vipr and passes its signals on,
+    /// as `podman run` does), like [`Self::start`].
+    pub fn start_command(mut command: Command, log: &Path) -> Result<Self> {
+        let log_file = File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
         command
-            .args(args)
             // The log is a file, read by people: no colour escapes.
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -111,7 +117,9 @@ impl Vipr {
                 Ok(())
             });
         }
-        let child = command.spawn().with_context(|| format!("cannot start {}", binary.display()))?;
+        let child = command
+            .spawn()
+            .with_context(|| format!("cannot start {}", command.get_program().to_string_lossy()))?;
         Ok(Self { child, log: log.to_owned() })
     }
 

@@ -293,7 +293,7 @@ fn the_config_map_holds_a_kube_proxy_configuration_vipr_accepts() {
 }
 
 #[test]
-fn the_pod_is_a_privileged_host_network_node_critical_agent_with_its_mounts() {
+fn the_pod_is_a_host_network_node_critical_agent_with_its_mounts_and_ebpf_modes_capabilities() {
     let manifests = manifests();
     let pod = pod_spec(only(&manifests.daemon_sets, "DaemonSet"));
     assert_eq!(pod.host_network, Some(true));
@@ -305,7 +305,17 @@ fn the_pod_is_a_privileged_host_network_node_critical_agent_with_its_mounts() {
     });
     assert!(tolerates_everything, "the DaemonSet must tolerate every taint");
     let container = vipr_container(pod);
-    assert_eq!(container.security_context.as_ref().and_then(|context| context.privileged), Some(true));
+    // eBPF mode needs a few capabilities, not a privileged container (tests/tests/image.rs
+    // runs the image with this securityContext).
+    let context = container.security_context.as_ref().expect("a securityContext");
+    assert_eq!(context.privileged, Some(false));
+    let capabilities = context.capabilities.as_ref().expect("a capability list");
+    assert_eq!(capabilities.drop.as_deref(), Some(&["ALL".to_owned()][..]));
+    assert_eq!(
+        capabilities.add.as_deref().unwrap_or_default(),
+        ["BPF", "PERFMON", "NET_ADMIN", "NET_RAW", "SYS_RESOURCE"].map(str::to_owned)
+    );
+    assert_eq!(context.seccomp_profile.as_ref().map(|profile| profile.type_.as_str()), Some("Unconfined"));
 
     let host_path = |mount_path: &str| {
         let mount = container
@@ -319,7 +329,8 @@ fn the_pod_is_a_privileged_host_network_node_critical_agent_with_its_mounts() {
     };
     let (bpffs, bpffs_host) = host_path("/sys/fs/bpf");
     assert_eq!(bpffs_host.as_deref(), Some("/sys/fs/bpf"), "the datapath must be pinned on the host's bpffs");
-    assert_eq!(bpffs.mount_propagation.as_deref(), Some("Bidirectional"));
+    // Kubernetes allows Bidirectional only to privileged containers.
+    assert_eq!(bpffs.mount_propagation.as_deref(), Some("HostToContainer"));
     assert_eq!(host_path("/sys/fs/cgroup").1.as_deref(), Some("/sys/fs/cgroup"));
     // iptables and ipvs modes: the node's xtables lock (a file, created if no iptables user
     // made it yet) and the kernel's modules, as kube-proxy's DaemonSet mounts them.
@@ -488,6 +499,12 @@ fn render_puts_every_value_in_place_and_leaves_no_placeholder() {
     {
         assert!(args.iter().any(|arg| arg == expected), "no {expected} in {args:?}");
     }
+    // The other modes write sysctls: privileged, as kube-proxy, and so allowed to share a bpffs
+    // it mounts with the node.
+    assert_eq!(container.security_context.as_ref().and_then(|context| context.privileged), Some(true));
+    let bpffs =
+        container.volume_mounts.iter().flatten().find(|mount| mount.mount_path == "/sys/fs/bpf").unwrap();
+    assert_eq!(bpffs.mount_propagation.as_deref(), Some("Bidirectional"));
     let ports: Vec<i32> = container.ports.iter().flatten().map(|port| port.container_port).collect();
     assert!(!ports.contains(&10256) && !ports.contains(&10249), "{ports:?} collide with kube-proxy's");
     let env: BTreeMap<String, String> = container

@@ -1,6 +1,7 @@
 //! vipr's developer and CI tasks: `cargo xtask <task>` (see `cargo xtask --help`).
 mod bench;
 mod cmd;
+mod image;
 // The guard test that setup installs every program the code starts.
 #[cfg(test)]
 mod programs;
@@ -54,6 +55,9 @@ enum Task {
         #[arg(last = true)]
         runner_args: Vec<OsString>,
     },
+    /// Build vipr's container image (deploy/Containerfile) with podman, on a Debian base made by
+    /// debootstrap (cached in /var/cache/vipr-image), and save it as an OCI archive.
+    Image(image::ImageArgs),
     /// Run benchmark suites (needs root): `datapath`, `control-plane` or `all`. A full run
     /// rewrites docs/benchmarks.md and its plots in docs/bench/; `--quick` is a short smoke run
     /// into target/bench-quick/.
@@ -208,6 +212,7 @@ fn run(task: Task) -> Result<ExitCode> {
         Task::Conformance { mode, paths, runner_args } => {
             return conformance(&workspace, &mode, &paths, &runner_args)
         }
+        Task::Image(args) => image::run(&workspace, &args)?,
         Task::Bench(args) => return bench::run(&workspace, &args),
         Task::Uml { memory, timeout, command } => return run_in_uml(&workspace, memory, timeout, &command),
     }

@@ -40,6 +40,7 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
     ("ip6tables-save", Provider::Debian("iptables")),
     ("ip6tables-restore", Provider::Debian("iptables")),
     ("iptables-legacy", Provider::Debian("iptables")),
+    ("ip6tables-legacy", Provider::Debian("iptables")),
     ("iptables-legacy-save", Provider::Debian("iptables")),
     ("iptables-legacy-restore", Provider::Debian("iptables")),
     ("ip6tables-legacy-save", Provider::Debian("iptables")),
@@ -56,6 +57,16 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
     // The IPVS kernel for the ipvs mode's tests, and the modules its init script loads.
     ("linux.uml", Provider::Debian("user-mode-linux")),
     ("modprobe", Provider::Debian("kmod")),
+    // vipr's container image: building it (`cargo xtask image`) and running it in the tests;
+    // podman starts runc by the name in its containers.conf.
+    ("podman", Provider::Debian("podman")),
+    ("runc", Provider::Debian("runc")),
+    ("buildah", Provider::Debian("buildah")),
+    ("debootstrap", Provider::Debian("debootstrap")),
+    ("strip", Provider::Debian("binutils")),
+    ("tar", Provider::Debian("tar")),
+    ("umount", Provider::Debian("mount")),
+    ("xtask", Provider::Workspace),
     // The benchmarks' run metadata.
     ("git", Provider::Debian("git")),
     // setup itself, xtask's own helpers.
@@ -75,7 +86,7 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
 ];
 
 /// Packages of priority "required": every Debian system has them, debootstrap's minbase too.
-pub const BASE_SYSTEM_PACKAGES: &[&str] = &["dpkg", "apt", "mount", "dash", "coreutils"];
+pub const BASE_SYSTEM_PACKAGES: &[&str] = &["dpkg", "apt", "mount", "dash", "coreutils", "tar"];
 
 /// Calls that start the program named by one of their arguments: the callee as written just
 /// before `(`, and which argument (from 0) is the program. A new way of starting programs by

@@ -13,7 +13,8 @@ use crate::cmd::{self, ProbeFailure};
 /// (iproute2), the netfilter baselines vipr is compared with (iptables, ipset, nftables,
 /// conntrack), inspecting loaded programs and maps (bpftool), traffic (tcpdump, socat), process
 /// and sysctl tools (procps, kmod), a User-Mode Linux kernel with IPVS for the ipvs mode's
-/// tests (user-mode-linux, see uml.rs) and the benchmarks' run metadata (git).
+/// tests (user-mode-linux, see uml.rs), the container image's tools (podman, debootstrap, see
+/// image.rs) and the benchmarks' run metadata (git).
 /// `programs.rs` lists which program comes from which package; its tests fail when a program
 /// the code starts is missing here.
 pub const DEBIAN_PACKAGES: &[&str] = &[
@@ -29,6 +30,14 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "kmod",
     "user-mode-linux",
     "git",
+    // vipr's container image (`cargo xtask image`, tests/tests/image.rs): podman with runc
+    // (crun refuses these machines' hybrid cgroup layout), buildah for inspecting builds,
+    // debootstrap for the base, and strip for the binary.
+    "podman",
+    "buildah",
+    "runc",
+    "debootstrap",
+    "binutils",
     // The benchmark plots' font.
     "fonts-dejavu-core",
 ];
