@@ -354,6 +354,8 @@ struct Agent<'a> {
     /// repeat them; one that goes away and comes back is logged again.
     logged_rejections: BTreeSet<String>,
     logged_unsupported: BTreeSet<String>,
+    /// The objects the dataplane refused at its last sync (among `logged_rejections`).
+    refused: BTreeSet<String>,
     /// The node's addresses as last listed: a listing that fails keeps them, so a passing
     /// netlink error cannot make every node address look foreign to the datapath.
     node_addresses: Vec<IpAddr>,
@@ -383,6 +385,7 @@ impl<'a> Agent<'a> {
             metrics,
             logged_rejections: BTreeSet::new(),
             logged_unsupported: BTreeSet::new(),
+            refused: BTreeSet::new(),
             node_addresses: Vec::new(),
             no_node_pod_cidrs: std::cell::Cell::new(None),
         }
@@ -437,24 +440,30 @@ impl<'a> Agent<'a> {
             kubernetes_model::service_cidrs(&objects.service_cidrs, &self.settings.service_cidrs);
         let node = self.node_context(objects.node.as_ref(), service_cidrs);
         let changes = self.translator.translate(&objects.services, &objects.slices, &node);
-        let rejections: BTreeSet<String> = objects
+        let mut rejections: BTreeSet<String> = objects
             .rejected
             .iter()
             .chain(&cidr_rejections)
             .chain(&self.translator.rejected())
             .map(ToString::to_string)
             .collect();
-        for rejection in rejections.difference(&self.logged_rejections) {
-            warn!("skipping {rejection}");
-        }
-        self.metrics.rejected_objects.set(rejections.len() as f64);
         let health_checks =
             service_health_checks(&objects.services, &objects.slices, &self.settings.node_name);
-        self.logged_rejections = rejections;
 
         dataplane.set_health_check_node_ports(&health_checks);
         let state = self.translator.state();
         let result = dataplane.sync_changes(state, &changes);
+        // Objects the dataplane refused (a Service that does not fit its maps) are reported
+        // as the model's rejections are; a failed sync keeps the last ones it refused.
+        if let Ok(report) = &result {
+            self.refused = report.refused.iter().cloned().collect();
+        }
+        rejections.extend(self.refused.iter().cloned());
+        for rejection in rejections.difference(&self.logged_rejections) {
+            warn!("skipping {rejection}");
+        }
+        self.metrics.rejected_objects.set(rejections.len() as f64);
+        self.logged_rejections = rejections;
         // A sync without a previous generation compares everything: kube-proxy's full sync.
         self.metrics.observe_sync(started.instant.elapsed(), changes.since.is_none());
         self.metrics.set_no_local_endpoints(crate::metrics::kube_proxy::no_local_endpoints(state));
