@@ -22,8 +22,8 @@ use super::{
     plan::WantedService,
 };
 use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, Protocol, ServicePortName, SourceClass, Treatment,
-    WhenEmpty,
+    Backend, DesiredState, Frontend, FrontendEntry, Protocol, ServicePortName, SourceClass, StateChanges,
+    Treatment, WhenEmpty,
 };
 
 /// A key of an LPM trie: prefix length in bits and the data it applies to.
@@ -119,21 +119,21 @@ impl<F: Family> Default for Touched<F> {
 }
 
 /// Brings `wanted`, the encoding of an earlier state, to the encoding of `state`, which
-/// differs from it in the entries of the `changed` frontends only (and, with `classifiers`,
-/// in its cluster IPs, service ranges and source classes), and refuses the same Services.
+/// differs from it by `changes`: in the entries of the changed frontends only (and, with
+/// `changes.classifiers`, in its cluster IPs, service ranges and source classes); the same
+/// Services are refused.
 pub fn encode_changes(
     wanted: &mut Wanted,
     state: &DesiredState,
     refused: &Refused,
-    changed: &BTreeSet<Frontend>,
-    classifiers: bool,
+    changes: &StateChanges,
     balancing: Balancing,
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> (Touched<V4>, Touched<V6>) {
     let mut touched = (Touched::<V4>::default(), Touched::<V6>::default());
     let mut ranges = false;
-    for frontend in changed {
+    for frontend in &changes.frontends {
         ranges |= match frontend.ip {
             IpAddr::V4(_) => wanted.v4.remove_frontend(frontend, &mut touched.0.keys),
             IpAddr::V6(_) => wanted.v6.remove_frontend(frontend, &mut touched.1.keys),
@@ -160,7 +160,7 @@ pub fn encode_changes(
         touched.0.source_ranges = true;
         touched.1.source_ranges = true;
     }
-    if classifiers {
+    if changes.classifiers {
         wanted.v4.add_classifiers(state, refused);
         wanted.v6.add_classifiers(state, refused);
     }
