@@ -45,6 +45,7 @@ use crate::{
     model::{
         kubernetes::{
             self as kubernetes_model, incremental::Translator, NodeContext, NodeFacts, ProxySettings,
+            Rejection,
         },
         PodInterfaces,
     },
@@ -422,6 +423,8 @@ struct Agent<'a> {
     /// repeat them; one that goes away and comes back is logged again.
     logged_rejections: BTreeSet<String>,
     logged_unsupported: BTreeSet<String>,
+    /// The objects the dataplane refused at its last sync (among `logged_rejections`).
+    refused: BTreeSet<String>,
     /// The node's addresses as last listed: a listing that fails keeps them, so a passing
     /// netlink error cannot make every node address look foreign to the datapath.
     node_addresses: Vec<IpAddr>,
@@ -453,6 +456,7 @@ impl<'a> Agent<'a> {
             metrics,
             logged_rejections: BTreeSet::new(),
             logged_unsupported: BTreeSet::new(),
+            refused: BTreeSet::new(),
             node_addresses: Vec::new(),
             no_node_pod_cidrs: std::cell::Cell::new(None),
         }
@@ -507,15 +511,41 @@ impl<'a> Agent<'a> {
             kubernetes_model::service_cidrs(&objects.service_cidrs, &self.settings.service_cidrs);
         let node = self.node_context(objects.node.as_ref(), service_cidrs);
         let changes = self.translator.translate(&objects.services, &objects.slices, &node);
+        let model_rejections: Vec<Rejection> = objects
+            .rejected
+            .iter()
+            .chain(&cidr_rejections)
+            .cloned()
+            .chain(self.translator.rejected())
+            .collect();
+        let health_checks =
+            service_health_checks(&objects.services, &objects.slices, &self.settings.node_name);
+
+        dataplane.set_health_check_node_ports(&health_checks);
+        let state = self.translator.state();
+        let result = dataplane.sync_changes(state, &changes);
+        // Objects the dataplane refused (a Service that does not fit its maps) are reported
+        // as the model's rejections are; a failed sync keeps the last ones it refused.
+        if let Ok(report) = &result {
+            self.refused = report.refused.iter().cloned().collect();
+        }
+        // A dataplane's refusal reads `Service namespace/name: reason`, as a rejection does.
+        let capacity_refusals = self.refused.iter().filter_map(|text| {
+            let (object, reason) = text.split_once(": ")?;
+            Some(Rejection { object: object.to_owned(), reason: reason.to_owned() })
+        });
+        let reported = model_rejections
+            .iter()
+            .map(|rejection| (rejection.clone(), crate::events::rejection_reason(rejection)))
+            .chain(capacity_refusals.map(|rejection| (rejection, event_reasons::CAPACITY_EXCEEDED)));
         let mut rejections = BTreeSet::new();
         // One Event per object and reason: a Service losing several frontends is one Event.
         let mut refusals: BTreeMap<(ObjectRef, &'static str), Vec<String>> = BTreeMap::new();
-        for rejection in objects.rejected.iter().chain(&cidr_rejections).chain(&self.translator.rejected()) {
+        for (rejection, reason) in reported {
             let described = rejection.to_string();
             if !self.logged_rejections.contains(&described) && !rejections.contains(&described) {
                 warn!("skipping {described}");
-                if let Some(regarding) = ObjectRef::of_rejection(rejection, objects) {
-                    let reason = crate::events::rejection_reason(rejection);
+                if let Some(regarding) = ObjectRef::of_rejection(&rejection, objects) {
                     refusals.entry((regarding, reason)).or_default().push(rejection.reason.clone());
                 }
             }
@@ -525,13 +555,7 @@ impl<'a> Agent<'a> {
             self.events.refused(regarding, reason, messages.join("; "));
         }
         self.metrics.rejected_objects.set(rejections.len() as f64);
-        let health_checks =
-            service_health_checks(&objects.services, &objects.slices, &self.settings.node_name);
         self.logged_rejections = rejections;
-
-        dataplane.set_health_check_node_ports(&health_checks);
-        let state = self.translator.state();
-        let result = dataplane.sync_changes(state, &changes);
         // A sync without a previous generation compares everything: kube-proxy's full sync.
         self.metrics.observe_sync(started.instant.elapsed(), changes.since.is_none());
         self.metrics.set_no_local_endpoints(crate::metrics::kube_proxy::no_local_endpoints(state));

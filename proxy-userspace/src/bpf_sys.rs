@@ -12,6 +12,8 @@ pub mod cmd {
     use libc::c_long;
 
     pub const MAP_CREATE: c_long = 0;
+    pub const MAP_LOOKUP_ELEM: c_long = 1;
+    pub const MAP_UPDATE_ELEM: c_long = 2;
     pub const MAP_GET_NEXT_KEY: c_long = 4;
     pub const PROG_LOAD: c_long = 5;
     pub const OBJ_GET: c_long = 7;
@@ -98,6 +100,68 @@ struct MapNextKeyAttr {
     pad: u32,
     key: u64,
     next_key: u64,
+}
+
+/// `BPF_MAP_LOOKUP_ELEM` and `BPF_MAP_UPDATE_ELEM`.
+#[repr(C)]
+#[derive(Debug, Default)]
+struct MapElemAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// `BPF_NOEXIST`: an update that never replaces an existing entry.
+pub const BPF_NOEXIST: u64 = 1;
+
+/// The key after `key` (the first key with `None`) into `next`, whose length is the map's key
+/// size; `false` after the last key.
+pub fn next_key(map: BorrowedFd<'_>, key: Option<&[u8]>, next: &mut [u8]) -> io::Result<bool> {
+    let mut attr = MapNextKeyAttr {
+        map_fd: map.as_raw_fd() as u32,
+        pad: 0,
+        key: key.map_or(0, |key| key.as_ptr() as u64),
+        next_key: next.as_mut_ptr() as u64,
+    };
+    // SAFETY: the caller sized both buffers to the map's key size; they outlive the call.
+    match unsafe { bpf(cmd::MAP_GET_NEXT_KEY, &mut attr) } {
+        Ok(_) => Ok(true),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// The value of `key` into `value` (the map's value size; for a per-CPU map one 8-byte aligned
+/// value per possible CPU); `false` if there is no such key.
+pub fn lookup(map: BorrowedFd<'_>, key: &[u8], value: &mut [u8]) -> io::Result<bool> {
+    let mut attr = MapElemAttr {
+        map_fd: map.as_raw_fd() as u32,
+        key: key.as_ptr() as u64,
+        value: value.as_mut_ptr() as u64,
+        ..MapElemAttr::default()
+    };
+    // SAFETY: the caller sized both buffers as the map's key and value; they outlive the call.
+    match unsafe { bpf(cmd::MAP_LOOKUP_ELEM, &mut attr) } {
+        Ok(_) => Ok(true),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// Stores `key` → `value` (sized as for [`lookup`]) with the update `flags`.
+pub fn update(map: BorrowedFd<'_>, key: &[u8], value: &[u8], flags: u64) -> io::Result<()> {
+    let mut attr = MapElemAttr {
+        map_fd: map.as_raw_fd() as u32,
+        pad: 0,
+        key: key.as_ptr() as u64,
+        value: value.as_ptr() as u64,
+        flags,
+    };
+    // SAFETY: the caller sized both buffers as the map's key and value; the kernel only reads
+    // them during the call.
+    unsafe { bpf(cmd::MAP_UPDATE_ELEM, &mut attr) }.map(drop)
 }
 
 /// The number of keys of a hash-like map (hash, LRU hash, LPM trie) whose keys are `key_size`

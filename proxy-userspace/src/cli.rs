@@ -183,13 +183,15 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub cgroup_root: Option<PathBuf>,
 
-    /// Capacity of the services map: entries are frontends × 3 source classes
-    /// [default: 196608]. A pinned map keeps its size until `--cleanup`.
+    /// Capacity of the services map: entries are frontends × 3 source classes; a Service
+    /// whose entries do not fit is refused [default: 196608]. A pinned map of another size
+    /// is migrated at start (every `--bpf-*-max`).
     #[arg(long, value_name = "ENTRIES")]
     pub bpf_services_max: Option<u32>,
 
-    /// Capacity of the backends map: the slots of all distinct backend sets
-    /// [default: 1048576].
+    /// Capacity of the backends map (and the backend-set membership map): the slots of all
+    /// distinct backend sets, a Maglev table's size each with --lb-algorithm=maglev; a
+    /// Service whose slots do not fit is refused [default: 1048576].
     #[arg(long, value_name = "ENTRIES")]
     pub bpf_backends_max: Option<u32>,
 
@@ -198,6 +200,17 @@ pub struct Args {
     /// [default: 524288].
     #[arg(long, value_name = "ENTRIES")]
     pub bpf_flows_max: Option<u32>,
+
+    /// Capacity of each family's source-ranges trie: `loadBalancerSourceRanges` entries, one
+    /// per service port and range; a Service whose ranges do not fit is refused
+    /// [default: 65536].
+    #[arg(long, value_name = "ENTRIES")]
+    pub bpf_source_ranges_max: Option<u32>,
+
+    /// Capacity of each family's unmatched-destinations trie: one entry per cluster IP and
+    /// service CIDR [default: 65536].
+    #[arg(long, value_name = "ENTRIES")]
+    pub bpf_unmatched_max: Option<u32>,
 
     /// Capacity of the per-CPU packet/byte counters map: one entry per (service port,
     /// endpoint) pair, 16 bytes per CPU each; pairs beyond it are not counted

@@ -715,6 +715,10 @@ pub struct BpfMapSizes {
     pub counters: u32,
     /// Each family's session-affinity map: remembered clients.
     pub affinity: u32,
+    /// Each family's source-ranges trie.
+    pub source_ranges: u32,
+    /// Each family's unmatched-destinations trie.
+    pub unmatched: u32,
 }
 
 impl Default for BpfMapSizes {
@@ -726,6 +730,8 @@ impl Default for BpfMapSizes {
             flows: capacity::FLOWS,
             counters: capacity::BACKEND_COUNTERS,
             affinity: capacity::AFFINITY,
+            source_ranges: capacity::SOURCE_RANGES,
+            unmatched: capacity::UNMATCHED,
         }
     }
 }
@@ -744,6 +750,8 @@ impl BpfMapSizes {
             flows: size("bpf-flows-max", args.bpf_flows_max, defaults.flows)?,
             counters: size("bpf-counters-max", args.bpf_counters_max, defaults.counters)?,
             affinity: size("bpf-affinity-max", args.bpf_affinity_max, defaults.affinity)?,
+            source_ranges: size("bpf-source-ranges-max", args.bpf_source_ranges_max, defaults.source_ranges)?,
+            unmatched: size("bpf-unmatched-max", args.bpf_unmatched_max, defaults.unmatched)?,
         })
     }
 }
@@ -1596,6 +1604,8 @@ mod tests {
         let error = resolve(&["--bpf-backends-max=0"]).unwrap_err().to_string();
         assert!(error.contains("--bpf-backends-max"), "{error}");
         assert_eq!(resolve(&["--bpf-counters-max=100"]).unwrap().counters, 100);
+        let sizes = resolve(&["--bpf-source-ranges-max=100", "--bpf-unmatched-max=200"]).unwrap();
+        assert_eq!((sizes.source_ranges, sizes.unmatched), (100, 200));
     }
 
     #[test]

@@ -17,6 +17,10 @@ pub struct SyncReport {
     pub failed: Vec<String>,
     /// Frontends this dataplane does not support, with the reason.
     pub unsupported: Vec<String>,
+    /// Objects refused as a whole, `Kind namespace/name: reason` (a Service that does not fit
+    /// the eBPF maps); the rest of the state is applied, so they do not make the sync
+    /// incomplete. Retried when the state changes.
+    pub refused: Vec<String>,
 }
 
 impl SyncReport {
@@ -33,6 +37,9 @@ impl fmt::Display for SyncReport {
         }
         if !self.unsupported.is_empty() {
             write!(f, ", {} unsupported", self.unsupported.len())?;
+        }
+        if !self.refused.is_empty() {
+            write!(f, ", {} objects refused", self.refused.len())?;
         }
         Ok(())
     }

@@ -15,14 +15,15 @@ use std::{
 use proxy_common::{proto, service_flags, source_class, unmatched};
 
 use super::{
+    capacity::Refused,
     counters::CounterIds,
     family::{Family, V4, V6},
     maglev,
     plan::WantedService,
 };
 use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, Protocol, ServicePortName, SourceClass, Treatment,
-    WhenEmpty,
+    Backend, DesiredState, Frontend, FrontendEntry, Protocol, ServicePortName, SourceClass, StateChanges,
+    Treatment, WhenEmpty,
 };
 
 /// A key of an LPM trie: prefix length in bits and the data it applies to.
@@ -74,19 +75,32 @@ pub enum Balancing {
     Maglev { table_size: u32 },
 }
 
-/// `counters` hands each (service port, backend) pair its counter index.
+/// [`encode_admitted`] with every Service admitted.
+#[cfg(test)]
 pub fn encode(
     state: &DesiredState,
     balancing: Balancing,
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> Wanted {
+    encode_admitted(state, &Refused::default(), balancing, service_ids, counters)
+}
+
+/// The entries of every Service but the `refused` ones (see [`super::capacity`]).
+/// `counters` hands each (service port, backend) pair its counter index.
+pub fn encode_admitted(
+    state: &DesiredState,
+    refused: &Refused,
+    balancing: Balancing,
+    service_ids: &mut ServiceIds,
+    counters: &mut CounterIds,
+) -> Wanted {
     let mut wanted = Wanted::default();
-    for (frontend, entry) in &state.frontends {
+    for (frontend, entry) in state.frontends.iter().filter(|(_, entry)| !refused.contains(&entry.service)) {
         wanted.add_frontend(frontend, entry, balancing, service_ids, counters);
     }
-    wanted.v4.add_classifiers(state);
-    wanted.v6.add_classifiers(state);
+    wanted.v4.add_classifiers(state, refused);
+    wanted.v6.add_classifiers(state, refused);
     wanted
 }
 
@@ -105,25 +119,26 @@ impl<F: Family> Default for Touched<F> {
 }
 
 /// Brings `wanted`, the encoding of an earlier state, to the encoding of `state`, which
-/// differs from it in the entries of the `changed` frontends only (and, with `classifiers`,
-/// in its cluster IPs, service ranges and source classes).
+/// differs from it by `changes`: in the entries of the changed frontends only (and, with
+/// `changes.classifiers`, in its cluster IPs, service ranges and source classes); the same
+/// Services are refused.
 pub fn encode_changes(
     wanted: &mut Wanted,
     state: &DesiredState,
-    changed: &BTreeSet<Frontend>,
-    classifiers: bool,
+    refused: &Refused,
+    changes: &StateChanges,
     balancing: Balancing,
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> (Touched<V4>, Touched<V6>) {
     let mut touched = (Touched::<V4>::default(), Touched::<V6>::default());
     let mut ranges = false;
-    for frontend in changed {
+    for frontend in &changes.frontends {
         ranges |= match frontend.ip {
             IpAddr::V4(_) => wanted.v4.remove_frontend(frontend, &mut touched.0.keys),
             IpAddr::V6(_) => wanted.v6.remove_frontend(frontend, &mut touched.1.keys),
         };
-        if let Some(entry) = state.frontends.get(frontend) {
+        if let Some(entry) = state.frontends.get(frontend).filter(|entry| !refused.contains(&entry.service)) {
             ranges |= !entry.allowed_sources.is_empty();
             wanted.add_frontend(frontend, entry, balancing, service_ids, counters);
         }
@@ -132,7 +147,10 @@ pub fn encode_changes(
     if ranges {
         wanted.v4.source_ranges.clear();
         wanted.v6.source_ranges.clear();
-        for (frontend, entry) in state.frontends.iter().filter(|(_, entry)| !entry.allowed_sources.is_empty())
+        for (frontend, entry) in state
+            .frontends
+            .iter()
+            .filter(|(_, entry)| !entry.allowed_sources.is_empty() && !refused.contains(&entry.service))
         {
             let protocol = ip_protocol(frontend.protocol);
             let service_id = service_ids.id_for(&entry.service, (frontend.ip, frontend.port, protocol));
@@ -142,9 +160,9 @@ pub fn encode_changes(
         touched.0.source_ranges = true;
         touched.1.source_ranges = true;
     }
-    if classifiers {
-        wanted.v4.add_classifiers(state);
-        wanted.v6.add_classifiers(state);
+    if changes.classifiers {
+        wanted.v4.add_classifiers(state, refused);
+        wanted.v6.add_classifiers(state, refused);
     }
     touched
 }
@@ -251,14 +269,15 @@ impl<F: Family> FamilyWanted<F> {
         }
     }
 
-    /// Node addresses, pod CIDRs and service ranges of this family.
-    fn add_classifiers(&mut self, state: &DesiredState) {
+    /// Node addresses, pod CIDRs and service ranges of this family; cluster IPs but those of
+    /// refused Services.
+    fn add_classifiers(&mut self, state: &DesiredState, refused: &Refused) {
         self.node_ips = state.sources.node_ips.iter().filter_map(|ip| Some((F::addr(*ip)?, 1))).collect();
         self.pod_cidrs =
             state.sources.pod_cidrs.iter().filter_map(|net| Some((F::prefix(net)?, 1))).collect();
         self.unmatched =
             state.service_cidrs.iter().filter_map(|net| Some((F::prefix(net)?, unmatched::DROP))).collect();
-        for ip in &state.cluster_ips {
+        for ip in state.cluster_ips.iter().filter(|ip| !refused.cluster_ips.contains(ip)) {
             if let Some(addr) = F::addr(*ip) {
                 self.unmatched.insert((F::BITS, addr), unmatched::REJECT);
             }
@@ -330,7 +349,7 @@ fn maglev_table<F: Family>(backends: &[F::Backend], size: u32) -> Vec<F::Backend
     maglev::table(&identities, size).into_iter().map(|owner| backends[owner]).collect()
 }
 
-fn ip_protocol(protocol: Protocol) -> u8 {
+pub fn ip_protocol(protocol: Protocol) -> u8 {
     match protocol {
         Protocol::Tcp => proto::TCP,
         Protocol::Udp => proto::UDP,
@@ -383,6 +402,11 @@ impl ServiceIds {
             }
         }
         self.id(name)
+    }
+
+    /// The service port an id was handed to this run.
+    pub fn name_of(&self, id: u32) -> Option<&ServicePortName> {
+        self.ids.iter().find(|(_, known)| **known == id).map(|(name, _)| &**name)
     }
 
     /// [`Self::id_for`], with the shared copy of the name.
@@ -485,6 +509,42 @@ mod tests {
         let lb6 =
             ServiceKey6 { addr: octets6("2001:db8:ff::10"), port: 80, proto: proto::TCP, source_class: 0 };
         assert_eq!(wanted.v6.services[&lb6].flags & service_flags::SOURCE_RANGES, 0);
+    }
+
+    /// A refused Service leaves nothing in the maps: no services entries, no source ranges,
+    /// no unmatched entry of its cluster IPs; the capacity count matches what is encoded.
+    #[test]
+    fn a_refused_service_is_not_encoded_and_its_needs_are_what_the_encoding_writes() {
+        use super::super::capacity::{self, MapKind};
+
+        let state = dual_stack(&["10.0.0.0/8", "192.168.0.0/16", "2001:db8::/32"]);
+        let needs = capacity::needs(&state, Balancing::Random);
+        let admitted =
+            encode(&state, Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
+        let need = needs.services["ns/web"];
+        let counted = |family: usize, kind: MapKind| need[family][kind as usize] as usize;
+        assert_eq!(counted(0, MapKind::Services), admitted.v4.services.len());
+        assert_eq!(counted(1, MapKind::Services), admitted.v6.services.len());
+        assert_eq!(counted(0, MapKind::SourceRanges), admitted.v4.source_ranges.len());
+        assert_eq!(counted(1, MapKind::SourceRanges), admitted.v6.source_ranges.len());
+        assert_eq!(counted(0, MapKind::Backends), 1);
+        // The service ranges, then the cluster IP.
+        assert_eq!(needs.fixed[0][MapKind::Unmatched as usize] + 1, admitted.v4.unmatched.len() as u64);
+
+        let tight = capacity::Capacity::new([[100, 100, 100, 1, 100], [100, 100, 100, 100, 100]]);
+        let refused = capacity::admit(&needs, &tight, &BTreeSet::new());
+        assert!(refused.services["ns/web"].contains("entries of vipr_srcr4_v1"), "{refused:?}");
+        let wanted = encode_admitted(
+            &state,
+            &refused,
+            Balancing::Random,
+            &mut ServiceIds::default(),
+            &mut CounterIds::new(16),
+        );
+        assert!(wanted.v4.services.is_empty() && wanted.v6.services.is_empty());
+        assert!(wanted.v4.source_ranges.is_empty() && wanted.v6.source_ranges.is_empty());
+        assert_eq!(wanted.v4.unmatched.len(), 1, "only the service range: {:?}", wanted.v4.unmatched);
+        assert_eq!(wanted.v6.unmatched.len(), 1, "only the service range: {:?}", wanted.v6.unmatched);
     }
 
     #[test]

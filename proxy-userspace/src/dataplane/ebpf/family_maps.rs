@@ -147,6 +147,24 @@ impl<F: Family> FamilyMaps<F> {
         }
     }
 
+    /// Each map's capacity, as [`super::capacity::MapKind`] orders them: the kernel's
+    /// `max_entries` (a pinned map may have kept another size than asked for).
+    pub fn capacity(&self) -> [u64; 5] {
+        let max_entries = |map: &MapData| map.info().map_or(0, |info| u64::from(info.max_entries()));
+        [
+            max_entries(self.services.map()),
+            max_entries(self.backends.map()),
+            max_entries(self.members.map()),
+            max_entries(self.source_ranges.map.map()),
+            max_entries(self.unmatched.map.map()),
+        ]
+    }
+
+    /// The frontends (address, port, protocol) the services map holds entries of.
+    pub fn programmed_frontends(&self) -> impl Iterator<Item = (std::net::IpAddr, u16, u8)> + '_ {
+        self.programmed.services.keys().map(F::frontend)
+    }
+
     /// The counter indices the programmed backend slots carry.
     pub fn counters_in_use(&self) -> impl Iterator<Item = u32> + '_ {
         self.programmed.sets.values().flatten().map(|backend| F::backend_parts(backend).2)
@@ -183,11 +201,14 @@ impl<F: Family> FamilyMaps<F> {
     /// Services and backends: fill new sets, switch entries, delete entries, clear sets no
     /// entry uses any more. With `keys`, only those entries are compared with `wanted` (the
     /// others are as programmed already). Returns the counter indices no slot carries now.
+    /// Entries the kernel refuses to store (a full map) keep their old value; they go to
+    /// `refused` with the service id they were for, for the caller to refuse that service.
     pub fn sync_services(
         &mut self,
         wanted: &FamilyWanted<F>,
         keys: Option<&BTreeSet<F::ServiceKey>>,
         report: &mut SyncReport,
+        refused: &mut Vec<(u32, String)>,
     ) -> Vec<u32> {
         let plan = match keys {
             None => plan(&self.programmed, &wanted.services, &mut self.set_ids),
@@ -201,11 +222,18 @@ impl<F: Family> FamilyMaps<F> {
             match self.fill_set(set, &backends) {
                 Ok(()) => self.insert_set(set, backends),
                 Err(error) => {
-                    report.failed.push(format!(
-                        "{} backend set of {} backends: {error:#}",
+                    let error = format!(
+                        "{} backend set of {} slots cannot be stored: {error:#}",
                         F::NAME,
                         backends.len()
-                    ));
+                    );
+                    let users: BTreeSet<u32> = plan
+                        .stores
+                        .iter()
+                        .filter(|(_, service)| service.backend_set == set)
+                        .map(|(_, service)| service.service_id)
+                        .collect();
+                    refused.extend(users.into_iter().map(|id| (id, error.clone())));
                     // Not recorded as programmed: the slots written so far are cleared now.
                     self.clear_set(set, &backends);
                     failed_sets.push(set);
@@ -213,6 +241,16 @@ impl<F: Family> FamilyMaps<F> {
             }
         }
         let mut unused = BTreeSet::new();
+        // Deletions first: they make room in a full map for the entries stored next.
+        for key in &plan.deletes {
+            match self.services.delete(key) {
+                Ok(()) => {
+                    self.store_entry(*key, None, &mut unused);
+                    report.changed += 1;
+                }
+                Err(error) => report.failed.push(format!("deleting service entry {key:?}: {error}")),
+            }
+        }
         // An entry whose set failed keeps its old value, which still points to a complete set.
         let (store_keys, store_values): (Vec<F::ServiceKey>, Vec<Service>) = plan
             .stores
@@ -233,17 +271,11 @@ impl<F: Family> FamilyMaps<F> {
                         self.store_entry(*key, Some(*service), &mut unused);
                         report.changed += 1;
                     }
-                    Err(error) => report.failed.push(format!("service entry {key:?}: {error}")),
+                    Err(error) => refused.push((
+                        service.service_id,
+                        format!("{} services entry cannot be stored: {error}", F::NAME),
+                    )),
                 }
-            }
-        }
-        for key in &plan.deletes {
-            match self.services.delete(key) {
-                Ok(()) => {
-                    self.store_entry(*key, None, &mut unused);
-                    report.changed += 1;
-                }
-                Err(error) => report.failed.push(format!("deleting service entry {key:?}: {error}")),
             }
         }
         let unused: Vec<u32> = match keys {

@@ -79,9 +79,12 @@ impl<M: KeyedMap> Mirrored<M> {
 
     /// Writes what differs from `wanted`. Returns the number of entries changed and the
     /// failures; a failed entry keeps its old value and is retried by the next sync.
+    /// New entries go in before stale ones go (a filter never passes through a state with
+    /// neither); an entry a full map refuses is tried again once the stale ones made room.
     pub fn sync(&mut self, wanted: &BTreeMap<M::Key, M::Value>) -> (usize, Vec<String>) {
         let mut changed = 0;
         let mut failures = Vec::new();
+        let mut refused = Vec::new();
         for (key, value) in wanted {
             if self.content.get(key) == Some(value) {
                 continue;
@@ -91,7 +94,7 @@ impl<M: KeyedMap> Mirrored<M> {
                     self.content.insert(key.clone(), value.clone());
                     changed += 1;
                 }
-                Err(error) => failures.push(error.to_string()),
+                Err(_) => refused.push((key, value)),
             }
         }
         let stale: Vec<M::Key> =
@@ -100,6 +103,15 @@ impl<M: KeyedMap> Mirrored<M> {
             match self.map.delete(&key) {
                 Ok(()) => {
                     self.content.remove(&key);
+                    changed += 1;
+                }
+                Err(error) => failures.push(error.to_string()),
+            }
+        }
+        for (key, value) in refused {
+            match self.map.put(key, value) {
+                Ok(()) => {
+                    self.content.insert(key.clone(), value.clone());
                     changed += 1;
                 }
                 Err(error) => failures.push(error.to_string()),

@@ -5,7 +5,7 @@
 //! agent that stops leaves traffic flowing, and an agent that starts adopts the pinned maps
 //! and links and only writes what differs from its desired state.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -16,8 +16,9 @@ use proxy_common::pins;
 use tracing::{debug, info, warn};
 
 use self::{
+    capacity::{Capacity, Refused},
     counters::{CounterIds, CounterMap, DatapathCollector, FlowMetrics, StatsMap},
-    encode::{encode, encode_changes, ServiceIds, Wanted},
+    encode::{encode_admitted, encode_changes, ServiceIds, Wanted},
     family::{Family, V4, V6},
     family_maps::FamilyMaps,
 };
@@ -27,6 +28,7 @@ use crate::metrics::Collector;
 use crate::model::{DesiredState, StateChanges};
 
 mod attach;
+pub mod capacity;
 pub(crate) mod counters;
 mod encode;
 mod family;
@@ -38,6 +40,7 @@ pub mod plan;
 mod pod_interfaces;
 pub(crate) mod reaper;
 pub mod record;
+mod resize;
 mod snat;
 mod xdp_attach;
 
@@ -75,6 +78,13 @@ pub struct EbpfDataplane {
     synced: Option<u64>,
     service_ids: ServiceIds,
     balancing: Balancing,
+    /// The maps' capacities, and the Services refused because they do not fit them (see
+    /// [`capacity`]); decided again when the state changes.
+    capacity: Capacity,
+    refused: Refused,
+    /// Services whose entries the kernel refused to store (`namespace/name` → reason): kept as
+    /// they were until the state changes, then tried again.
+    write_refused: BTreeMap<String, String>,
     /// Each family's services, backends and classification maps.
     v4: FamilyMaps<V4>,
     v6: FamilyMaps<V6>,
@@ -117,11 +127,16 @@ impl EbpfDataplane {
                 (maps.members, sizes.backends),
                 (maps.flows, sizes.flows),
                 (maps.affinity, sizes.affinity),
+                (maps.source_ranges, sizes.source_ranges),
+                (maps.unmatched, sizes.unmatched),
             ]
         });
         let mut wanted_sizes = wanted_sizes.as_flattened().to_vec();
         wanted_sizes.push((pins::BACKEND_COUNTERS, sizes.counters));
         let wanted_sizes = wanted_sizes.as_slice();
+        // A pinned map of another size is replaced by one of the size asked for, its entries
+        // copied: before the new programs are attached, and again once they serve.
+        let resizing = resize::Resizing::set_aside(&pin_dir, wanted_sizes);
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir.path());
         for &(map, size) in wanted_sizes {
@@ -130,7 +145,7 @@ impl EbpfDataplane {
         let mut ebpf = loader
             .load(crate::EBPF_OBJECT)
             .context("cannot load vipr's eBPF object (is this a kernel with BPF and BTF?)")?;
-        warn_about_kept_sizes(&ebpf, wanted_sizes);
+        resizing.copy(&ebpf);
         // Before the program is attached: until then it would use the default range.
         let snat = snat::SnatRange::start(&mut ebpf)?;
         let pod_interfaces = pod_interfaces::PodInterfaceMap::start(&mut ebpf)?;
@@ -151,6 +166,7 @@ impl EbpfDataplane {
 
         // The program serves with the new layouts now; the earlier ones are unused.
         remove_pins(&pin_dir, &pins::RETIRED);
+        resizing.finish(&ebpf);
 
         // The pinned map may have kept another size than asked for.
         let counters_capacity = ebpf
@@ -163,6 +179,7 @@ impl EbpfDataplane {
         let v4 = FamilyMaps::adopt(&mut ebpf, &mut service_ids, &mut counter_ids)?;
         let v6 = FamilyMaps::adopt(&mut ebpf, &mut service_ids, &mut counter_ids)?;
         counter_ids.adoption_done();
+        let capacity = Capacity::new([v4.capacity(), v6.capacity()]);
         let flow_metrics = Arc::new(FlowMetrics::default());
         let counters_pin = pin_dir.path().join(pins::BACKEND_COUNTERS);
         let stats_pin = pin_dir.path().join(pins::DATAPATH_STATS);
@@ -198,6 +215,9 @@ impl EbpfDataplane {
             xdp,
             service_ids,
             balancing: options.balancing,
+            capacity,
+            refused: Refused::default(),
+            write_refused: BTreeMap::new(),
             host_traffic,
             snat,
             pod_interfaces,
@@ -234,6 +254,23 @@ impl EbpfDataplane {
         }
         PinDir::new(bpf_root).remove_all()?;
         Ok(())
+    }
+
+    /// The Services of `state` that do not fit the maps; those with entries in the maps
+    /// already keep their room.
+    fn admit(&self, state: &DesiredState) -> Refused {
+        let needs = capacity::needs(state, self.balancing);
+        let programmed: BTreeSet<(std::net::IpAddr, u16, u8)> =
+            self.v4.programmed_frontends().chain(self.v6.programmed_frontends()).collect();
+        let programmed: BTreeSet<String> = state
+            .frontends
+            .iter()
+            .filter(|(frontend, _)| {
+                programmed.contains(&(frontend.ip, frontend.port, encode::ip_protocol(frontend.protocol)))
+            })
+            .map(|(_, entry)| capacity::service_name(&entry.service))
+            .collect();
+        capacity::admit(&needs, &self.capacity, &programmed)
     }
 }
 
@@ -295,21 +332,50 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn sync_changes(&mut self, state: &DesiredState, changes: &StateChanges) -> anyhow::Result<SyncReport> {
-        let incremental = changes.since.is_some() && changes.since == self.synced;
+        let mut incremental = changes.since.is_some() && changes.since == self.synced;
+        let state_changed = !incremental || !changes.frontends.is_empty() || changes.classifiers;
+        if state_changed {
+            // What fits is decided again only when the state changed, and the Services the
+            // kernel refused are tried again then: not on every periodic sync.
+            if !std::mem::take(&mut self.write_refused).is_empty() {
+                incremental = false;
+            }
+            let mut refused = self.admit(state);
+            if !refused.services.keys().eq(self.refused.services.keys())
+                || refused.cluster_ips != self.refused.cluster_ips
+            {
+                // Entries of Services admitted or refused now are not among the changes.
+                incremental = false;
+            }
+            // A Service still refused keeps its reason, so that it is reported once, not
+            // again whenever another Service changes what is free.
+            for (name, reason) in &mut refused.services {
+                if let Some(before) = self.refused.services.get_mut(name) {
+                    std::mem::swap(reason, before);
+                }
+            }
+            self.refused = refused;
+        }
         // Whatever happens below, the maps are only known to match a generation once it is done.
         self.synced = None;
         let touched = if incremental {
             Some(encode_changes(
                 &mut self.wanted,
                 state,
-                &changes.frontends,
-                changes.classifiers,
+                &self.refused,
+                changes,
                 self.balancing,
                 &mut self.service_ids,
                 &mut self.counter_ids,
             ))
         } else {
-            self.wanted = encode(state, self.balancing, &mut self.service_ids, &mut self.counter_ids);
+            self.wanted = encode_admitted(
+                state,
+                &self.refused,
+                self.balancing,
+                &mut self.service_ids,
+                &mut self.counter_ids,
+            );
             None
         };
         self.record_stale |= touched.as_ref().is_none_or(|(v4, v6)| {
@@ -331,24 +397,46 @@ impl Dataplane for EbpfDataplane {
         self.v4.sync_classifiers(&wanted.v4, classifiers, ranges, &mut report);
         self.v6.sync_classifiers(&wanted.v6, classifiers, ranges, &mut report);
         let counter_map = &self.counter_map;
+        let mut write_refused = Vec::new();
         match &touched {
             Some((v4, v6)) => {
                 self.reaper.keep(&changes.listed_added);
-                let mut released = self.v4.sync_services(&wanted.v4, Some(&v4.keys), &mut report);
-                released.extend(self.v6.sync_services(&wanted.v6, Some(&v6.keys), &mut report));
+                let mut released =
+                    self.v4.sync_services(&wanted.v4, Some(&v4.keys), &mut report, &mut write_refused);
+                released.extend(self.v6.sync_services(
+                    &wanted.v6,
+                    Some(&v6.keys),
+                    &mut report,
+                    &mut write_refused,
+                ));
                 self.reaper.forget(&changes.listed_removed);
                 self.counter_ids.release(&released, |index| counter_map.read(index));
             }
             None => {
                 self.reaper.keep(&state.listed_endpoints);
-                self.v4.sync_services(&wanted.v4, None, &mut report);
-                self.v6.sync_services(&wanted.v6, None, &mut report);
+                self.v4.sync_services(&wanted.v4, None, &mut report, &mut write_refused);
+                self.v6.sync_services(&wanted.v6, None, &mut report, &mut write_refused);
                 self.reaper.keep_only(&state.listed_endpoints);
                 let in_use: BTreeSet<u32> =
                     self.v4.counters_in_use().chain(self.v6.counters_in_use()).collect();
                 self.counter_ids.release_unused(&in_use, |index| counter_map.read(index));
             }
         }
+        for (service_id, error) in write_refused {
+            match self.service_ids.name_of(service_id) {
+                Some(name) => {
+                    self.write_refused.entry(capacity::service_name(name)).or_insert_with(|| {
+                        format!("{error}; its entries are kept as they were until the state changes")
+                    });
+                }
+                None => report.failed.push(error),
+            }
+        }
+        report.refused = self
+            .refused
+            .reports()
+            .chain(self.write_refused.iter().map(|(name, reason)| format!("Service {name}: {reason}")))
+            .collect();
         if std::mem::take(&mut self.first_sync) {
             // Endpoints may have gone while no agent ran.
             self.reaper.request_scan();
@@ -386,26 +474,12 @@ fn take_map<M: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
     M::try_from(map).with_context(|| format!("map {name} does not have the expected layout"))
 }
 
-/// A pinned map is reused as it is, so a new size only takes effect on a fresh datapath.
-fn warn_about_kept_sizes(ebpf: &Ebpf, wanted: &[(&str, u32)]) {
-    for (name, size) in wanted {
-        let pinned = ebpf.map(name).and_then(|map| aya::maps::MapData::info(map_data(map)?).ok());
-        if let Some(info) = pinned.filter(|info| info.max_entries() != *size) {
-            warn!(
-                map = name,
-                kept = info.max_entries(),
-                requested = size,
-                "the pinned map keeps its size; `vipr --cleanup` and a restart apply the new one"
-            );
-        }
-    }
-}
-
 fn map_data(map: &aya::maps::Map) -> Option<&MapData> {
     match map {
         aya::maps::Map::HashMap(data)
         | aya::maps::Map::LruHashMap(data)
-        | aya::maps::Map::PerCpuArray(data) => Some(data),
+        | aya::maps::Map::PerCpuArray(data)
+        | aya::maps::Map::LpmTrie(data) => Some(data),
         _ => None,
     }
 }

@@ -1,0 +1,312 @@
+//! Whether each Service's entries fit the maps: a Service that does not fit is refused as a
+//! whole (none of its entries are written) instead of failing the sync of every other one.
+//!
+//! Pure, so the accounting is unit-tested without a kernel. The count is taken from the
+//! desired state the way [`super::encode`] turns it into entries, and errs on the side of
+//! too many (a backend list shared by two service ports is counted twice): a Service admitted
+//! here always fits. Services the maps held before are admitted first, so a new object can
+//! never push out one that serves already; the others go in name order.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use super::{
+    encode::Balancing,
+    family::{Family, V4, V6},
+};
+use crate::model::{Backend, DesiredState, FrontendKind, ServicePortName};
+
+/// The maps a Service's entries go to, per family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum MapKind {
+    Services,
+    Backends,
+    Members,
+    SourceRanges,
+    Unmatched,
+}
+
+const KINDS: [MapKind; 5] =
+    [MapKind::Services, MapKind::Backends, MapKind::Members, MapKind::SourceRanges, MapKind::Unmatched];
+
+/// Entries per family (IPv4, IPv6) and map.
+pub type Entries = [[u64; 5]; 2];
+
+fn family_index(ip: IpAddr) -> usize {
+    usize::from(ip.is_ipv6())
+}
+
+/// The maps' names and capacities (their `max_entries` as the kernel has them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    pub names: [[&'static str; 5]; 2],
+    pub limits: Entries,
+}
+
+impl Capacity {
+    pub fn new(limits: Entries) -> Self {
+        let names = [V4::MAPS, V6::MAPS]
+            .map(|maps| [maps.services, maps.backends, maps.members, maps.source_ranges, maps.unmatched]);
+        Self { names, limits }
+    }
+
+    /// The name of a map, for a refusal's reason.
+    pub fn name(&self, family: usize, kind: MapKind) -> &'static str {
+        self.names[family][kind as usize]
+    }
+}
+
+/// Services refused, by `namespace/name`, with the reason; and the cluster IPs that only
+/// refused Services claim (their `unmatched` entries are not written either).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Refused {
+    pub services: BTreeMap<String, String>,
+    pub cluster_ips: BTreeSet<IpAddr>,
+}
+
+impl Refused {
+    pub fn contains(&self, service: &ServicePortName) -> bool {
+        !self.services.is_empty() && self.services.contains_key(&service_name(service))
+    }
+
+    /// The reports, `Service namespace/name: reason`, as the model names rejected objects.
+    pub fn reports(&self) -> impl Iterator<Item = String> + '_ {
+        self.services.iter().map(|(name, reason)| format!("Service {name}: {reason}"))
+    }
+}
+
+pub fn service_name(service: &ServicePortName) -> String {
+    format!("{}/{}", service.namespace, service.name)
+}
+
+/// What each Service needs, and what the maps hold whatever the Services (service ranges,
+/// cluster IPs of Services without ports).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Needs {
+    pub services: BTreeMap<String, Entries>,
+    pub fixed: Entries,
+    /// The cluster IPs each Service's frontends claim.
+    pub cluster_ips: BTreeMap<String, BTreeSet<IpAddr>>,
+}
+
+/// Counts the entries [`super::encode::encode`] would write for each Service of `state`.
+pub fn needs(state: &DesiredState, balancing: Balancing) -> Needs {
+    let mut needs = Needs::default();
+    // Encoded once per service port and family: the source classes' and frontends' lists.
+    let mut lists: BTreeSet<(&ServicePortName, usize, &[Backend])> = BTreeSet::new();
+    let mut ranges: BTreeSet<(&ServicePortName, usize, &ipnet::IpNet)> = BTreeSet::new();
+    let mut claimed: BTreeSet<IpAddr> = BTreeSet::new();
+    for (frontend, entry) in &state.frontends {
+        let name = service_name(&entry.service);
+        let family = family_index(frontend.ip);
+        let entries = &mut needs.services.entry(name.clone()).or_default()[family];
+        // A loopback frontend has the node's class only (see encode).
+        entries[MapKind::Services as usize] += if frontend.ip.is_loopback() { 1 } else { 3 };
+        for treatment in [&entry.from_outside, &entry.from_pod, &entry.from_node] {
+            if !lists.insert((&entry.service, family, &treatment.backends)) {
+                continue;
+            }
+            let count =
+                treatment.backends.iter().filter(|backend| family_index(backend.ip) == family).count() as u64;
+            if count == 0 {
+                continue;
+            }
+            entries[MapKind::Backends as usize] += match balancing {
+                Balancing::Maglev { table_size } => u64::from(table_size),
+                Balancing::Random => count,
+            };
+            entries[MapKind::Members as usize] += count;
+        }
+        for range in &entry.allowed_sources {
+            if family_index(range.addr()) == family && ranges.insert((&entry.service, family, range)) {
+                entries[MapKind::SourceRanges as usize] += 1;
+            }
+        }
+        if entry.kind == FrontendKind::ClusterIp
+            && needs.cluster_ips.entry(name).or_default().insert(frontend.ip)
+        {
+            entries[MapKind::Unmatched as usize] += 1;
+            claimed.insert(frontend.ip);
+        }
+    }
+    for net in &state.service_cidrs {
+        needs.fixed[family_index(net.addr())][MapKind::Unmatched as usize] += 1;
+    }
+    for ip in state.cluster_ips.iter().filter(|ip| !claimed.contains(ip)) {
+        needs.fixed[family_index(*ip)][MapKind::Unmatched as usize] += 1;
+    }
+    needs
+}
+
+/// Admits Services while they fit, those in `programmed` first, and refuses the others.
+pub fn admit(needs: &Needs, capacity: &Capacity, programmed: &BTreeSet<String>) -> Refused {
+    let mut used = needs.fixed;
+    let mut refused = Refused::default();
+    let first = needs.services.iter().filter(|(name, _)| programmed.contains(*name));
+    let then = needs.services.iter().filter(|(name, _)| !programmed.contains(*name));
+    for (name, need) in first.chain(then) {
+        match overflow(&used, need, capacity) {
+            None => {
+                for (used, need) in used.as_flattened_mut().iter_mut().zip(need.as_flattened()) {
+                    *used += need;
+                }
+            }
+            Some(reason) => {
+                refused.services.insert(name.clone(), reason);
+            }
+        }
+    }
+    // A cluster IP shared with an admitted Service (a duplicate the model let through) stays.
+    let admitted: BTreeSet<&IpAddr> = needs
+        .cluster_ips
+        .iter()
+        .filter(|(name, _)| !refused.services.contains_key(*name))
+        .flat_map(|(_, ips)| ips)
+        .collect();
+    refused.cluster_ips = refused
+        .services
+        .keys()
+        .filter_map(|name| needs.cluster_ips.get(name))
+        .flatten()
+        .filter(|ip| !admitted.contains(ip))
+        .copied()
+        .collect();
+    refused
+}
+
+/// The first map `need` does not fit in beside `used`, as a refusal's reason.
+fn overflow(used: &Entries, need: &Entries, capacity: &Capacity) -> Option<String> {
+    for family in 0..2 {
+        for kind in KINDS {
+            let (used, need, limit) = (
+                used[family][kind as usize],
+                need[family][kind as usize],
+                capacity.limits[family][kind as usize],
+            );
+            if used + need > limit {
+                return Some(format!(
+                    "does not fit the eBPF maps: needs {need} entries of {}, {} free (capacity {limit}); \
+                     not programmed until it fits",
+                    capacity.name(family, kind),
+                    limit.saturating_sub(used),
+                ));
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::model::{Frontend, FrontendEntry, Protocol, Treatment, WhenEmpty};
+
+    fn treatment(backends: &[Backend]) -> Treatment {
+        Treatment { backends: backends.into(), when_empty: WhenEmpty::Reject, masquerade: false }
+    }
+
+    fn backend(last: u8) -> Backend {
+        Backend { ip: IpAddr::from([10, 1, 0, last]), port: 8080 }
+    }
+
+    /// A Service `ns/name` with `ports` ports on `ips`, the same backends for every class.
+    fn add(state: &mut DesiredState, name: &str, ips: &[IpAddr], ports: u16, backends: &[Backend]) {
+        for port in 1..=ports {
+            for (i, ip) in ips.iter().enumerate() {
+                let entry = FrontendEntry {
+                    service: ServicePortName {
+                        namespace: "ns".into(),
+                        name: name.into(),
+                        port: format!("p{port}"),
+                        protocol: Protocol::Tcp,
+                    },
+                    kind: if i == 0 { FrontendKind::ClusterIp } else { FrontendKind::ExternalIp },
+                    from_pod: treatment(backends),
+                    from_node: treatment(backends),
+                    from_outside: treatment(backends),
+                    allowed_sources: Vec::new(),
+                    affinity: None::<Duration>,
+                };
+                state.frontends.insert(Frontend { ip: *ip, port, protocol: Protocol::Tcp }, entry);
+            }
+        }
+        state.cluster_ips.insert(ips[0]);
+    }
+
+    fn capacity(services: u64, backends: u64, ranges: u64) -> Capacity {
+        let family = [services, backends, backends, ranges, 100];
+        Capacity::new([family, family])
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 96, 0, last])
+    }
+
+    #[test]
+    fn counts_entries_as_the_encoding_writes_them() {
+        let mut state = DesiredState::default();
+        add(&mut state, "web", &[ip(1), ip(2)], 2, &[backend(1), backend(2)]);
+        let needs = needs(&state, Balancing::Random);
+        // 2 ports × 2 addresses × 3 classes; one list per port; one cluster IP.
+        assert_eq!(needs.services["ns/web"][0], [12, 4, 4, 0, 1]);
+        let maglev = super::needs(&state, Balancing::Maglev { table_size: 251 });
+        assert_eq!(maglev.services["ns/web"][0][MapKind::Backends as usize], 2 * 251);
+    }
+
+    #[test]
+    fn a_service_that_does_not_fit_is_refused_alone() {
+        let mut state = DesiredState::default();
+        add(&mut state, "canary", &[ip(1)], 1, &[backend(1)]);
+        // 100 ports × 7 addresses: 2,100 services entries.
+        let external: Vec<IpAddr> = (2..9).map(ip).collect();
+        add(&mut state, "aaa-huge", &external, 100, &[backend(2)]);
+        add(&mut state, "zzz-small", &[ip(20)], 2, &[backend(3)]);
+        let refused = admit(&needs(&state, Balancing::Random), &capacity(1000, 1000, 100), &BTreeSet::new());
+        assert_eq!(refused.services.keys().collect::<Vec<_>>(), ["ns/aaa-huge"]);
+        let reason = &refused.services["ns/aaa-huge"];
+        assert!(reason.contains("needs 2100 entries of vipr_svc4_v2, 1000 free (capacity 1000)"), "{reason}");
+        assert_eq!(refused.cluster_ips, BTreeSet::from([ip(2)]));
+        assert_eq!(
+            refused.reports().collect::<Vec<_>>(),
+            [format!("Service ns/aaa-huge: {reason}")],
+            "named as the model names rejected objects"
+        );
+    }
+
+    #[test]
+    fn services_programmed_before_keep_their_room() {
+        let mut state = DesiredState::default();
+        add(&mut state, "old", &[ip(1)], 1, &[backend(1), backend(2)]);
+        add(&mut state, "aaa-new", &[ip(2)], 1, &[backend(3), backend(4)]);
+        let needs = needs(&state, Balancing::Random);
+        let tight = capacity(100, 3, 100);
+        assert_eq!(admit(&needs, &tight, &BTreeSet::new()).services.keys().collect::<Vec<_>>(), ["ns/old"]);
+        let programmed = BTreeSet::from(["ns/old".to_string()]);
+        assert_eq!(admit(&needs, &tight, &programmed).services.keys().collect::<Vec<_>>(), ["ns/aaa-new"]);
+    }
+
+    #[test]
+    fn source_ranges_and_maglev_tables_are_counted() {
+        let mut state = DesiredState::default();
+        add(&mut state, "ranged", &[ip(1), ip(2)], 1, &[backend(1)]);
+        let ranges: Vec<ipnet::IpNet> =
+            (0..1000u32).map(|i| format!("192.{}.{}.0/24", i / 256, i % 256).parse().unwrap()).collect();
+        for entry in state.frontends.values_mut() {
+            entry.allowed_sources = ranges.clone();
+        }
+        let needs = needs(&state, Balancing::Random);
+        assert_eq!(needs.services["ns/ranged"][0][MapKind::SourceRanges as usize], 1000, "once per port");
+        let refused = admit(&needs, &capacity(100, 100, 512), &BTreeSet::new());
+        assert!(refused.services["ns/ranged"].contains("of vipr_srcr4_v1"), "{refused:?}");
+
+        let mut state = DesiredState::default();
+        add(&mut state, "maglev", &[ip(1)], 10, &[backend(1)]);
+        let needs = super::needs(&state, Balancing::Maglev { table_size: 251 });
+        let refused = admit(&needs, &capacity(100, 2000, 100), &BTreeSet::new());
+        assert!(refused.services["ns/maglev"].contains("needs 2510 entries of vipr_back4_v2"), "{refused:?}");
+        assert!(admit(&needs, &capacity(100, 2510, 100), &BTreeSet::new()).services.is_empty());
+    }
+}
