@@ -33,6 +33,29 @@ pub struct LabConfig {
     pub services: Vec<ClusterIpService>,
 }
 
+impl LabConfig {
+    /// The usual lab: the client and the backends `b1`, `b2`, ... at `backends`, each in a
+    /// /24 of its own, serving `services` from the vipr binary the tests run.
+    pub fn with_backends(
+        label: &str,
+        client: Ipv4Addr,
+        backends: &[Ipv4Addr],
+        services: Vec<ClusterIpService>,
+    ) -> Result<Self> {
+        Ok(Self {
+            label: label.to_owned(),
+            vipr_binary: crate::locate_vipr()?,
+            client: LeafSpec::in_own_slash24("client", client)?,
+            backends: backends
+                .iter()
+                .enumerate()
+                .map(|(i, addr)| LeafSpec::in_own_slash24(&format!("b{}", i + 1), *addr))
+                .collect::<Result<_>>()?,
+            services,
+        })
+    }
+}
+
 /// Everything of one lab; dropping it stops vipr and removes all of it.
 #[derive(Debug)]
 pub struct Lab {

@@ -19,7 +19,7 @@ use testbed::{
     count_by_backend, exchanges,
     http::{get, get_within, HttpAnswer},
     locate_vipr, manifest, raise_open_files_limit, wait_for, write_atomically, Check, ClusterIpService,
-    Endpoint, Frontend, Lab, LabConfig, LeafSpec, Netns, PidsLimit, Protocol, ServicePort, Vipr,
+    Endpoint, Frontend, Lab, LabConfig, Netns, PidsLimit, Protocol, ServicePort, Vipr,
 };
 
 /// vipr's default `--healthz-bind-address` (0.0.0.0:10256), seen from inside the node.
@@ -55,16 +55,15 @@ fn web(endpoints: &[Ipv4Addr]) -> ClusterIpService {
 }
 
 fn lab(label: &str) -> Lab {
-    Lab::new(LabConfig {
-        label: label.to_owned(),
-        vipr_binary: locate_vipr().unwrap(),
-        client: LeafSpec::in_own_slash24("client", CLIENT).unwrap(),
-        backends: vec![
-            LeafSpec::in_own_slash24("b1", BACKEND).unwrap(),
-            LeafSpec::in_own_slash24("b2", OTHER_BACKEND).unwrap(),
-        ],
-        services: vec![web(&[BACKEND, OTHER_BACKEND])],
-    })
+    Lab::new(
+        LabConfig::with_backends(
+            label,
+            CLIENT,
+            &[BACKEND, OTHER_BACKEND],
+            vec![web(&[BACKEND, OTHER_BACKEND])],
+        )
+        .unwrap(),
+    )
     .unwrap()
 }
 

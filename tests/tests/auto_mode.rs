@@ -14,7 +14,7 @@ use std::{
 use anyhow::Result;
 use testbed::{
     count_by_backend, exchanges, locate_vipr, sandbox, wait_for, Check, ClusterIpService, Endpoint, Frontend,
-    Lab, LabConfig, LeafSpec, Netns, Protocol, Vipr,
+    Lab, LabConfig, Netns, Protocol, Vipr,
 };
 
 /// vipr's default `--metrics-bind-address` (0.0.0.0:10249), seen from inside the node.
@@ -35,17 +35,8 @@ fn web() -> ClusterIpService {
 }
 
 fn lab(label: &str) -> Lab {
-    Lab::new(LabConfig {
-        label: label.to_owned(),
-        vipr_binary: locate_vipr().unwrap(),
-        client: LeafSpec::in_own_slash24("client", CLIENT).unwrap(),
-        backends: vec![
-            LeafSpec::in_own_slash24("b1", BACKENDS[0]).unwrap(),
-            LeafSpec::in_own_slash24("b2", BACKENDS[1]).unwrap(),
-        ],
-        services: vec![web()],
-    })
-    .unwrap()
+    Lab::new(LabConfig::with_backends(label, CLIENT, &[BACKENDS[0], BACKENDS[1]], vec![web()]).unwrap())
+        .unwrap()
 }
 
 /// vipr with `--proxy-mode=auto` in the lab's node, started from the calling thread (so that

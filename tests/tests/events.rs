@@ -14,7 +14,7 @@ use std::{
 use serde_json::Value;
 use testbed::{
     apiserver::Collection, locate_vipr, wait_for, Check, ClusterIpService, Endpoint, FakeApiServer, Lab,
-    LabConfig, LeafSpec, Vipr,
+    LabConfig, Vipr,
 };
 
 /// vipr's default `--metrics-bind-address` (0.0.0.0:10249), seen from inside the node.
@@ -40,16 +40,10 @@ struct EventsLab {
 
 impl EventsLab {
     fn new(label: &str) -> Self {
-        let lab = Lab::new(LabConfig {
-            label: label.to_owned(),
-            vipr_binary: locate_vipr().unwrap(),
-            client: LeafSpec::in_own_slash24("client", CLIENT).unwrap(),
-            backends: vec![
-                LeafSpec::in_own_slash24("b1", BACKENDS[0]).unwrap(),
-                LeafSpec::in_own_slash24("b2", BACKENDS[1]).unwrap(),
-            ],
-            services: vec![web(&BACKENDS)],
-        })
+        let lab = Lab::new(
+            LabConfig::with_backends(label, CLIENT, &[BACKENDS[0], BACKENDS[1]], vec![web(&BACKENDS)])
+                .unwrap(),
+        )
         .unwrap();
         // In the node's namespace, where vipr runs.
         let api = lab.node().run(FakeApiServer::start).unwrap();

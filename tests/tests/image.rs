@@ -22,8 +22,8 @@ use testbed::{
         deny_bpf_profile, run_to_completion, test_image, Cgroup2Dir, Container, ContainerSpec, Privileges,
         Seccomp,
     },
-    count_by_backend, exchange, exchanges, locate_vipr, unique_name, wait_for, Check, ClusterIpService,
-    Endpoint, Frontend, Lab, LabConfig, LeafSpec, Netns, Protocol,
+    count_by_backend, exchange, exchanges, unique_name, wait_for, Check, ClusterIpService, Endpoint,
+    Frontend, Lab, LabConfig, Netns, Protocol,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -52,17 +52,8 @@ fn web() -> ClusterIpService {
 }
 
 fn lab(label: &str) -> Lab {
-    Lab::new(LabConfig {
-        label: label.to_owned(),
-        vipr_binary: locate_vipr().unwrap(),
-        client: LeafSpec::in_own_slash24("client", CLIENT).unwrap(),
-        backends: vec![
-            LeafSpec::in_own_slash24("b1", BACKENDS[0]).unwrap(),
-            LeafSpec::in_own_slash24("b2", BACKENDS[1]).unwrap(),
-        ],
-        services: vec![web()],
-    })
-    .unwrap()
+    Lab::new(LabConfig::with_backends(label, CLIENT, &[BACKENDS[0], BACKENDS[1]], vec![web()]).unwrap())
+        .unwrap()
 }
 
 /// A pod's `privileged` or capabilities, and its seccomp profile.
