@@ -86,6 +86,25 @@ pub mod pins {
     pub const FRAGMENTS4: &str = "vipr_frag4_v1";
     /// The one TC program, attached at ingress of every `--devices` interface.
     pub const TC_INGRESS_PROGRAM: &str = "vipr_tc_ingress";
+    /// The TC program at egress of every `--devices` interface: the half of a forwarded
+    /// packet's NAT that must come after the stack's routing and filtering
+    /// ([`crate::forwarding`]).
+    pub const TC_EGRESS_PROGRAM: &str = "vipr_tc_egress";
+}
+
+/// `--bpf-forwarding`: how the TC program hands on a packet it rewrote for another host. The
+/// agent writes the mode into the program's read-only global [`forwarding::GLOBAL`] when it
+/// loads it (so the verifier prunes the other path).
+pub mod forwarding {
+    /// The name of the `u8` global holding [`STACK`] or [`REDIRECT`].
+    pub const GLOBAL: &str = "VIPR_FORWARDING";
+    /// The default: back into the stack, which routes and filters the packet (netfilter
+    /// FORWARD and POSTROUTING) with the addresses a NetworkPolicy names, client -> backend
+    /// and backend -> client; the rest of the NAT happens at TC egress.
+    pub const STACK: u8 = 0;
+    /// Straight to the next hop with `bpf_redirect_neigh`: faster, but the packet skips
+    /// netfilter's FORWARD and POSTROUTING chains, and with them iptables-enforced policy.
+    pub const REDIRECT: u8 = 1;
 }
 
 /// Default capacities; the agent may override them when it creates the maps.
