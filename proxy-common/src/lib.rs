@@ -311,7 +311,11 @@ pub mod datapath_stat {
     /// The flows map was full and a connection that never completed its handshake (or a UDP
     /// flow never answered) was deleted to make room for a new one (early drop).
     pub const EARLY_DROP: u32 = 3;
-    pub const COUNT: u32 = 4;
+    /// A packet that would have been answered with an ICMP/ICMPv6 port unreachable (a service
+    /// without endpoints, a cluster IP's unserved port) was dropped instead: the node's rejects
+    /// were over their rate (reject.rs).
+    pub const REJECT_RATE_LIMITED: u32 = 4;
+    pub const COUNT: u32 = 5;
 }
 
 /// Value of the [`pins::EARLY_DROP4`] array (one element): a queue of the forward keys of the

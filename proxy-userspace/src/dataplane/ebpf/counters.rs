@@ -496,6 +496,11 @@ impl Collector for DatapathCollector {
             ];
             (failures, evictions, refusals)
         };
+        let rejects_limited = self
+            .stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .read(datapath_stat::REJECT_RATE_LIMITED);
         let (mut entries, mut capacities) = (Vec::new(), Vec::new());
         for (map, fill) in self.flows.fill() {
             entries.push(sample(vec![("map".to_owned(), map.clone())], fill.entries));
@@ -564,6 +569,12 @@ impl Collector for DatapathCollector {
                 "New connections the datapath refused (their packet dropped), by reason: map_full (no entry could be \
                  stored nor evicted), snat_port_exhausted (no masquerade port free or reclaimable)",
                 refusals,
+            ),
+            family(
+                "vipr_datapath_rejects_rate_limited_total",
+                "Packets to a service without endpoints (or a cluster IP's unserved port) dropped instead of \
+                 rejected because the node's rejects were over their rate (1000/s, burst 50)",
+                vec![sample(Vec::new(), rejects_limited)],
             ),
             gauge(
                 "vipr_bpf_map_entries",
