@@ -86,6 +86,25 @@ pub mod pins {
     pub const FRAGMENTS4: &str = "vipr_frag4_v1";
     /// The one TC program, attached at ingress of every `--devices` interface.
     pub const TC_INGRESS_PROGRAM: &str = "vipr_tc_ingress";
+    /// The TC program at egress of every `--devices` interface: the half of a forwarded
+    /// packet's NAT that must come after the stack's routing and filtering
+    /// ([`crate::forwarding`]).
+    pub const TC_EGRESS_PROGRAM: &str = "vipr_tc_egress";
+}
+
+/// `--bpf-forwarding`: how the TC program hands on a packet it rewrote for another host. The
+/// agent writes the mode into the program's read-only global [`forwarding::GLOBAL`] when it
+/// loads it (so the verifier prunes the other path).
+pub mod forwarding {
+    /// The name of the `u8` global holding [`STACK`] or [`REDIRECT`].
+    pub const GLOBAL: &str = "VIPR_FORWARDING";
+    /// The default: back into the stack, which routes and filters the packet (netfilter
+    /// FORWARD and POSTROUTING) with the addresses a NetworkPolicy names, client -> backend
+    /// and backend -> client; the rest of the NAT happens at TC egress.
+    pub const STACK: u8 = 0;
+    /// Straight to the next hop with `bpf_redirect_neigh`: faster, but the packet skips
+    /// netfilter's FORWARD and POSTROUTING chains, and with them iptables-enforced policy.
+    pub const REDIRECT: u8 = 1;
 }
 
 /// Default capacities; the agent may override them when it creates the maps.
@@ -296,7 +315,11 @@ pub mod datapath_stat {
     /// client port to the same backend through another frontend): it was given another
     /// source port, its address kept, as the kernel's NAT resolves such a clash.
     pub const REPLY_CLASH_REMAPPED: u32 = 4;
-    pub const COUNT: u32 = 5;
+    /// A packet that would have been answered with an ICMP/ICMPv6 port unreachable (a service
+    /// without endpoints, a cluster IP's unserved port) was dropped instead: the node's rejects
+    /// were over their rate (reject.rs).
+    pub const REJECT_RATE_LIMITED: u32 = 5;
+    pub const COUNT: u32 = 6;
 }
 
 /// Value of the [`pins::EARLY_DROP4`] array (one element): a queue of the forward keys of the

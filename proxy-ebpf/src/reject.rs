@@ -50,12 +50,15 @@
 //!
 //! `reject_ipv4` and `reject_ipv6` share everything after the IP-specific header writes:
 //! [`settle_quoted_l4_checksum`], [`icmp_checksum`] and [`send_back`].
+use aya_ebpf::helpers::bpf_ktime_get_ns;
 use aya_ebpf::{
     bindings::{__sk_buff, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC},
     helpers::{bpf_csum_diff, bpf_redirect, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_load_bytes},
     programs::TcContext,
 };
-use proxy_common::proto;
+use proxy_common::{datapath_stat, proto};
+
+use crate::tc::stat;
 
 use crate::wire::{
     ETH_HLEN, ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_MIN_HLEN, IPV6_HLEN, TCP_CSUM_AT, UDP_CSUM_AT,
@@ -114,8 +117,42 @@ const V6_MAX_ICMP: usize = ICMP_HLEN + IPV6_HLEN + MAX_L4_QUOTE;
 /// then the original IPv4 header with its options and the first 8 (UDP) or 20 (TCP, SCTP)
 /// bytes of the L4 header, whose checksum field is settled as the module documentation
 /// explains.
+/// Rejects the node answers per second once its burst is spent, and the burst: the kernel's
+/// limits on the ICMP errors it sends itself (`net.ipv4.icmp_msgs_per_sec`,
+/// `net.ipv4.icmp_msgs_burst`), so that a flood toward a service without endpoints cannot make
+/// the node a reflector of as many ICMP errors as it receives packets. Beyond the rate a
+/// packet is dropped (what the client sees when no reject comes: a timeout), and counted.
+const REJECTS_PER_SECOND: u64 = 1000;
+const REJECT_BURST: u64 = 50;
+const REJECT_INTERVAL_NS: u64 = 1_000_000_000 / REJECTS_PER_SECOND;
+
+/// The node-wide token bucket, as a generic cell rate algorithm: the time at which the bucket
+/// would be full again ("theoretical arrival time"). One value for all CPUs, read and written
+/// without a lock: CPUs racing may let a few rejects more through, never block one wrongly.
+/// Program data (`.bss`), not pinned: a restarted agent starts with a full bucket.
+#[unsafe(no_mangle)]
+static mut VIPR_REJECT_TAT: u64 = 0;
+
+/// Whether one more reject fits the rate; counts the packet when it does not.
+#[inline(always)]
+fn within_rate() -> bool {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let tat = &raw mut VIPR_REJECT_TAT;
+    // SAFETY: a global of this object; a torn or raced value only shifts the bucket a little.
+    let next = unsafe { tat.read_volatile() }.max(now) + REJECT_INTERVAL_NS;
+    if next - now > REJECT_BURST * REJECT_INTERVAL_NS {
+        stat(datapath_stat::REJECT_RATE_LIMITED);
+        return false;
+    }
+    unsafe { tat.write_volatile(next) };
+    true
+}
+
 #[inline(always)]
 pub fn reject_ipv4(ctx: &TcContext, l4_offset: usize) -> i32 {
+    if !within_rate() {
+        return TC_ACT_SHOT;
+    }
     match ipv4_unreachable(ctx, l4_offset) {
         Some(()) => send_back(ctx),
         None => TC_ACT_SHOT,
@@ -128,6 +165,9 @@ pub fn reject_ipv4(ctx: &TcContext, l4_offset: usize) -> i32 {
 /// pseudo header.
 #[inline(always)]
 pub fn reject_ipv6(ctx: &TcContext, l4_offset: usize) -> i32 {
+    if !within_rate() {
+        return TC_ACT_SHOT;
+    }
     match ipv6_unreachable(ctx, l4_offset) {
         Some(()) => send_back(ctx),
         None => TC_ACT_SHOT,

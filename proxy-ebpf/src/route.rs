@@ -1,11 +1,28 @@
 //! Where a rewritten packet goes, and source NAT to the node: which address, which port.
 //!
-//! Rewritten packets are sent straight to the neighbour of the route toward their new
-//! destination (`bpf_redirect_neigh`) instead of back into the stack: a masqueraded packet
-//! now carries one of the node's own addresses as source, and a reply from a frontend that is
-//! a node address (an external IP) too, and the forwarding path would drop both as martians;
-//! reverse path filtering would drop replies whose new source (the frontend) is not routed
-//! via the interface they came in on.
+//! A rewritten packet that the node forwards to another host takes one of two paths, chosen by
+//! the agent with `--bpf-forwarding` (the read-only global [`VIPR_FORWARDING`]):
+//!
+//! - **stack** (the default): the packet goes back into the stack (`TC_ACT_OK`), which routes it
+//!   and runs netfilter's FORWARD and POSTROUTING chains on it, so iptables-enforced policy
+//!   (Calico's iptables dataplane, kube-router, a plain `iptables -A FORWARD ... -j DROP`)
+//!   applies to service traffic as it does behind kube-proxy. As with kube-proxy, the packet
+//!   the stack forwards carries the addresses a policy names: client -> backend (TC ingress
+//!   only DNATs it), and backend -> client for the reply (TC ingress leaves it alone; the TC
+//!   egress program of the outgoing device gives it the frontend as source, once routing,
+//!   reverse-path filtering and FORWARD are behind it: a frontend address arriving from a
+//!   backend is what strict rp_filter drops, and a node address as a forwarded packet's source
+//!   is a martian).
+//! - **redirect**: the packet is rewritten whole at ingress and sent straight to the neighbour
+//!   of the route toward its new destination (`bpf_redirect_neigh`), which is faster and
+//!   bypasses netfilter's FORWARD and POSTROUTING chains, and with them any policy enforced
+//!   there.
+//!
+//! On both paths, packets delivered to the node itself are rewritten whole at ingress (nothing
+//! forwards them), and so are, and redirected, three kinds of packets whose egress half would
+//! need state the packet at egress does not carry: masqueraded connections (the masquerade
+//! port: a connection's packet after DNAT names neither it nor the frontend), IPv4 fragments
+//! (a later fragment has no ports) and ICMP errors about tracked connections.
 //!
 //! Both families take the same path: the lookup is `bpf_fib_lookup` with `AF_INET` or
 //! `AF_INET6` (the family fills its address fields, see [`Family::fib_destination`]), and
@@ -19,7 +36,7 @@ use aya_ebpf::{
     EbpfContext as _,
 };
 
-use proxy_common::{snat, SnatPorts};
+use proxy_common::{forwarding, snat, SnatPorts};
 
 use crate::{
     family::{Endpoint, Family, Nat},
@@ -27,6 +44,19 @@ use crate::{
     packet::Tuple,
     tc::{is_full, Refusal},
 };
+
+/// `--bpf-forwarding` ([`forwarding::STACK`] or [`forwarding::REDIRECT`]), written by the agent
+/// at load time. Read-only data: the verifier knows its value and drops the other path.
+#[unsafe(no_mangle)]
+static VIPR_FORWARDING: u8 = forwarding::STACK;
+
+/// Whether forwarded packets are redirected past the stack (`--bpf-forwarding=redirect`).
+#[inline(always)]
+pub fn redirecting() -> bool {
+    // SAFETY: a plain read of a global; volatile so that the compiler does not fold the
+    // object's default in (the agent sets the value when it loads the object).
+    unsafe { core::ptr::read_volatile(&VIPR_FORWARDING) == forwarding::REDIRECT }
+}
 
 /// Ports tried before a masqueraded connection is given up (its packet dropped; the client
 /// retransmits and tries again).

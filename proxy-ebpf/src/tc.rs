@@ -20,7 +20,7 @@ use crate::{
     packet::{
         ethertype, rewrite, Packet, Side, Tuple, ETH_P_IP, ETH_P_IPV6, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
     },
-    route::{claim_reply, redirect, route_to, Route},
+    route::{claim_reply, redirect, redirecting, route_to, Route},
     wire::ETH_HLEN,
 };
 
@@ -112,7 +112,7 @@ fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let route = route_to(ctx, destination);
-        return send(apply(ctx, &packet, &flow), route.as_ref());
+        return forward(ctx, &packet, &flow, route.as_ref());
     }
     NEW_CONNECTION
 }
@@ -168,7 +168,7 @@ fn balance_new<A: Family>(ctx: &TcContext, last_try: bool) -> i32 {
         Err(_) => return TC_ACT_SHOT,
     };
     count(ctx, counter);
-    send(apply(ctx, packet, &forward), route.as_ref())
+    self::forward(ctx, packet, &forward, route.as_ref())
 }
 
 /// The slot of a new connection's backend: the backend of the client's previous connection
@@ -599,6 +599,74 @@ fn unplaced_fragment<A: Family>(dst: &A) -> i32 {
         TC_ACT_SHOT
     } else {
         TC_ACT_UNSPEC
+    }
+}
+
+/// Hands a balanced packet on: one the node forwards (a `route`) through the stack with only
+/// its destination rewritten (`--bpf-forwarding=stack`, the default; route.rs explains why),
+/// else rewritten whole and [`send`]. Masqueraded connections and fragments are rewritten whole
+/// and redirected on both paths (see route.rs).
+#[inline(always)]
+fn forward<A: Family>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, route: Option<&Route<A>>) -> i32 {
+    let masqueraded = flow.flags & (flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION)
+        == flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION;
+    if route.is_some() && !redirecting() && !masqueraded && packet.first_fragment.is_none() {
+        return through_stack(ctx, packet, flow);
+    }
+    send(apply(ctx, packet, flow), route)
+}
+
+/// The ingress half of a forwarded packet's NAT: toward the backend its destination, so that
+/// routing and netfilter see client -> backend; a reply is left as it is (backend -> client)
+/// and gets the frontend as source at egress ([`vipr_tc_egress`]).
+#[inline(always)]
+fn through_stack<A: Family>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
+    if flow.flags & flow_flags::REWRITE_DESTINATION == 0 {
+        return TC_ACT_UNSPEC;
+    }
+    match rewrite(ctx, packet, Side::Destination, flow.dst, flow.dst_port) {
+        Ok(()) => TC_ACT_OK,
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// The TC program at egress of every served device, for `--bpf-forwarding=stack`: a reply of a
+/// connection that kept its client's address, which crossed the stack as backend -> client,
+/// gets the frontend as source. Its flow key is the packet's own tuple: one lookup per packet.
+/// Everything else leaves untouched.
+#[classifier]
+pub fn vipr_tc_egress(ctx: TcContext) -> i32 {
+    if redirecting() {
+        return TC_ACT_UNSPEC;
+    }
+    match ethertype(&ctx) {
+        Some(ETH_P_IP) => egress::<Ipv4>(&ctx),
+        Some(ETH_P_IPV6) => egress::<Ipv6>(&ctx),
+        _ => TC_ACT_UNSPEC,
+    }
+}
+
+#[inline(always)]
+fn egress<A: Family>(ctx: &TcContext) -> i32 {
+    let Some(packet) = A::parse(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    if packet.first_fragment.is_some() {
+        return TC_ACT_UNSPEC;
+    }
+    let Some(tracked) = A::flow(&packet.flow) else {
+        return TC_ACT_UNSPEC;
+    };
+    let nat = tracked.nat;
+    // Only a reply whose single rewrite is its source: a masqueraded reply was rewritten whole
+    // at ingress, and a forward entry's key has the frontend as destination.
+    let wanted = flow_flags::REPLY | flow_flags::REWRITE_SOURCE;
+    if nat.flags & (wanted | flow_flags::REWRITE_DESTINATION) != wanted {
+        return TC_ACT_UNSPEC;
+    }
+    match rewrite(ctx, &packet, Side::Source, nat.src, nat.src_port) {
+        Ok(()) => TC_ACT_OK,
+        Err(_) => TC_ACT_SHOT,
     }
 }
 

@@ -163,6 +163,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
                     conntrack: settings.conntrack,
                     balancing: settings.balancing,
                     xdp: settings.xdp,
+                    forwarding: settings.bpf_forwarding,
                 },
                 &HostTrafficOptions { cgroup_root: settings.cgroup_root.clone() },
             )?;

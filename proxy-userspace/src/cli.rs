@@ -44,6 +44,19 @@ pub enum XdpMode {
     Off,
 }
 
+/// `--bpf-forwarding`: how the eBPF datapath hands on a packet it rewrote for another host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum BpfForwarding {
+    /// Back into the kernel's stack, which routes it and runs netfilter's FORWARD and
+    /// POSTROUTING chains on it, as behind kube-proxy: iptables-enforced NetworkPolicy applies.
+    #[default]
+    Stack,
+    /// Straight to the next hop (`bpf_redirect_neigh`), and XDP where `--xdp` allows: faster,
+    /// but bypasses netfilter's FORWARD and POSTROUTING chains, and so any NetworkPolicy
+    /// enforced there (Calico's iptables dataplane, kube-router, ...).
+    Redirect,
+}
+
 /// `--detect-local-mode` (the file's `detectLocalMode`): how traffic from this node's pods is
 /// told from other traffic. The names are kube-proxy's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -232,6 +245,17 @@ pub struct Args {
     /// none on the others].
     #[arg(long, value_enum, value_name = "MODE")]
     pub xdp: Option<XdpMode>,
+
+    /// How the eBPF datapath hands on a service packet the node forwards: `stack` sends it back
+    /// into the kernel, which routes and filters it (netfilter FORWARD and POSTROUTING) with
+    /// the addresses a NetworkPolicy names, as behind kube-proxy; `redirect` sends it straight
+    /// to the next hop (and lets `--xdp` finish packets), which is faster but BYPASSES
+    /// netfilter's FORWARD and POSTROUTING chains and with them iptables-enforced
+    /// NetworkPolicy (Calico's iptables dataplane, kube-router, ...). Use `redirect` only where
+    /// nothing filters forwarded traffic in netfilter. With `stack`, the XDP fast path is off;
+    /// masqueraded connections are redirected on both paths (docs/ARCHITECTURE.md, "Forwarding").
+    #[arg(long, value_enum, value_name = "PATH", default_value = "stack")]
+    pub bpf_forwarding: BpfForwarding,
 
     /// How the eBPF datapath picks a new connection's backend: `random` (as kube-proxy), or
     /// `maglev` (consistent hashing of the flow: every node picks the same backend for a flow,

@@ -26,7 +26,7 @@ use clap::ValueEnum as _;
 use ipnet::IpNet;
 use serde::Deserialize;
 
-use crate::cli::{Args, DetectLocalMode, LbAlgorithm, LoggingFormat, ProxyMode, XdpMode};
+use crate::cli::{Args, BpfForwarding, DetectLocalMode, LbAlgorithm, LoggingFormat, ProxyMode, XdpMode};
 use crate::dataplane::ebpf::{maglev, Balancing};
 
 /// kube-proxy's `--healthz-bind-address` default.
@@ -157,6 +157,8 @@ pub struct Settings {
     /// `--xdp`: the eBPF datapath's XDP fast path; `Auto` without the flag (the
     /// KubeProxyConfiguration has no such setting).
     pub xdp: XdpMode,
+    /// `--bpf-forwarding`: through the stack (netfilter filters it), or redirected past it.
+    pub bpf_forwarding: BpfForwarding,
     pub cleanup: bool,
     /// `--cleanup-keep-kube-proxy`: `--cleanup` leaves kube-proxy's chains and IPVS state.
     pub cleanup_keep_kube_proxy: bool,
@@ -517,6 +519,7 @@ impl Settings {
             conntrack: ConntrackTimeouts::resolve(args, &file)?,
             balancing: balancing(args)?,
             xdp: args.xdp.unwrap_or(XdpMode::Auto),
+            bpf_forwarding: args.bpf_forwarding,
             cleanup: args.cleanup,
             cleanup_keep_kube_proxy: args.cleanup_keep_kube_proxy,
             healthz_bind_address,
@@ -1982,6 +1985,14 @@ logging:
     fn sync_period_must_be_positive_and_hostname_not_empty() {
         assert!(settings(&["--sync-period=0s"]).is_err());
         assert!(settings(&["--hostname-override= "]).is_err());
+    }
+
+    #[test]
+    fn forwarding_goes_through_the_stack_unless_redirect_is_asked_for() {
+        assert_eq!(settings(&[]).unwrap().bpf_forwarding, BpfForwarding::Stack);
+        assert_eq!(settings(&["--bpf-forwarding=redirect"]).unwrap().bpf_forwarding, BpfForwarding::Redirect);
+        assert_eq!(settings(&["--bpf-forwarding=stack"]).unwrap().bpf_forwarding, BpfForwarding::Stack);
+        assert!(settings(&["--bpf-forwarding=bypass"]).is_err());
     }
 
     #[test]

@@ -722,6 +722,93 @@ fn hairpin_is_masqueraded() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// `--bpf-forwarding=stack` (the agent's default): a packet the node forwards goes back into the
+// stack with the NAT's ingress half, so that routing and netfilter's FORWARD see client ->
+// backend and backend -> client; the egress program completes it.
+
+/// Forward packets are DNATed and handed to the stack (`TC_ACT_OK`, not redirected); their
+/// reply crosses the stack as backend -> client and the egress program gives it the frontend's
+/// source. A masqueraded connection is rewritten whole and redirected in both directions, as
+/// with `--bpf-forwarding=redirect` (its egress half is not done yet).
+#[test]
+fn stack_forwarding_dnats_at_ingress_and_restores_the_frontend_at_egress() {
+    in_fresh_netns(|| {
+        route_to_pods()?;
+        // Clients are routed too, so that replies are forwarded packets as well.
+        ip(&["-6", "route", "add", "2001:db8::/32", "dev", "vd0"])?;
+        let h = Harness::stack()?;
+        standard_world(&h)?;
+        add_service6(
+            &h,
+            MASQUERADED,
+            IPPROTO_TCP,
+            source_class::OUTSIDE,
+            30,
+            &[WEB_BACKEND],
+            service_flags::MASQUERADE,
+        )?;
+        let plain = Packet6::tcp(CLIENT, WEB);
+        check(&h, &plain.build(), TC_ACT_OK, Expect::Frame(&plain.clone().to(WEB_BACKEND).build()))
+            .context("DNAT toward the backend")?;
+        let reply = Packet6::tcp(WEB_BACKEND, CLIENT).payload(b"HTTP/1.1 200 OK\r\n\r\n");
+        check(&h, &reply.build(), TC_ACT_UNSPEC, Expect::Unchanged).context("reply at ingress")?;
+        let (verdict, out) = h.run_egress(&reply.build())?;
+        ensure!(verdict == TC_ACT_OK, "reply at egress: verdict {}", verdict_name(verdict));
+        compare_frames6(&reply.clone().from(WEB).build(), &out)
+            .map_err(|e| anyhow!("reply at egress: {e}"))?;
+        // The forward packet after DNAT is no reply: egress leaves it alone.
+        let dnated = plain.clone().to(WEB_BACKEND).build();
+        ensure!(h.run_egress(&dnated)? == (TC_ACT_UNSPEC, dnated.clone()), "DNATed packet at egress");
+
+        // A client port of the masquerade range is kept as the node's port.
+        let client = ep6(ip6([0x2001, 0xdb8, 1, 0], 0x200), 20000);
+        let node_side = ep6(NODE, client.port);
+        let masqueraded = Packet6::tcp(client, MASQUERADED);
+        let expected = masqueraded.clone().to(WEB_BACKEND).from(node_side);
+        check(&h, &masqueraded.build(), TC_ACT_REDIRECT, Expect::Frame(&expected.build()))
+            .context("masqueraded: rewritten whole")?;
+        let mut flows = nat_entries6(CLIENT, WEB, WEB_BACKEND, IPPROTO_TCP);
+        flows.extend(masqueraded_entries6(client, MASQUERADED, WEB_BACKEND, node_side, IPPROTO_TCP));
+        expect_flows(&h, &flows)?;
+        let reply = Packet6::tcp(WEB_BACKEND, node_side);
+        check(
+            &h,
+            &reply.build(),
+            TC_ACT_REDIRECT,
+            Expect::Frame(&reply.clone().from(MASQUERADED).to(client).build()),
+        )
+        .context("masqueraded reply: rewritten whole")?;
+        // Nothing left for egress: the reply already has the frontend as source.
+        let rewritten = reply.clone().from(MASQUERADED).to(client).build();
+        ensure!(
+            h.run_egress(&rewritten)? == (TC_ACT_UNSPEC, rewritten.clone()),
+            "masqueraded reply at egress"
+        );
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+/// With `--bpf-forwarding=redirect` the egress program does nothing: ingress rewrote whole.
+#[test]
+fn the_egress_program_is_idle_when_redirecting() {
+    in_fresh_netns(|| {
+        let h = Harness::new()?;
+        standard_world(&h)?;
+        check(
+            &h,
+            &Packet6::tcp(CLIENT, WEB).build(),
+            TC_ACT_OK,
+            Expect::Frame(&Packet6::tcp(CLIENT, WEB).to(WEB_BACKEND).build()),
+        )?;
+        let reply = Packet6::tcp(WEB_BACKEND, CLIENT).build();
+        ensure!(h.run_egress(&reply)? == (TC_ACT_UNSPEC, reply.clone()), "reply at egress while redirecting");
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Connection lifecycles and spread.
 
 /// First packet balanced and tracked; later packets follow the flow entry whatever happens to

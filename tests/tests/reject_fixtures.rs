@@ -341,6 +341,39 @@ fn only_new_flows_to_frontends_without_endpoints_are_rejected() {
     run().unwrap_or_else(|err| panic!("{err:#}"));
 }
 
+/// The node's rejects are rate-limited as the kernel's own ICMP errors (1000/s after a burst of
+/// 50): a flood toward a service without endpoints gets a burst of answers, then about one
+/// per millisecond; the rest is dropped and counted.
+#[test]
+fn rejects_are_rate_limited() {
+    let run = || -> Result<()> {
+        let mut h = Harness::new()?;
+        world(&mut h)?;
+        const FLOOD: u16 = 2000;
+        let (mut answered, mut dropped) = (0u64, 0u64);
+        let started = std::time::Instant::now();
+        for port in 0..FLOOD {
+            let (verdict, _) = h.run(&syn(ep(CLIENT.addr, 20000 + port), EMPTY_TCP).build())?;
+            match verdict {
+                TC_ACT_REDIRECT => answered += 1,
+                TC_ACT_SHOT => dropped += 1,
+                other => bail!("verdict {}", verdict_name(other)),
+            }
+        }
+        let elapsed_ms = started.elapsed().as_millis() as u64;
+        ensure!(answered >= 50, "only {answered} of {FLOOD} answered: the burst is 50");
+        ensure!(
+            answered <= 50 + elapsed_ms + 1,
+            "{answered} of {FLOOD} answered in {elapsed_ms} ms: more than the burst and 1/ms"
+        );
+        ensure!(dropped > 0, "nothing dropped");
+        let counted = h.datapath_stat(proxy_common::datapath_stat::REJECT_RATE_LIMITED)?;
+        ensure!(counted == dropped, "{counted} counted, {dropped} dropped");
+        Ok(())
+    };
+    run().unwrap_or_else(|err| panic!("{err:#}"));
+}
+
 /// The expected-answer builder itself: its fixed point is what the closed form gives, and the
 /// checks notice damage anywhere in an answer.
 #[test]

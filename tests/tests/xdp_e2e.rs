@@ -225,6 +225,9 @@ impl XdpLab {
             "--healthz-bind-address=".to_owned(),
             "--metrics-bind-address=".to_owned(),
             "-v".to_owned(),
+            // XDP transmits what it finishes itself, past netfilter: it only runs on the
+            // redirect path (with the default, `stack`, vipr attaches no XDP).
+            "--bpf-forwarding=redirect".to_owned(),
         ];
         args.extend(xdp.map(|mode| format!("--xdp={mode}")));
         let binary = locate_vipr()?;

@@ -382,6 +382,7 @@ impl<'a> CellBench<'a> {
                 conntrack: Default::default(),
                 balancing: Default::default(),
                 xdp: Default::default(),
+                forwarding: Default::default(),
             };
             let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()) };
             let mut dataplane =
@@ -588,6 +589,10 @@ impl<'a> Bench<'a> {
     ) -> Result<Self> {
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(PinDir::new(bpf_root).path());
+        // The whole rewrite at ingress and `bpf_redirect_neigh` (`--bpf-forwarding=redirect`):
+        // the program's full work for a forwarded packet. With the default, `stack`, the
+        // kernel's forwarding path does the rest, which BPF_PROG_TEST_RUN cannot time.
+        loader.override_global(proxy_common::forwarding::GLOBAL, &proxy_common::forwarding::REDIRECT, true);
         loader.map_max_entries(pins::SERVICES4, sizes.services);
         loader.map_max_entries(pins::BACKENDS4, sizes.backends);
         loader.map_max_entries(pins::FLOWS4, sizes.flows);

@@ -96,7 +96,7 @@ fn filler_endpoint(service: usize) -> Ipv4Addr {
 pub enum Mode {
     /// `--proxy-mode=ebpf`: the TC programs.
     Ebpf,
-    /// `--proxy-mode=ebpf --xdp=native`.
+    /// `--proxy-mode=ebpf --xdp=native --bpf-forwarding=redirect`.
     EbpfXdp,
     /// `--proxy-mode=iptables` with the system's iptables, which is iptables-nft here.
     IptablesNft,
@@ -813,7 +813,8 @@ impl Lab {
                 format!("--cgroup-root={}", context.cgroup.display()),
             ]);
             if mode == Mode::EbpfXdp {
-                args.push("--xdp=native".to_owned());
+                // XDP runs only on the redirect path (it transmits past netfilter).
+                args.extend(["--xdp=native".to_owned(), "--bpf-forwarding=redirect".to_owned()]);
             }
             Some(bpffs)
         } else {

@@ -30,10 +30,50 @@ pub enum Attachment {
     Clsact,
 }
 
-/// Attaches `program` at ingress of `device`. A TCX link pinned by an earlier agent is
+/// Which TC hook of a device a program runs at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    /// `vipr_tc_ingress`: every served device.
+    Ingress,
+    /// `vipr_tc_egress`: every served device with `--bpf-forwarding=stack`, for the half of a
+    /// forwarded packet's NAT that must come after the stack's routing and filtering.
+    Egress,
+}
+
+impl Hook {
+    pub fn program(self) -> &'static str {
+        match self {
+            Hook::Ingress => pins::TC_INGRESS_PROGRAM,
+            Hook::Egress => pins::TC_EGRESS_PROGRAM,
+        }
+    }
+
+    fn attach_type(self) -> TcAttachType {
+        match self {
+            Hook::Ingress => TcAttachType::Ingress,
+            Hook::Egress => TcAttachType::Egress,
+        }
+    }
+
+    /// The name of the device's link pin under `links/`: the device's own name at ingress,
+    /// `egress:<device>` at egress (no device name holds a colon, so the two never clash).
+    pub fn pin_name(self, device: &str) -> String {
+        match self {
+            Hook::Ingress => device.to_owned(),
+            Hook::Egress => format!("egress:{device}"),
+        }
+    }
+}
+
+/// Attaches `program` at `hook` of `device`. A TCX link pinned by an earlier agent is
 /// updated in place (the kernel swaps the program atomically, no packet sees a gap); a stale
 /// one (its device is gone) is replaced.
-pub fn attach(program: &mut SchedClassifier, device: &str, link_pin: &Path) -> anyhow::Result<Attachment> {
+pub fn attach(
+    program: &mut SchedClassifier,
+    device: &str,
+    hook: Hook,
+    link_pin: &Path,
+) -> anyhow::Result<Attachment> {
     match PinnedLink::from_pin(link_pin) {
         Ok(pinned) => {
             let link = SchedClassifierLink::try_from(FdLink::from(pinned))?;
@@ -56,7 +96,7 @@ pub fn attach(program: &mut SchedClassifier, device: &str, link_pin: &Path) -> a
     }
     match program.attach_with_options(
         device,
-        TcAttachType::Ingress,
+        hook.attach_type(),
         TcAttachOptions::TcxOrder(LinkOrder::default()),
     ) {
         Ok(id) => {
@@ -69,13 +109,9 @@ pub fn attach(program: &mut SchedClassifier, device: &str, link_pin: &Path) -> a
             if let Err(error) = tc::qdisc_add_clsact(device) {
                 debug!(device, %error, "clsact qdisc not added (it usually exists already)");
             }
-            detach_clsact(device);
+            detach_clsact(device, hook);
             let id = program
-                .attach_with_options(
-                    device,
-                    TcAttachType::Ingress,
-                    TcAttachOptions::Netlink(Default::default()),
-                )
+                .attach_with_options(device, hook.attach_type(), TcAttachOptions::Netlink(Default::default()))
                 .with_context(|| format!("TCX failed ({tcx_error}) and so did clsact"))?;
             // A clsact filter lives until removed; dropping aya's handle would remove it now.
             std::mem::forget(program.take_link(id)?);
@@ -84,29 +120,30 @@ pub fn attach(program: &mut SchedClassifier, device: &str, link_pin: &Path) -> a
     }
 }
 
-pub fn detach_clsact(device: &str) {
-    match tc::qdisc_detach_program(device, TcAttachType::Ingress, pins::TC_INGRESS_PROGRAM) {
-        Ok(()) => info!(device, "detached a clsact filter"),
+pub fn detach_clsact(device: &str, hook: Hook) {
+    match tc::qdisc_detach_program(device, hook.attach_type(), hook.program()) {
+        Ok(()) => info!(device, ?hook, "detached a clsact filter"),
         Err(error) => debug!(device, %error, "no clsact filter detached"),
     }
 }
 
 /// Links pinned for devices that are no longer served are detached, so that dropping a device
-/// from `--devices` really stops vipr there.
-pub fn detach_stale_links(pin_dir: &PinDir, devices: &[String]) -> anyhow::Result<()> {
+/// from `--devices` really stops vipr there; so are egress links with
+/// `--bpf-forwarding=redirect`. `keep` holds the pin names of the links in use.
+pub fn detach_stale_links(pin_dir: &PinDir, keep: &[String]) -> anyhow::Result<()> {
     for entry in std::fs::read_dir(pin_dir.links())? {
         let path = entry?.path();
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         // The cgroup hooks' links live here too; their own code keeps them (see below).
         // So do the XDP links (xdp_attach.rs).
-        if devices.contains(&name) || super::xdp_attach::is_xdp_pin(&name) || is_cgroup_link(&path) {
+        if keep.contains(&name) || super::xdp_attach::is_xdp_pin(&name) || is_cgroup_link(&path) {
             continue;
         }
         match PinnedLink::from_pin(&path) {
             Ok(pinned) => drop(pinned.unpin()?),
             Err(_) => std::fs::remove_file(&path)?,
         }
-        info!(device = name, "detached from a device no longer in --devices");
+        info!(link = name, "detached a TC link no longer in use (device not served, or egress not needed)");
     }
     Ok(())
 }

@@ -496,6 +496,11 @@ impl Collector for DatapathCollector {
             ];
             (failures, evictions, refusals, stats.read(datapath_stat::REPLY_CLASH_REMAPPED))
         };
+        let rejects_limited = self
+            .stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .read(datapath_stat::REJECT_RATE_LIMITED);
         let (mut entries, mut capacities) = (Vec::new(), Vec::new());
         for (map, fill) in self.flows.fill() {
             entries.push(sample(vec![("map".to_owned(), map.clone())], fill.entries));
@@ -570,6 +575,12 @@ impl Collector for DatapathCollector {
                 "New connections given another source port (their address kept) because their reply tuple was \
                  another connection's: the same client port reaching the same backend through another frontend",
                 vec![sample(Vec::new(), remapped)],
+            ),
+            family(
+                "vipr_datapath_rejects_rate_limited_total",
+                "Packets to a service without endpoints (or a cluster IP's unserved port) dropped instead of \
+                 rejected because the node's rejects were over their rate (1000/s, burst 50)",
+                vec![sample(Vec::new(), rejects_limited)],
             ),
             gauge(
                 "vipr_bpf_map_entries",

@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::{anyhow, Context as _};
 use aya::{maps::MapData, programs::SchedClassifier, Ebpf, EbpfLoader};
-use proxy_common::pins;
+use proxy_common::{forwarding, pins};
 use tracing::{debug, info, warn};
 
 use self::{
@@ -23,6 +23,7 @@ use self::{
     family_maps::FamilyMaps,
 };
 use super::{Dataplane, SyncReport};
+use crate::cli::{BpfForwarding, XdpMode};
 use crate::config::{BpfMapSizes, ConntrackTimeouts};
 use crate::metrics::Collector;
 use crate::model::{DesiredState, StateChanges};
@@ -44,7 +45,7 @@ mod resize;
 mod snat;
 mod xdp_attach;
 
-pub use attach::Attachment;
+pub use attach::{Attachment, Hook};
 pub use encode::Balancing;
 pub use pin_dir::PinDir;
 
@@ -58,6 +59,9 @@ pub struct EbpfOptions {
     pub balancing: Balancing,
     /// `--xdp`: the XDP fast path for traffic from outside the node.
     pub xdp: crate::cli::XdpMode,
+    /// `--bpf-forwarding`: forwarded packets through the stack (netfilter filters them), or
+    /// redirected past it.
+    pub forwarding: BpfForwarding,
 }
 
 pub struct EbpfDataplane {
@@ -69,6 +73,8 @@ pub struct EbpfDataplane {
     devices: Vec<(String, u32)>,
     /// The XDP fast path on the devices (`--xdp`).
     xdp: xdp_attach::XdpPath,
+    /// The TC hooks every served device gets: ingress, and egress with `--bpf-forwarding=stack`.
+    hooks: &'static [Hook],
     reaper: reaper::Reaper,
     /// No sync has run since the agent started.
     first_sync: bool,
@@ -139,6 +145,12 @@ impl EbpfDataplane {
         let resizing = resize::Resizing::set_aside(&pin_dir, wanted_sizes);
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir.path());
+        let hooks = hooks(options.forwarding);
+        let forwarding_global = match options.forwarding {
+            BpfForwarding::Stack => forwarding::STACK,
+            BpfForwarding::Redirect => forwarding::REDIRECT,
+        };
+        loader.override_global(forwarding::GLOBAL, &forwarding_global, true);
         for &(map, size) in wanted_sizes {
             loader.map_max_entries(map, size);
         }
@@ -150,18 +162,19 @@ impl EbpfDataplane {
         let snat = snat::SnatRange::start(&mut ebpf)?;
         let pod_interfaces = pod_interfaces::PodInterfaceMap::start(&mut ebpf)?;
 
-        let program: &mut SchedClassifier = ebpf
-            .program_mut(pins::TC_INGRESS_PROGRAM)
-            .ok_or_else(|| anyhow!("program {} is missing from the object", pins::TC_INGRESS_PROGRAM))?
-            .try_into()?;
-        program.load().context("the kernel refused vipr's TC program")?;
-        for device in &options.devices {
-            let attachment = attach::attach(program, device, &pin_dir.link(device))
-                .with_context(|| format!("cannot attach to device {device}"))?;
-            info!(device, ?attachment, "attached at ingress");
+        for &hook in hooks {
+            let program = tc_program(&mut ebpf, hook)?;
+            program
+                .load()
+                .with_context(|| format!("the kernel refused vipr's TC program {}", hook.program()))?;
+            for device in &options.devices {
+                let attachment = attach::attach(program, device, hook, &pin_dir.link(&hook.pin_name(device)))
+                    .with_context(|| format!("cannot attach to device {device} ({hook:?})"))?;
+                info!(device, ?attachment, ?hook, "attached");
+            }
         }
-        attach::detach_stale_links(&pin_dir, &options.devices)?;
-        let xdp = xdp_attach::XdpPath::start(&mut ebpf, &pin_dir, options.xdp, &options.devices)?;
+        attach::detach_stale_links(&pin_dir, &link_names(hooks, &options.devices))?;
+        let xdp = xdp_attach::XdpPath::start(&mut ebpf, &pin_dir, xdp_mode(options), &options.devices)?;
         let host_traffic = HostTraffic::start(&mut ebpf, &pin_dir, host)?;
 
         // The program serves with the new layouts now; the earlier ones are unused.
@@ -213,6 +226,7 @@ impl EbpfDataplane {
             pin_dir,
             devices: with_indexes(&options.devices),
             xdp,
+            hooks,
             service_ids,
             balancing: options.balancing,
             capacity,
@@ -250,7 +264,8 @@ impl EbpfDataplane {
     /// it may have attached to `devices` on kernels without TCX.
     pub fn cleanup(bpf_root: &Path, devices: &[String]) -> anyhow::Result<()> {
         for device in devices {
-            attach::detach_clsact(device);
+            attach::detach_clsact(device, Hook::Ingress);
+            attach::detach_clsact(device, Hook::Egress);
         }
         PinDir::new(bpf_root).remove_all()?;
         Ok(())
@@ -271,6 +286,43 @@ impl EbpfDataplane {
             .map(|(_, entry)| capacity::service_name(&entry.service))
             .collect();
         capacity::admit(&needs, &self.capacity, &programmed)
+    }
+}
+
+/// The TC hooks a served device gets.
+fn hooks(forwarding: BpfForwarding) -> &'static [Hook] {
+    match forwarding {
+        BpfForwarding::Stack => &[Hook::Ingress, Hook::Egress],
+        BpfForwarding::Redirect => &[Hook::Ingress],
+    }
+}
+
+/// The pin names of the TC links of `devices`.
+fn link_names(hooks: &[Hook], devices: &[String]) -> Vec<String> {
+    hooks.iter().flat_map(|hook| devices.iter().map(|device| hook.pin_name(device))).collect()
+}
+
+fn tc_program(ebpf: &mut Ebpf, hook: Hook) -> anyhow::Result<&mut SchedClassifier> {
+    Ok(ebpf
+        .program_mut(hook.program())
+        .ok_or_else(|| anyhow!("program {} is missing from the object", hook.program()))?
+        .try_into()?)
+}
+
+/// `--xdp`, unless forwarded packets go through the stack: XDP transmits the packets it
+/// finishes itself, past netfilter, so it runs only with `--bpf-forwarding=redirect`.
+fn xdp_mode(options: &EbpfOptions) -> XdpMode {
+    match (options.forwarding, options.xdp) {
+        (BpfForwarding::Redirect, mode) => mode,
+        (BpfForwarding::Stack, XdpMode::Off) => XdpMode::Off,
+        (BpfForwarding::Stack, XdpMode::Auto) => {
+            info!("no XDP fast path: it would bypass netfilter's FORWARD chain (--bpf-forwarding=stack)");
+            XdpMode::Off
+        }
+        (BpfForwarding::Stack, mode) => {
+            warn!(?mode, "--xdp is ignored: the XDP fast path bypasses netfilter's FORWARD chain and runs only with --bpf-forwarding=redirect");
+            XdpMode::Off
+        }
     }
 }
 
@@ -298,11 +350,6 @@ impl Dataplane for EbpfDataplane {
         if devices == self.devices {
             return Ok(());
         }
-        let program: &mut SchedClassifier = self
-            .ebpf
-            .program_mut(pins::TC_INGRESS_PROGRAM)
-            .ok_or_else(|| anyhow!("program {} is missing", pins::TC_INGRESS_PROGRAM))?
-            .try_into()?;
         let mut served = Vec::with_capacity(devices.len());
         for (device, index) in devices {
             if self.devices.contains(&(device.clone(), index)) {
@@ -312,16 +359,20 @@ impl Dataplane for EbpfDataplane {
             // A device can vanish again before we get to it; a failed one is retried with the
             // next listing. A device created again under a served name has lost its program
             // with its old self: the pinned link is defunct and `attach` replaces it.
-            match attach::attach(program, &device, &self.pin_dir.link(&device)) {
-                Ok(attachment) => {
-                    info!(device, index, ?attachment, "attached at ingress of a new device");
-                    served.push((device, index));
-                }
+            let attached = self.hooks.iter().try_for_each(|&hook| {
+                let program = tc_program(&mut self.ebpf, hook)?;
+                let attachment =
+                    attach::attach(program, &device, hook, &self.pin_dir.link(&hook.pin_name(&device)))?;
+                info!(device, index, ?attachment, ?hook, "attached to a new device");
+                anyhow::Ok(())
+            });
+            match attached {
+                Ok(()) => served.push((device, index)),
                 Err(error) => warn!(device, "cannot attach to a new device: {error:#}"),
             }
         }
         let names: Vec<String> = served.iter().map(|(name, _)| name.clone()).collect();
-        attach::detach_stale_links(&self.pin_dir, &names)?;
+        attach::detach_stale_links(&self.pin_dir, &link_names(self.hooks, &names))?;
         self.xdp.serve(&mut self.ebpf, &self.pin_dir, &names)?;
         self.devices = served;
         Ok(())
