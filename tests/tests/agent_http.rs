@@ -116,15 +116,6 @@ fn is_go_time(text: &str) -> bool {
         if date.len() == 10 && time.len() >= 8 && monotonic.starts_with("m=+"))
 }
 
-/// Seconds since the epoch of a time in Go's `time.Time.String()` format.
-fn go_time_seconds(value: &Value) -> f64 {
-    let text = value.as_str().unwrap_or_default();
-    let wall = text.split(" UTC").next().unwrap_or_default();
-    let time = jiff::Timestamp::strptime("%Y-%m-%d %H:%M:%S%.f %z", wall)
-        .unwrap_or_else(|error| panic!("{text:?} is no Go time: {error}"));
-    time.as_millisecond() as f64 / 1000.0
-}
-
 fn unix_now() -> f64 {
     SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs_f64()
 }
@@ -340,47 +331,46 @@ impl FullServicesMap {
     }
 }
 
+/// A full map (filled behind vipr's back, as by entries it cannot account for) makes the
+/// kernel refuse a new frontend: that Service is refused alone and reported, the rest of the
+/// node keeps being served, and /healthz and /livez stay 200, so that no liveness probe
+/// restarts the agent in a loop (docs/reliability.md, *Capacity*). It is tried again at the
+/// next change, not on every sync. (The unhealthy answers of a sync that fails as a whole are
+/// held by health.rs's unit tests.)
 #[test]
-fn healthz_turns_unhealthy_while_a_change_cannot_be_programmed_and_healthy_after() {
+fn a_frontend_a_full_map_refuses_is_reported_the_node_stays_healthy_and_the_next_change_retries_it() {
     let mut lab = lab("http-stall");
-    // kube-proxy's timeout is twice the sync period: 4 s here.
     let mut agent = start_vipr(&lab, &["--sync-period=2s"]);
     lab.wait_programmed().unwrap();
     wait_for_answer(&mut agent, lab.node(), HEALTHZ, "/healthz", "/healthz", |answer| answer.status == 200);
-    assert_eq!(get(lab.node(), HEALTHZ, "/livez").unwrap().status, 200);
 
     let full = FullServicesMap::fill(&lab).unwrap();
-    let changed = Instant::now();
     lab.set_services(vec![web(&[BACKEND, OTHER_BACKEND]), service("api", 11, &[BACKEND])]).unwrap();
     let node = lab.node();
-    std::thread::sleep(Duration::from_millis(1000));
-    let pending = get(node, HEALTHZ, "/healthz").unwrap();
-    assert_eq!(pending.status, 200, "a change pending for less than the timeout is not unhealthy yet");
-
-    let stalled =
-        wait_for_answer(&mut agent, node, HEALTHZ, "/healthz", "/healthz to turn 503", |a| a.status == 503);
-    let waited = changed.elapsed();
-    assert!(waited >= Duration::from_millis(3500), "unhealthy after {waited:?}, before the 4 s timeout");
-    let body = json(&stalled);
-    assert_eq!(body["nodeEligible"], true);
-    // Unhealthy: lastUpdated is the last successful sync, from before the change.
-    let since_last_sync = go_time_seconds(&body["currentTime"]) - go_time_seconds(&body["lastUpdated"]);
-    assert!(since_last_sync >= 3.5, "{body}");
-    assert_eq!(get(node, HEALTHZ, "/livez").unwrap().status, 503);
-    let metrics = get(node, METRICS, "/metrics").unwrap();
-    assert!(metrics.metric("vipr_sync_failures_total").unwrap() >= 1.0, "{}", metrics.body);
-    assert!(
-        metrics.metric(r#"kubeproxy_sync_proxy_rules_service_changes_pending{ip_family="IPv4"}"#).unwrap()
-            >= 1.0
-    );
-    assert!(metrics.metric("kubeproxy_proxy_healthz_total{code=\"503\"}").unwrap() >= 1.0);
-
-    // Room again: the next retry programs the change and the proxy is healthy.
-    full.drain().unwrap();
-    lab.wait_programmed().unwrap();
-    wait_for_answer(&mut agent, lab.node(), HEALTHZ, "/healthz", "/healthz to recover", |answer| {
-        answer.status == 200
+    let refused = wait_for_answer(&mut agent, node, METRICS, "/metrics", "the refusal", |answer| {
+        answer.metric("vipr_rejected_objects").is_some_and(|count| count >= 1.0)
     });
+    assert_eq!(refused.metric("vipr_sync_failures_total"), Some(0.0), "{}", refused.body);
+    // Longer than twice the sync period, kube-proxy's unhealthy timeout: still healthy.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        assert_eq!(get(node, HEALTHZ, "/healthz").unwrap().status, 200);
+        assert_eq!(get(node, HEALTHZ, "/livez").unwrap().status, 200);
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let log = std::fs::read_to_string(agent.log_path()).unwrap();
+    let named = log.lines().filter(|line| line.contains("skipping Service default/api")).count();
+    assert_eq!(named, 1, "the refused Service is named once, not once per sync:\n{log}");
+
+    // Room again, and a change: the refused Service is tried again and programmed.
+    full.drain().unwrap();
+    lab.set_services(vec![
+        web(&[BACKEND, OTHER_BACKEND]),
+        service("api", 11, &[BACKEND]),
+        service("later", 12, &[OTHER_BACKEND]),
+    ])
+    .unwrap();
+    lab.wait_programmed().unwrap();
     assert_eq!(get(lab.node(), HEALTHZ, "/livez").unwrap().status, 200);
 }
 
