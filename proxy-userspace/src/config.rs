@@ -1502,7 +1502,8 @@ impl Settings {
             "localhostNodePorts": self.iptables_localhost_node_ports,
         });
         let mut ipvs = json!({
-            "scheduler": self.ipvs.scheduler,
+            // kube-proxy's default is empty, which its ipvs mode reads as rr.
+            "scheduler": if self.ipvs.scheduler == "rr" { "" } else { self.ipvs.scheduler.as_str() },
             "excludeCIDRs": self.ipvs.exclude_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "strictARP": self.ipvs.strict_arp,
             "tcpTimeout": duration(self.ipvs.tcp_timeout),
@@ -2387,6 +2388,8 @@ mod kube_proxy_fixtures {
             let _ = std::fs::remove_file(&file);
             let read = read.unwrap_or_else(|error| panic!("{error:#}\n{written}"));
             assert_eq!(read.local_detection, original.local_detection, "{written}");
+            // Not ipvs mode: the ipvs section holds kube-proxy's defaults, nothing to ignore.
+            assert!(read.ignored_config.is_empty(), "{:?}\n{written}", read.ignored_config);
         }
     }
 
