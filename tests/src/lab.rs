@@ -10,11 +10,11 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 
 use crate::{
     manifest, vipr::log_tail, vipr_cleanup, wait_for, write_atomically, BpfFs, Check, ClusterIpService,
-    EchoServer, LeafSpec, Netns, PinnedMaps, Protocol, Topology, Vipr, ViprConfig, WorkDir,
+    EchoServer, Frontend, LeafSpec, Netns, PinnedMaps, Protocol, Topology, Vipr, ViprConfig, WorkDir,
 };
 
 /// How long vipr may take to program a change of the services file.
@@ -187,6 +187,19 @@ impl Lab {
         if self.vipr.is_some() {
             bail!("vipr is running already");
         }
+        let log = self.workdir.path().join(format!("vipr-{}.log", self.logs.len() + 1));
+        let vipr = self.spawn_vipr_on(devices, extra_args, &log)?;
+        self.logs.push(log);
+        Ok(self.vipr.insert(vipr))
+    }
+
+    /// Starts a vipr as [`Self::start_vipr_with`] does, but one whose lifetime the caller holds
+    /// (several agents in turn, or one kept across the lab's own); its log goes to `log`.
+    pub fn spawn_vipr(&self, extra_args: &[&str], log: &Path) -> Result<Vipr> {
+        self.spawn_vipr_on(self.topology.node_interfaces(), extra_args, log)
+    }
+
+    fn spawn_vipr_on(&self, devices: Vec<String>, extra_args: &[&str], log: &Path) -> Result<Vipr> {
         let config = ViprConfig {
             services_file: self.services_file.clone(),
             node_name: self.node().name().to_owned(),
@@ -194,12 +207,30 @@ impl Lab {
             bpf_root: self.bpf_root().to_owned(),
             verbose: true,
         };
-        let log = self.workdir.path().join(format!("vipr-{}.log", self.logs.len() + 1));
         let mut args = config.args();
         args.extend(extra_args.iter().map(|arg| (*arg).to_owned()));
-        let vipr = Vipr::start_with_args(&self.binary, self.node(), &args, &log)?;
-        self.logs.push(log);
-        Ok(self.vipr.insert(vipr))
+        Vipr::start_with_args(&self.binary, self.node(), &args, log)
+    }
+
+    /// The backends that answered `count` new connections from the client to `frontend`, each
+    /// answer checked to come from the frontend and to show the client's own address (no
+    /// masquerade on the way).
+    pub fn backends_reached(
+        &self,
+        frontend: Frontend,
+        count: usize,
+        timeout: Duration,
+    ) -> Result<BTreeSet<String>> {
+        let answers = self.client().run(|| crate::exchanges(frontend, count, timeout))?;
+        for exchange in &answers {
+            ensure!(exchange.replied_from == frontend.socket_addr(), "a reply from elsewhere: {exchange:?}");
+            ensure!(
+                exchange.answer.observed_client.ip() == std::net::IpAddr::V4(self.client_addr()),
+                "the backend saw another client address: {exchange:?}"
+            );
+        }
+        eprintln!("{frontend}: {:?}", crate::count_by_backend(&answers));
+        Ok(answers.into_iter().map(|exchange| exchange.answer.backend).collect())
     }
 
     /// Stops vipr with SIGTERM and returns its exit status.

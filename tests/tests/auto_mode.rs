@@ -13,8 +13,8 @@ use std::{
 
 use anyhow::Result;
 use testbed::{
-    count_by_backend, exchanges, locate_vipr, sandbox, wait_for, Check, ClusterIpService, Endpoint, Frontend,
-    Lab, LabConfig, Netns, Protocol, Vipr,
+    locate_vipr, sandbox, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, Netns,
+    Protocol, Vipr,
 };
 
 /// vipr's default `--metrics-bind-address` (0.0.0.0:10249), seen from inside the node.
@@ -105,18 +105,10 @@ fn reported_mode(vipr: &mut Vipr, node: &Netns) -> (String, String) {
     (proxy_mode, info)
 }
 
-/// The backends that answered `count` connections to `VIP:port`, every answer checked to come
-/// from the VIP and to show the client's own address (a cluster IP without a local-traffic
-/// detector is not masqueraded).
+/// The backends that answered `CONNECTIONS` connections to `VIP:port`, unmasqueraded.
 fn reach(lab: &Lab, port: u16, protocol: Protocol) -> BTreeSet<String> {
-    let frontend = Frontend { addr: SocketAddrV4::new(VIP, port), protocol };
-    let answers = lab.client().run(|| exchanges(frontend, CONNECTIONS, TIMEOUT)).unwrap();
-    for exchange in &answers {
-        assert_eq!(exchange.replied_from, frontend.socket_addr(), "{exchange:?}");
-        assert_eq!(exchange.answer.observed_client.ip(), IpAddr::V4(CLIENT), "{exchange:?}");
-    }
-    eprintln!("{frontend}: {:?}", count_by_backend(&answers));
-    answers.into_iter().map(|exchange| exchange.answer.backend).collect()
+    lab.backends_reached(Frontend { addr: SocketAddrV4::new(VIP, port), protocol }, CONNECTIONS, TIMEOUT)
+        .unwrap()
 }
 
 /// The names the backends' servers answer with.

@@ -9,7 +9,7 @@
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
     process::Command,
     sync::Mutex,
@@ -22,8 +22,8 @@ use testbed::{
         deny_bpf_profile, run_to_completion, test_image, Cgroup2Dir, Container, ContainerSpec, Privileges,
         Seccomp,
     },
-    count_by_backend, exchange, exchanges, unique_name, wait_for, Check, ClusterIpService, Endpoint,
-    Frontend, Lab, LabConfig, Netns, Protocol,
+    exchange, unique_name, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, Netns,
+    Protocol,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -122,17 +122,10 @@ fn wait_synced(container: &mut Container, log: &Path) -> String {
     .unwrap()
 }
 
-/// The backends that answered `CONNECTIONS` connections to `VIP:port`, each answer checked to
-/// come from the VIP and to show the client's own address.
+/// The backends that answered `CONNECTIONS` connections to `VIP:port`, unmasqueraded.
 fn reach(lab: &Lab, port: u16, protocol: Protocol) -> BTreeSet<String> {
-    let frontend = Frontend { addr: SocketAddrV4::new(VIP, port), protocol };
-    let answers = lab.client().run(|| exchanges(frontend, CONNECTIONS, TIMEOUT)).unwrap();
-    for exchange in &answers {
-        assert_eq!(exchange.replied_from, frontend.socket_addr(), "{exchange:?}");
-        assert_eq!(exchange.answer.observed_client.ip(), IpAddr::V4(CLIENT), "{exchange:?}");
-    }
-    eprintln!("{frontend}: {:?}", count_by_backend(&answers));
-    answers.into_iter().map(|exchange| exchange.answer.backend).collect()
+    lab.backends_reached(Frontend { addr: SocketAddrV4::new(VIP, port), protocol }, CONNECTIONS, TIMEOUT)
+        .unwrap()
 }
 
 fn all_backends() -> BTreeSet<String> {

@@ -50,17 +50,8 @@ fn wait_capacity(lab: &Lab, map: &str, wanted: u32) -> Result<()> {
 
 /// Starts vipr on the lab with `flags`.
 fn start(lab: &Lab, logs: &WorkDir, flags: &[&str]) -> Result<Vipr> {
-    let mut args = vec![
-        "--proxy-mode=ebpf".to_owned(),
-        format!("--services-file={}", lab.services_file().display()),
-        format!("--node-name={}", lab.node().name()),
-        format!("--devices={}", lab.topology().node_interfaces().join(",")),
-        format!("--bpf-root={}", lab.bpf_root().display()),
-        "-v".to_owned(),
-    ];
-    args.extend(flags.iter().map(ToString::to_string));
     let log = logs.path().join(format!("vipr-{}.log", flags.join("_").replace(['/', '='], "-")));
-    Vipr::start_with_args(&locate_vipr()?, lab.node(), &args, &log)
+    lab.spawn_vipr(flags, &log)
 }
 
 #[test]

@@ -67,17 +67,8 @@ fn lab(label: &str) -> Lab {
 
 /// Starts vipr on the lab with `extra` flags.
 fn start(lab: &Lab, logs: &WorkDir, extra: &[&str]) -> Vipr {
-    let mut args = vec![
-        "--proxy-mode=ebpf".to_owned(),
-        format!("--services-file={}", lab.services_file().display()),
-        format!("--node-name={}", lab.node().name()),
-        format!("--devices={}", lab.topology().node_interfaces().join(",")),
-        format!("--bpf-root={}", lab.bpf_root().display()),
-        "-v".to_owned(),
-    ];
-    args.extend(extra.iter().map(ToString::to_string));
     let log = logs.path().join(format!("vipr-{}.log", extra.join("_").replace(['/', '='], "-")));
-    Vipr::start_with_args(&locate_vipr().unwrap(), lab.node(), &args, &log).unwrap()
+    lab.spawn_vipr(extra, &log).unwrap()
 }
 
 /// Waits until `wanted` is programmed, then returns every programmed cluster IP.
