@@ -425,7 +425,7 @@ struct Agent<'a> {
     logged_rejections: BTreeSet<String>,
     logged_unsupported: BTreeSet<String>,
     /// The objects the dataplane refused at its last sync (among `logged_rejections`).
-    refused: BTreeSet<String>,
+    refused: Vec<Rejection>,
     /// The node's addresses as last listed: a listing that fails keeps them, so a passing
     /// netlink error cannot make every node address look foreign to the datapath.
     node_addresses: Vec<IpAddr>,
@@ -457,7 +457,7 @@ impl<'a> Agent<'a> {
             metrics,
             logged_rejections: BTreeSet::new(),
             logged_unsupported: BTreeSet::new(),
-            refused: BTreeSet::new(),
+            refused: Vec::new(),
             node_addresses: Vec::new(),
             no_node_pod_cidrs: std::cell::Cell::new(None),
         }
@@ -528,17 +528,12 @@ impl<'a> Agent<'a> {
         // Objects the dataplane refused (a Service that does not fit its maps) are reported
         // as the model's rejections are; a failed sync keeps the last ones it refused.
         if let Ok(report) = &result {
-            self.refused = report.refused.iter().cloned().collect();
+            self.refused.clone_from(&report.refused);
         }
-        // A dataplane's refusal reads `Service namespace/name: reason`, as a rejection does.
-        let capacity_refusals = self.refused.iter().filter_map(|text| {
-            let (object, reason) = text.split_once(": ")?;
-            Some(Rejection { object: object.to_owned(), reason: reason.to_owned() })
-        });
         let reported = model_rejections
             .iter()
-            .map(|rejection| (rejection.clone(), crate::events::rejection_reason(rejection)))
-            .chain(capacity_refusals.map(|rejection| (rejection, event_reasons::CAPACITY_EXCEEDED)));
+            .map(|rejection| (rejection, crate::events::rejection_reason(rejection)))
+            .chain(self.refused.iter().map(|rejection| (rejection, event_reasons::CAPACITY_EXCEEDED)));
         let mut rejections = BTreeSet::new();
         // One Event per object and reason: a Service losing several frontends is one Event.
         let mut refusals: BTreeMap<(ObjectRef, &'static str), Vec<String>> = BTreeMap::new();
@@ -546,7 +541,7 @@ impl<'a> Agent<'a> {
             let described = rejection.to_string();
             if !self.logged_rejections.contains(&described) && !rejections.contains(&described) {
                 warn!("skipping {described}");
-                if let Some(regarding) = ObjectRef::of_rejection(&rejection, objects) {
+                if let Some(regarding) = ObjectRef::of_rejection(rejection, objects) {
                     refusals.entry((regarding, reason)).or_default().push(rejection.reason.clone());
                 }
             }

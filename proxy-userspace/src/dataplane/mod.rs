@@ -1,7 +1,7 @@
 //! Dataplanes: each turns a [`DesiredState`] into kernel state, behind one trait.
 use std::fmt;
 
-use crate::model::{DesiredState, StateChanges};
+use crate::model::{kubernetes::Rejection, DesiredState, StateChanges};
 
 pub mod ebpf;
 pub mod iptables;
@@ -17,10 +17,10 @@ pub struct SyncReport {
     pub failed: Vec<String>,
     /// Frontends this dataplane does not support, with the reason.
     pub unsupported: Vec<String>,
-    /// Objects refused as a whole, `Kind namespace/name: reason` (a Service that does not fit
-    /// the eBPF maps); the rest of the state is applied, so they do not make the sync
-    /// incomplete. Retried when the state changes.
-    pub refused: Vec<String>,
+    /// Objects refused as a whole (a Service that does not fit the eBPF maps), reported as the
+    /// model's own rejections are; the rest of the state is applied, so they do not make the
+    /// sync incomplete. Retried when the state changes.
+    pub refused: Vec<Rejection>,
 }
 
 impl SyncReport {

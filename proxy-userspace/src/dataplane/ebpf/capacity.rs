@@ -15,7 +15,7 @@ use super::{
     encode::Balancing,
     family::{Family, V4, V6},
 };
-use crate::model::{Backend, DesiredState, FrontendKind, ServicePortName};
+use crate::model::{kubernetes::Rejection, Backend, DesiredState, FrontendKind, ServicePortName};
 
 /// The maps a Service's entries go to, per family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -71,9 +71,14 @@ impl Refused {
     }
 
     /// The reports, `Service namespace/name: reason`, as the model names rejected objects.
-    pub fn reports(&self) -> impl Iterator<Item = String> + '_ {
-        self.services.iter().map(|(name, reason)| format!("Service {name}: {reason}"))
+    pub fn reports(&self) -> impl Iterator<Item = Rejection> + '_ {
+        self.services.iter().map(|(name, reason)| refusal(name, reason))
     }
+}
+
+/// The refusal of the Service `name` (`namespace/name`), as the model words a rejection.
+pub fn refusal(name: &str, reason: &str) -> Rejection {
+    Rejection { object: format!("Service {name}"), reason: reason.to_owned() }
 }
 
 pub fn service_name(service: &ServicePortName) -> String {
@@ -270,7 +275,7 @@ mod tests {
         assert!(reason.contains("needs 2100 entries of vipr_svc4_v2, 1000 free (capacity 1000)"), "{reason}");
         assert_eq!(refused.cluster_ips, BTreeSet::from([ip(2)]));
         assert_eq!(
-            refused.reports().collect::<Vec<_>>(),
+            refused.reports().map(|refusal| refusal.to_string()).collect::<Vec<_>>(),
             [format!("Service ns/aaa-huge: {reason}")],
             "named as the model names rejected objects"
         );

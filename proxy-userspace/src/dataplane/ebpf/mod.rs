@@ -486,7 +486,7 @@ impl Dataplane for EbpfDataplane {
         report.refused = self
             .refused
             .reports()
-            .chain(self.write_refused.iter().map(|(name, reason)| format!("Service {name}: {reason}")))
+            .chain(self.write_refused.iter().map(|(name, reason)| capacity::refusal(name, reason)))
             .collect();
         if std::mem::take(&mut self.first_sync) {
             // Endpoints may have gone while no agent ran.
