@@ -242,13 +242,6 @@ pub struct DesiredState {
     pub sources: SourceClassifier,
 }
 
-impl DesiredState {
-    /// Distinct backends over all frontends, counted per frontend.
-    pub fn backend_count(&self) -> usize {
-        self.frontends.values().map(|entry| entry.all_backends().len()).sum()
-    }
-}
-
 /// What differs between two generations of a [`DesiredState`], so that a dataplane can apply
 /// only that. It names no dataplane concept: frontends, endpoints and whether the rest of the
 /// state (cluster IPs, service ranges, source classes) changed.

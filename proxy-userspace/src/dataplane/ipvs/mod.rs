@@ -150,11 +150,6 @@ impl IpvsDataplane {
         Ok(dataplane)
     }
 
-    /// Whether this kernel has IPVS (the generic netlink family resolves).
-    pub fn available() -> bool {
-        Ipvs::open().is_ok()
-    }
-
     /// Removes everything the IPVS dataplane installs: virtual services (but excluded ones),
     /// the dummy interface, the rules, the sets.
     pub fn cleanup(exclude_cidrs: &[IpNet]) -> anyhow::Result<()> {

@@ -73,10 +73,6 @@ impl Attributes {
         self
     }
 
-    pub fn put_u8(&mut self, kind: u16, value: u8) -> &mut Self {
-        self.put(kind, &[value])
-    }
-
     pub fn put_u16(&mut self, kind: u16, value: u16) -> &mut Self {
         self.put(kind, &value.to_ne_bytes())
     }
