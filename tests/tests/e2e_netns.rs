@@ -9,8 +9,8 @@ use std::{
 };
 
 use testbed::{
-    count_by_backend, exchange, exchanges, locate_vipr, tcp_exchange, Check, ClusterIpService, Endpoint,
-    Frontend, Lab, LabConfig, LeafSpec, Protocol, ServicePort, TcpSession,
+    count_by_backend, exchange, exchanges, locate_vipr, tcp_exchange, wait_for, Check, ClusterIpService,
+    Endpoint, Frontend, Lab, LabConfig, LeafSpec, Protocol, ServicePort, TcpSession,
 };
 
 /// Bound on every connect, request and reply.
@@ -274,17 +274,13 @@ fn without_devices_an_interface_created_later_is_served_too() {
     // A pod that starts after vipr: its first connections must already be balanced.
     let late_client = Ipv4Addr::new(10, 30, 0, 2);
     let late = lab.add_leaf(LeafSpec::in_own_slash24("late", late_client).unwrap()).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let exchange = loop {
-        match late.run(|| tcp_exchange(http().socket_addr(), TIMEOUT)) {
-            Ok(exchange) => break exchange,
-            Err(error) if std::time::Instant::now() < deadline => {
-                eprintln!("not served yet: {error:#}");
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            Err(error) => panic!("the new interface was never served: {error:#}"),
-        }
-    };
+    let exchange = wait_for("the new interface to be served", Duration::from_secs(10), || {
+        Ok(match late.run(|| tcp_exchange(http().socket_addr(), TIMEOUT)) {
+            Ok(exchange) => Check::Done(exchange),
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    })
+    .unwrap();
     exchange.verify(http(), late_client).unwrap();
     assert!(ENDPOINTS.contains(&exchange.answer.backend.as_str()), "{exchange:?}");
 }
@@ -469,15 +465,11 @@ fn connections_of_an_endpoint_that_is_gone_are_broken_off_and_udp_moves_on() {
     wait_until_unmapped(&mut lab, "b3");
 
     // b3 still runs its servers, so only vipr forgetting its flows can change the answers.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let moved_to = loop {
-        let backend = ask_over(&udp_to_b3, dns()).unwrap();
-        if backend != "b3" {
-            break backend;
-        }
-        assert!(std::time::Instant::now() < deadline, "the UDP flow still reaches b3, which is gone");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let moved_to = wait_for("the UDP flow to leave b3, which is gone", Duration::from_secs(10), || {
+        let backend = ask_over(&udp_to_b3, dns())?;
+        Ok(if backend == "b3" { Check::NotYet(backend) } else { Check::Done(backend) })
+    })
+    .unwrap();
     eprintln!("the UDP flow moved from b3 to {moved_to}");
     let (mut gone, mut kept): (Vec<Session>, Vec<Session>) =
         sessions.into_iter().partition(|session| session.backend == "b3");
