@@ -21,7 +21,7 @@
 //! is what a NIC delivers; a locally generated veth packet's L4 checksum field holds only the
 //! pseudo-header seed (CHECKSUM_PARTIAL), which XDP cannot tell apart and an incremental update
 //! corrupts. Hence the OUTSIDE-only rule, and by default XDP only on hardware-backed devices,
-//! whose packets come from the wire (docs/ARCHITECTURE.md).
+//! whose packets come from the wire (docs/architecture/xdp.md).
 use core::mem::MaybeUninit;
 
 use aya_ebpf::{

@@ -240,7 +240,7 @@ pub struct Args {
     /// The eBPF datapath's XDP fast path for NodePort, load-balancer and external-IP traffic
     /// from outside the node: `native` on every served device (in the driver, falling back to
     /// `generic` and then to none where the driver refuses), `generic`, or `off`. Only for
-    /// interfaces whose packets carry full checksums (NICs): see docs/ARCHITECTURE.md, "XDP
+    /// interfaces whose packets carry full checksums (NICs): see docs/architecture/xdp.md, "XDP
     /// fast path" [default: native on the devices backed by hardware whose driver supports it,
     /// none on the others].
     #[arg(long, value_enum, value_name = "MODE")]
@@ -253,7 +253,7 @@ pub struct Args {
     /// netfilter's FORWARD and POSTROUTING chains and with them iptables-enforced
     /// NetworkPolicy (Calico's iptables dataplane, kube-router, ...). Use `redirect` only where
     /// nothing filters forwarded traffic in netfilter. With `stack`, the XDP fast path is off;
-    /// masqueraded connections are redirected on both paths (docs/ARCHITECTURE.md, "Forwarding").
+    /// masqueraded connections are redirected on both paths (docs/architecture/ebpf-datapath.md, "Forwarding").
     #[arg(long, value_enum, value_name = "PATH", default_value = "stack")]
     pub bpf_forwarding: BpfForwarding,
 

@@ -114,7 +114,7 @@ fn a_forward_rule_on_the_replies_blocks_the_vip_by_default() {
 }
 
 /// Masqueraded connections are not split between ingress and egress yet: they keep the
-/// redirect path in the default mode too (docs/ARCHITECTURE.md, "Forwarding"), and must work
+/// redirect path in the default mode too (docs/architecture/ebpf-datapath.md, "Forwarding"), and must work
 /// beside the egress program.
 #[test]
 fn masqueraded_connections_are_served_in_the_default_mode() {

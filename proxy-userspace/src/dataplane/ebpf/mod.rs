@@ -538,7 +538,7 @@ fn map_data(map: &aya::maps::Map) -> Option<&MapData> {
 // ---------------------------------------------------------------------------------------------
 // Socket-level load balancing of the node's own traffic (proxy-ebpf/src/sock.rs): cgroup
 // sock_addr programs on the cgroup v2 root, acting only on sockets of this agent's network
-// namespace. See docs/ARCHITECTURE.md, "Traffic from the node itself".
+// namespace. See docs/architecture/host-traffic.md.
 
 /// Where the socket-level load balancer attaches (vipr's `--cgroup-root`).
 #[derive(Clone, Debug, Default)]
