@@ -267,3 +267,28 @@ impl StateChanges {
         Self { since: None, generation, classifiers: true, ..Self::default() }
     }
 }
+
+/// An IP family. Each dataplane spells it its own way (`iptables`/`ip6tables`, ipset's
+/// `inet`/`inet6`, the eBPF maps of each family); this is the one the model and the
+/// dataplanes share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum IpFamily {
+    Ipv4,
+    Ipv6,
+}
+
+impl IpFamily {
+    pub const ALL: [Self; 2] = [Self::Ipv4, Self::Ipv6];
+
+    pub fn of(ip: IpAddr) -> Self {
+        if ip.is_ipv4() {
+            Self::Ipv4
+        } else {
+            Self::Ipv6
+        }
+    }
+
+    pub fn of_net(net: &IpNet) -> Self {
+        Self::of(net.addr())
+    }
+}

@@ -294,7 +294,7 @@ impl IptablesDataplane {
                     continue;
                 }
                 if let Err(error) = cleanup_family(tools, family, wanted) {
-                    errors.push(format!("{} ({}): {error:#}", family.command(), tools.variant));
+                    errors.push(format!("{} ({}): {error:#}", tools::command(family), tools.variant));
                 }
             }
         }
@@ -391,7 +391,7 @@ impl Dataplane for IptablesDataplane {
             return Err(error.context("cannot program the iptables rules"));
         }
         for (family, error) in &errors {
-            report.failed.push(format!("{} rules: {error:#}", family.command()));
+            report.failed.push(format!("{} rules: {error:#}", tools::command(*family)));
         }
         for (frontend, entry) in &state.frontends {
             if !self.families.contains(&Family::of(frontend.ip)) {
@@ -502,7 +502,7 @@ fn cleanup_family(
         .restore(family, &restore::render_cleanup(&plans))
         .with_context(|| format!("cannot remove {chains} chains"))?;
     info!(
-        family = family.command(),
+        family = tools::command(family),
         variant = tools.variant.name(),
         chains,
         "removed the iptables chains of vipr and kube-proxy"

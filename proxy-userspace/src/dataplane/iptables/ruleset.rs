@@ -81,35 +81,7 @@ pub const NAT_TOP_LEVEL: [&str; 4] = [KUBE_SERVICES, KUBE_NODEPORTS, KUBE_POSTRO
 /// restore input much larger.
 const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Family {
-    Ipv4,
-    Ipv6,
-}
-
-impl Family {
-    pub const ALL: [Self; 2] = [Self::Ipv4, Self::Ipv6];
-
-    pub fn of(ip: IpAddr) -> Self {
-        if ip.is_ipv4() {
-            Self::Ipv4
-        } else {
-            Self::Ipv6
-        }
-    }
-
-    pub fn of_net(net: &IpNet) -> Self {
-        Self::of(net.addr())
-    }
-
-    /// The command prefix: `iptables` or `ip6tables`.
-    pub fn command(self) -> &'static str {
-        match self {
-            Self::Ipv4 => "iptables",
-            Self::Ipv6 => "ip6tables",
-        }
-    }
-}
+pub use crate::model::IpFamily as Family;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum TableName {

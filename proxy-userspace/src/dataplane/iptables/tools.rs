@@ -88,7 +88,7 @@ impl Tools {
 
     /// `iptables`, `ip6tables-save`, `iptables-nft-restore`, ...
     pub fn program(&self, family: Family, tool: Option<&str>) -> String {
-        let mut name = family.command().to_owned();
+        let mut name = command(family).to_owned();
         if self.explicit {
             name.push('-');
             name.push_str(self.variant.name());
@@ -133,6 +133,14 @@ impl Tools {
             );
         }
         Ok(started.elapsed())
+    }
+}
+
+/// The command prefix of a family: `iptables` or `ip6tables`.
+pub fn command(family: Family) -> &'static str {
+    match family {
+        Family::Ipv4 => "iptables",
+        Family::Ipv6 => "ip6tables",
     }
 }
 

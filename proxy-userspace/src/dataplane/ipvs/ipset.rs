@@ -11,6 +11,7 @@ use std::{
 use anyhow::bail;
 use ipnet::IpNet;
 
+pub use crate::model::IpFamily as Family;
 use crate::model::Protocol;
 use crate::tool;
 
@@ -150,27 +151,11 @@ pub const ALL: [SetSpec; 17] = [
     REJECT_NO_ENDPOINTS,
 ];
 
-/// An IP family, as ipset, iptables and the set names spell it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Family {
-    V4,
-    V6,
-}
-
-impl Family {
-    pub fn of(ip: IpAddr) -> Self {
-        if ip.is_ipv4() {
-            Self::V4
-        } else {
-            Self::V6
-        }
-    }
-
-    pub fn ipset_name(self) -> &'static str {
-        match self {
-            Self::V4 => "inet",
-            Self::V6 => "inet6",
-        }
+/// ipset's name of a family.
+fn ipset_family(family: Family) -> &'static str {
+    match family {
+        Family::Ipv4 => "inet",
+        Family::Ipv6 => "inet6",
     }
 }
 
@@ -179,8 +164,8 @@ impl SetSpec {
     /// 31 characters.
     pub fn name(&self, family: Family) -> String {
         match family {
-            Family::V4 => self.name.to_owned(),
-            Family::V6 => {
+            Family::Ipv4 => self.name.to_owned(),
+            Family::Ipv6 => {
                 let mut name = format!("KUBE-6-{}", self.name.trim_start_matches("KUBE-"));
                 name.truncate(MAX_NAME_LEN);
                 name
@@ -196,7 +181,7 @@ impl SetSpec {
             other => format!(
                 "create {name} {} family {} hashsize 1024 maxelem 65536 -exist",
                 other.name(),
-                family.ipset_name()
+                ipset_family(family)
             ),
         }
     }
@@ -281,7 +266,7 @@ pub type SetContents = BTreeMap<String, BTreeSet<Entry>>;
 
 /// Every set of both families, named, with its type.
 pub fn all_sets() -> Vec<(String, SetSpec, Family)> {
-    [Family::V4, Family::V6]
+    [Family::Ipv4, Family::Ipv6]
         .into_iter()
         .flat_map(|family| ALL.iter().map(move |spec| (spec.name(family), *spec, family)))
         .collect()
@@ -378,17 +363,17 @@ mod tests {
 
     #[test]
     fn names_follow_kube_proxy_per_family() {
-        assert_eq!(CLUSTER_IP.name(Family::V4), "KUBE-CLUSTER-IP");
-        assert_eq!(CLUSTER_IP.name(Family::V6), "KUBE-6-CLUSTER-IP");
+        assert_eq!(CLUSTER_IP.name(Family::Ipv4), "KUBE-CLUSTER-IP");
+        assert_eq!(CLUSTER_IP.name(Family::Ipv6), "KUBE-6-CLUSTER-IP");
         assert_eq!(
-            CLUSTER_IP.create_line(Family::V6),
+            CLUSTER_IP.create_line(Family::Ipv6),
             "create KUBE-6-CLUSTER-IP hash:ip,port family inet6 hashsize 1024 maxelem 65536 -exist"
         );
         assert_eq!(
-            NODE_PORT_TCP.create_line(Family::V4),
+            NODE_PORT_TCP.create_line(Family::Ipv4),
             "create KUBE-NODE-PORT-TCP bitmap:port range 0-65535 -exist"
         );
-        assert_eq!(LOAD_BALANCER_SOURCE_CIDR.name(Family::V6), "KUBE-6-LOAD-BALANCER-SOURCE-CID");
+        assert_eq!(LOAD_BALANCER_SOURCE_CIDR.name(Family::Ipv6), "KUBE-6-LOAD-BALANCER-SOURCE-CID");
         let names: BTreeSet<String> = all_sets().into_iter().map(|(name, _, _)| name).collect();
         assert_eq!(names.len(), 2 * ALL.len(), "unique");
         assert!(names.iter().all(|name| name.len() <= MAX_NAME_LEN));
@@ -450,8 +435,8 @@ mod tests {
     #[test]
     fn restore_changes_only_what_differs() {
         let sets = vec![
-            (CLUSTER_IP.name(Family::V4), CLUSTER_IP, Family::V4),
-            (NODE_PORT_TCP.name(Family::V4), NODE_PORT_TCP, Family::V4),
+            (CLUSTER_IP.name(Family::Ipv4), CLUSTER_IP, Family::Ipv4),
+            (NODE_PORT_TCP.name(Family::Ipv4), NODE_PORT_TCP, Family::Ipv4),
         ];
         let saved = "create KUBE-CLUSTER-IP hash:ip,port family inet hashsize 1024 maxelem 65536 bucketsize 12 initval 0x1\n\
                      add KUBE-CLUSTER-IP 10.96.0.10,tcp:80\n\

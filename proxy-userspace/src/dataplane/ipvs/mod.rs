@@ -29,10 +29,12 @@ use self::{
     ipset::{Family, IpsetTool, SetContents},
     link::{AddressBinder, DUMMY_INTERFACE},
     plan::{Plan, PlanSettings},
-    rules::IptablesTool,
 };
 use super::{
-    iptables::conntrack::{self, UdpFrontends},
+    iptables::{
+        conntrack::{self, UdpFrontends},
+        tools::Tools,
+    },
     Dataplane, SyncReport,
 };
 use crate::model::{Backend, DesiredState, Protocol};
@@ -96,6 +98,9 @@ pub struct IpvsDataplane {
     ipvs: Ipvs,
     binder: AddressBinder,
     ipset: IpsetTool,
+    /// The system's iptables variant, the one iptables mode would use (rules of the other
+    /// variant are invisible to kubelet and the CNI).
+    iptables: Tools,
     /// The kernel's virtual services (vipr's, and those it would remove); `None` after a
     /// failure: read again before the next sync.
     programmed: Option<BTreeMap<ServiceKey, Programmed>>,
@@ -129,6 +134,7 @@ impl IpvsDataplane {
             ipvs,
             binder: AddressBinder::open().context("cannot open an rtnetlink socket")?,
             ipset: IpsetTool,
+            iptables: Tools::detect(None).context("the IPVS dataplane needs iptables")?,
             programmed: None,
             terminating: BTreeSet::new(),
             sets: None,
@@ -169,19 +175,22 @@ impl IpvsDataplane {
         if let Err(error) = link::delete_link(DUMMY_INTERFACE) {
             errors.push(format!("cannot delete {DUMMY_INTERFACE}: {error}"));
         }
-        for family in [Family::V4, Family::V6] {
-            let tool = IptablesTool { family };
-            let result = tool.save().and_then(|saved| {
-                let input = rules::cleanup_input(&saved);
-                if input.is_empty() {
-                    Ok(())
-                } else {
-                    tool.restore(&input)
+        match Tools::detect(None) {
+            Ok(tools) => {
+                for family in Family::ALL {
+                    let result = tools.save(family).and_then(|saved| {
+                        let input = rules::cleanup_input(&saved);
+                        if !input.is_empty() {
+                            tools.restore(family, &input)?;
+                        }
+                        Ok(())
+                    });
+                    if let Err(error) = result {
+                        errors.push(format!("{error:#}"));
+                    }
                 }
-            });
-            if let Err(error) = result {
-                errors.push(format!("{error:#}"));
             }
+            Err(error) => errors.push(format!("{error:#}")),
         }
         let names: Vec<String> = ipset::all_sets().into_iter().map(|(name, _, _)| name).collect();
         if let Err(error) = IpsetTool.destroy(&names) {
@@ -202,8 +211,9 @@ impl IpvsDataplane {
         if link::index(DUMMY_INTERFACE).is_none() {
             return Ok(());
         }
-        let kube_proxy = [Family::V4, Family::V6].into_iter().any(|family| {
-            IptablesTool { family }.save().is_ok_and(|saved| {
+        let tools = Tools::detect(None).ok();
+        let kube_proxy = Family::ALL.into_iter().any(|family| {
+            tools.as_ref().and_then(|tools| tools.save(family).ok()).is_some_and(|saved| {
                 saved.lines().any(|line| {
                     line.strip_prefix(':').and_then(|line| line.split_whitespace().next())
                         == Some(super::iptables::restore::KUBE_PROXY_CANARY)
@@ -258,13 +268,13 @@ impl IpvsDataplane {
             if self.rules_applied.get(&family) == Some(&text) {
                 continue;
             }
-            let tool = IptablesTool { family };
-            let applied = tool.save().and_then(|saved| {
+            let tools = &self.iptables;
+            let applied = tools.save(family).and_then(|saved| {
                 let jumps = rules::missing_jumps(&saved);
                 // Chains first (the jumps need them), then the jumps.
-                tool.restore(&text)?;
+                tools.restore(family, &text)?;
                 if !jumps.is_empty() {
-                    tool.restore(&jumps)?;
+                    tools.restore(family, &jumps)?;
                 }
                 Ok(())
             });

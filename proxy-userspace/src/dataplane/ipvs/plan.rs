@@ -194,7 +194,7 @@ pub fn plan(state: &DesiredState, settings: &PlanSettings) -> Plan {
             },
         );
     }
-    for (family, set) in [(Family::V4, &ipset::IPVS_IPS), (Family::V6, &ipset::IPVS_IPS)] {
+    for (family, set) in [(Family::Ipv4, &ipset::IPVS_IPS), (Family::Ipv6, &ipset::IPVS_IPS)] {
         let members: Vec<Entry> =
             plan.bound.iter().copied().filter(|ip| Family::of(*ip) == family).map(Entry::Ip).collect();
         plan.sets.entry(set.name(family)).or_default().extend(members);
@@ -208,7 +208,7 @@ pub fn plan(state: &DesiredState, settings: &PlanSettings) -> Plan {
     } else {
         ClusterIpMasquerade::FromServiceAddress
     };
-    plan.rules = [Family::V4, Family::V6]
+    plan.rules = [Family::Ipv4, Family::Ipv6]
         .into_iter()
         .map(|family| RuleInputs {
             family,

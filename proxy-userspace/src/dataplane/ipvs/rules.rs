@@ -21,13 +21,12 @@
 //! node's own connections, which IPVS has already sent on by then); a service address on a
 //! port it does not serve is rejected (KUBE-IPVS-FILTER); frontends whose endpoints are all
 //! elsewhere under a Local policy are dropped (vipr's KUBE-IPVS-DROP set).
-use std::{collections::BTreeSet, fmt::Write as _, net::IpAddr, process::Command};
+use std::{collections::BTreeSet, fmt::Write as _, net::IpAddr};
 
 use ipnet::IpNet;
 
 use super::ipset::{self, Family, SetSpec};
 use crate::model::Protocol;
-use crate::tool;
 
 /// The bit kube-proxy marks packets to masquerade with (`--iptables-masquerade-bit` 14).
 pub const MASQUERADE_MARK: &str = "0x4000";
@@ -111,8 +110,8 @@ pub struct RuleInputs {
 
 fn loopback(family: Family) -> &'static str {
     match family {
-        Family::V4 => "127.0.0.0/8",
-        Family::V6 => "::1/128",
+        Family::Ipv4 => "127.0.0.0/8",
+        Family::Ipv6 => "::1/128",
     }
 }
 
@@ -354,45 +353,13 @@ pub fn cleanup_input(saved: &str) -> String {
     out
 }
 
-/// Runs `iptables-save` / `iptables-restore` (or the ip6tables ones).
-#[derive(Debug)]
-pub struct IptablesTool {
-    pub family: Family,
-}
-
-impl IptablesTool {
-    fn program(&self, tool: &str) -> String {
-        match self.family {
-            Family::V4 => format!("iptables-{tool}"),
-            Family::V6 => format!("ip6tables-{tool}"),
-        }
-    }
-
-    pub fn save(&self) -> anyhow::Result<String> {
-        let tool = self.program("save");
-        tool::run(&mut Command::new(&tool), None, tool::RULESET_TIMEOUT)?.stdout_if_success(&tool)
-    }
-
-    /// `iptables-restore --noflush` of `input`: one transaction per table.
-    pub fn restore(&self, input: &str) -> anyhow::Result<()> {
-        let tool = self.program("restore");
-        tool::run(
-            Command::new(&tool).args(["--noflush", "--wait"]),
-            Some(input.as_bytes()),
-            tool::RULESET_TIMEOUT,
-        )?
-        .stdout_if_success(&format!("{tool} --noflush"))
-        .map(drop)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn inputs(masquerade: ClusterIpMasquerade) -> RuleInputs {
         RuleInputs {
-            family: Family::V4,
+            family: Family::Ipv4,
             cluster_ip_masquerade: masquerade,
             restricted_load_balancers: BTreeSet::new(),
             service_cidrs: Vec::new(),
@@ -417,7 +384,7 @@ mod tests {
             "{bridge}"
         );
         let mut v6 = inputs(ClusterIpMasquerade::NotVia("veth+".into()));
-        v6.family = Family::V6;
+        v6.family = Family::Ipv6;
         let prefix = restore_input(&v6);
         assert!(
             prefix.contains("-m set --match-set KUBE-6-CLUSTER-IP dst,dst ! -i veth+ -j KUBE-MARK-MASQ"),
@@ -430,7 +397,7 @@ mod tests {
     #[test]
     fn both_tables_declare_their_chains_and_commit() {
         let mut v6 = inputs(ClusterIpMasquerade::All);
-        v6.family = Family::V6;
+        v6.family = Family::Ipv6;
         let text = restore_input(&v6);
         assert!(text.starts_with("*nat\n:KUBE-SERVICES - [0:0]\n"), "{text}");
         assert_eq!(text.matches("COMMIT\n").count(), 2);
