@@ -494,7 +494,7 @@ fn apply_stage(
             if let Err(error) = vipr.ensure_running() {
                 bail!("vipr exited: {}", exit_reason(&log).unwrap_or_else(|| format!("{error:#}")));
             }
-            let count = synced_lines(&log);
+            let count = synced_lines(&log, stage_index > 0);
             Ok(if count > synced_before {
                 Check::Done(count)
             } else {
@@ -536,13 +536,18 @@ fn ensure_auto_chose(log: &Path, mode: Mode) -> Result<()> {
     }
 }
 
-/// How many syncs that changed the dataplane vipr has logged. A sync that changed nothing
-/// ("synced: nothing to change", logged at debug level) does not count: a periodic one that
-/// ran before vipr read the stage's file would otherwise let the flows be checked against the
-/// previous stage's rules.
-fn synced_lines(log: &Path) -> usize {
+/// How many syncs vipr has logged; with `changed_only`, only those that changed the
+/// dataplane. After the first stage a sync that changed nothing ("synced: nothing to change",
+/// logged at debug level) must not count: a periodic one that ran before vipr read the
+/// stage's file would let the flows be checked against the previous stage's rules. vipr's
+/// first sync counts whatever it changed: the file was there before vipr started (and in ipvs
+/// mode, services without endpoints are only ipset members, which its report does not count).
+fn synced_lines(log: &Path, changed_only: bool) -> usize {
     std::fs::read_to_string(log).map_or(0, |text| {
-        text.lines().filter(|line| line.contains("synced:") && !line.contains("nothing to change")).count()
+        text.lines()
+            .filter(|line| line.contains("synced:"))
+            .filter(|line| !changed_only || !line.contains("nothing to change"))
+            .count()
     })
 }
 
