@@ -1184,18 +1184,11 @@ impl KubeProxyConfiguration {
 
     /// The file's `mode`, meaning what it means to kube-proxy where vipr has the mode: empty
     /// or absent is kube-proxy's default on Linux, iptables; vipr's own `ebpf` and `auto`
-    /// are accepted too. `nftables` is refused: vipr has no nftables mode, and picking another
-    /// one silently would change the cluster's semantics (`--proxy-mode` wins over the file,
-    /// so the DaemonSet's flag decides when a kube-proxy ConfigMap is reused).
+    /// are accepted too (`--proxy-mode` wins over the file, so the DaemonSet's flag decides
+    /// when a kube-proxy ConfigMap is reused).
     pub fn proxy_mode(&self) -> anyhow::Result<ProxyMode> {
         match self.mode.as_deref().map(str::trim) {
             None | Some("") => Ok(ProxyMode::Iptables),
-            Some("nftables") => Err(self.invalid(
-                "mode",
-                "\"nftables\": vipr has no nftables mode; pass --proxy-mode=ebpf (its semantics follow \
-                 kube-proxy's nftables mode: NodePorts on the primary node IPs, unused service IPs \
-                 dropped), --proxy-mode=iptables or --proxy-mode=auto",
-            )),
             Some(name) => ProxyMode::from_str(name, true).map_err(|_| {
                 let known: Vec<_> = ProxyMode::value_variants()
                     .iter()
@@ -1220,6 +1213,12 @@ impl KubeProxyConfiguration {
                 sync_period: &self.ipvs.mode.sync_period,
                 min_sync_period: &self.ipvs.mode.min_sync_period,
                 masquerade_all: self.iptables.masquerade_all,
+            },
+            ProxyMode::Nftables => ModeSection {
+                name: "nftables",
+                sync_period: &self.nftables.sync_period,
+                min_sync_period: &self.nftables.min_sync_period,
+                masquerade_all: self.nftables.masquerade_all,
             },
             ProxyMode::Auto | ProxyMode::Ebpf | ProxyMode::Iptables => ModeSection {
                 name: "iptables",
@@ -1963,7 +1962,6 @@ logging:
         assert!(refused("kind: KubeletConfiguration\n").contains("not a KubeProxyConfiguration"));
         assert!(refused(&format!("{header}iptables: {{syncPeriod: 5x}}\n")).contains("iptables.syncPeriod"));
         assert!(refused(&format!("{header}clusterCIDR: 10.0.0.0\n")).contains("clusterCIDR"));
-        assert!(refused(&format!("{header}mode: nftables\n")).contains("vipr has no nftables mode"));
         assert!(refused(&format!("{header}mode: userspace\n")).contains("not a vipr proxy mode"));
         assert!(refused(&format!("{header}healthzBindAddress: nowhere\n")).contains("healthzBindAddress"));
         assert!(refused(&format!("{header}hostnameOverride: [a\n")).contains("--config"));
@@ -2282,10 +2280,11 @@ mod kube_proxy_fixtures {
     }
 
     #[test]
-    fn nftables_in_the_file_is_refused_unless_the_flag_picks_a_mode() {
+    fn nftables_in_the_file_runs_nftables_mode_unless_the_flag_picks_another() {
         let file = Written::new("mode: nftables\nnftables: {syncPeriod: 10s}\n");
-        let message = format!("{:#}", settings(&[&file.arg()]).unwrap_err());
-        assert!(message.contains("no nftables mode") && message.contains("--proxy-mode"), "{message}");
+        let from_file = settings(&[&file.arg()]).unwrap();
+        assert_eq!(from_file.proxy_mode, ProxyMode::Nftables);
+        assert_eq!(from_file.sync_period, Duration::from_secs(10), "the nftables section applies");
         let settings = settings(&[&file.arg(), "--proxy-mode=ebpf"]).unwrap();
         assert_eq!(settings.proxy_mode, ProxyMode::Ebpf);
     }

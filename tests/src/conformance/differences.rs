@@ -203,6 +203,7 @@ pub struct ModeExpectation {
 /// - `iptables`: the recorded outcome (the iptables files are authoritative), or kube-proxy's
 ///   iptables behaviour for the nftables-semantics flows where the backends disagree
 ///   ([`super::iptables::IPTABLES_DIFFERENCES`]);
+/// - `nftables`: as ebpf (kube-proxy's nftables semantics);
 /// - `ipvs`: kube-proxy's IPVS behaviour for [`super::ipvs::IPVS_DIFFERENCES`], else as ebpf.
 pub fn expectation_in(
     mode: Mode,
@@ -222,7 +223,7 @@ pub fn expectation_in(
             },
             None => recorded(),
         }),
-        Mode::Ebpf | Mode::Ipvs => {
+        Mode::Ebpf | Mode::Ipvs | Mode::Nftables => {
             let (outcome, known) = expectation(file, case, stage, flow)?;
             let mut expect = ModeExpectation {
                 outcome,
