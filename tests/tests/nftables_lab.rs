@@ -236,6 +236,12 @@ fn cluster_ip_and_node_port_are_balanced_by_the_nftables_table() {
     assert_eq!(lab.reach(frontend(NODE, HTTP_NODE_PORT, Protocol::Tcp), CONNECTIONS), names(&ENDPOINTS));
     assert_eq!(lab.reach(frontend(NODE, DNS_NODE_PORT, Protocol::Udp), CONNECTIONS), names(&ENDPOINTS));
     assert_eq!(lab.reach(frontend(OTHER_VIP, 80, Protocol::Tcp), 10), names(&["b1"]));
+    // `vipr inspect` finds nftables mode and prints the table.
+    let inspect = lab.node_output(
+        locate_vipr().unwrap().to_str().unwrap(),
+        &["inspect", "services", "--bpf-root", NO_BPFFS],
+    );
+    assert!(inspect.contains("table ip vipr") && inspect.contains("map service-ips"), "{inspect}");
 
     // One UDP flow (fixed source port) is pinned by conntrack to its first endpoint. When that
     // endpoint is removed, vipr deletes the entry and the flow's next datagram finds a live one.
