@@ -25,7 +25,7 @@ fn service(index: usize) -> Service {
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": format!("svc{index}"), "namespace": "bench"},
         "spec": {
-            "type": if index % 3 == 0 { "NodePort" } else { "ClusterIP" },
+            "type": if index.is_multiple_of(3) { "NodePort" } else { "ClusterIP" },
             "clusterIP": IpAddr::from([172, 30 + (index / 62500) as u8, (index / 250 % 250) as u8, (index % 250 + 1) as u8]).to_string(),
             "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
         },

@@ -407,9 +407,12 @@ struct Builder {
     addr_type: &'static str,
     classes: Classes,
     ruleset: Ruleset,
-    /// NodePort frontends by (protocol, port): address, nat verdict, no-endpoint verdict.
-    nodeports: BTreeMap<(&'static str, u16), Vec<(IpAddr, Option<String>, Option<String>)>>,
+    /// NodePort frontends by (protocol, port).
+    nodeports: BTreeMap<(&'static str, u16), Vec<NodePortFrontend>>,
 }
+
+/// A NodePort frontend: its address, the nat verdict and the no-endpoint verdict.
+type NodePortFrontend = (IpAddr, Option<String>, Option<String>);
 
 /// One service port's chains while they are being built.
 struct ServiceChains<'a> {

@@ -97,9 +97,7 @@ fn masquerading_cluster_ips_mark_non_pod_sources_at_the_top_of_the_service_chain
 #[test]
 fn a_service_without_endpoints_rejects_and_a_local_policy_drops() {
     let mut local = entry("svc2", FrontendKind::LoadBalancer, &[]);
-    for treatment in [&mut local.from_outside] {
-        treatment.when_empty = WhenEmpty::Drop;
-    }
+    local.from_outside.when_empty = WhenEmpty::Drop;
     local.from_node.backends = Arc::from(vec![Backend { ip: "10.180.0.3".parse().unwrap(), port: 80 }]);
     local.from_pod.backends = local.from_node.backends.clone();
     let state =
