@@ -10,7 +10,7 @@
 //! set to write and keep): the time goes to the kernel, not to nft's parser
 //! (docs/benchmarks.md, "nftables"). The first sync, one after a failure and one every
 //! [`NftablesOptions::full_sync_period`] are full: the table's chains and sets are listed
-//! (`nft -t list table`), every chain flushed and refilled, every set and map flushed and
+//! (`nft -t list chains|sets|maps`), every chain flushed and refilled, every set and map flushed and
 //! refilled, what is not wanted deleted. Every other sync is partial: only the chains whose
 //! rules differ, the map and set elements added or deleted, the chains gone deleted; nothing
 //! when nothing changed. After the rules, UDP conntrack entries that lead to removed
@@ -99,21 +99,27 @@ pub fn apply(batch: &str) -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
-/// `nft -t list table FAMILY vipr`: the chains and sets it holds (empty when there is none).
+/// The chains and sets of `FAMILY vipr` (empty when there is none). Listed by kind (`nft -t
+/// list chains|sets|maps FAMILY`) rather than `nft list table`: names alone, not the rules of
+/// tens of thousands of chains, which nft takes seconds to fetch and print.
 pub fn list_table(family: Family) -> anyhow::Result<Existing> {
-    let output = tool::run(
-        Command::new(NFT).args(["-t", "list", "table", ruleset::family_name(family), ruleset::TABLE]),
-        None,
-        tool::QUERY_TIMEOUT,
-    )?;
-    if output.status.success() {
-        return Ok(Existing::parse(&String::from_utf8_lossy(&output.stdout)));
+    let mut listing = String::new();
+    for kind in ["chains", "sets", "maps"] {
+        let output = tool::run(
+            Command::new(NFT).args(["-t", "list", kind, ruleset::family_name(family)]),
+            None,
+            tool::QUERY_TIMEOUT,
+        )?;
+        if !output.status.success() {
+            bail!(
+                "nft list {kind} failed ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+        }
+        listing.push_str(&String::from_utf8_lossy(&output.stdout));
     }
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    if stderr.contains("No such file or directory") {
-        return Ok(Existing::default());
-    }
-    bail!("nft list table failed ({}): {}", output.status, stderr.trim())
+    Ok(Existing::parse(&listing))
 }
 
 /// The families that have a `vipr` table (`nft list tables`).

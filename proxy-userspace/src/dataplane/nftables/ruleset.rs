@@ -710,7 +710,7 @@ impl Builder {
     }
 }
 
-/// What a full sync finds in the kernel: the table's chains and sets (`nft -t list table`).
+/// What a full sync finds in the kernel: the table's chains and sets (`nft -t list chains`, `sets`, `maps`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Existing {
     pub chains: BTreeSet<String>,
@@ -718,23 +718,33 @@ pub struct Existing {
 }
 
 impl Existing {
-    /// Reads `nft -t list table …` output (elements are left out by `-t`).
+    /// Reads `nft -t list chains|sets|maps FAMILY` output: the chains and sets of vipr's table
+    /// (other tables of the family are listed too, and skipped).
     pub fn parse(listing: &str) -> Self {
         let mut existing = Self::default();
+        let mut ours = false;
         for line in listing.lines() {
             let mut words = line.split_whitespace();
-            let (Some(kind), Some(name), Some("{")) = (words.next(), words.next(), words.next()) else {
+            let (Some(kind), Some(second)) = (words.next(), words.next()) else {
                 continue;
             };
+            if kind == "table" {
+                ours = words.next() == Some(TABLE);
+                continue;
+            }
+            if !ours || words.next() != Some("{") {
+                continue;
+            }
+            let name = second.to_owned();
             match kind {
                 "chain" => {
-                    existing.chains.insert(name.to_owned());
+                    existing.chains.insert(name);
                 }
                 "set" => {
-                    existing.sets.insert(name.to_owned(), SetKind::Set);
+                    existing.sets.insert(name, SetKind::Set);
                 }
                 "map" => {
-                    existing.sets.insert(name.to_owned(), SetKind::Map);
+                    existing.sets.insert(name, SetKind::Map);
                 }
                 _ => {}
             }

@@ -191,10 +191,13 @@ fn a_full_batch_refills_everything_and_deletes_what_is_not_wanted() {
     let state = state(vec![("172.30.0.41:80", entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:80"]))]);
     let wanted = generate(&state, Family::Ipv4);
     let existing = Existing::parse(
-        "table ip vipr {\n\tmap service-ips {\n\t\ttype ipv4_addr . inet_proto . inet_service : verdict\n\t}\n\
-         \tchain services {\n\t}\n\tchain service-OLD-ns1/old/tcp/p80 {\n\t}\n}\n",
+        "table ip nat {\n\tchain POSTROUTING {\n\t}\n}\ntable ip vipr {\n\tchain services {\n\t}\n\
+         \tchain service-OLD-ns1/old/tcp/p80 {\n\t}\n}\ntable ip vipr {\n\tmap service-ips {\n\t\t\
+         type ipv4_addr . inet_proto . inet_service : verdict\n\t}\n}\n",
     );
     assert!(existing.chains.contains("service-OLD-ns1/old/tcp/p80"));
+    assert!(!existing.chains.contains("POSTROUTING"), "another table's chain");
+    assert_eq!(existing.sets.get(SERVICE_IPS), Some(&SetKind::Map));
     let batch = full(&existing, &wanted);
     assert_eq!(batch.chains_deleted, ["service-OLD-ns1/old/tcp/p80"]);
     assert!(batch.text.contains("flush map ip vipr service-ips"));
