@@ -1270,6 +1270,9 @@ impl KubeProxyConfiguration {
         }
         used.insert("iptables.masqueradeAll".to_owned());
         used.insert("iptables.localhostNodePorts".to_owned());
+        if mode == ProxyMode::Nftables {
+            used.insert("nftables.masqueradeAll".to_owned());
+        }
         used
     }
 }
@@ -1494,7 +1497,11 @@ impl Settings {
         });
         let mode_name = crate::probe::mode_name(self.proxy_mode);
         let mut sections = serde_json::Map::new();
-        let section = if self.proxy_mode == ProxyMode::Ipvs { "ipvs" } else { "iptables" };
+        let section = match self.proxy_mode {
+            ProxyMode::Ipvs => "ipvs",
+            ProxyMode::Nftables => "nftables",
+            _ => "iptables",
+        };
         let mut iptables = json!({
             "masqueradeAll": self.masquerade_all,
             "masqueradeBit": 14,
@@ -1509,12 +1516,21 @@ impl Settings {
             "tcpFinTimeout": duration(self.ipvs.tcp_fin_timeout),
             "udpTimeout": duration(self.ipvs.udp_timeout),
         });
-        let target = if section == "ipvs" { &mut ipvs } else { &mut iptables };
+        // kube-proxy's nftables section: its periods and masquerading.
+        let mut nftables = json!({ "masqueradeAll": self.masquerade_all, "masqueradeBit": 14 });
+        let target = match section {
+            "ipvs" => &mut ipvs,
+            "nftables" => &mut nftables,
+            _ => &mut iptables,
+        };
         if let (Some(target), Some(periods)) = (target.as_object_mut(), periods.as_object()) {
             target.extend(periods.clone());
         }
         sections.insert("iptables".to_owned(), iptables);
         sections.insert("ipvs".to_owned(), ipvs);
+        if section == "nftables" {
+            sections.insert("nftables".to_owned(), nftables);
+        }
         let mut config = json!({
             "apiVersion": CONFIG_API_VERSION,
             "kind": CONFIG_KIND,
@@ -2373,6 +2389,22 @@ mod kube_proxy_fixtures {
         // Read from a file this time, which the agent would watch.
         assert_eq!(read.config_file.take(), Some(file));
         assert_eq!(read, original, "{written}");
+
+        // nftables mode: its periods go to (and come back from) the file's nftables section.
+        let original =
+            settings(&["--proxy-mode=nftables", "--iptables-sync-period=45s", "--masquerade-all"]).unwrap();
+        let written = serde_yaml::to_string(&original.to_kube_proxy_configuration()).unwrap();
+        let file = std::env::temp_dir().join(format!("vipr-written-nftables-{}.yaml", std::process::id()));
+        std::fs::write(&file, &written).unwrap();
+        let read = settings(&[&format!("--config={}", file.display())]);
+        let _ = std::fs::remove_file(&file);
+        let read = read.unwrap_or_else(|error| panic!("{error:#}\n{written}"));
+        assert!(read.ignored_config.is_empty(), "{:?}\n{written}", read.ignored_config);
+        assert_eq!(
+            (read.proxy_mode, read.sync_period, read.masquerade_all),
+            (ProxyMode::Nftables, Duration::from_secs(45), true),
+            "{written}"
+        );
 
         for detection in [
             ["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"],
