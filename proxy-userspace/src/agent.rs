@@ -35,6 +35,7 @@ use crate::{
         ebpf::{record as ebpf_record, EbpfDataplane, EbpfOptions, HostTrafficOptions},
         iptables::{self, IptablesDataplane, IptablesOptions},
         ipvs::{self as ipvs_dataplane, IpvsDataplane, IpvsOptions},
+        nftables::{NftablesDataplane, NftablesOptions},
         Dataplane, SyncReport,
     },
     events::{reasons as event_reasons, ApiEvents, Event, EventSink, LogOnly, ObjectRef, Severity},
@@ -123,7 +124,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         } else {
             (IptablesDataplane::cleanup(), IpvsDataplane::cleanup(&settings.ipvs.exclude_cidrs))
         };
-        let errors: Vec<String> = [ebpf, iptables, ipvs]
+        let errors: Vec<String> = [ebpf, iptables, ipvs, NftablesDataplane::cleanup()]
             .into_iter()
             .filter_map(Result::err)
             .map(|error| format!("{error:#}"))
@@ -135,7 +136,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let (mode, mode_reason) = running_mode(settings)?;
     // kube-proxy's one-time initialisation; the kernel's conntrack matters to the modes that
     // use it (the eBPF datapath tracks its connections itself).
-    let netfilter = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs);
+    let netfilter = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs | ProxyMode::Nftables);
     tuning::apply_at_start(settings.oom_score_adj, netfilter.then_some(&settings.netfilter_conntrack));
     if settings.init_only {
         info!("--init-only: initialisation done");
@@ -171,6 +172,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
             Box::new(ebpf)
         }
         ProxyMode::Ipvs => Box::new(IpvsDataplane::start(ipvs_options(settings))?),
+        ProxyMode::Nftables => Box::new(NftablesDataplane::start(&NftablesOptions::default())?),
     };
     clean_other_modes(settings, dataplane.mode());
 
@@ -791,6 +793,9 @@ fn clean_other_modes(settings: &Settings, active: &str) {
     }
     if active != "ipvs" {
         results.push(("ipvs", IpvsDataplane::cleanup_leftovers(&settings.ipvs.exclude_cidrs)));
+    }
+    if active != "nftables" {
+        results.push(("nftables", NftablesDataplane::cleanup()));
     }
     for (mode, result) in results {
         if let Err(error) = result {

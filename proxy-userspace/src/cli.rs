@@ -95,6 +95,8 @@ pub enum ProxyMode {
     Iptables,
     /// IPVS virtual servers, as kube-proxy's ipvs mode.
     Ipvs,
+    /// An nftables table of vipr's own, as kube-proxy's nftables mode.
+    Nftables,
 }
 
 /// Values that say so are kube-proxy's defaults; a flag left out keeps the `--config` file's

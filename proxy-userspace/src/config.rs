@@ -1184,18 +1184,11 @@ impl KubeProxyConfiguration {
 
     /// The file's `mode`, meaning what it means to kube-proxy where vipr has the mode: empty
     /// or absent is kube-proxy's default on Linux, iptables; vipr's own `ebpf` and `auto`
-    /// are accepted too. `nftables` is refused: vipr has no nftables mode, and picking another
-    /// one silently would change the cluster's semantics (`--proxy-mode` wins over the file,
-    /// so the DaemonSet's flag decides when a kube-proxy ConfigMap is reused).
+    /// are accepted too (`--proxy-mode` wins over the file, so the DaemonSet's flag decides
+    /// when a kube-proxy ConfigMap is reused).
     pub fn proxy_mode(&self) -> anyhow::Result<ProxyMode> {
         match self.mode.as_deref().map(str::trim) {
             None | Some("") => Ok(ProxyMode::Iptables),
-            Some("nftables") => Err(self.invalid(
-                "mode",
-                "\"nftables\": vipr has no nftables mode; pass --proxy-mode=ebpf (its semantics follow \
-                 kube-proxy's nftables mode: NodePorts on the primary node IPs, unused service IPs \
-                 dropped), --proxy-mode=iptables or --proxy-mode=auto",
-            )),
             Some(name) => ProxyMode::from_str(name, true).map_err(|_| {
                 let known: Vec<_> = ProxyMode::value_variants()
                     .iter()
@@ -1220,6 +1213,12 @@ impl KubeProxyConfiguration {
                 sync_period: &self.ipvs.mode.sync_period,
                 min_sync_period: &self.ipvs.mode.min_sync_period,
                 masquerade_all: self.iptables.masquerade_all,
+            },
+            ProxyMode::Nftables => ModeSection {
+                name: "nftables",
+                sync_period: &self.nftables.sync_period,
+                min_sync_period: &self.nftables.min_sync_period,
+                masquerade_all: self.nftables.masquerade_all,
             },
             ProxyMode::Auto | ProxyMode::Ebpf | ProxyMode::Iptables => ModeSection {
                 name: "iptables",
@@ -1271,6 +1270,9 @@ impl KubeProxyConfiguration {
         }
         used.insert("iptables.masqueradeAll".to_owned());
         used.insert("iptables.localhostNodePorts".to_owned());
+        if mode == ProxyMode::Nftables {
+            used.insert("nftables.masqueradeAll".to_owned());
+        }
         used
     }
 }
@@ -1495,7 +1497,11 @@ impl Settings {
         });
         let mode_name = crate::probe::mode_name(self.proxy_mode);
         let mut sections = serde_json::Map::new();
-        let section = if self.proxy_mode == ProxyMode::Ipvs { "ipvs" } else { "iptables" };
+        let section = match self.proxy_mode {
+            ProxyMode::Ipvs => "ipvs",
+            ProxyMode::Nftables => "nftables",
+            _ => "iptables",
+        };
         let mut iptables = json!({
             "masqueradeAll": self.masquerade_all,
             "masqueradeBit": 14,
@@ -1510,12 +1516,21 @@ impl Settings {
             "tcpFinTimeout": duration(self.ipvs.tcp_fin_timeout),
             "udpTimeout": duration(self.ipvs.udp_timeout),
         });
-        let target = if section == "ipvs" { &mut ipvs } else { &mut iptables };
+        // kube-proxy's nftables section: its periods and masquerading.
+        let mut nftables = json!({ "masqueradeAll": self.masquerade_all, "masqueradeBit": 14 });
+        let target = match section {
+            "ipvs" => &mut ipvs,
+            "nftables" => &mut nftables,
+            _ => &mut iptables,
+        };
         if let (Some(target), Some(periods)) = (target.as_object_mut(), periods.as_object()) {
             target.extend(periods.clone());
         }
         sections.insert("iptables".to_owned(), iptables);
         sections.insert("ipvs".to_owned(), ipvs);
+        if section == "nftables" {
+            sections.insert("nftables".to_owned(), nftables);
+        }
         let mut config = json!({
             "apiVersion": CONFIG_API_VERSION,
             "kind": CONFIG_KIND,
@@ -1963,7 +1978,6 @@ logging:
         assert!(refused("kind: KubeletConfiguration\n").contains("not a KubeProxyConfiguration"));
         assert!(refused(&format!("{header}iptables: {{syncPeriod: 5x}}\n")).contains("iptables.syncPeriod"));
         assert!(refused(&format!("{header}clusterCIDR: 10.0.0.0\n")).contains("clusterCIDR"));
-        assert!(refused(&format!("{header}mode: nftables\n")).contains("vipr has no nftables mode"));
         assert!(refused(&format!("{header}mode: userspace\n")).contains("not a vipr proxy mode"));
         assert!(refused(&format!("{header}healthzBindAddress: nowhere\n")).contains("healthzBindAddress"));
         assert!(refused(&format!("{header}hostnameOverride: [a\n")).contains("--config"));
@@ -2282,10 +2296,11 @@ mod kube_proxy_fixtures {
     }
 
     #[test]
-    fn nftables_in_the_file_is_refused_unless_the_flag_picks_a_mode() {
+    fn nftables_in_the_file_runs_nftables_mode_unless_the_flag_picks_another() {
         let file = Written::new("mode: nftables\nnftables: {syncPeriod: 10s}\n");
-        let message = format!("{:#}", settings(&[&file.arg()]).unwrap_err());
-        assert!(message.contains("no nftables mode") && message.contains("--proxy-mode"), "{message}");
+        let from_file = settings(&[&file.arg()]).unwrap();
+        assert_eq!(from_file.proxy_mode, ProxyMode::Nftables);
+        assert_eq!(from_file.sync_period, Duration::from_secs(10), "the nftables section applies");
         let settings = settings(&[&file.arg(), "--proxy-mode=ebpf"]).unwrap();
         assert_eq!(settings.proxy_mode, ProxyMode::Ebpf);
     }
@@ -2374,6 +2389,22 @@ mod kube_proxy_fixtures {
         // Read from a file this time, which the agent would watch.
         assert_eq!(read.config_file.take(), Some(file));
         assert_eq!(read, original, "{written}");
+
+        // nftables mode: its periods go to (and come back from) the file's nftables section.
+        let original =
+            settings(&["--proxy-mode=nftables", "--iptables-sync-period=45s", "--masquerade-all"]).unwrap();
+        let written = serde_yaml::to_string(&original.to_kube_proxy_configuration()).unwrap();
+        let file = std::env::temp_dir().join(format!("vipr-written-nftables-{}.yaml", std::process::id()));
+        std::fs::write(&file, &written).unwrap();
+        let read = settings(&[&format!("--config={}", file.display())]);
+        let _ = std::fs::remove_file(&file);
+        let read = read.unwrap_or_else(|error| panic!("{error:#}\n{written}"));
+        assert!(read.ignored_config.is_empty(), "{:?}\n{written}", read.ignored_config);
+        assert_eq!(
+            (read.proxy_mode, read.sync_period, read.masquerade_all),
+            (ProxyMode::Nftables, Duration::from_secs(45), true),
+            "{written}"
+        );
 
         for detection in [
             ["--detect-local-mode=BridgeInterface", "--pod-bridge-interface=cbr0"],

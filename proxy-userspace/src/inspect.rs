@@ -61,7 +61,8 @@ pub struct InspectArgs {
     #[arg(long, global = true, default_value = DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
     /// The datapath to read. `auto`: ebpf when vipr's pins are under --bpf-root, else ipvs when
-    /// the interface kube-ipvs0 exists, else iptables when vipr's chains are in the nat table.
+    /// the interface kube-ipvs0 exists, else iptables when vipr's chains are in the nat table,
+    /// else nftables when vipr's nftables table exists.
     #[arg(long, visible_alias = "proxy-mode", global = true, value_enum, default_value_t = Mode::Auto)]
     mode: Mode,
     /// `text` (aligned columns) or `json`.
@@ -111,6 +112,8 @@ enum Mode {
     Ebpf,
     Iptables,
     Ipvs,
+    /// vipr's nftables tables: `services` prints them as `nft list table` does.
+    Nftables,
 }
 
 impl Mode {
@@ -120,6 +123,7 @@ impl Mode {
             Self::Ebpf => "ebpf",
             Self::Iptables => "iptables",
             Self::Ipvs => "ipvs",
+            Self::Nftables => "nftables",
         }
     }
 }
@@ -173,6 +177,8 @@ fn detect(args: &InspectArgs, pin_dir: &Path) -> anyhow::Result<Mode> {
         Ok(Mode::Ipvs)
     } else if iptables::present() {
         Ok(Mode::Iptables)
+    } else if crate::dataplane::nftables::tables().is_ok_and(|tables| !tables.is_empty()) {
+        Ok(Mode::Nftables)
     } else {
         anyhow::bail!(
             "no vipr datapath found here: no pins under {}, no interface {}, no service chains in the \
@@ -197,6 +203,12 @@ pub fn render(args: &InspectArgs) -> anyhow::Result<Rendered> {
     let unsupported =
         |view: &str| anyhow::anyhow!("`vipr inspect {view}` has nothing to show in {} mode", mode.name());
     Ok(match &args.view {
+        View::Services { .. } if mode == Mode::Nftables => match args.output {
+            // The table as nft prints it: chains, verdict maps and sets are the state.
+            Output::Text => Rendered::from(crate::dataplane::nftables::list_tables()?),
+            Output::Json => return Err(unsupported("services -o json")),
+        },
+        View::Flows { .. } if mode == Mode::Nftables => return Err(unsupported("flows")),
         View::Services { frontend } => {
             let mut frontends = match mode {
                 Mode::Iptables => iptables::services()?,
@@ -236,7 +248,7 @@ pub fn render(args: &InspectArgs) -> anyhow::Result<Rendered> {
                     maps.extend(conntrack_table().ok());
                     maps
                 }
-                Mode::Iptables => conntrack_table().into_iter().collect(),
+                Mode::Iptables | Mode::Nftables => conntrack_table().into_iter().collect(),
                 _ => maps(&dir)?,
             };
             Rendered::from(match args.output {

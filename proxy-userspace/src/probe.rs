@@ -6,15 +6,16 @@
 //! 1. **ebpf** when vipr's BPF essentials work: `bpf()` loads a TC program, creates the map types
 //!    the datapath uses, a bpffs exists or can be mounted, and the kernel publishes its BTF
 //!    (TCX or clsact, and the cgroup socket hooks, only change how well it serves, not whether);
-//! 2. else **ipvs** when the kernel has IPVS, `ipset` works and iptables works (ipvs mode
-//!    matches its sets with iptables rules);
+//! 2. else **nftables** when the kernel is 5.13 or later, `nft` runs and the kernel accepts
+//!    (check only, `nft -c`) a throwaway table with every expression the nftables dataplane
+//!    uses;
 //! 3. else **iptables** when iptables works;
 //! 4. else no dataplane: an error listing every reason.
 //!
+//! ipvs mode (deprecated in kube-proxy) runs only when asked for.
+//!
 //! Every probe that fails becomes a reason ("bpf(BPF_PROG_LOAD SCHED_CLS): Operation not
-//! permitted"); none panics. IPVS and the tools are only probed when eBPF is not usable:
-//! resolving the IPVS family makes a modular kernel load `ip_vs`, which a node running the
-//! eBPF dataplane should not get as a side effect.
+//! permitted"); none panics. The tools are only probed when eBPF is not usable.
 use std::{
     io,
     os::fd::{AsRawFd as _, OwnedFd},
@@ -25,12 +26,9 @@ use std::{
 use crate::tool;
 use crate::{
     cli::ProxyMode,
-    dataplane::{
-        iptables::{
-            ruleset::Family,
-            tools::{Tools, Variant},
-        },
-        ipvs::client::Ipvs,
+    dataplane::iptables::{
+        ruleset::Family,
+        tools::{Tools, Variant},
     },
     metrics::{Collector, MetricFamily, MetricKind, Sample, SampleValue},
 };
@@ -80,13 +78,11 @@ impl BpfFeatures {
     }
 }
 
-/// What the ipvs and iptables dataplanes need.
+/// What the nftables and iptables dataplanes need.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FallbackFeatures {
-    /// The generic netlink family "IPVS" resolves.
-    pub ipvs: Probe,
-    /// `ipset` runs and reaches the kernel's ip_set.
-    pub ipset: Probe,
+    /// `nftables::probe`: kernel version, `nft`, and the expressions accepted.
+    pub nftables: Probe,
     /// The system's iptables variant, which answers for the nat table.
     pub iptables: Result<Variant, String>,
 }
@@ -132,6 +128,7 @@ pub fn mode_name(mode: ProxyMode) -> &'static str {
         ProxyMode::Ebpf => "ebpf",
         ProxyMode::Iptables => "iptables",
         ProxyMode::Ipvs => "ipvs",
+        ProxyMode::Nftables => "nftables",
     }
 }
 
@@ -153,16 +150,16 @@ pub fn choose(features: &Features) -> Result<Decision, NoDataplane> {
     }
     let mut reasons = missing_bpf;
     let Some(fallback) = &features.fallback else {
-        reasons.push("ipvs and iptables were not probed".to_owned());
+        reasons.push("nftables and iptables were not probed".to_owned());
         return Err(NoDataplane { reasons });
     };
-    let missing_for_ipvs: Vec<String> =
-        [&fallback.ipvs, &fallback.ipset].into_iter().filter_map(|probe| probe.clone().err()).collect();
-    reasons.extend(missing_for_ipvs.iter().cloned());
+    if let Err(reason) = &fallback.nftables {
+        reasons.push(reason.clone());
+    } else {
+        return Ok(Decision { mode: ProxyMode::Nftables, reasons });
+    }
     match &fallback.iptables {
-        Ok(_) if missing_for_ipvs.is_empty() => Ok(Decision { mode: ProxyMode::Ipvs, reasons }),
         Ok(_) => Ok(Decision { mode: ProxyMode::Iptables, reasons }),
-        // ipvs mode needs iptables too; its failure is said once.
         Err(reason) => {
             reasons.push(reason.clone());
             Err(NoDataplane { reasons })
@@ -249,25 +246,7 @@ fn probe_socket_hooks(cgroup_root: Option<&Path>) -> Probe {
 }
 
 fn probe_fallbacks() -> FallbackFeatures {
-    let ipvs = Ipvs::open().map(drop).map_err(|error| {
-        if error.errno() == Some(libc::ENOENT) {
-            "IPVS: no generic netlink family IPVS (the kernel has no CONFIG_IP_VS)".to_owned()
-        } else {
-            format!("IPVS: {error}")
-        }
-    });
-    FallbackFeatures { ipvs, ipset: probe_ipset(), iptables: probe_iptables() }
-}
-
-fn probe_ipset() -> Probe {
-    // Lists set names: needs the program and the kernel's ip_set, changes nothing.
-    let output = tool::run(Command::new("ipset").args(["list", "-n"]), None, tool::QUERY_TIMEOUT)
-        .map_err(|error| format!("ipset: {error:#}"))?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(format!("ipset: {}", first_line(&output.stderr)))
-    }
+    FallbackFeatures { nftables: crate::dataplane::nftables::probe(), iptables: probe_iptables() }
 }
 
 fn probe_iptables() -> Result<Variant, String> {
@@ -458,10 +437,10 @@ mod tests {
     }
 
     fn fallbacks_ok() -> FallbackFeatures {
-        FallbackFeatures { ipvs: Ok(()), ipset: Ok(()), iptables: Ok(Variant::Legacy) }
+        FallbackFeatures { nftables: Ok(()), iptables: Ok(Variant::Legacy) }
     }
 
-    const NO_IPVS: &str = "IPVS: no generic netlink family IPVS (the kernel has no CONFIG_IP_VS)";
+    const NO_NFTABLES: &str = "nftables: kernel 5.10 is older than 5.13";
 
     #[test]
     fn ebpf_when_its_essentials_work_even_without_tcx_or_socket_hooks() {
@@ -497,39 +476,32 @@ mod tests {
             breaker(&mut bpf);
             let features = Features { bpf: bpf.clone(), fallback: Some(fallbacks_ok()) };
             let decision = choose(&features).unwrap();
-            assert_eq!(decision.mode, ProxyMode::Ipvs, "{bpf:?}");
+            assert_eq!(decision.mode, ProxyMode::Nftables, "{bpf:?}");
             assert_eq!(decision.reasons, bpf.missing());
             assert_eq!(decision.reasons.len(), 1);
         }
     }
 
     #[test]
-    fn ipvs_needs_ipvs_ipset_and_iptables() {
-        let without_ipvs = FallbackFeatures { ipvs: Err(NO_IPVS.to_owned()), ..fallbacks_ok() };
-        let decision = choose(&Features { bpf: bpf_denied(), fallback: Some(without_ipvs) }).unwrap();
+    fn nftables_before_iptables_and_ipvs_only_when_asked() {
+        let without_nftables = FallbackFeatures { nftables: Err(NO_NFTABLES.to_owned()), ..fallbacks_ok() };
+        let decision = choose(&Features { bpf: bpf_denied(), fallback: Some(without_nftables) }).unwrap();
         assert_eq!(decision.mode, ProxyMode::Iptables);
         assert_eq!(
             decision.summary(),
             "chose iptables: bpf(BPF_PROG_LOAD SCHED_CLS): Operation not permitted; \
              hash map: bpf(BPF_MAP_CREATE): Operation not permitted; \
-             IPVS: no generic netlink family IPVS (the kernel has no CONFIG_IP_VS)"
+             nftables: kernel 5.10 is older than 5.13"
         );
-
-        let without_ipset =
-            FallbackFeatures { ipset: Err("ipset: cannot run: No such file".into()), ..fallbacks_ok() };
-        let decision = choose(&Features { bpf: bpf_denied(), fallback: Some(without_ipset) }).unwrap();
-        assert_eq!(decision.mode, ProxyMode::Iptables);
-        assert!(decision.reasons.last().unwrap().starts_with("ipset:"), "{decision:?}");
-
         let decision = choose(&Features { bpf: bpf_denied(), fallback: Some(fallbacks_ok()) }).unwrap();
-        assert_eq!(decision.mode, ProxyMode::Ipvs);
+        assert_eq!(decision.mode, ProxyMode::Nftables);
+        assert!(decision.summary().starts_with("chose nftables: bpf("), "{decision:?}");
     }
 
     #[test]
     fn nothing_usable_is_an_error_with_every_reason_once() {
         let broken = FallbackFeatures {
-            ipvs: Err(NO_IPVS.to_owned()),
-            ipset: Ok(()),
+            nftables: Err(NO_NFTABLES.to_owned()),
             iptables: Err("iptables: cannot run iptables (is iptables installed?)".to_owned()),
         };
         let error = choose(&Features { bpf: bpf_denied(), fallback: Some(broken) }).unwrap_err();

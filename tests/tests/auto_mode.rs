@@ -1,7 +1,8 @@
 //! `--proxy-mode=auto` with the real vipr binary in a network-namespace lab: on this kernel it
 //! chooses ebpf; with `bpf()` denied (a seccomp filter, as on a node whose runtime forbids BPF)
-//! it falls back to iptables (this kernel has no IPVS), says why, reports the mode it runs on
-//! `/proxyMode` and in `vipr_proxy_mode_info`, and serves the service through iptables rules.
+//! it falls back to nftables (kernel 5.13 or later with `nft`; ipvs runs only when asked for),
+//! says why, reports the mode it runs on `/proxyMode` and in `vipr_proxy_mode_info`, and serves
+//! the service through its nftables table.
 //! Needs root and a built vipr (`cargo build -p proxy-userspace`, or VIPR_BIN).
 
 use std::{
@@ -117,7 +118,7 @@ fn all_backends() -> BTreeSet<String> {
 }
 
 #[test]
-fn without_bpf_auto_falls_back_to_iptables_and_serves_the_service() {
+fn without_bpf_auto_falls_back_to_nftables_and_serves_the_service() {
     let lab = lab("auto-nobpf");
     // The filter stays on the thread that installs it: a thread of its own, which also starts
     // vipr (and outlives it: vipr gets SIGTERM when its starting thread ends).
@@ -128,19 +129,27 @@ fn without_bpf_auto_falls_back_to_iptables_and_serves_the_service() {
                 let (mut vipr, log) = start_auto(&lab, "vipr-nobpf.log");
                 let text = wait_synced(&mut vipr, &log);
                 let choice = choice_line(&text);
-                assert!(choice.contains("proxy mode auto: chose iptables: "), "{choice}");
+                assert!(choice.contains("proxy mode auto: chose nftables: "), "{choice}");
                 assert!(choice.contains("bpf(BPF_PROG_LOAD SCHED_CLS): Operation not permitted"), "{choice}");
-                assert!(choice.contains("IPVS: no generic netlink family IPVS"), "{choice}");
 
                 let (proxy_mode, info) = reported_mode(&mut vipr, lab.node());
-                assert_eq!(proxy_mode, "iptables", "kube-proxy's bare mode name");
-                assert_eq!(info, "vipr_proxy_mode_info{mode=\"iptables\",requested=\"auto\"} 1");
+                assert_eq!(proxy_mode, "nftables", "kube-proxy's bare mode name");
+                assert_eq!(info, "vipr_proxy_mode_info{mode=\"nftables\",requested=\"auto\"} 1");
 
                 assert_eq!(reach(&lab, 80, Protocol::Tcp), all_backends());
                 assert_eq!(reach(&lab, 53, Protocol::Udp), all_backends());
-                let save = lab.node().command("iptables-save").unwrap().output().unwrap();
-                let save = String::from_utf8_lossy(&save.stdout);
-                assert!(save.contains(":KUBE-SVC-"), "the service is served by iptables rules:\n{save}");
+                let table = lab
+                    .node()
+                    .command("nft")
+                    .unwrap()
+                    .args(["list", "table", "ip", "vipr"])
+                    .output()
+                    .unwrap();
+                let table = String::from_utf8_lossy(&table.stdout);
+                assert!(
+                    table.contains("map service-ips"),
+                    "the service is served by vipr's nftables table:\n{table}"
+                );
                 assert!(!lab.bpf_root().join("vipr").exists(), "nothing was pinned");
                 vipr.stop().unwrap()
             })

@@ -3,7 +3,8 @@
 //! on a node: host network (here the node namespace), the bpffs mounted with Bidirectional
 //! propagation, a cgroup v2 directory for the socket hooks. eBPF mode serves a ClusterIP,
 //! privileged and with the DaemonSet's own securityContext; `--cleanup` from the image removes
-//! what it made; `auto` without BPF falls back to iptables, in the node's iptables variant.
+//! what it made; `auto` without BPF falls back to nftables, and iptables mode uses the node's
+//! iptables variant.
 //! Needs root, podman (`cargo xtask setup`) and a built workspace (`cargo build --workspace`:
 //! the vipr and xtask binaries).
 
@@ -224,11 +225,11 @@ fn save(lab: &Lab, program: &str) -> String {
 }
 
 /// Without bpf() (a seccomp profile denying it, as on a node whose runtime forbids BPF; the
-/// DaemonSet runs `auto` privileged), `auto` falls back to iptables inside the container, and
-/// writes its rules with the variant the node uses: legacy here, which the kubelet's hint
-/// chain says, though the image's own default is nft.
+/// DaemonSet runs `auto` privileged), `auto` falls back to nftables inside the container (the
+/// image has `nft`); iptables mode there writes its rules with the variant the node uses:
+/// legacy here, which the kubelet's hint chain says, though the image's own default is nft.
 #[test]
-fn without_bpf_auto_mode_falls_back_to_the_nodes_iptables_variant() {
+fn without_bpf_auto_mode_falls_back_to_nftables_and_iptables_mode_to_the_nodes_variant() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
     let lab = lab("image-auto");
     let cgroup = Cgroup2Dir::create().unwrap();
@@ -245,16 +246,31 @@ fn without_bpf_auto_mode_falls_back_to_the_nodes_iptables_variant() {
     let profile = deny_bpf_profile(lab.services_file().parent().unwrap()).unwrap();
     let without_bpf = (Privileges::Privileged, Seccomp::Profile(profile));
     let log = log_path(&lab, "vipr-auto.log");
-    let mut container =
-        Container::start(lab.node(), &spec(&lab, &cgroup, without_bpf, agent_args(&lab, "auto")), &log)
-            .unwrap();
+    let mut container = Container::start(
+        lab.node(),
+        &spec(&lab, &cgroup, without_bpf.clone(), agent_args(&lab, "auto")),
+        &log,
+    )
+    .unwrap();
     let text = wait_synced(&mut container, &log);
     let choice = text
         .lines()
         .find(|line| line.contains("proxy mode auto:"))
         .unwrap_or_else(|| panic!("no choice logged:\n{text}"));
-    assert!(choice.contains("proxy mode auto: chose iptables: "), "{choice}");
+    assert!(choice.contains("proxy mode auto: chose nftables: "), "{choice}");
     assert!(choice.contains("Operation not permitted"), "{choice}");
+    assert_eq!(reach(&lab, 80, Protocol::Tcp), all_backends());
+    let status = container.stop().unwrap();
+    assert!(status.success(), "vipr in its container exited with {status} on SIGTERM");
+
+    let log = log_path(&lab, "vipr-iptables.log");
+    let mut container =
+        Container::start(lab.node(), &spec(&lab, &cgroup, without_bpf, agent_args(&lab, "iptables")), &log)
+            .unwrap();
+    wait_synced(&mut container, &log);
+    let tables = lab.node().command("nft").unwrap().args(["list", "tables"]).output().unwrap();
+    let tables = String::from_utf8_lossy(&tables.stdout);
+    assert!(!tables.contains("vipr"), "nftables mode's table survived the switch: {tables}");
 
     assert_eq!(reach(&lab, 80, Protocol::Tcp), all_backends());
     assert_eq!(reach(&lab, 53, Protocol::Udp), all_backends());

@@ -86,6 +86,7 @@ const TEST_STEPS: &[Step] = &[
     WORKSPACE_TESTS,
     CONFORMANCE_EBPF,
     CONFORMANCE_IPTABLES,
+    CONFORMANCE_NFTABLES,
     CONFORMANCE_IPVS,
     CONFORMANCE_AUTO_WITHOUT_BPF,
 ];
@@ -151,14 +152,16 @@ macro_rules! conformance_step {
 const CONFORMANCE_EBPF: Step = conformance_step!("ebpf", "conformance: ebpf");
 /// On the host kernel (iptables-nft here, whatever the system's iptables is elsewhere).
 const CONFORMANCE_IPTABLES: Step = conformance_step!("iptables", "conformance: iptables");
+/// vipr's nftables table on the host kernel.
+const CONFORMANCE_NFTABLES: Step = conformance_step!("nftables", "conformance: nftables");
 /// This kernel has no IPVS: the runner moves into User-Mode Linux guests (installed by setup).
 const CONFORMANCE_IPVS: Step = conformance_step!("ipvs", "conformance: ipvs (UML guest)");
 /// `--proxy-mode=auto` with `bpf()` denied by a seccomp filter, as on a kernel without the BPF
-/// features: vipr must fall back (to iptables on this kernel, which has no IPVS) and pass the
-/// cases with that mode's semantics.
+/// features: vipr must fall back (to nftables on this kernel: 5.13 or later, with `nft`) and
+/// pass the cases with that mode's semantics.
 const CONFORMANCE_AUTO_WITHOUT_BPF: Step = Step {
-    name: "conformance: auto mode without BPF (falls back to iptables)",
-    run: |workspace| conformance_suite(workspace, "iptables", &["--deny-bpf"]),
+    name: "conformance: auto mode without BPF (falls back to nftables)",
+    run: |workspace| conformance_suite(workspace, "nftables", &["--deny-bpf"]),
     on_failure: OnFailure::Continue,
 };
 

@@ -6,6 +6,7 @@ use crate::model::{kubernetes::Rejection, DesiredState, StateChanges};
 pub mod ebpf;
 pub mod iptables;
 pub mod ipvs;
+pub mod nftables;
 
 /// What a sync did. Frontends a dataplane cannot express are skipped and reported, never
 /// fatal.

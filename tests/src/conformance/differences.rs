@@ -16,6 +16,7 @@ use super::{
     iptables::iptables_difference_of,
     ipvs::ipvs_difference_of,
     model::Outcome,
+    nftables::nftables_difference_of,
 };
 
 /// iptables serves a cluster IP's unserved ports by letting the packet pass; nftables rejects.
@@ -203,6 +204,8 @@ pub struct ModeExpectation {
 /// - `iptables`: the recorded outcome (the iptables files are authoritative), or kube-proxy's
 ///   iptables behaviour for the nftables-semantics flows where the backends disagree
 ///   ([`super::iptables::IPTABLES_DIFFERENCES`]);
+/// - `nftables`: as ebpf (kube-proxy's nftables semantics), but for
+///   [`super::nftables::NFTABLES_DIFFERENCES`];
 /// - `ipvs`: kube-proxy's IPVS behaviour for [`super::ipvs::IPVS_DIFFERENCES`], else as ebpf.
 pub fn expectation_in(
     mode: Mode,
@@ -222,7 +225,7 @@ pub fn expectation_in(
             },
             None => recorded(),
         }),
-        Mode::Ebpf | Mode::Ipvs => {
+        Mode::Ebpf | Mode::Ipvs | Mode::Nftables => {
             let (outcome, known) = expectation(file, case, stage, flow)?;
             let mut expect = ModeExpectation {
                 outcome,
@@ -233,6 +236,17 @@ pub fn expectation_in(
                 }),
                 skip: None,
             };
+            if mode == Mode::Nftables {
+                if let Some(nftables) = nftables_difference_of(file, case, stage, flow) {
+                    nftables.check_recorded(flow, "nftables differences")?;
+                    expect.difference = Some(Difference {
+                        whose: "nftables",
+                        recorded: nftables.recorded,
+                        why: nftables.why,
+                    });
+                    expect.outcome = Outcome::of(nftables.outcome);
+                }
+            }
             if mode == Mode::Ipvs {
                 if let Some(ipvs) = ipvs_difference_of(file, case, stage, flow) {
                     expect.difference =

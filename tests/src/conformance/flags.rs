@@ -10,6 +10,7 @@ pub enum Mode {
     Ebpf,
     Iptables,
     Ipvs,
+    Nftables,
 }
 
 impl Mode {
@@ -18,6 +19,7 @@ impl Mode {
             Self::Ebpf => "ebpf",
             Self::Iptables => "iptables",
             Self::Ipvs => "ipvs",
+            Self::Nftables => "nftables",
         }
     }
 }

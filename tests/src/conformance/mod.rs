@@ -20,6 +20,7 @@ pub mod iptables;
 pub mod ipvs;
 pub mod lab;
 pub mod model;
+pub mod nftables;
 pub mod objects;
 pub mod probe;
 pub mod run;

@@ -449,7 +449,7 @@ impl Dataplane for IptablesDataplane {
 
 /// Frontends added, removed, or whose entry changed (among those `settled` says were
 /// programmed).
-fn changed_frontends(
+pub(crate) fn changed_frontends(
     before: &BTreeMap<Frontend, FrontendEntry>,
     after: &BTreeMap<Frontend, FrontendEntry>,
     settled: &dyn Fn(&Frontend) -> bool,
@@ -462,7 +462,7 @@ fn changed_frontends(
 
 /// The UDP frontends whose conntrack entries may be stale (`conntrack::stale_udp`), among
 /// those `settled` says were programmed.
-fn stale_udp(
+pub(crate) fn stale_udp(
     before: &BTreeMap<Frontend, FrontendEntry>,
     after: &BTreeMap<Frontend, FrontendEntry>,
     settled: &dyn Fn(&Frontend) -> bool,

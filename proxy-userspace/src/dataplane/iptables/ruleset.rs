@@ -260,22 +260,22 @@ pub const JUMPS: [Jump; 12] = [
 ];
 
 /// The source classes in the order rules test them (the model's: the node before pods).
-const NODE: usize = 0;
-const POD: usize = 1;
-const OUTSIDE: usize = 2;
+pub(crate) const NODE: usize = 0;
+pub(crate) const POD: usize = 1;
+pub(crate) const OUTSIDE: usize = 2;
 
 /// One class's treatment, reduced to this family and to what the rules depend on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct ClassTreatment {
-    backends: Vec<Backend>,
+pub(crate) struct ClassTreatment {
+    pub(crate) backends: Vec<Backend>,
     /// Only meaningful with backends.
-    masquerade: bool,
+    pub(crate) masquerade: bool,
     /// Only meaningful without backends.
-    when_empty: Verdict,
+    pub(crate) when_empty: Verdict,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-enum Verdict {
+pub(crate) enum Verdict {
     Reject,
     Drop,
 }
@@ -290,9 +290,10 @@ impl Verdict {
 }
 
 /// A frontend's three treatments (node, pod, outside).
-type Treatments = [ClassTreatment; 3];
+pub(crate) type Treatments = [ClassTreatment; 3];
 
-fn treatments(entry: &FrontendEntry, family: Family) -> Treatments {
+/// (Shared with the nftables dataplane, whose rules apply the same per-class treatments.)
+pub(crate) fn treatments(entry: &FrontendEntry, family: Family) -> Treatments {
     let model = [&entry.from_node, &entry.from_pod, &entry.from_outside];
     let here = model.map(|treatment| -> Vec<Backend> {
         treatment.backends.iter().copied().filter(|backend| Family::of(backend.ip) == family).collect()

@@ -1,0 +1,397 @@
+//! The nftables dataplane (`--proxy-mode=nftables`): the desired state as kube-proxy's
+//! nftables ruleset (`ruleset` has the structure) in a table of vipr's own per IP family,
+//! `ip vipr` and `ip6 vipr`. Per-family tables, as kube-proxy's: every set and verdict map is
+//! keyed by one address type, and deleting one family's table leaves the other serving.
+//!
+//! Every sync is one `nft -f -` batch per family, which the kernel applies as one
+//! transaction (packets see the old table or the new). The text batch, as kube-proxy's
+//! knftables, rather than the `nftables` crate (nft's JSON through the same libnftables:
+//! the same kernel work plus a JSON encoding) or raw netlink (the whole nf_tables message
+//! set to write and keep): the time goes to the kernel, not to nft's parser
+//! (docs/benchmarks.md, "nftables"). The first sync, one after a failure and one every
+//! [`NftablesOptions::full_sync_period`] are full: the table's chains and sets are listed
+//! (`nft -t list chains|sets|maps`), every chain flushed and refilled, every set and map flushed and
+//! refilled, what is not wanted deleted. Every other sync is partial: only the chains whose
+//! rules differ, the map and set elements added or deleted, the chains gone deleted; nothing
+//! when nothing changed. After the rules, UDP conntrack entries that lead to removed
+//! endpoints are deleted over netlink (the iptables dataplane's `conntrack`).
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, bail, Context as _};
+use tracing::{debug, info, warn};
+
+pub use self::ruleset::{Batch, Existing, Ruleset};
+use super::{
+    iptables::{self, conntrack, Family},
+    Dataplane, SyncReport,
+};
+use crate::model::{DesiredState, Frontend, FrontendEntry};
+use crate::tool;
+
+pub mod ruleset;
+
+/// The program vipr drives.
+pub const NFT: &str = "nft";
+
+/// The oldest kernel `auto` picks nftables on (kube-proxy's minimum for its nftables mode).
+pub const MINIMUM_KERNEL: (u32, u32) = (5, 13);
+
+#[derive(Clone, Debug)]
+pub struct NftablesOptions {
+    /// A full sync at least this often, even when partial syncs succeed.
+    pub full_sync_period: Duration,
+    /// Delete stale UDP conntrack entries after syncs.
+    pub conntrack_cleanup: bool,
+}
+
+impl Default for NftablesOptions {
+    fn default() -> Self {
+        Self { full_sync_period: iptables::FULL_SYNC_PERIOD, conntrack_cleanup: true }
+    }
+}
+
+/// What one family's batch did in a sync.
+#[derive(Clone, Debug)]
+pub struct Applied {
+    pub family: Family,
+    pub batch: Batch,
+    pub took: Duration,
+}
+
+/// What the last sync did, for tests, benchmarks and debugging.
+#[derive(Clone, Debug, Default)]
+pub struct SyncStats {
+    pub full: bool,
+    /// One per family that had something to change.
+    pub batches: Vec<Applied>,
+    pub conntrack_deleted: usize,
+}
+
+pub struct NftablesDataplane {
+    options: NftablesOptions,
+    families: Vec<Family>,
+    /// What the last successful batch of each family made the kernel hold.
+    programmed: BTreeMap<Family, Ruleset>,
+    need_full_sync: bool,
+    last_full_sync: Option<Instant>,
+    /// The frontends of the last complete sync, to count changes and find stale conntrack.
+    applied: BTreeMap<Frontend, FrontendEntry>,
+    warned_ipv6: bool,
+    last: SyncStats,
+}
+
+/// `nft -f -` with `batch` (one transaction); returns how long it took.
+pub fn apply(batch: &str) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    let output =
+        tool::run(Command::new(NFT).args(["-f", "-"]), Some(batch.as_bytes()), tool::RULESET_TIMEOUT)?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        // nft quotes the offending line itself; keep the first few lines of it.
+        let quoted: Vec<&str> = stderr.lines().take(6).collect();
+        bail!("nft -f failed ({}): {}", output.status, quoted.join(" | "));
+    }
+    Ok(started.elapsed())
+}
+
+/// The chains and sets of `FAMILY vipr` (empty when there is none). Listed by kind (`nft -t
+/// list chains|sets|maps FAMILY`) rather than `nft list table`: names alone, not the rules of
+/// tens of thousands of chains, which nft takes seconds to fetch and print.
+pub fn list_table(family: Family) -> anyhow::Result<Existing> {
+    let mut listing = String::new();
+    for kind in ["chains", "sets", "maps"] {
+        let output = tool::run(
+            Command::new(NFT).args(["-t", "list", kind, ruleset::family_name(family)]),
+            None,
+            tool::QUERY_TIMEOUT,
+        )?;
+        if !output.status.success() {
+            bail!(
+                "nft list {kind} failed ({}): {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+        }
+        listing.push_str(&String::from_utf8_lossy(&output.stdout));
+    }
+    Ok(Existing::parse(&listing))
+}
+
+/// The families that have a `vipr` table (`nft list tables`).
+pub fn tables() -> anyhow::Result<Vec<Family>> {
+    let listing = tool::run(Command::new(NFT).args(["list", "tables"]), None, tool::QUERY_TIMEOUT)?
+        .stdout_if_success("nft list tables")?;
+    Ok(Family::ALL
+        .into_iter()
+        .filter(|family| {
+            let line = format!("table {} {}", ruleset::family_name(*family), ruleset::TABLE);
+            listing.lines().any(|text| text.trim() == line)
+        })
+        .collect())
+}
+
+/// Whether nftables mode can run here, for `--proxy-mode=auto`: the kernel is at least
+/// [`MINIMUM_KERNEL`], `nft` runs, and the kernel accepts (check only, `nft -c`) a throwaway
+/// table with every expression the dataplane uses. `Err` says what is missing.
+pub fn probe() -> Result<(), String> {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    match kernel_version(&release) {
+        Some(version) if version >= MINIMUM_KERNEL => {}
+        Some((major, minor)) => {
+            return Err(format!(
+                "nftables: kernel {major}.{minor} is older than {}.{}",
+                MINIMUM_KERNEL.0, MINIMUM_KERNEL.1
+            ))
+        }
+        None => return Err(format!("nftables: cannot read the kernel version {:?}", release.trim())),
+    }
+    let state = DesiredState::default();
+    let mut probe = ruleset::generate(&state, Family::Ipv4);
+    // The expressions the service chains add: numgen, dnat, a dynamic set with timeouts.
+    probe.sets.insert(
+        "affinity-probe".to_owned(),
+        ruleset::Set {
+            kind: ruleset::SetKind::Set,
+            spec: "type ipv4_addr ; flags dynamic,timeout ; timeout 10s ;".to_owned(),
+            dynamic: true,
+            elements: BTreeMap::new(),
+        },
+    );
+    probe.chains.insert(
+        "service-probe".to_owned(),
+        ruleset::Chain {
+            hook: None,
+            rules: vec![
+                "ip saddr @affinity-probe update @affinity-probe { ip saddr } meta l4proto tcp dnat to 10.0.0.1:80"
+                    .to_owned(),
+                "numgen random mod 2 0 meta l4proto tcp dnat to 10.0.0.2:80".to_owned(),
+                "fib saddr type local jump mark-for-masquerade".to_owned(),
+            ],
+        },
+    );
+    let batch = ruleset::full(&Existing::default(), &probe)
+        .text
+        .replace(&format!("ip {}", ruleset::TABLE), "ip vipr-probe");
+    let output =
+        tool::run(Command::new(NFT).args(["-c", "-f", "-"]), Some(batch.as_bytes()), tool::QUERY_TIMEOUT)
+            .map_err(|error| format!("nftables: {error:#}"))?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        return Err(format!(
+            "nftables: the kernel refuses the table (nft -c): {}",
+            stderr.lines().next().unwrap_or_default().trim()
+        ));
+    }
+    Ok(())
+}
+
+/// `6.18.44-fc` → (6, 18).
+fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.trim().split(|c: char| !c.is_ascii_digit());
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+impl NftablesDataplane {
+    /// Checks that `nft` runs. Nothing is written until the first sync.
+    pub fn start(options: &NftablesOptions) -> anyhow::Result<Self> {
+        let version = tool::run(Command::new(NFT).arg("--version"), None, tool::QUERY_TIMEOUT)
+            .context("is nftables (nft) installed?")?
+            .stdout_if_success("nft --version")?;
+        info!(version = version.trim(), "nftables dataplane: table {} of each family", ruleset::TABLE);
+        let mut families = vec![Family::Ipv4];
+        if Path::new("/proc/thread-self/net/if_inet6").exists() {
+            families.push(Family::Ipv6);
+        } else {
+            info!("IPv6 is disabled on this node: no ip6 table");
+        }
+        Ok(Self {
+            options: options.clone(),
+            families,
+            programmed: BTreeMap::new(),
+            need_full_sync: true,
+            last_full_sync: None,
+            applied: BTreeMap::new(),
+            warned_ipv6: false,
+            last: SyncStats::default(),
+        })
+    }
+
+    /// What the last call of [`Dataplane::sync`] did.
+    pub fn last_sync(&self) -> &SyncStats {
+        &self.last
+    }
+
+    /// Forces the next sync to be full.
+    pub fn request_full_sync(&mut self) {
+        self.need_full_sync = true;
+    }
+
+    /// Removes vipr's nftables tables (`--cleanup`, and a start in another mode). Only
+    /// vipr's own tables: kube-proxy's `kube-proxy` tables and everyone else's stay.
+    pub fn cleanup() -> anyhow::Result<()> {
+        let families = match tables() {
+            Ok(families) => families,
+            Err(error) => {
+                info!("no nftables cleanup: {error:#}");
+                return Ok(());
+            }
+        };
+        for family in families {
+            apply(&ruleset::delete_table(family)).with_context(|| {
+                format!("cannot delete table {} {}", ruleset::family_name(family), ruleset::TABLE)
+            })?;
+            info!(family = ruleset::family_name(family), "removed vipr's nftables table");
+        }
+        Ok(())
+    }
+
+    fn sync_family(
+        &mut self,
+        state: &DesiredState,
+        family: Family,
+        full: bool,
+    ) -> anyhow::Result<Option<Applied>> {
+        let wanted = ruleset::generate(state, family);
+        let batch = match self.programmed.get(&family) {
+            Some(previous) if !full => ruleset::partial(previous, &wanted),
+            _ => ruleset::full(&list_table(family)?, &wanted),
+        };
+        if batch.is_empty() {
+            return Ok(None);
+        }
+        self.programmed.remove(&family);
+        let took = apply(&batch.text)?;
+        self.programmed.insert(family, wanted);
+        Ok(Some(Applied { family, batch, took }))
+    }
+
+    fn has_family(state: &DesiredState, family: Family) -> bool {
+        state.frontends.keys().any(|frontend| Family::of(frontend.ip) == family)
+            || state.service_cidrs.iter().any(|cidr| Family::of_net(cidr) == family)
+    }
+}
+
+impl Dataplane for NftablesDataplane {
+    fn mode(&self) -> &'static str {
+        "nftables"
+    }
+
+    fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
+        let started = Instant::now();
+        let full = self.need_full_sync
+            || self.last_full_sync.is_none_or(|last| last.elapsed() >= self.options.full_sync_period);
+        let mut stats = SyncStats { full, ..SyncStats::default() };
+        let mut report = SyncReport::default();
+        let mut errors = Vec::new();
+        for family in self.families.clone() {
+            match self.sync_family(state, family, full) {
+                Ok(Some(applied)) => stats.batches.push(applied),
+                Ok(None) => {}
+                Err(error) if family == Family::Ipv6 && !Self::has_family(state, family) => {
+                    if !self.warned_ipv6 {
+                        warn!("ip6 nftables table not programmed (no IPv6 service needs it): {error:#}");
+                        self.warned_ipv6 = true;
+                    }
+                }
+                Err(error) => errors.push((family, error)),
+            }
+        }
+        if errors.is_empty() {
+            self.need_full_sync = false;
+            if full {
+                self.last_full_sync = Some(Instant::now());
+            }
+        } else {
+            self.need_full_sync = true;
+        }
+        if errors.len() == self.families.len() {
+            let (_, error) = errors.swap_remove(0);
+            self.last = stats;
+            return Err(error.context("cannot program the nftables table"));
+        }
+        for (family, error) in &errors {
+            report.failed.push(format!(
+                "{} {} table: {error:#}",
+                ruleset::family_name(*family),
+                ruleset::TABLE
+            ));
+        }
+        for (frontend, entry) in &state.frontends {
+            if !self.families.contains(&Family::of(frontend.ip)) {
+                report
+                    .unsupported
+                    .push(format!("{frontend} ({}): IPv6 is disabled on this node", entry.service));
+            }
+        }
+        let failed: BTreeSet<Family> = errors.iter().map(|(family, _)| *family).collect();
+        let settled = |frontend: &Frontend| !failed.contains(&Family::of(frontend.ip));
+        report.changed = iptables::changed_frontends(&self.applied, &state.frontends, &settled);
+        if self.options.conntrack_cleanup {
+            let keep = iptables::stale_udp(&self.applied, &state.frontends, &settled);
+            if !keep.is_empty() {
+                match conntrack::delete_stale_udp(&keep) {
+                    Ok(deleted) => stats.conntrack_deleted = deleted,
+                    Err(error) => warn!("cannot delete stale UDP conntrack entries: {error}"),
+                }
+            }
+        }
+        let mut applied: BTreeMap<Frontend, FrontendEntry> = state
+            .frontends
+            .iter()
+            .filter(|(frontend, _)| settled(frontend))
+            .map(|(f, e)| (*f, e.clone()))
+            .collect();
+        applied.extend(
+            self.applied.iter().filter(|(frontend, _)| !settled(frontend)).map(|(f, e)| (*f, e.clone())),
+        );
+        self.applied = applied;
+        debug!(
+            full,
+            chains_written = stats.batches.iter().map(|a| a.batch.chains_written.len()).sum::<usize>(),
+            elements_added = stats.batches.iter().map(|a| a.batch.elements_added).sum::<usize>(),
+            elements_deleted = stats.batches.iter().map(|a| a.batch.elements_deleted).sum::<usize>(),
+            nft_ms = ?stats.batches.iter().map(|a| a.took.as_millis()).collect::<Vec<_>>(),
+            took_ms = started.elapsed().as_millis() as u64,
+            "nftables sync"
+        );
+        self.last = stats;
+        Ok(report)
+    }
+}
+
+/// `nft list table` of each family vipr has a table in (`vipr inspect` in nftables mode).
+pub fn list_tables() -> anyhow::Result<String> {
+    let mut text = String::new();
+    for family in tables()? {
+        let listing = tool::run(
+            Command::new(NFT).args(["list", "table", ruleset::family_name(family), ruleset::TABLE]),
+            None,
+            tool::QUERY_TIMEOUT,
+        )?
+        .stdout_if_success("nft list table")?;
+        text.push_str(&listing);
+    }
+    if text.is_empty() {
+        return Err(anyhow!("no nftables table {} (is vipr running in nftables mode?)", ruleset::TABLE));
+    }
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_versions_are_read_from_the_release() {
+        assert_eq!(kernel_version("6.18.44-fc-v595\n"), Some((6, 18)));
+        assert_eq!(kernel_version("5.10.0-28-amd64"), Some((5, 10)));
+        assert_eq!(kernel_version("garbage"), None);
+        assert!(kernel_version("5.10.0").unwrap() < MINIMUM_KERNEL);
+        assert!(kernel_version("5.13.1").unwrap() >= MINIMUM_KERNEL);
+    }
+}

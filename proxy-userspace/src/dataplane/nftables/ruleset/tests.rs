@@ -1,0 +1,206 @@
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+use super::*;
+use crate::model::{Protocol, Treatment, WhenEmpty};
+
+fn service(name: &str) -> ServicePortName {
+    ServicePortName {
+        namespace: "ns1".into(),
+        name: name.into(),
+        port: "p80".into(),
+        protocol: Protocol::Tcp,
+    }
+}
+
+fn entry(name: &str, kind: FrontendKind, backends: &[&str]) -> FrontendEntry {
+    let backends: Arc<[Backend]> = backends
+        .iter()
+        .map(|text| {
+            let address: SocketAddr = text.parse().unwrap();
+            Backend { ip: address.ip(), port: address.port() }
+        })
+        .collect();
+    let treatment = Treatment { backends, when_empty: WhenEmpty::Reject, masquerade: false };
+    FrontendEntry {
+        service: service(name),
+        kind,
+        from_pod: treatment.clone(),
+        from_node: treatment.clone(),
+        from_outside: treatment,
+        allowed_sources: Vec::new(),
+        affinity: None,
+    }
+}
+
+fn frontend(text: &str) -> Frontend {
+    let address: SocketAddr = text.parse().unwrap();
+    Frontend { ip: address.ip(), port: address.port(), protocol: Protocol::Tcp }
+}
+
+fn state(frontends: Vec<(&str, FrontendEntry)>) -> DesiredState {
+    let mut state = DesiredState::default();
+    for (address, entry) in frontends {
+        let frontend = frontend(address);
+        if entry.kind == FrontendKind::ClusterIp {
+            state.cluster_ips.insert(frontend.ip);
+        }
+        state.frontends.insert(frontend, entry);
+    }
+    state.service_cidrs = vec!["172.30.0.0/16".parse().unwrap()];
+    state.sources.pod_cidrs = vec!["10.0.0.0/8".parse().unwrap()];
+    state
+}
+
+fn chain<'a>(ruleset: &'a Ruleset, prefix: &str) -> (&'a String, &'a Chain) {
+    ruleset.chains.iter().find(|(name, _)| name.starts_with(prefix)).expect("chain")
+}
+
+#[test]
+fn a_cluster_ip_is_one_verdict_map_element_and_a_numgen_cascade() {
+    let state = state(vec![(
+        "172.30.0.41:80",
+        entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080", "10.180.0.2:8080"]),
+    )]);
+    let ruleset = generate(&state, Family::Ipv4);
+    let (name, service) = chain(&ruleset, SERVICE_PREFIX);
+    assert!(name.ends_with("-ns1/svc1/tcp/p80"), "{name}");
+    assert_eq!(ruleset.sets[SERVICE_IPS].elements["172.30.0.41 . tcp . 80"], Some(format!("goto {name}")),);
+    assert_eq!(
+        service.rules,
+        [
+            "numgen random mod 2 0 meta l4proto tcp dnat to 10.180.0.1:8080",
+            "meta l4proto tcp dnat to 10.180.0.2:8080",
+        ]
+    );
+    assert!(ruleset.sets[HAIRPIN_ENDPOINTS].elements.contains_key("10.180.0.1 . 10.180.0.1"));
+    assert!(ruleset.sets[CLUSTER_IPS].elements.contains_key("172.30.0.41"));
+    assert_eq!(ruleset.chains[CLUSTER_IPS_CHECK].rules[1], "ip daddr 172.30.0.0/16 drop");
+    assert!(ruleset.sets[NO_ENDPOINT_SERVICES].elements.is_empty());
+    // Nothing IPv6 is wanted: the ip6 table has the fixed chains only.
+    let v6 = generate(&state, Family::Ipv6);
+    assert!(v6.sets[SERVICE_IPS].elements.is_empty());
+}
+
+#[test]
+fn masquerading_cluster_ips_mark_non_pod_sources_at_the_top_of_the_service_chain() {
+    let mut svc = entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080"]);
+    svc.from_outside.masquerade = true;
+    svc.from_node.masquerade = true;
+    let ruleset = generate(&state(vec![("172.30.0.41:80", svc)]), Family::Ipv4);
+    let (_, service) = chain(&ruleset, SERVICE_PREFIX);
+    assert_eq!(
+        service.rules[0],
+        "ip daddr 172.30.0.41 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade"
+    );
+}
+
+#[test]
+fn a_service_without_endpoints_rejects_and_a_local_policy_drops() {
+    let mut local = entry("svc2", FrontendKind::LoadBalancer, &[]);
+    local.from_outside.when_empty = WhenEmpty::Drop;
+    local.from_node.backends = Arc::from(vec![Backend { ip: "10.180.0.3".parse().unwrap(), port: 80 }]);
+    local.from_pod.backends = local.from_node.backends.clone();
+    let state =
+        state(vec![("172.30.0.42:80", entry("svc1", FrontendKind::ClusterIp, &[])), ("1.2.3.4:80", local)]);
+    let ruleset = generate(&state, Family::Ipv4);
+    let empty = &ruleset.sets[NO_ENDPOINT_SERVICES].elements;
+    assert_eq!(empty["172.30.0.42 . tcp . 80"], Some("goto reject-chain".to_owned()));
+    assert_eq!(empty["1.2.3.4 . tcp . 80"], Some("drop".to_owned()));
+    // The load balancer's node and pod traffic is DNATed by its external chain, the rest
+    // returns to meet the drop.
+    let (_, external) = chain(&ruleset, EXTERNAL_PREFIX);
+    assert_eq!(external.rules.len(), 2, "{:?}", external.rules);
+    assert!(external.rules[0].starts_with("fib saddr type local goto service-"), "{:?}", external.rules);
+    assert!(external.rules[1].starts_with("ip saddr 10.0.0.0/8 goto service-"), "{:?}", external.rules);
+    assert!(!ruleset.sets[SERVICE_IPS].elements.contains_key("172.30.0.42 . tcp . 80"));
+}
+
+#[test]
+fn source_ranges_are_a_firewall_chain_behind_the_firewall_map() {
+    let mut lb = entry("svc1", FrontendKind::LoadBalancer, &["10.180.0.1:80"]);
+    lb.allowed_sources = vec!["203.0.113.0/25".parse().unwrap(), "2001:db8::/64".parse().unwrap()];
+    let ruleset = generate(&state(vec![("1.2.3.4:80", lb)]), Family::Ipv4);
+    let (name, firewall) = chain(&ruleset, FIREWALL_PREFIX);
+    assert_eq!(firewall.rules, ["ip saddr 203.0.113.0/25 return", "drop"]);
+    assert_eq!(ruleset.sets[FIREWALL_IPS].elements["1.2.3.4 . tcp . 80"], Some(format!("goto {name}")));
+}
+
+#[test]
+fn node_ports_on_every_address_are_one_service_nodeports_element() {
+    let state = state(vec![
+        ("192.168.0.2:30080", entry("svc1", FrontendKind::NodePort, &["10.180.0.1:80"])),
+        ("192.168.1.2:30080", entry("svc1", FrontendKind::NodePort, &["10.180.0.1:80"])),
+    ]);
+    let ruleset = generate(&state, Family::Ipv4);
+    assert_eq!(ruleset.sets[SERVICE_NODEPORTS].elements.len(), 1);
+    assert!(ruleset.sets[SERVICE_NODEPORTS].elements.contains_key("tcp . 30080"));
+    assert_eq!(ruleset.sets[NODEPORT_IPS].elements.len(), 2);
+}
+
+#[test]
+fn session_affinity_uses_a_dynamic_set_per_endpoint() {
+    let mut svc = entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:80", "10.180.0.2:80"]);
+    svc.affinity = Some(Duration::from_secs(10800));
+    let ruleset = generate(&state(vec![("172.30.0.41:80", svc)]), Family::Ipv4);
+    let affinity: Vec<&Set> = ruleset
+        .sets
+        .iter()
+        .filter(|(name, _)| name.starts_with(AFFINITY_PREFIX))
+        .map(|(_, set)| set)
+        .collect();
+    assert_eq!(affinity.len(), 2);
+    assert!(affinity.iter().all(|set| set.dynamic && set.spec.contains("timeout 10800s")));
+    let (_, service) = chain(&ruleset, SERVICE_PREFIX);
+    assert!(service.rules[0].starts_with("ip saddr @affinity-"), "{}", service.rules[0]);
+    assert!(service.rules[2].contains("update @affinity-"), "{}", service.rules[2]);
+}
+
+#[test]
+fn a_partial_batch_sends_only_the_changed_chain_and_elements() {
+    let before = state(vec![
+        ("172.30.0.41:80", entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:80"])),
+        ("172.30.0.42:80", entry("svc2", FrontendKind::ClusterIp, &["10.180.0.2:80"])),
+    ]);
+    let mut after = before.clone();
+    after.frontends.insert(
+        frontend("172.30.0.41:80"),
+        entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:80", "10.180.0.3:80"]),
+    );
+    let (old, new) = (generate(&before, Family::Ipv4), generate(&after, Family::Ipv4));
+    let batch = partial(&old, &new);
+    assert_eq!(batch.chains_written.len(), 1, "{}", batch.text);
+    assert!(batch.chains_written[0].ends_with("ns1/svc1/tcp/p80"));
+    assert!(batch.chains_deleted.is_empty());
+    assert_eq!((batch.elements_added, batch.elements_deleted), (1, 0), "{}", batch.text);
+    assert!(!batch.text.contains("svc2"), "{}", batch.text);
+    assert!(batch.text.contains("flush chain ip vipr service-"), "{}", batch.text);
+    assert!(partial(&new, &new).is_empty());
+
+    // A service gone: its element deleted, then its chain.
+    let mut gone = after.clone();
+    gone.frontends.remove(&frontend("172.30.0.42:80"));
+    let batch = partial(&new, &generate(&gone, Family::Ipv4));
+    assert_eq!(batch.chains_deleted.len(), 1);
+    let element = batch.text.find("delete element ip vipr service-ips").unwrap();
+    let chain = batch.text.find("delete chain ip vipr service-").unwrap();
+    assert!(element < chain, "{}", batch.text);
+}
+
+#[test]
+fn a_full_batch_refills_everything_and_deletes_what_is_not_wanted() {
+    let state = state(vec![("172.30.0.41:80", entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:80"]))]);
+    let wanted = generate(&state, Family::Ipv4);
+    let existing = Existing::parse(
+        "table ip nat {\n\tchain POSTROUTING {\n\t}\n}\ntable ip vipr {\n\tchain services {\n\t}\n\
+         \tchain service-OLD-ns1/old/tcp/p80 {\n\t}\n}\ntable ip vipr {\n\tmap service-ips {\n\t\t\
+         type ipv4_addr . inet_proto . inet_service : verdict\n\t}\n}\n",
+    );
+    assert!(existing.chains.contains("service-OLD-ns1/old/tcp/p80"));
+    assert!(!existing.chains.contains("POSTROUTING"), "another table's chain");
+    assert_eq!(existing.sets.get(SERVICE_IPS), Some(&SetKind::Map));
+    let batch = full(&existing, &wanted);
+    assert_eq!(batch.chains_deleted, ["service-OLD-ns1/old/tcp/p80"]);
+    assert!(batch.text.contains("flush map ip vipr service-ips"));
+    assert!(batch.text.contains("flush chain ip vipr service-OLD-ns1/old/tcp/p80"));
+    assert_eq!(batch.chains_written.len(), wanted.chains.len());
+}

@@ -1,0 +1,339 @@
+//! vipr `--proxy-mode=nftables` end to end on the real kernel: a client namespace reaches a
+//! NodePort service (cluster IP and NodePort, TCP and UDP) whose endpoints live in three
+//! backend namespaces, through a node namespace where vipr programs its `vipr` nftables
+//! tables. Partial syncs rewrite only what changed, `--cleanup` removes the tables, and
+//! switching between iptables and nftables modes leaves nothing of the other. Needs root and a
+//! built vipr (or VIPR_BIN).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
+    path::Path,
+    time::Duration,
+};
+
+use anyhow::{bail, Context, Result};
+use testbed::{
+    count_by_backend, exchanges, locate_vipr, udp_exchange, vipr_cleanup, wait_for, write_atomically, Answer,
+    Check, EchoServer, Frontend, LeafSpec, Protocol, Topology, Vipr, WorkDir,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+/// With three endpoints chosen at random, the chance that one gets none of 60 is ~1e-10.
+const CONNECTIONS: usize = 60;
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
+/// The node's address on the client's link (the NodePort address given).
+const NODE: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 1);
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+/// Service `other`'s cluster IP: its endpoints never change.
+const OTHER_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
+const ENDPOINTS: [&str; 3] = ["b1", "b2", "b3"];
+const HTTP_NODE_PORT: u16 = 30080;
+const DNS_NODE_PORT: u16 = 30053;
+const NO_BPFFS: &str = "/nonexistent-vipr-bpffs";
+
+fn backend_addr(name: &str) -> Ipv4Addr {
+    let index = ENDPOINTS.iter().position(|candidate| *candidate == name).unwrap();
+    Ipv4Addr::new(10, 20, u8::try_from(index + 1).unwrap(), 2)
+}
+
+fn frontend(ip: Ipv4Addr, port: u16, protocol: Protocol) -> Frontend {
+    Frontend { addr: SocketAddrV4::new(ip, port), protocol }
+}
+
+/// Service `web` (NodePort): http 80/TCP -> 8080 on node port 30080, dns 53/UDP -> 5353 on
+/// 30053, served by `endpoints`; service `other` (cluster IP 80/TCP) served by b1 alone.
+fn manifests(endpoints: &[&str]) -> String {
+    let mut yaml = format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\nspec:\n  type: NodePort\n  \
+         clusterIP: {VIP}\n  clusterIPs: [{VIP}]\n  ports:\n  \
+         - {{name: http, protocol: TCP, port: 80, targetPort: 8080, nodePort: {HTTP_NODE_PORT}}}\n  \
+         - {{name: dns, protocol: UDP, port: 53, targetPort: 5353, nodePort: {DNS_NODE_PORT}}}\n---\n\
+         apiVersion: v1\nkind: Service\nmetadata:\n  name: other\n  namespace: default\nspec:\n  \
+         clusterIP: {OTHER_VIP}\n  clusterIPs: [{OTHER_VIP}]\n  ports:\n  \
+         - {{name: http, protocol: TCP, port: 80, targetPort: 8080}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: other-1\n  namespace: default\n  \
+         labels:\n    kubernetes.io/service-name: other\naddressType: IPv4\nports:\n\
+         - {{name: http, protocol: TCP, port: 8080}}\nendpoints:\n- addresses: [{}]\n  conditions: {{ready: true}}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: default\n  \
+         labels:\n    kubernetes.io/service-name: web\naddressType: IPv4\nports:\n\
+         - {{name: http, protocol: TCP, port: 8080}}\n- {{name: dns, protocol: UDP, port: 5353}}\n",
+        backend_addr("b1")
+    );
+    yaml.push_str(if endpoints.is_empty() { "endpoints: []\n" } else { "endpoints:\n" });
+    for name in endpoints {
+        yaml.push_str(&format!("- addresses: [{}]\n  conditions: {{ready: true}}\n", backend_addr(name)));
+    }
+    yaml
+}
+
+struct NftLab {
+    // Dropped in this order: the agent, the servers, the namespaces, the scratch directory.
+    vipr: Option<Vipr>,
+    _servers: Vec<EchoServer>,
+    topology: Topology,
+    workdir: WorkDir,
+    starts: usize,
+}
+
+impl NftLab {
+    fn build(label: &str) -> Self {
+        testbed::require_root().unwrap();
+        let workdir = WorkDir::create(label).unwrap();
+        let mut leaves = vec![LeafSpec::in_own_slash24("client", CLIENT).unwrap()];
+        for name in ENDPOINTS {
+            leaves.push(LeafSpec::in_own_slash24(name, backend_addr(name)).unwrap());
+        }
+        let topology = Topology::build(label, leaves).unwrap();
+        let servers = ENDPOINTS
+            .iter()
+            .map(|name| {
+                let addr = backend_addr(name);
+                let leaf = topology.leaf(name).unwrap();
+                EchoServer::start(
+                    &leaf.netns,
+                    name,
+                    &[SocketAddr::from((addr, 8080))],
+                    &[SocketAddr::from((addr, 5353))],
+                )
+                .unwrap()
+            })
+            .collect();
+        write_atomically(&workdir.path().join("services.yaml"), &manifests(&ENDPOINTS)).unwrap();
+        Self { vipr: None, _servers: servers, topology, workdir, starts: 0 }
+    }
+
+    fn start(label: &str) -> Self {
+        let mut lab = Self::build(label);
+        lab.run_vipr("nftables");
+        lab
+    }
+
+    /// Starts vipr in `mode` (stopping a running one first) and waits for its first sync.
+    fn run_vipr(&mut self, mode: &str) {
+        if let Some(vipr) = self.vipr.take() {
+            let status = vipr.stop().unwrap();
+            assert!(status.success(), "{status}");
+        }
+        self.starts += 1;
+        let args = vec![
+            format!("--proxy-mode={mode}"),
+            format!("--services-file={}", self.services_file().display()),
+            // No bpffs here: a mode switch's eBPF cleanup (agent.rs) must not touch the host's.
+            format!("--bpf-root={NO_BPFFS}"),
+            "--node-name=node-a".to_owned(),
+            format!("--nodeport-addresses={NODE}/32"),
+            "--healthz-bind-address=".to_owned(),
+            "--metrics-bind-address=".to_owned(),
+            "--min-sync-period=0s".to_owned(),
+            "-v".to_owned(),
+        ];
+        let log = self.log();
+        self.vipr =
+            Some(Vipr::start_with_args(&locate_vipr().unwrap(), self.topology.node(), &args, &log).unwrap());
+        self.wait_synced(0).unwrap();
+    }
+
+    fn services_file(&self) -> std::path::PathBuf {
+        self.workdir.path().join("services.yaml")
+    }
+
+    fn log(&self) -> std::path::PathBuf {
+        self.workdir.path().join(format!("vipr-{}.log", self.starts))
+    }
+
+    fn synced(&self) -> usize {
+        std::fs::read_to_string(self.log())
+            .map_or(0, |log| log.lines().filter(|line| line.contains("synced")).count())
+    }
+
+    /// Waits until vipr has logged more than `before` syncs; returns the count.
+    fn wait_synced(&mut self, before: usize) -> Result<usize> {
+        let log = self.log();
+        let vipr = self.vipr.as_mut().context("vipr is not running")?;
+        wait_for("vipr to sync", Duration::from_secs(20), || {
+            vipr.ensure_running()?;
+            let count = std::fs::read_to_string(&log)
+                .map_or(0, |log| log.lines().filter(|line| line.contains("synced")).count());
+            Ok(if count > before { Check::Done(count) } else { Check::NotYet(format!("{count} syncs")) })
+        })
+    }
+
+    fn set_endpoints(&mut self, endpoints: &[&str]) {
+        let before = self.synced();
+        write_atomically(&self.services_file(), &manifests(endpoints)).unwrap();
+        self.wait_synced(before).unwrap();
+    }
+
+    fn client(&self) -> &testbed::Netns {
+        &self.topology.leaf("client").unwrap().netns
+    }
+
+    fn node_output(&self, program: &str, args: &[&str]) -> String {
+        let output = self.topology.node().command(program).unwrap().args(args).output().unwrap();
+        String::from_utf8(output.stdout).unwrap()
+    }
+
+    /// `nft list tables` in the node.
+    fn tables(&self) -> String {
+        self.node_output("nft", &["list", "tables"])
+    }
+
+    /// Each chain of `ip vipr` whose name contains `service` with its rules' handles
+    /// (`nft -a`): a chain flushed and refilled gets new handles.
+    fn handles(&self, service: &str) -> BTreeMap<String, Vec<String>> {
+        let listing = self.node_output("nft", &["-a", "list", "table", "ip", "vipr"]);
+        let mut chains = BTreeMap::new();
+        let mut current: Option<String> = None;
+        for line in listing.lines().map(str::trim) {
+            if let Some(name) = line.strip_prefix("chain ") {
+                let name = name.split_whitespace().next().unwrap().to_owned();
+                current = name.contains(service).then_some(name);
+            } else if let (Some(chain), Some((_, handle))) = (&current, line.rsplit_once("# handle ")) {
+                chains.entry(chain.clone()).or_insert_with(Vec::new).push(handle.to_owned());
+            }
+        }
+        chains
+    }
+
+    /// `count` new connections to `frontend`; the backends that answered, each reply checked to
+    /// come from the frontend.
+    fn reach(&self, frontend: Frontend, count: usize) -> BTreeSet<String> {
+        let answers = self.client().run(|| exchanges(frontend, count, TIMEOUT)).unwrap();
+        for exchange in &answers {
+            assert_eq!(exchange.replied_from, frontend.socket_addr(), "{exchange:?}");
+        }
+        let counts = count_by_backend(&answers);
+        eprintln!("{frontend}: {counts:?}");
+        counts.into_keys().collect()
+    }
+}
+
+fn names(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|name| (*name).to_owned()).collect()
+}
+
+/// One datagram from `socket` (a fixed source port: one conntrack entry) and its answer.
+fn ask(socket: &UdpSocket, to: SocketAddr) -> Result<Answer> {
+    socket.send_to(b"who are you?", to)?;
+    let mut reply = [0u8; 1500];
+    let (len, from) = socket.recv_from(&mut reply).with_context(|| format!("no answer from {to}"))?;
+    if from != to {
+        bail!("answer from {from}, not {to}");
+    }
+    std::str::from_utf8(&reply[..len])?.parse()
+}
+
+#[test]
+fn cluster_ip_and_node_port_are_balanced_by_the_nftables_table() {
+    let mut lab = NftLab::start("nft-lab");
+    let table = lab.node_output("nft", &["list", "table", "ip", "vipr"]);
+    assert!(table.contains("map service-ips"), "{table}");
+    assert!(table.contains("hook prerouting"), "{table}");
+
+    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), CONNECTIONS), names(&ENDPOINTS));
+    assert_eq!(lab.reach(frontend(VIP, 53, Protocol::Udp), CONNECTIONS), names(&ENDPOINTS));
+    assert_eq!(lab.reach(frontend(NODE, HTTP_NODE_PORT, Protocol::Tcp), CONNECTIONS), names(&ENDPOINTS));
+    assert_eq!(lab.reach(frontend(NODE, DNS_NODE_PORT, Protocol::Udp), CONNECTIONS), names(&ENDPOINTS));
+    assert_eq!(lab.reach(frontend(OTHER_VIP, 80, Protocol::Tcp), 10), names(&["b1"]));
+    // `vipr inspect` finds nftables mode and prints the table.
+    let inspect = lab.node_output(
+        locate_vipr().unwrap().to_str().unwrap(),
+        &["inspect", "services", "--bpf-root", NO_BPFFS],
+    );
+    assert!(inspect.contains("table ip vipr") && inspect.contains("map service-ips"), "{inspect}");
+
+    // One UDP flow (fixed source port) is pinned by conntrack to its first endpoint. When that
+    // endpoint is removed, vipr deletes the entry and the flow's next datagram finds a live one.
+    let socket = lab
+        .client()
+        .run(|| {
+            let socket = UdpSocket::bind((CLIENT, 40053))?;
+            socket.set_read_timeout(Some(TIMEOUT))?;
+            Ok(socket)
+        })
+        .unwrap();
+    let dns = SocketAddr::from((VIP, 53));
+    let first = ask(&socket, dns).unwrap().backend;
+    assert_eq!(ask(&socket, dns).unwrap().backend, first, "one flow, one endpoint");
+    let others: Vec<&str> = ENDPOINTS.iter().copied().filter(|name| *name != first).collect();
+    lab.set_endpoints(&others);
+    let after = ask(&socket, dns).unwrap().backend;
+    assert!(
+        others.contains(&after.as_str()),
+        "the flow moved from {first} to a listed endpoint, not {after}"
+    );
+    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 40), names(&others));
+
+    // No endpoints: the cluster IP and the NodePort reject; a port the cluster IP does not
+    // serve is rejected too, an unused address of its range is not answered.
+    lab.set_endpoints(&[]);
+    for refused in [SocketAddr::from((VIP, 80)), SocketAddr::from((VIP, 81))] {
+        let result = lab.client().run(|| Ok(testbed::tcp_exchange(refused, TIMEOUT))).unwrap();
+        let error = format!("{:#}", result.unwrap_err());
+        assert!(error.contains("refused") || error.contains("unreachable"), "{refused}: {error}");
+    }
+    let refused =
+        lab.client().run(|| Ok(udp_exchange(SocketAddr::from((NODE, DNS_NODE_PORT)), TIMEOUT))).unwrap();
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(lab.reach(frontend(OTHER_VIP, 80, Protocol::Tcp), 5), names(&["b1"]));
+
+    // vipr stops: the table stays and keeps serving; --cleanup removes it.
+    lab.set_endpoints(&ENDPOINTS);
+    let status = lab.vipr.take().unwrap().stop().unwrap();
+    assert!(status.success(), "{status}");
+    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 30).len(), 3);
+    let output = vipr_cleanup(&locate_vipr().unwrap(), lab.topology.node(), Path::new(NO_BPFFS)).unwrap();
+    eprintln!("cleanup: {output}");
+    let tables = lab.tables();
+    assert!(!tables.contains("vipr"), "the tables are gone: {tables}");
+    let after_cleanup =
+        lab.client().run(|| Ok(testbed::tcp_exchange(SocketAddr::from((VIP, 80)), TIMEOUT))).unwrap();
+    assert!(after_cleanup.is_err(), "the VIP is no longer served: {after_cleanup:?}");
+}
+
+/// An endpoint change rewrites that service's chain and elements only: the chains of an
+/// unrelated service keep their rules (same handles), and the batch is partial.
+#[test]
+fn an_endpoint_change_rewrites_only_that_services_chain() {
+    let mut lab = NftLab::start("nft-partial");
+    let other = lab.handles("default/other/");
+    let web_endpoints = |lab: &NftLab| -> Vec<String> {
+        let chains = lab.handles("default/web/tcp/http");
+        chains.into_iter().find(|(name, _)| name.starts_with("service-")).map(|(_, handles)| handles).unwrap()
+    };
+    let web = web_endpoints(&lab);
+    assert_eq!(other.len(), 1, "{other:?}");
+
+    lab.set_endpoints(&["b1", "b2"]);
+    assert_eq!(lab.handles("default/other/"), other, "the unrelated service's chain was not rewritten");
+    assert_ne!(web_endpoints(&lab), web, "the changed service's chain was rewritten");
+    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 40), names(&["b1", "b2"]));
+    assert_eq!(lab.reach(frontend(OTHER_VIP, 80, Protocol::Tcp), 5), names(&["b1"]));
+    let _ = vipr_cleanup(&locate_vipr().unwrap(), lab.topology.node(), Path::new(NO_BPFFS));
+}
+
+/// iptables mode, then nftables mode: the iptables chains are gone; then iptables mode again:
+/// the nftables table is gone. Each mode serves alone.
+#[test]
+fn switching_between_iptables_and_nftables_leaves_nothing_of_the_other() {
+    let mut lab = NftLab::build("nft-switch");
+    lab.run_vipr("iptables");
+    assert!(lab.node_output("iptables-save", &[]).contains(":KUBE-SVC-"));
+    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
+
+    lab.run_vipr("nftables");
+    let save = lab.node_output("iptables-save", &[]);
+    assert!(
+        !save.contains("KUBE-SVC-") && !save.contains("KUBE-SERVICES"),
+        "iptables mode's chains stay:\n{save}"
+    );
+    assert!(lab.tables().contains("table ip vipr"), "{}", lab.tables());
+    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
+
+    lab.run_vipr("iptables");
+    assert!(!lab.tables().contains("vipr"), "nftables mode's table stays: {}", lab.tables());
+    assert!(lab.node_output("iptables-save", &[]).contains(":KUBE-SVC-"));
+    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
+    let _ = vipr_cleanup(&locate_vipr().unwrap(), lab.topology.node(), Path::new(NO_BPFFS));
+}
