@@ -49,6 +49,22 @@ fn wait_tried(what: &str, tally: &Mutex<load::Tally>, from: usize, more: usize) 
 
 #[test]
 fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
+    upgrade("upgrade", None)
+}
+
+/// The new agent killed with SIGKILL at a moment of its start (before, during or after its
+/// switch), and started again: the next one finishes the upgrade.
+#[test]
+fn an_upgrade_cut_short_by_a_kill_is_finished_by_the_next_agent() -> Result<()> {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos();
+    let moment = Duration::from_millis(200 + u64::from(nanos % 1_600));
+    eprintln!("agent_upgrade: the new agent is killed {moment:?} after its start");
+    upgrade("upgrade-kill", Some(moment))
+}
+
+/// The previous vipr serving the load, then the current one started on its pins; with
+/// `kill_after`, that one is killed so long after its start and another started.
+fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
     let previous = locate_previous_vipr()?;
     let web = ClusterIpService::web(
         VIP,
@@ -57,7 +73,7 @@ fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
     );
     let http = web.frontend_named("http")?;
     let lab = Lab::new(LabConfig {
-        label: "upgrade".to_owned(),
+        label: label.to_owned(),
         vipr_binary: locate_vipr()?,
         client: LeafSpec::in_own_slash24("client", Ipv4Addr::new(10, 10, 0, 2))?,
         backends: BACKENDS
@@ -66,7 +82,7 @@ fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
             .collect::<Result<_>>()?,
         services: vec![web],
     })?;
-    let logs = WorkDir::create("upgrade-logs")?;
+    let logs = WorkDir::create(&format!("{label}-logs"))?;
 
     let mut old = lab.spawn_vipr_binary(&previous, &[], &logs.path().join("vipr-previous.log"))?;
     wait_for("the previous vipr to serve", DEADLINE, || {
@@ -100,6 +116,12 @@ fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
             let status = old.stop()?;
             anyhow::ensure!(status.success(), "the previous vipr exited with {status} on SIGTERM");
             let mut new = lab.spawn_vipr(&[], &logs.path().join("vipr-current.log"))?;
+            if let Some(moment) = kill_after {
+                // The moment of the kill, not a wait for an outcome.
+                thread::sleep(moment);
+                new.kill()?;
+                new = lab.spawn_vipr(&[], &logs.path().join("vipr-current-2.log"))?;
+            }
             wait_for("the new vipr to switch to its programs", DEADLINE, || {
                 new.ensure_running()?;
                 Ok(if pinned(&lab, legacy::FLOWS4_V3) || !pinned(&lab, pins::FLOWS4) {
@@ -115,7 +137,12 @@ fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
             let opened = connections.lock().unwrap().tried;
             wait_tried("new connections through the new program", &connections, opened, 20)?;
             new.ensure_running()?;
-            let log = std::fs::read_to_string(new.log_path())?;
+            // The switch is in the log of the agent that made it (the first one, when it was
+            // killed after it).
+            let mut log = String::new();
+            for name in ["vipr-current.log", "vipr-current-2.log"] {
+                log += &std::fs::read_to_string(logs.path().join(name)).unwrap_or_default();
+            }
             let drift = wait_for("no drift after the upgrade", DEADLINE, || {
                 let output = lab
                     .node()
