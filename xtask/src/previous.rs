@@ -4,7 +4,9 @@
 //!
 //! The source of [`COMMIT`] is taken out of git (`git archive`) into
 //! `target/previous-vipr/src`, built there into its own target directory
-//! (`target/previous-vipr/target`: its workspace crates must not clobber the current build's),
+//! (`target/previous-vipr/target`: cargo names a workspace crate's artifacts by its path
+//! relative to the workspace, the same for both checkouts, so in a shared target directory the
+//! previous proxy-common would overwrite the current one — tried, it does),
 //! and the binary copied to `target/previous-vipr/vipr`, with the commit beside it in
 //! `vipr.commit`. A second run with the same commit does nothing.
 use std::path::{Path, PathBuf};
