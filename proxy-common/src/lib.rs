@@ -6,6 +6,7 @@
 //! order, so `bpftool map dump` prints `[10,96,0,10]` and `80` rather than opaque integers.
 #![no_std]
 
+pub mod legacy;
 pub mod sctp;
 
 /// Names of the pinned maps and where they live. The version suffix is part of the name so a
@@ -25,8 +26,9 @@ pub mod pins {
     /// hash map whose entries only the agent's expiry deletes: a full map refuses new
     /// connections (counted, logged) and never evicts a live one. (`_v1` had no
     /// [`crate::FlowTrack`]; `_v2` was an LRU hash, whose eviction silently broke live
-    /// connections and whose inserts cost ~125 ns against ~47 ns.)
-    pub const FLOWS4: &str = "vipr_flow4_v3";
+    /// connections and whose inserts cost ~125 ns against ~47 ns; `_v3` had no
+    /// [`crate::NextHop`]. The entries of `_v2` and `_v3` are converted: [`crate::legacy`].)
+    pub const FLOWS4: &str = "vipr_flow4_v4";
     /// The node's own addresses: `[u8; 4]` -> `u8` (unused value); sources here are
     /// [`crate::source_class::NODE`].
     pub const NODE_IPS4: &str = "vipr_node4_v1";
@@ -41,7 +43,7 @@ pub mod pins {
     /// The IPv6 maps, the same as their IPv4 namesakes with the `*6` types.
     pub const SERVICES6: &str = "vipr_svc6_v2";
     pub const BACKENDS6: &str = "vipr_back6_v2";
-    pub const FLOWS6: &str = "vipr_flow6_v3";
+    pub const FLOWS6: &str = "vipr_flow6_v4";
     pub const NODE_IPS6: &str = "vipr_node6_v1";
     pub const POD_CIDRS6: &str = "vipr_pod6_v1";
     pub const UNMATCHED6: &str = "vipr_unm6_v1";
@@ -57,19 +59,25 @@ pub mod pins {
     /// they never completed their handshake.
     pub const EARLY_DROP4: &str = "vipr_edrop4_v1";
     pub const EARLY_DROP6: &str = "vipr_edrop6_v1";
-    /// Earlier layouts of the maps above, which the agent unpins once the new program serves
-    /// (their content is never reinterpreted: connections tracked by the earlier layout are
-    /// balanced anew).
-    pub const RETIRED: [&str; 9] = [
+    /// Earlier layouts of the maps above. While any is pinned, the programs of the earlier
+    /// vipr keep serving until the new maps hold the agent's first complete sync; then the
+    /// links are switched to the new programs and the pins removed. Their content is never
+    /// reinterpreted in place: the entries the datapath created (connections) of the layouts
+    /// in [`crate::legacy::CONVERTED`] are converted into the new maps, those of the others
+    /// are lost (their connections are balanced anew); what the agent writes is written again
+    /// by its first sync.
+    pub const RETIRED: [&str; 11] = [
         "vipr_dstat_v1",
         "vipr_svc4_v1",
         "vipr_back4_v1",
         "vipr_flow4_v1",
         "vipr_flow4_v2",
+        "vipr_flow4_v3",
         "vipr_svc6_v1",
         "vipr_back6_v1",
         "vipr_flow6_v1",
         "vipr_flow6_v2",
+        "vipr_flow6_v3",
     ];
     /// ClientIP session affinity: the backend a client's latest new connection to a service
     /// port went to, and when: LRU [`crate::AffinityKey4`] -> [`crate::Affinity4`].
@@ -359,6 +367,22 @@ pub struct Flow4 {
     /// Bits of [`flow_flags`].
     pub flags: u32,
     pub track: FlowTrack,
+    pub next_hop: NextHop,
+}
+
+/// Where the packets of one direction of a connection leave the node, cached in its flow entry
+/// so that an established connection needs no FIB lookup per packet (room for it was made in
+/// the `_v4` flows layout; until the datapath fills it, every entry holds
+/// [`NextHop::default`], "not cached", and packets are routed as before). A cached hop is only
+/// valid while the routes and neighbours it came from are unchanged.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct NextHop {
+    /// The egress interface; 0: nothing cached.
+    pub ifindex: u32,
+    /// The neighbour's and the egress interface's MAC addresses.
+    pub dst_mac: [u8; 6],
+    pub src_mac: [u8; 6],
 }
 
 /// Key of the [`pins::AFFINITY4`] map: a client of a service port (its `service_id`).
@@ -447,7 +471,8 @@ const _: () = {
     assert!(core::mem::size_of::<FlowKey4>() == 16);
     assert!(core::mem::size_of::<FlowTrack>() == 16);
     assert!(core::mem::size_of::<Counters>() == 16);
-    assert!(core::mem::size_of::<Flow4>() == 32);
+    assert!(core::mem::size_of::<NextHop>() == 16);
+    assert!(core::mem::size_of::<Flow4>() == 48);
     assert!(core::mem::size_of::<EarlyDropRing4>() == 8 + 16 * capacity::EARLY_DROP_RING as usize);
     assert!(core::mem::size_of::<Prefix4>() == 8);
     assert!(core::mem::size_of::<SourceRange4>() == 12);
@@ -471,6 +496,7 @@ mod user {
     unsafe impl aya::Pod for FlowKey4 {}
     unsafe impl aya::Pod for Flow4 {}
     unsafe impl aya::Pod for FlowTrack {}
+    unsafe impl aya::Pod for NextHop {}
     unsafe impl aya::Pod for Counters {}
     unsafe impl aya::Pod for Prefix4 {}
     unsafe impl aya::Pod for SourceRange4 {}
@@ -654,6 +680,7 @@ pub struct Flow6 {
     /// Bits of [`flow_flags`].
     pub flags: u32,
     pub track: FlowTrack,
+    pub next_hop: NextHop,
 }
 
 /// [`EarlyDropRing4`] for IPv6 connections.
@@ -714,7 +741,7 @@ const _: () = {
     assert!(core::mem::size_of::<ServiceKey6>() == 20);
     assert!(core::mem::size_of::<Backend6>() == 24);
     assert!(core::mem::size_of::<FlowKey6>() == 40);
-    assert!(core::mem::size_of::<Flow6>() == 56);
+    assert!(core::mem::size_of::<Flow6>() == 72);
     assert!(core::mem::size_of::<EarlyDropRing6>() == 8 + 40 * capacity::EARLY_DROP_RING as usize);
     assert!(core::mem::size_of::<Prefix6>() == 20);
     assert!(core::mem::size_of::<SourceRange6>() == 24);

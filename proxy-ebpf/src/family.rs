@@ -11,8 +11,8 @@ use core::ptr::NonNull;
 use aya_ebpf::{bindings::bpf_fib_lookup, programs::TcContext};
 use proxy_common::{
     Affinity4, Affinity6, AffinityKey4, AffinityKey6, BackendMember4, BackendMember6, BackendSlot, Flow4,
-    Flow6, FlowKey4, FlowKey6, FlowTrack, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6, SourceRange4,
-    SourceRange6,
+    Flow6, FlowKey4, FlowKey6, FlowTrack, NextHop, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6,
+    SourceRange4, SourceRange6,
 };
 
 use crate::{
@@ -331,6 +331,8 @@ macro_rules! family_maps {
                     dst_port: nat.dst_port,
                     flags: nat.flags,
                     track: FlowTrack { counter: nat.counter, state: nat.state, last_seen: nat.last_seen },
+                    // Not cached: the packets of the flow are routed by the stack or a FIB lookup.
+                    next_hop: NextHop { ifindex: 0, dst_mac: [0; 6], src_mac: [0; 6] },
                 }
             }
         }

@@ -150,7 +150,7 @@ const fn same_name(a: &str, b: &str) -> bool {
 const _: () = {
     assert!(same_name("vipr_svc4_v2", pins::SERVICES4));
     assert!(same_name("vipr_back4_v2", pins::BACKENDS4));
-    assert!(same_name("vipr_flow4_v3", pins::FLOWS4));
+    assert!(same_name("vipr_flow4_v4", pins::FLOWS4));
     assert!(same_name("vipr_node4_v1", pins::NODE_IPS4));
     assert!(same_name("vipr_pod4_v1", pins::POD_CIDRS4));
     assert!(same_name("vipr_unm4_v1", pins::UNMATCHED4));
@@ -168,7 +168,7 @@ pub static BACKENDS4: PinnedMap<BackendSlot, Backend4, HASH, { capacity::BACKEND
     PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_flow4_v3")]
+#[unsafe(export_name = "vipr_flow4_v4")]
 pub static FLOWS4: PinnedMap<FlowKey4, Flow4, HASH, { capacity::FLOWS as usize }> = PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
@@ -347,7 +347,7 @@ const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 const _: () = {
     assert!(same_name("vipr_svc6_v2", pins::SERVICES6));
     assert!(same_name("vipr_back6_v2", pins::BACKENDS6));
-    assert!(same_name("vipr_flow6_v3", pins::FLOWS6));
+    assert!(same_name("vipr_flow6_v4", pins::FLOWS6));
     assert!(same_name("vipr_node6_v1", pins::NODE_IPS6));
     assert!(same_name("vipr_pod6_v1", pins::POD_CIDRS6));
     assert!(same_name("vipr_unm6_v1", pins::UNMATCHED6));
@@ -375,7 +375,7 @@ pub static BACKENDS6: PinnedMap<
 > = PinnedMap::new();
 
 #[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_flow6_v3")]
+#[unsafe(export_name = "vipr_flow6_v4")]
 pub static FLOWS6: PinnedMap<
     proxy_common::FlowKey6,
     proxy_common::Flow6,

@@ -199,7 +199,22 @@ impl Lab {
         self.spawn_vipr_on(self.topology.node_interfaces(), extra_args, log)
     }
 
+    /// [`Self::spawn_vipr`] of another vipr binary than the lab's (an earlier version).
+    pub fn spawn_vipr_binary(&self, binary: &Path, extra_args: &[&str], log: &Path) -> Result<Vipr> {
+        self.spawn_binary_on(binary, self.topology.node_interfaces(), extra_args, log)
+    }
+
     fn spawn_vipr_on(&self, devices: Vec<String>, extra_args: &[&str], log: &Path) -> Result<Vipr> {
+        self.spawn_binary_on(&self.binary, devices, extra_args, log)
+    }
+
+    fn spawn_binary_on(
+        &self,
+        binary: &Path,
+        devices: Vec<String>,
+        extra_args: &[&str],
+        log: &Path,
+    ) -> Result<Vipr> {
         let config = ViprConfig {
             services_file: self.services_file.clone(),
             node_name: self.node().name().to_owned(),
@@ -209,7 +224,7 @@ impl Lab {
         };
         let mut args = config.args();
         args.extend(extra_args.iter().map(|arg| (*arg).to_owned()));
-        Vipr::start_with_args(&self.binary, self.node(), &args, log)
+        Vipr::start_with_args(binary, self.node(), &args, log)
     }
 
     /// The backends that answered `count` new connections from the client to `frontend`, each

@@ -24,6 +24,7 @@ pub mod container;
 mod echo;
 pub mod http;
 mod lab;
+pub mod load;
 pub mod manifest;
 mod maps;
 mod netns;
@@ -54,7 +55,7 @@ pub use maps::{PinnedMaps, ServiceEntry};
 pub use netns::Netns;
 pub use pids::PidsLimit;
 pub use topology::{create_veth, Leaf, LeafSpec, Topology, VethEnd};
-pub use vipr::{locate_vipr, uninstall_args, vipr_cleanup, Vipr, ViprConfig};
+pub use vipr::{locate_previous_vipr, locate_vipr, uninstall_args, vipr_cleanup, Vipr, ViprConfig};
 pub use workdir::{write_atomically, WorkDir};
 
 /// A name no other lab in this or any concurrently running process uses: `prefix`, our pid

@@ -45,6 +45,29 @@ pub fn locate_vipr() -> Result<PathBuf> {
         })
 }
 
+/// The previous version of vipr, for the upgrade test: `$VIPR_PREVIOUS_BIN` if set, else
+/// `previous-vipr/vipr` in the target directory of [`locate_vipr`]'s binary, which
+/// `cargo xtask previous-vipr` (a step of `cargo xtask test`) builds from git.
+pub fn locate_previous_vipr() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("VIPR_PREVIOUS_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let current = locate_vipr()?;
+    let target = current
+        .parent()
+        .and_then(Path::parent)
+        .with_context(|| format!("{} is not in a target directory", current.display()))?;
+    let previous = target.join("previous-vipr").join("vipr");
+    if !previous.is_file() {
+        bail!(
+            "no previous vipr at {}: build it with `cargo xtask previous-vipr` (`cargo xtask test` does), \
+             or set VIPR_PREVIOUS_BIN",
+            previous.display()
+        );
+    }
+    Ok(previous)
+}
+
 /// How to run the agent (see vipr's command-line contract).
 #[derive(Clone, Debug)]
 pub struct ViprConfig {

@@ -11,7 +11,6 @@ use std::{
     collections::BTreeMap,
     fs::File,
     net::{Ipv4Addr, SocketAddr, SocketAddrV4},
-    os::fd::AsRawFd,
     sync::{
         atomic::{AtomicBool, Ordering},
         Mutex,
@@ -22,8 +21,8 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use testbed::{
-    locate_vipr, tcp_exchange, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig,
-    LeafSpec, Protocol, ServicePort, TcpSession,
+    load, locate_vipr, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, LeafSpec,
+    Protocol, ServicePort,
 };
 
 const SERVICES: usize = 3_000;
@@ -137,81 +136,6 @@ impl Random {
     }
 }
 
-#[derive(Default)]
-struct Tally {
-    tried: usize,
-    failures: Vec<String>,
-}
-
-/// Moves the calling thread into the network namespace `namespace` (a handle on its file):
-/// the lab is borrowed mutably meanwhile (killed and restarted agents), so the client
-/// threads cannot hold its [`testbed::Netns`].
-fn enter(namespace: &File) -> Result<()> {
-    // SAFETY: plain system call on a descriptor we own; it changes only this thread.
-    if unsafe { libc::setns(namespace.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("setns");
-    }
-    Ok(())
-}
-
-/// New connections, 20 a second, to the canary and to random tenant services, until `stop`.
-fn open_connections(client: &File, seed: u64, stop: &AtomicBool, tally: &Mutex<Tally>) -> Result<()> {
-    enter(client)?;
-    {
-        let mut random = Random(seed);
-        while !stop.load(Ordering::Relaxed) {
-            let target = match random.below(2) {
-                0 => CANARY,
-                _ => tenant_ip(random.below(SERVICES as u64 - 1) as usize),
-            };
-            let outcome = tcp_exchange(SocketAddr::from((target, 80)), TIMEOUT);
-            let mut tally = tally.lock().unwrap();
-            tally.tried += 1;
-            if let Err(error) = outcome {
-                tally.failures.push(format!("new connection to {target}:80: {error:#}"));
-            }
-            drop(tally);
-            thread::sleep(NEW_CONNECTION_PAUSE);
-        }
-        Ok(())
-    }
-}
-
-/// 100 sessions to the canary, each asked every round until `stop`: each must keep answering,
-/// from the backend that answered first.
-fn hold_sessions(client: &File, stop: &AtomicBool, tally: &Mutex<Tally>) -> Result<()> {
-    enter(client)?;
-    {
-        let canary = SocketAddr::from((CANARY, 80));
-        let mut sessions = Vec::new();
-        for _ in 0..SESSIONS {
-            let mut session = TcpSession::connect(canary, TIMEOUT)?;
-            let first = session.ask()?.backend;
-            sessions.push((session, first, true));
-        }
-        while !stop.load(Ordering::Relaxed) {
-            for (i, (session, first, alive)) in sessions.iter_mut().enumerate().filter(|(_, s)| s.2) {
-                let outcome = session.ask();
-                let mut tally = tally.lock().unwrap();
-                tally.tried += 1;
-                match outcome {
-                    Ok(answer) if answer.backend == *first => {}
-                    Ok(answer) => {
-                        tally.failures.push(format!("session {i} moved from {first} to {}", answer.backend));
-                        *alive = false;
-                    }
-                    Err(error) => {
-                        tally.failures.push(format!("session {i} broke: {error:#}"));
-                        *alive = false;
-                    }
-                }
-            }
-            thread::sleep(SESSION_ROUND);
-        }
-        Ok(())
-    }
-}
-
 #[test]
 fn killing_the_agent_mid_sync_breaks_no_connection_and_the_next_one_finishes_the_sync() -> Result<()> {
     let mut lab = Lab::new(LabConfig {
@@ -229,12 +153,25 @@ fn killing_the_agent_mid_sync_breaks_no_connection_and_the_next_one_finishes_the
 
     let mut random = Random::seeded();
     let stop = AtomicBool::new(false);
-    let (connections, sessions) = (Mutex::new(Tally::default()), Mutex::new(Tally::default()));
+    let (connections, sessions) = (Mutex::new(load::Tally::default()), Mutex::new(load::Tally::default()));
     let client = File::open(lab.client().path())?;
     let seed = random.below(u64::MAX) | 1;
     let kills = thread::scope(|scope| -> Result<Vec<String>> {
-        let opener = scope.spawn(|| open_connections(&client, seed, &stop, &connections));
-        let holder = scope.spawn(|| hold_sessions(&client, &stop, &sessions));
+        let opener = scope.spawn(|| {
+            let mut random = Random(seed);
+            let next_target = move || {
+                let target = match random.below(2) {
+                    0 => CANARY,
+                    _ => tenant_ip(random.below(SERVICES as u64 - 1) as usize),
+                };
+                SocketAddr::from((target, 80))
+            };
+            load::open_connections(&client, next_target, NEW_CONNECTION_PAUSE, TIMEOUT, &stop, &connections)
+        });
+        let holder = scope.spawn(|| {
+            let canary = SocketAddr::from((CANARY, 80));
+            load::hold_sessions(&client, canary, SESSIONS, SESSION_ROUND, TIMEOUT, &stop, &sessions)
+        });
         let outcome = (|| -> Result<Vec<String>> {
             let mut kills = Vec::new();
             for generation in 1..=KILLS {

@@ -169,6 +169,7 @@ fn forward_entry(backend: Ep) -> Flow4 {
         dst_port: backend.port,
         flags: flow_flags::REWRITE_DESTINATION,
         track: FlowTrack { counter: 3, ..FlowTrack::default() },
+        next_hop: Default::default(),
     }
 }
 
@@ -187,6 +188,7 @@ fn a_new_tcp_nodeport_connection_is_dnated_and_sent_back_out() -> Result<()> {
         dst_port: 0,
         flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
         track: FlowTrack { counter: 3, ..FlowTrack::default() },
+        next_hop: Default::default(),
     };
     let mut expected = vec![
         (flow_key(CLIENT, NODE_PORT, IPPROTO_TCP), forward_entry(BACKEND)),

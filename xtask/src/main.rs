@@ -2,6 +2,7 @@
 mod bench;
 mod cmd;
 mod image;
+mod previous;
 // The guard test that setup installs every program the code starts.
 #[cfg(test)]
 mod programs;
@@ -33,6 +34,9 @@ enum Task {
     Build,
     /// Run clippy, denying warnings, on the host crates and on the eBPF crate.
     Lint,
+    /// Build the previous version of vipr from git, for the upgrade test (cached under
+    /// target/previous-vipr; `cargo xtask test` does this before the tests).
+    PreviousVipr,
     /// Everything CI checks: setup, build, lint, the workspace tests, then the conformance cases
     /// in every mode (root: they load BPF and build network namespaces).
     Test,
@@ -81,6 +85,7 @@ enum Task {
 const TEST_STEPS: &[Step] = &[
     SETUP,
     BUILD,
+    PREVIOUS_VIPR,
     HOST_CLIPPY,
     EBPF_CLIPPY,
     WORKSPACE_TESTS,
@@ -99,6 +104,14 @@ const SETUP: Step =
 /// Before the tests, because they spawn the `vipr` binary, which `cargo test` does not build
 /// (it is another package's binary).
 const BUILD: Step = Step { name: "build", run: build_workspace, on_failure: OnFailure::Stop };
+
+/// The vipr the upgrade test upgrades from (tests/tests/agent_upgrade.rs); that test fails,
+/// naming this step, when it is missing.
+const PREVIOUS_VIPR: Step = Step {
+    name: "build the previous vipr (upgrade test)",
+    run: |workspace| previous::build(workspace).map(drop),
+    on_failure: OnFailure::Continue,
+};
 
 const HOST_CLIPPY: Step = Step {
     name: "clippy: host crates",
@@ -210,6 +223,7 @@ fn run(task: Task) -> Result<ExitCode> {
         Task::Setup => setup::all(setup::Mode::Install)?,
         Task::Build => build(&workspace)?,
         Task::Lint => steps::run_all(&workspace, LINT_STEPS)?,
+        Task::PreviousVipr => drop(previous::build(&workspace)?),
         Task::Test => steps::run_all(&workspace, TEST_STEPS)?,
         Task::Demo { demo_args } => return demo(&workspace, &demo_args),
         Task::Conformance { mode, paths, runner_args } => {

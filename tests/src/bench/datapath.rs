@@ -430,6 +430,7 @@ impl<'a> CellBench<'a> {
                 dst_port: SERVICE_PORT,
                 flags: flow_flags::REWRITE_DESTINATION,
                 track: Default::default(),
+                next_hop: Default::default(),
             },
         )?;
         // Reply: from the connection's backend back to the client, mapped to itself.
@@ -443,6 +444,7 @@ impl<'a> CellBench<'a> {
                 dst_port: 0,
                 flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
                 track: Default::default(),
+                next_hop: Default::default(),
             },
         )?;
         let method = |kind| match kind {

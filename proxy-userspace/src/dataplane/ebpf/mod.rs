@@ -30,6 +30,7 @@ use crate::model::{DesiredState, StateChanges};
 
 mod attach;
 pub mod capacity;
+mod carry;
 pub(crate) mod counters;
 mod encode;
 mod family;
@@ -41,7 +42,6 @@ pub mod plan;
 mod pod_interfaces;
 pub(crate) mod reaper;
 pub mod record;
-mod resize;
 mod snat;
 mod xdp_attach;
 
@@ -110,7 +110,27 @@ pub struct EbpfDataplane {
     record: Option<PathBuf>,
     /// The encoding changed since the record was last written.
     record_stale: bool,
+    /// An earlier vipr's programs still serve (its maps had other layouts or sizes): the
+    /// new programs are attached after the first complete sync ([`Self::switch_after`]).
+    switch: Option<PendingSwitch>,
 }
+
+/// What the switch from an earlier vipr's programs to this one's still has to do.
+struct PendingSwitch {
+    /// The earlier maps whose entries are carried over.
+    carrying: carry::Carrying,
+    /// Where the socket-level load balancer is attached, once the switch is done.
+    host: HostTrafficOptions,
+    /// The devices to attach to at the switch (the latest listing).
+    devices: Vec<String>,
+    xdp: XdpMode,
+    /// Syncs that were not complete; after [`SWITCH_AFTER_INCOMPLETE_SYNCS`] the switch
+    /// happens anyway, so that a Service the kernel refuses cannot hold the upgrade back.
+    incomplete_syncs: u32,
+}
+
+/// See [`PendingSwitch::incomplete_syncs`].
+const SWITCH_AFTER_INCOMPLETE_SYNCS: u32 = 3;
 
 impl EbpfDataplane {
     /// Loads the program, reusing pinned maps, attaches it to every device, and reads back
@@ -140,9 +160,17 @@ impl EbpfDataplane {
         let mut wanted_sizes = wanted_sizes.as_flattened().to_vec();
         wanted_sizes.push((pins::BACKEND_COUNTERS, sizes.counters));
         let wanted_sizes = wanted_sizes.as_slice();
-        // A pinned map of another size is replaced by one of the size asked for, its entries
-        // copied: before the new programs are attached, and again once they serve.
-        let resizing = resize::Resizing::set_aside(&pin_dir, wanted_sizes);
+        // A pinned map of another size is replaced by one of the size asked for, and the
+        // connections of retired flows layouts are converted into the current one: their
+        // entries are copied before the new programs are attached, and again once they serve.
+        let carrying = carry::Carrying::set_aside(&pin_dir, wanted_sizes);
+        // Maps of earlier layouts (or sizes) mean an earlier vipr's programs are attached to
+        // them: those keep serving until the new maps hold a complete sync. Without them (no
+        // earlier vipr, or one with the same layouts, whose maps this one adopts) the new
+        // programs are attached right away.
+        let retired: Vec<&str> =
+            pins::RETIRED.into_iter().filter(|name| pin_dir.path().join(name).exists()).collect();
+        let upgrade = !carrying.is_empty() || !retired.is_empty();
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir.path());
         let hooks = hooks(options.forwarding);
@@ -157,7 +185,7 @@ impl EbpfDataplane {
         let mut ebpf = loader
             .load(crate::EBPF_OBJECT)
             .context("cannot load vipr's eBPF object (is this a kernel with BPF and BTF?)")?;
-        resizing.copy(&ebpf);
+        carrying.copy_all();
         // Before the program is attached: until then it would use the default range.
         let snat = snat::SnatRange::start(&mut ebpf)?;
         let pod_interfaces = pod_interfaces::PodInterfaceMap::start(&mut ebpf)?;
@@ -167,19 +195,26 @@ impl EbpfDataplane {
             program
                 .load()
                 .with_context(|| format!("the kernel refused vipr's TC program {}", hook.program()))?;
-            for device in &options.devices {
-                let attachment = attach::attach(program, device, hook, &pin_dir.link(&hook.pin_name(device)))
-                    .with_context(|| format!("cannot attach to device {device} ({hook:?})"))?;
-                info!(device, ?attachment, ?hook, "attached");
-            }
         }
-        attach::detach_stale_links(&pin_dir, &link_names(hooks, &options.devices))?;
-        let xdp = xdp_attach::XdpPath::start(&mut ebpf, &pin_dir, xdp_mode(options), &options.devices)?;
-        let host_traffic = HostTraffic::start(&mut ebpf, &pin_dir, host)?;
-
-        // The program serves with the new layouts now; the earlier ones are unused.
-        remove_pins(&pin_dir, &pins::RETIRED);
-        resizing.finish(&ebpf);
+        let mut pending = PendingSwitch {
+            carrying,
+            host: host.clone(),
+            devices: options.devices.clone(),
+            xdp: xdp_mode(options),
+            incomplete_syncs: 0,
+        };
+        let (xdp, host_traffic, switch) = if upgrade {
+            info!(
+                retired = ?retired,
+                "the pinned maps of an earlier vipr have other layouts or sizes: its programs keep serving \
+                 until this agent's first complete sync has reached the new maps; the new programs are \
+                 attached after it"
+            );
+            (xdp_attach::XdpPath::new(pending.xdp), None, Some(pending))
+        } else {
+            let (xdp, host_traffic) = attach_all(&mut ebpf, &pin_dir, hooks, &mut pending)?;
+            (xdp, host_traffic, None)
+        };
 
         // The pinned map may have kept another size than asked for.
         let counters_capacity = ebpf
@@ -237,7 +272,46 @@ impl EbpfDataplane {
             pod_interfaces,
             record: None,
             record_stale: true,
+            switch,
         })
+    }
+
+    /// After a sync while an earlier vipr's programs serve: once the new maps hold a complete
+    /// sync, switches every hook to the new programs (an atomic link update where the hook is
+    /// a pinned link), copies what the earlier programs added meanwhile, and removes the
+    /// earlier maps' pins.
+    fn switch_after(&mut self, report: &SyncReport) -> anyhow::Result<()> {
+        let Some(mut pending) = self.switch.take() else { return Ok(()) };
+        if !report.is_complete() {
+            pending.incomplete_syncs += 1;
+            if pending.incomplete_syncs < SWITCH_AFTER_INCOMPLETE_SYNCS {
+                info!(
+                    failed = report.failed.len(),
+                    "the sync is not complete: the earlier vipr's programs keep serving until one is"
+                );
+                self.switch = Some(pending);
+                return Ok(());
+            }
+            warn!(
+                syncs = pending.incomplete_syncs,
+                "no complete sync yet; switching to the new programs with what the maps hold"
+            );
+        }
+        // The earlier programs' connections up to now, theirs being the current state.
+        pending.carrying.refresh_connections();
+        match attach_all(&mut self.ebpf, &self.pin_dir, self.hooks, &mut pending) {
+            Ok((xdp, host_traffic)) => {
+                self.xdp = xdp;
+                self.host_traffic = host_traffic;
+                self.devices = with_indexes(&pending.devices);
+                info!("the first complete sync is in the maps: the new programs serve now");
+                Ok(())
+            }
+            Err(error) => {
+                self.switch = Some(pending);
+                Err(error.context("cannot switch to the new programs; retried after the next sync"))
+            }
+        }
     }
 
     /// Records the entries the maps should hold in the file `path` after every sync that
@@ -287,6 +361,35 @@ impl EbpfDataplane {
             .collect();
         capacity::admit(&needs, &self.capacity, &programmed)
     }
+}
+
+/// Attaches the loaded programs: TC at every device of `pending`, XDP and the socket-level
+/// load balancer; a hook an earlier vipr's pinned link holds is switched to the new program in
+/// place. Then what `pending` carries is finished and the pins of retired layouts removed.
+fn attach_all(
+    ebpf: &mut Ebpf,
+    pin_dir: &PinDir,
+    hooks: &'static [Hook],
+    pending: &mut PendingSwitch,
+) -> anyhow::Result<(xdp_attach::XdpPath, Option<HostTraffic>)> {
+    for &hook in hooks {
+        let program = tc_program(ebpf, hook)?;
+        for device in &pending.devices {
+            let attachment = attach::attach(program, device, hook, &pin_dir.link(&hook.pin_name(device)))
+                .with_context(|| format!("cannot attach to device {device} ({hook:?})"))?;
+            info!(device, ?attachment, ?hook, "attached");
+        }
+    }
+    // Right after the TC programs (which create the connections) serve, so that a connection
+    // the earlier programs opened just before finds its entries in the new map as soon as
+    // possible.
+    std::mem::take(&mut pending.carrying).finish();
+    attach::detach_stale_links(pin_dir, &link_names(hooks, &pending.devices))?;
+    let xdp = xdp_attach::XdpPath::start(ebpf, pin_dir, pending.xdp, &pending.devices)?;
+    let host_traffic = HostTraffic::start(ebpf, pin_dir, &pending.host)?;
+    // The programs serve with the new layouts now; the earlier ones are unused.
+    remove_pins(pin_dir, &pins::RETIRED);
+    Ok((xdp, host_traffic))
 }
 
 /// The TC hooks a served device gets.
@@ -346,6 +449,12 @@ impl Dataplane for EbpfDataplane {
     fn serve_devices(&mut self, devices: &[String]) -> anyhow::Result<()> {
         // Before a new pod's veth gets the program: its first packet must count as a pod's.
         self.pod_interfaces.refresh();
+        if let Some(pending) = &mut self.switch {
+            // The earlier programs serve the devices they are attached to; the switch attaches
+            // to the devices of the latest listing.
+            pending.devices = devices.to_vec();
+            return Ok(());
+        }
         let devices = with_indexes(devices);
         if devices == self.devices {
             return Ok(());
@@ -497,6 +606,7 @@ impl Dataplane for EbpfDataplane {
         }
         self.write_record();
         debug!(%report, incremental, "ebpf sync");
+        self.switch_after(&report)?;
         Ok(report)
     }
 

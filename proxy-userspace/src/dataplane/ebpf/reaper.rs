@@ -668,6 +668,7 @@ mod tests {
             dst_port: 8080,
             flags: flow_flags::REWRITE_DESTINATION,
             track: FlowTrack::default(),
+            next_hop: Default::default(),
         };
         let reply_key = FlowKey4 {
             src_addr: [10, 1, 0, 2],
@@ -685,6 +686,7 @@ mod tests {
             dst_port: 0,
             flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
             track: FlowTrack::default(),
+            next_hop: Default::default(),
         };
         assert_eq!(Flow4::backend(&forward_key, &forward), backend);
         assert_eq!(Flow4::backend(&reply_key, &reply), backend);
@@ -720,6 +722,7 @@ mod tests {
                     dst_port: 8080,
                     flags: flow_flags::REWRITE_DESTINATION,
                     track: FlowTrack { counter: 1, state: forward.0, last_seen: forward.1 },
+                    next_hop: Default::default(),
                 },
             ),
             (
@@ -731,6 +734,7 @@ mod tests {
                     dst_port: 0,
                     flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
                     track: FlowTrack { counter: 1, state: reply.0, last_seen: reply.1 },
+                    next_hop: Default::default(),
                 },
             ),
         ]

@@ -99,13 +99,18 @@ impl XdpPath {
         requested: XdpMode,
         devices: &[String],
     ) -> anyhow::Result<Self> {
-        let mut path =
-            Self { requested, program: ProgramState::NotLoaded, devices: BTreeMap::new(), tx_devices: None };
+        let mut path = Self::new(requested);
         if requested == XdpMode::Off {
             info!("XDP off (--xdp=off): the TC program serves every device alone");
         }
         path.serve(ebpf, pin_dir, devices)?;
         Ok(path)
+    }
+
+    /// The path as `requested`, attached nowhere yet, and touching no link an earlier agent
+    /// pinned (until [`Self::start`]).
+    pub fn new(requested: XdpMode) -> Self {
+        Self { requested, program: ProgramState::NotLoaded, devices: BTreeMap::new(), tx_devices: None }
     }
 
     /// Judges and attaches devices not served yet, detaches from devices no longer listed.

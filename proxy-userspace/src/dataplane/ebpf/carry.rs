@@ -1,0 +1,368 @@
+//! Entries carried from an earlier agent's maps into this one's, so that neither a new map size
+//! (`--bpf-*-max`) nor a new map layout breaks the connections the maps track.
+//!
+//! **Resized maps.** The loader reuses a pinned map as it is. So before loading, the pin of
+//! each map whose size differs is moved aside (pinned again as `<name>_resizing`, then
+//! unpinned): the loader then creates the map anew at the asked size and pins it under its
+//! name, while the old map lives on, used by the programs still attached.
+//!
+//! **Retired layouts** ([`proxy_common::legacy`]). A flows map of an earlier layout keeps its
+//! own pin name (`vipr_flow4_v3`); the loader creates the current one beside it. Its entries
+//! are converted to the current layout as they are copied.
+//!
+//! Either way the old map stays in use by the earlier programs until the switch
+//! ([`super::EbpfDataplane`] defers attaching the new programs until the first complete sync):
+//! every entry is copied into the new map after the load, so the new programs never find it
+//! empty; right before the switch again, overwriting (the old programs were the ones serving,
+//! so their entries are the truth); and once the new programs serve, what the old ones added
+//! in between is copied without overwriting, and the old pin removed, which frees the old map.
+//! A new map too small for the old entries takes what fits, connections that cannot be
+//! evicted (established ones) before the others; how many were left out is logged. An agent
+//! that dies half way finds the aside pin (or the retired one) at its next start and copies
+//! from it then.
+use std::{
+    os::fd::{AsFd as _, BorrowedFd},
+    path::PathBuf,
+};
+
+use aya::maps::{MapData, MapType};
+use proxy_common::{
+    flow_state,
+    legacy::{self, Flow4V3, Flow6V3},
+    pins, Flow4, Flow6,
+};
+use tracing::{info, warn};
+
+use super::pin_dir::PinDir;
+use crate::bpf_sys::{self, BPF_NOEXIST};
+
+/// The suffix of a map's pin while it is being replaced.
+const ASIDE: &str = "_resizing";
+
+/// The old maps whose entries are carried into new ones.
+#[derive(Default)]
+pub struct Carrying {
+    maps: Vec<OldMap>,
+    /// Where the new maps are pinned: they are opened there, since the dataplane takes some
+    /// out of the loaded object.
+    dir: PathBuf,
+}
+
+struct OldMap {
+    /// The new map's name.
+    name: &'static str,
+    map: MapData,
+    /// The old map's pin, removed once its entries are carried.
+    aside: PathBuf,
+    /// Converts a raw entry of the old layout to the new one; `None` for a resized map (the
+    /// same layout).
+    convert: Option<Convert>,
+}
+
+/// Converts an old entry's raw value to the new layout (the keys of the converted layouts did
+/// not change).
+type Convert = fn(&[u8]) -> Vec<u8>;
+
+/// What one copy did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Copied {
+    copied: u64,
+    /// Entries the new map had no room for.
+    dropped: u64,
+}
+
+impl Carrying {
+    /// Before the object is loaded: moves aside the pin of every map of `wanted` whose
+    /// `max_entries` differs from the size asked for, so that the loader creates it anew (a
+    /// pin that cannot be moved keeps its map and size, logged), and opens the pinned maps of
+    /// retired layouts whose entries are converted.
+    pub fn set_aside(pin_dir: &PinDir, wanted: &[(&'static str, u32)]) -> Self {
+        let mut maps = Vec::new();
+        for legacy::Converted { retired, current } in legacy::CONVERTED {
+            let pin = pin_dir.path().join(retired);
+            match MapData::from_pin(&pin) {
+                Ok(map) => {
+                    info!(from = retired, to = current, "carrying the entries of a retired map layout over");
+                    maps.push(OldMap { name: current, map, aside: pin, convert: Some(converter(retired)) });
+                }
+                Err(error) if pin.exists() => {
+                    warn!(pin = %pin.display(), %error, "cannot open a retired map; its entries are lost")
+                }
+                Err(_) => {}
+            }
+        }
+        for &(name, size) in wanted {
+            let pin = pin_dir.path().join(name);
+            let aside = pin_dir.path().join(format!("{name}{ASIDE}"));
+            if aside.exists() {
+                // An earlier agent stopped half way: the old map is still there to copy from.
+                match MapData::from_pin(&aside) {
+                    Ok(map) => {
+                        info!(map = name, "resuming the migration of a resized map");
+                        maps.push(OldMap { name, map, aside, convert: None });
+                        continue;
+                    }
+                    Err(error) => {
+                        warn!(pin = %aside.display(), %error, "removing an unreadable pin of a resized map");
+                        let _ = std::fs::remove_file(&aside);
+                    }
+                }
+            }
+            let Ok(map) = MapData::from_pin(&pin) else { continue };
+            let Ok(info) = map.info() else { continue };
+            if info.max_entries() == size {
+                continue;
+            }
+            // Pinned a second time, then unpinned: at no moment is the map without a pin.
+            let moved = map
+                .pin(&aside)
+                .map_err(|error| std::io::Error::other(error.to_string()))
+                .and_then(|()| std::fs::remove_file(&pin));
+            match moved {
+                Ok(()) => {
+                    info!(map = name, from = info.max_entries(), to = size, "resizing a pinned map");
+                    maps.push(OldMap { name, map, aside, convert: None });
+                }
+                Err(error) => {
+                    let _ = std::fs::remove_file(&aside);
+                    warn!(
+                    map = name,
+                    kept = info.max_entries(),
+                    requested = size,
+                    %error,
+                    "cannot move the pinned map aside; it keeps its size"
+                    );
+                }
+            }
+        }
+        Self { maps, dir: pin_dir.path().to_path_buf() }
+    }
+
+    /// The new map `name`, as pinned by the loader.
+    fn new_map(&self, name: &str) -> Option<MapData> {
+        MapData::from_pin(self.dir.join(name))
+            .map_err(|error| warn!(map = name, %error, "cannot open the new map"))
+            .ok()
+    }
+
+    /// Whether there is anything to carry: the earlier programs must then serve until the
+    /// new maps are complete.
+    pub fn is_empty(&self) -> bool {
+        self.maps.is_empty()
+    }
+
+    /// After the load, before the agent adopts the maps: copies every old map's entries into
+    /// the new one.
+    pub fn copy_all(&self) {
+        for old in &self.maps {
+            self.copy(old, false);
+        }
+    }
+
+    /// Right before the switch: copies the entries the old programs created (connections,
+    /// affinity) again, replacing those copied before: the old programs served until now, so
+    /// theirs are the current ones. The maps the agent writes are left to its sync, which has
+    /// written them by now (copying them again would bring back what it deleted).
+    pub fn refresh_connections(&self) {
+        for old in self.maps.iter().filter(|old| written_by_datapath(old.name)) {
+            self.copy(old, true);
+        }
+    }
+
+    fn copy(&self, old: &OldMap, overwrite: bool) {
+        let Some(new) = self.new_map(old.name) else { return };
+        match copy_entries(old, &new, overwrite) {
+            Ok(Copied { copied, dropped: 0 }) => {
+                info!(map = old.name, from = %old.aside.display(), copied, "copied into the new map")
+            }
+            Ok(Copied { copied, dropped }) => warn!(
+                map = old.name,
+                copied,
+                dropped,
+                "the new map is too small for every entry; those that did not fit are dropped"
+            ),
+            Err(error) => warn!(map = old.name, %error, "cannot copy into the new map"),
+        }
+    }
+
+    /// Once the new programs serve: copies the connections the old programs added since
+    /// [`Self::refresh_connections`] (never over the new programs' entries) and removes the
+    /// old pins, which frees the old maps.
+    pub fn finish(self) {
+        for old in &self.maps {
+            if let Some(new) = self.new_map(old.name).filter(|_| written_by_datapath(old.name)) {
+                match copy_entries(old, &new, false) {
+                    Ok(Copied { dropped: 0, .. }) => {}
+                    Ok(Copied { dropped, .. }) => {
+                        warn!(map = old.name, dropped, "entries added during the switch did not fit");
+                    }
+                    Err(error) => warn!(map = old.name, %error, "cannot copy into the new map"),
+                }
+            }
+            match std::fs::remove_file(&old.aside) {
+                Ok(()) => {
+                    info!(map = old.name, old = %old.aside.display(), "carried over; the old map is unpinned")
+                }
+                Err(error) => warn!(pin = %old.aside.display(), %error, "cannot remove the old map's pin"),
+            }
+        }
+    }
+}
+
+/// Copies `old`'s entries into `new`, converted to its layout, replacing an entry `new` has
+/// only with `overwrite` (otherwise the new programs' entries are the newer). Array entries
+/// beyond `new`'s size, and hash entries `new` has no room for, are dropped; into a smaller
+/// flows map, connections that cannot be evicted go first.
+fn copy_entries(from_map: &OldMap, new: &MapData, overwrite: bool) -> anyhow::Result<Copied> {
+    let (name, old) = (from_map.name, &from_map.map);
+    let info = old.info()?;
+    let new_size = new.info()?.max_entries();
+    let (from, to): (BorrowedFd<'_>, BorrowedFd<'_>) = (old.fd().as_fd(), new.fd().as_fd());
+    let map_type = info.map_type()?;
+    let per_cpu = matches!(map_type, MapType::PerCpuArray | MapType::PerCpuHash | MapType::LruPerCpuHash);
+    let array = matches!(map_type, MapType::Array | MapType::PerCpuArray);
+    let cpus = if per_cpu { aya::util::nr_cpus().map_err(|(_, error)| error)? } else { 1 };
+    let value_len = if per_cpu {
+        (info.value_size() as usize).next_multiple_of(8) * cpus
+    } else {
+        info.value_size() as usize
+    };
+    let key_len = info.key_size() as usize;
+
+    // Read everything first: the walk of a map the old programs still write may restart, so
+    // it stops after twice the old capacity.
+    let mut entries: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut key: Option<Vec<u8>> = None;
+    let mut next = vec![0u8; key_len];
+    for _ in 0..u64::from(info.max_entries()) * 2 {
+        if !bpf_sys::next_key(from, key.as_deref(), &mut next)? {
+            break;
+        }
+        let mut value = vec![0u8; value_len];
+        if bpf_sys::lookup(from, &next, &mut value)? {
+            let value = match from_map.convert {
+                Some(convert) => convert(&value),
+                None => value,
+            };
+            entries.push((next.clone(), value));
+        }
+        key = Some(next.clone());
+    }
+    if let Some(evictable) = flow_evictable(name) {
+        entries.sort_by_key(|(_, value)| evictable(value));
+    }
+    let mut copied = Copied::default();
+    for (key, value) in &entries {
+        if array {
+            let index = u32::from_ne_bytes(key[..4].try_into()?);
+            if index >= new_size {
+                copied.dropped += u64::from(value.iter().any(|byte| *byte != 0));
+                continue;
+            }
+        }
+        // Arrays have every index already: only a plain update writes them.
+        let flags = if array || overwrite { 0 } else { BPF_NOEXIST };
+        match bpf_sys::update(to, key, value, flags) {
+            Ok(()) => copied.copied += 1,
+            Err(error) if error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(error) if matches!(error.raw_os_error(), Some(libc::E2BIG | libc::ENOSPC | libc::ENOMEM)) => {
+                copied.dropped += 1;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(copied)
+}
+
+/// Whether the programs create the entries of the map `name` as packets pass (flows, session
+/// affinity): those change while the old programs serve, the others only by the agent.
+fn written_by_datapath(name: &str) -> bool {
+    [pins::FLOWS4, pins::FLOWS6, pins::AFFINITY4, pins::AFFINITY6].contains(&name)
+}
+
+/// For a flows map, whether a raw value is a connection that may be evicted (copied last).
+fn flow_evictable(name: &str) -> Option<fn(&[u8]) -> bool> {
+    fn state<T: Copy>(value: &[u8], track: impl Fn(&T) -> u32) -> bool {
+        if value.len() < size_of::<T>() {
+            return true;
+        }
+        // SAFETY: `value` holds at least a `T`, a plain `#[repr(C)]` map value; unaligned read.
+        let flow: T = unsafe { std::ptr::read_unaligned(value.as_ptr().cast()) };
+        flow_state::evictable(track(&flow))
+    }
+    match name {
+        pins::FLOWS4 => Some(|value| state::<Flow4>(value, |flow| flow.track.state)),
+        pins::FLOWS6 => Some(|value| state::<Flow6>(value, |flow| flow.track.state)),
+        _ => None,
+    }
+}
+
+/// The conversion of a retired layout's raw values.
+fn converter(retired: &str) -> Convert {
+    /// Reads an old value and writes the new one's bytes.
+    fn convert<Old: Copy, New: From<Old>>(value: &[u8]) -> Vec<u8> {
+        let mut old = std::mem::MaybeUninit::<Old>::zeroed();
+        let len = value.len().min(size_of::<Old>());
+        // SAFETY: at most `size_of::<Old>()` bytes are written into a zeroed `Old`, a plain
+        // `#[repr(C)]` map value valid for any bytes.
+        let old = unsafe {
+            std::ptr::copy_nonoverlapping(value.as_ptr(), old.as_mut_ptr().cast::<u8>(), len);
+            old.assume_init()
+        };
+        let new = New::from(old);
+        // SAFETY: `New` is a plain `#[repr(C)]` map value without implicit padding.
+        unsafe { std::slice::from_raw_parts(std::ptr::from_ref(&new).cast::<u8>(), size_of::<New>()) }
+            .to_vec()
+    }
+    match retired {
+        legacy::FLOWS6_V2 | legacy::FLOWS6_V3 => convert::<Flow6V3, Flow6>,
+        _ => convert::<Flow4V3, Flow4>,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{flow_flags, FlowTrack, NextHop};
+
+    use super::*;
+
+    fn bytes<T>(value: &T) -> Vec<u8> {
+        // SAFETY: plain `#[repr(C)]` map values without implicit padding.
+        unsafe { std::slice::from_raw_parts(std::ptr::from_ref(value).cast::<u8>(), size_of::<T>()) }.to_vec()
+    }
+
+    #[test]
+    fn converts_raw_flows_of_the_retired_layouts() {
+        let track = FlowTrack { counter: 3, state: flow_state::ESTABLISHED, last_seen: 99 };
+        let old = Flow4V3 {
+            src_addr: [10, 10, 0, 2],
+            dst_addr: [10, 20, 1, 2],
+            src_port: 40000,
+            dst_port: 8080,
+            flags: flow_flags::REWRITE_DESTINATION,
+            track,
+        };
+        let want = Flow4 {
+            src_addr: old.src_addr,
+            dst_addr: old.dst_addr,
+            src_port: old.src_port,
+            dst_port: old.dst_port,
+            flags: old.flags,
+            track,
+            next_hop: NextHop::default(),
+        };
+        for retired in [legacy::FLOWS4_V2, legacy::FLOWS4_V3] {
+            assert_eq!(converter(retired)(&bytes(&old)), bytes(&want), "{retired}");
+        }
+        let old6 =
+            Flow6V3 { src_addr: [1; 16], dst_addr: [2; 16], src_port: 1, dst_port: 2, flags: 4, track };
+        let new6 = Flow6::from(old6);
+        for retired in [legacy::FLOWS6_V2, legacy::FLOWS6_V3] {
+            let converted = converter(retired)(&bytes(&old6));
+            assert_eq!(converted.len(), size_of::<Flow6>());
+            assert_eq!(converted, bytes(&new6), "{retired}");
+        }
+        // The evictability of a converted entry is read from the new layout.
+        assert!(!flow_evictable(pins::FLOWS4).unwrap()(&bytes(&want)));
+    }
+}
