@@ -72,6 +72,10 @@ impl Kind {
 }
 
 /// One object as a source delivers it.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "each object is moved once, from the source into the tracker's maps, which hold it unboxed: a box would be one more allocation per event"
+)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Object {
     Service(Service),
