@@ -2,11 +2,12 @@
 //! bounded-frequency runner ([`runner`]) as kube-proxy's, with kube-proxy's health and metrics
 //! servers beside it.
 //!
-//! Each sync translates the latest objects with the node's current addresses, so the desired
-//! state follows interface and Node changes too; only the services whose objects changed are
-//! translated again (all of them when the node did), and the dataplane is handed what changed.
-//! While the source is unusable, the last good objects stay in force: periodic syncs re-apply
-//! them, and nothing is removed.
+//! The source's events go into one change tracker ([`ChangeTracker`]), which holds the objects
+//! and marks the services a change makes stale. Each sync translates those services with the
+//! node's current addresses (all of them when the node context changed, so the desired state
+//! follows interface and Node changes too), and the dataplane is handed what changed. While
+//! the source is unusable, the last good objects stay in force: periodic syncs re-apply them,
+//! and nothing is removed.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr},
