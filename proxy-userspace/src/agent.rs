@@ -228,21 +228,34 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     while !terminate.load(Ordering::Relaxed) {
         let wait = agent.runner.time_until_due(Instant::now()).map_or(TICK, |until_due| until_due.min(TICK));
         let mut links_changed = false;
-        match wakeups.recv_timeout(wait) {
-            Ok(Wakeup::Source(event)) => match *event {
-                SourceEvent::Unusable(reason) => error!("{reason}; keeping the running datapath"),
-                event => agent.receive(event),
-            },
-            Ok(Wakeup::Links) => links_changed = true,
-            Ok(Wakeup::ConfigChanged(path)) => {
-                // As kube-proxy: the container restarts and reads the new file; the datapath
-                // serves on meanwhile.
-                bail!("the configuration file {} changed; exiting to be restarted with it", path.display())
+        let mut next = wakeups.recv_timeout(wait);
+        // Every wakeup already queued is taken before a sync: a sync then applies all the
+        // events that arrived during the previous one, instead of one event each.
+        loop {
+            match next {
+                Ok(Wakeup::Source(event)) => match *event {
+                    SourceEvent::Unusable(reason) => error!("{reason}; keeping the running datapath"),
+                    event => agent.receive(event),
+                },
+                Ok(Wakeup::Links) => links_changed = true,
+                Ok(Wakeup::ConfigChanged(path)) => {
+                    // As kube-proxy: the container restarts and reads the new file; the datapath
+                    // serves on meanwhile.
+                    bail!(
+                        "the configuration file {} changed; exiting to be restarted with it",
+                        path.display()
+                    )
+                }
+                Ok(Wakeup::SourceStopped) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    bail!("the source of services stopped")
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
-            Ok(Wakeup::SourceStopped) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-                bail!("the source of services stopped")
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            next = match wakeups.try_recv() {
+                Ok(wakeup) => Ok(wakeup),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => Err(mpsc::RecvTimeoutError::Disconnected),
+            };
         }
         if agent.runner.is_due(Instant::now()) {
             agent.sync(dataplane.as_mut());
