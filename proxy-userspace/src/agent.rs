@@ -2,11 +2,12 @@
 //! bounded-frequency runner ([`runner`]) as kube-proxy's, with kube-proxy's health and metrics
 //! servers beside it.
 //!
-//! Each sync translates the latest objects with the node's current addresses, so the desired
-//! state follows interface and Node changes too; only the services whose objects changed are
-//! translated again (all of them when the node did), and the dataplane is handed what changed.
-//! While the source is unusable, the last good objects stay in force: periodic syncs re-apply
-//! them, and nothing is removed.
+//! The source's events go into one change tracker ([`ChangeTracker`]), which holds the objects
+//! and marks the services a change makes stale. Each sync translates those services with the
+//! node's current addresses (all of them when the node context changed, so the desired state
+//! follows interface and Node changes too), and the dataplane is handed what changed. While
+//! the source is unusable, the last good objects stay in force: periodic syncs re-apply them,
+//! and nothing is removed.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr},
@@ -24,10 +25,7 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 use tracing::{debug, error, info, warn};
 
-use self::{
-    changes::{ChangeTracker, Changes},
-    runner::{Outcome, SyncRunner},
-};
+use self::runner::{Outcome, SyncRunner};
 use crate::{
     cli::ProxyMode,
     config::{LocalDetection, Settings, SourceSettings},
@@ -39,11 +37,12 @@ use crate::{
         Dataplane, SyncReport,
     },
     events::{reasons as event_reasons, ApiEvents, Event, EventSink, LogOnly, ObjectRef, Severity},
-    health::{service_health_checks, Moment, ProxyHealth, ServiceHealthServer},
+    health::{Moment, ProxyHealth, ServiceHealthServer},
     host,
     http::{HttpRuntime, Workload},
     metrics::{ProxyMetrics, Registry},
     model::{
+        changes::{ChangeTracker, Changes},
         kubernetes::{
             self as kubernetes_model, incremental::Translator, NodeContext, NodeFacts, ProxySettings,
             Rejection,
@@ -54,13 +53,12 @@ use crate::{
     source::{
         file,
         kubernetes::{self, KubeSourceConfig},
-        Objects, Ownership, SourceEvent,
+        Ownership, SourceEvent,
     },
     status::StatusPages,
     tuning,
 };
 
-pub mod changes;
 mod links;
 pub mod node;
 pub mod runner;
@@ -232,21 +230,34 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     while !terminate.load(Ordering::Relaxed) {
         let wait = agent.runner.time_until_due(Instant::now()).map_or(TICK, |until_due| until_due.min(TICK));
         let mut links_changed = false;
-        match wakeups.recv_timeout(wait) {
-            Ok(Wakeup::Source(event)) => match *event {
-                SourceEvent::Objects(objects) => agent.receive(objects),
-                SourceEvent::Unusable(reason) => error!("{reason}; keeping the running datapath"),
-            },
-            Ok(Wakeup::Links) => links_changed = true,
-            Ok(Wakeup::ConfigChanged(path)) => {
-                // As kube-proxy: the container restarts and reads the new file; the datapath
-                // serves on meanwhile.
-                bail!("the configuration file {} changed; exiting to be restarted with it", path.display())
+        let mut next = wakeups.recv_timeout(wait);
+        // Every wakeup already queued is taken before a sync: a sync then applies all the
+        // events that arrived during the previous one, instead of one event each.
+        loop {
+            match next {
+                Ok(Wakeup::Source(event)) => match *event {
+                    SourceEvent::Unusable(reason) => error!("{reason}; keeping the running datapath"),
+                    event => agent.receive(event),
+                },
+                Ok(Wakeup::Links) => links_changed = true,
+                Ok(Wakeup::ConfigChanged(path)) => {
+                    // As kube-proxy: the container restarts and reads the new file; the datapath
+                    // serves on meanwhile.
+                    bail!(
+                        "the configuration file {} changed; exiting to be restarted with it",
+                        path.display()
+                    )
+                }
+                Ok(Wakeup::SourceStopped) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    bail!("the source of services stopped")
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
-            Ok(Wakeup::SourceStopped) | Err(mpsc::RecvTimeoutError::Disconnected) => {
-                bail!("the source of services stopped")
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            next = match wakeups.try_recv() {
+                Ok(wakeup) => Ok(wakeup),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => Err(mpsc::RecvTimeoutError::Disconnected),
+            };
         }
         if agent.runner.is_due(Instant::now()) {
             agent.sync(dataplane.as_mut());
@@ -319,7 +330,7 @@ fn record_start(events: &dyn EventSink, settings: &Settings, mode: &str, mode_re
 
 /// What wakes the agent's loop besides its timers.
 enum Wakeup {
-    /// Boxed: a snapshot of objects is large, the other wakeups are words.
+    /// Boxed: an event carries an object (a list, all of its kind), the other wakeups are words.
     Source(Box<SourceEvent>),
     /// The source thread ended: there will be no more objects.
     SourceStopped,
@@ -412,11 +423,10 @@ struct Agent<'a> {
     health: Arc<ProxyHealth>,
     metrics: Arc<ProxyMetrics>,
     runner: SyncRunner,
-    changes: ChangeTracker,
-    /// Changes no successful sync has applied yet.
-    pending: Changes,
-    /// The latest usable objects; `None` until the source first delivers.
-    objects: Option<Objects>,
+    /// The latest objects, held once, and what changed since the last translation.
+    tracker: ChangeTracker,
+    /// The tracker's change counts already added to the `..._total` counters.
+    counted: Changes,
     /// Their translation, redone for what changed on each sync.
     translator: Translator,
     service_health: ServiceHealthServer,
@@ -449,9 +459,8 @@ impl<'a> Agent<'a> {
             settings,
             mode,
             runner: SyncRunner::new(settings.min_sync_period, settings.sync_period),
-            changes: ChangeTracker::new(Moment::now().wall),
-            pending: Changes::default(),
-            objects: None,
+            tracker: ChangeTracker::new(Moment::now().wall),
+            counted: Changes::default(),
             translator: Translator::new(),
             service_health: ServiceHealthServer::new(health.clone(), http),
             events,
@@ -465,36 +474,17 @@ impl<'a> Agent<'a> {
         }
     }
 
-    /// Takes a new snapshot from the source; a change queues a sync.
-    fn receive(&mut self, objects: Objects) {
-        let changes = self.changes.observe(&objects);
-        self.metrics.service_changes.add(changes.services);
-        for (counter, count) in self.metrics.endpoint_changes.iter().zip(changes.endpoint_slices_by_family) {
-            counter.add(count);
+    /// Takes an event from the source; a change queues a sync once the source's view is
+    /// complete.
+    fn receive(&mut self, event: SourceEvent) {
+        let changed = event.apply_to(&mut self.tracker);
+        self.count_changes();
+        if changed {
+            if let Some(node) = self.tracker.node() {
+                self.health.sync_node(node);
+            }
         }
-        self.pending.services += changes.services;
-        self.pending.endpoint_slices += changes.endpoint_slices;
-        for (pending, count) in
-            self.pending.endpoint_slices_by_family.iter_mut().zip(changes.endpoint_slices_by_family)
-        {
-            *pending += count;
-        }
-        self.metrics.service_changes_pending.set(self.pending.services as f64);
-        for (gauge, pending) in
-            self.metrics.endpoint_changes_pending.iter().zip(self.pending.endpoint_slices_by_family)
-        {
-            gauge.set(pending as f64);
-        }
-        if let Some(node) = &objects.node {
-            self.health.sync_node(node);
-        }
-        // The node and the service ranges shape every service's translation.
-        let node_changed = self.objects.as_ref().is_none_or(|previous| {
-            previous.node != objects.node || previous.service_cidrs != objects.service_cidrs
-        });
-        let first = self.objects.is_none();
-        self.objects = Some(objects);
-        if first || node_changed || !changes.is_empty() {
+        if changed && self.tracker.is_synced() {
             let now = Moment::now();
             self.health.queued_update(now);
             self.metrics.last_queued_timestamp.set(now.unix_seconds());
@@ -502,30 +492,52 @@ impl<'a> Agent<'a> {
         }
     }
 
+    /// Brings kube-proxy's change counters and pending gauges to the tracker's counts.
+    fn count_changes(&mut self) {
+        let total = self.tracker.total();
+        self.metrics.service_changes.add(total.services - self.counted.services);
+        for ((counter, now), before) in self
+            .metrics
+            .endpoint_changes
+            .iter()
+            .zip(total.endpoint_slices_by_family)
+            .zip(self.counted.endpoint_slices_by_family)
+        {
+            counter.add(now - before);
+        }
+        self.counted = total;
+        let pending = self.tracker.pending();
+        self.metrics.service_changes_pending.set(pending.services as f64);
+        for (gauge, pending) in
+            self.metrics.endpoint_changes_pending.iter().zip(pending.endpoint_slices_by_family)
+        {
+            gauge.set(pending as f64);
+        }
+    }
+
     /// Applies the latest objects to the dataplane and records how it went.
     fn sync(&mut self, dataplane: &mut dyn Dataplane) {
-        if self.objects.is_none() {
+        if !self.tracker.is_synced() {
             return;
         }
         self.refresh_node_addresses();
-        let Some(objects) = &self.objects else { return };
         let started = Moment::now();
+        let cidr_objects: Vec<_> = self.tracker.service_cidrs().cloned().collect();
         let (service_cidrs, cidr_rejections) =
-            kubernetes_model::service_cidrs(&objects.service_cidrs, &self.settings.service_cidrs);
-        let node = self.node_context(objects.node.as_ref(), service_cidrs);
-        let changes = self.translator.translate(&objects.services, &objects.slices, &node);
-        let model_rejections: Vec<Rejection> = objects
-            .rejected
-            .iter()
+            kubernetes_model::service_cidrs(&cidr_objects, &self.settings.service_cidrs);
+        let node = self.node_context(self.tracker.node(), service_cidrs);
+        let dirty = self.tracker.take_dirty();
+        let changes = self.translator.translate(&self.tracker, dirty, &node);
+        let model_rejections: Vec<Rejection> = self
+            .tracker
+            .invalid()
             .chain(&cidr_rejections)
             .cloned()
             .chain(self.translator.rejected())
             .collect();
-        let health_checks =
-            service_health_checks(&objects.services, &objects.slices, &self.settings.node_name);
-
-        dataplane.set_health_check_node_ports(&health_checks);
+        let objects = &self.tracker;
         let state = self.translator.state();
+        let health_checks = state.health_checks.clone();
         let result = dataplane.sync_changes(state, &changes);
         // Objects the dataplane refused (a Service that does not fit its maps) are reported
         // as the model's rejections are; a failed sync keeps the last ones it refused.
@@ -580,13 +592,11 @@ impl<'a> Agent<'a> {
                 let done = Moment::now();
                 self.health.updated(done);
                 self.metrics.last_sync_timestamp.set(done.unix_seconds());
-                for trigger_time in self.changes.take_trigger_times() {
+                for trigger_time in self.tracker.synced_successfully() {
                     let latency = done.wall.duration_since(trigger_time).unwrap_or_default();
                     self.metrics.network_programming_duration.observe_duration(latency);
                 }
-                self.pending = Changes::default();
-                self.metrics.service_changes_pending.set(0.0);
-                self.metrics.endpoint_changes_pending.iter().for_each(|gauge| gauge.set(0.0));
+                self.count_changes();
             }
             Outcome::Failed => {
                 self.metrics.failed_syncs.add(1);

@@ -33,7 +33,10 @@ use tracing::{debug, warn};
 
 use crate::{
     metrics::{Collector, Counter, MetricFamily, MetricKind, Sample, SampleValue},
-    model::kubernetes::Rejection,
+    model::{
+        changes::{ChangeTracker, Kind},
+        kubernetes::Rejection,
+    },
     source::{kubernetes::KubeSourceConfig, Objects},
 };
 
@@ -77,7 +80,7 @@ impl ObjectRef {
     /// The object a [`Rejection`] names ("Kind namespace/name", or "Kind name" for a
     /// cluster-scoped one), with its uid from `objects` when it is there; `None` when the
     /// rejection cannot name it (an object without a name).
-    pub fn of_rejection(rejection: &Rejection, objects: &Objects) -> Option<Self> {
+    pub fn of_rejection(rejection: &Rejection, objects: &dyn KnownObjects) -> Option<Self> {
         let (kind, identity) = rejection.object.split_once(' ')?;
         let (namespace, name) = match identity.split_once('/') {
             Some((namespace, name)) => (Some(namespace), name),
@@ -91,7 +94,7 @@ impl ObjectRef {
 
     /// Service `namespace/name`, with its uid when `objects` has it: what a refusal of a
     /// service's frontends (a full map, say) is about.
-    pub fn service(namespace: &str, name: &str, objects: &Objects) -> Self {
+    pub fn service(namespace: &str, name: &str, objects: &dyn KnownObjects) -> Self {
         Self::find("Service", Some(namespace), name, objects).unwrap_or_else(|| Self {
             api_version: "v1".to_owned(),
             kind: "Service".to_owned(),
@@ -103,18 +106,11 @@ impl ObjectRef {
 
     /// An object of a kind the source delivers (`None` for another kind), with its uid from
     /// `objects` when it is there.
-    fn find(kind: &str, namespace: Option<&str>, name: &str, objects: &Objects) -> Option<Self> {
-        let same = |metadata: &&ObjectMeta| {
-            metadata.name.as_deref() == Some(name)
-                && namespace
-                    .is_none_or(|namespace| metadata.namespace.as_deref().unwrap_or("default") == namespace)
-        };
-        let (api_version, metadata) = match kind {
-            "Service" => ("v1", objects.services.iter().map(|s| &s.metadata).find(same)),
-            "EndpointSlice" => ("discovery.k8s.io/v1", objects.slices.iter().map(|s| &s.metadata).find(same)),
-            "ServiceCIDR" => {
-                ("networking.k8s.io/v1", objects.service_cidrs.iter().map(|s| &s.metadata).find(same))
-            }
+    fn find(kind: &str, namespace: Option<&str>, name: &str, objects: &dyn KnownObjects) -> Option<Self> {
+        let api_version = match kind {
+            "Service" => "v1",
+            "EndpointSlice" => "discovery.k8s.io/v1",
+            "ServiceCIDR" => "networking.k8s.io/v1",
             _ => return None,
         };
         Some(Self {
@@ -122,7 +118,7 @@ impl ObjectRef {
             kind: kind.to_owned(),
             namespace: namespace.map(str::to_owned),
             name: name.to_owned(),
-            uid: metadata.and_then(|metadata| metadata.uid.clone()),
+            uid: objects.uid(kind, namespace, name),
         })
     }
 
@@ -444,6 +440,36 @@ fn truncate(text: &str, limit: usize) -> String {
         end -= 1;
     }
     text[..end].to_owned()
+}
+
+/// Where an Event finds the uid of the object it is about.
+pub trait KnownObjects {
+    /// The uid of the object of `kind` (`Service`, `EndpointSlice`, `ServiceCIDR`) named so.
+    fn uid(&self, kind: &str, namespace: Option<&str>, name: &str) -> Option<String>;
+}
+
+impl KnownObjects for Objects {
+    fn uid(&self, kind: &str, namespace: Option<&str>, name: &str) -> Option<String> {
+        let same = |metadata: &&ObjectMeta| {
+            metadata.name.as_deref() == Some(name)
+                && namespace
+                    .is_none_or(|namespace| metadata.namespace.as_deref().unwrap_or("default") == namespace)
+        };
+        let metadata = match kind {
+            "Service" => self.services.iter().map(|s| &s.metadata).find(same),
+            "EndpointSlice" => self.slices.iter().map(|s| &s.metadata).find(same),
+            "ServiceCIDR" => self.service_cidrs.iter().map(|s| &s.metadata).find(same),
+            _ => None,
+        };
+        metadata.and_then(|metadata| metadata.uid.clone())
+    }
+}
+
+impl KnownObjects for ChangeTracker {
+    fn uid(&self, kind: &str, namespace: Option<&str>, name: &str) -> Option<String> {
+        let kind = Kind::ALL.into_iter().find(|known| known.name() == kind)?;
+        ChangeTracker::uid(self, kind, namespace, name)
+    }
 }
 
 #[cfg(test)]

@@ -11,8 +11,10 @@
 //!   service with `externalTrafficPolicy: Local` it answers on the service's
 //!   `healthCheckNodePort` whether this node has ready local endpoints (200) or not (503),
 //!   so that the cloud load balancer only sends traffic to nodes that can serve it locally.
+//!   It serves what it is handed: the model computes the checks
+//!   ([`DesiredState::health_checks`](crate::model::DesiredState::health_checks)).
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     net::{IpAddr, SocketAddr},
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -21,16 +23,12 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::Node;
 use tracing::{error, info};
 
 use crate::{
     http::{Handler, HttpRuntime, HttpServer, Reply, Workload},
     metrics::ProxyMetrics,
-    model::kubernetes::{health_check_node_port, SERVICE_NAME_LABEL},
 };
 
 /// The taint the cluster autoscaler puts on a node it is about to delete.
@@ -209,67 +207,7 @@ fn quoted(text: &str) -> String {
     serde_json::Value::from(text).to_string()
 }
 
-/// A service's namespace and name.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServiceName {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl std::fmt::Display for ServiceName {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
-/// A service's health-check node port and how many ready endpoints it has on this node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ServiceHealthCheck {
-    pub port: u16,
-    pub local_endpoints: usize,
-}
-
-/// The health checks this node must serve: LoadBalancer services with
-/// `externalTrafficPolicy: Local` and a `healthCheckNodePort`, each with its number of ready
-/// endpoints on `node_name` — distinct addresses, so that an endpoint serving several ports
-/// counts once, as in kube-proxy's `LocalReadyEndpoints`.
-pub fn service_health_checks(
-    services: &[Service],
-    slices: &[EndpointSlice],
-    node_name: &str,
-) -> BTreeMap<ServiceName, ServiceHealthCheck> {
-    let mut local_addresses: BTreeMap<ServiceName, BTreeSet<&str>> = BTreeMap::new();
-    for slice in slices.iter().filter(|slice| slice.address_type != "FQDN") {
-        let Some(service) = slice.metadata.labels.as_ref().and_then(|labels| labels.get(SERVICE_NAME_LABEL))
-        else {
-            continue;
-        };
-        let name = ServiceName {
-            namespace: slice.metadata.namespace.clone().unwrap_or_else(|| "default".to_owned()),
-            name: service.clone(),
-        };
-        let local_ready = slice.endpoints.iter().filter(|endpoint| {
-            endpoint.node_name.as_deref() == Some(node_name)
-                && endpoint.conditions.as_ref().and_then(|conditions| conditions.ready) != Some(false)
-        });
-        local_addresses
-            .entry(name)
-            .or_default()
-            .extend(local_ready.filter_map(|endpoint| endpoint.addresses.first().map(String::as_str)));
-    }
-    services
-        .iter()
-        .filter_map(|service| {
-            let port = health_check_node_port(service)?;
-            let name = ServiceName {
-                namespace: service.metadata.namespace.clone().unwrap_or_else(|| "default".to_owned()),
-                name: service.metadata.name.clone()?,
-            };
-            let local_endpoints = local_addresses.get(&name).map_or(0, BTreeSet::len);
-            Some((name, ServiceHealthCheck { port, local_endpoints }))
-        })
-        .collect()
-}
+pub use crate::model::{HealthCheck as ServiceHealthCheck, ServiceName};
 
 /// The answer on a service's health-check port, as kube-proxy's: 200 when the service has
 /// local endpoints and the proxy is healthy, 503 otherwise; the number of local endpoints also
@@ -458,65 +396,6 @@ mod tests {
         };
         assert_eq!(go_time(Some(later)), "2023-11-14 22:13:20 +0000 UTC m=+3.000000005");
         assert_eq!(go_time(None), "0001-01-01 00:00:00 +0000 UTC");
-    }
-
-    fn service(name: &str, spec: serde_json::Value) -> Service {
-        serde_json::from_value(json!({"metadata": {"name": name, "namespace": "ns"}, "spec": spec})).unwrap()
-    }
-
-    fn slice(service: &str, endpoints: serde_json::Value) -> EndpointSlice {
-        serde_json::from_value(json!({
-            "metadata": {"name": format!("{service}-x"), "namespace": "ns", "labels": {SERVICE_NAME_LABEL: service}},
-            "addressType": "IPv4",
-            "endpoints": endpoints,
-            "ports": [{"port": 80}],
-        }))
-        .unwrap()
-    }
-
-    #[test]
-    fn health_checks_count_distinct_ready_local_endpoints() {
-        let local_lb =
-            json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local", "healthCheckNodePort": 32000});
-        let services = [
-            service("lb", local_lb.clone()),
-            service(
-                "empty",
-                json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local", "healthCheckNodePort": 32001}),
-            ),
-            service(
-                "cluster",
-                json!({"type": "LoadBalancer", "externalTrafficPolicy": "Cluster", "healthCheckNodePort": 32002}),
-            ),
-            service(
-                "nodeport",
-                json!({"type": "NodePort", "externalTrafficPolicy": "Local", "healthCheckNodePort": 32003}),
-            ),
-            service("noport", json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local"})),
-        ];
-        let slices = [
-            slice(
-                "lb",
-                json!([
-                    {"addresses": ["10.0.0.1"], "nodeName": "me"},
-                    {"addresses": ["10.0.0.2"], "nodeName": "me", "conditions": {"ready": true}},
-                    {"addresses": ["10.0.0.3"], "nodeName": "me", "conditions": {"ready": false}},
-                    {"addresses": ["10.0.0.4"], "nodeName": "other"},
-                ]),
-            ),
-            // The same endpoint in a second slice (another port) counts once.
-            slice("lb", json!([{"addresses": ["10.0.0.1"], "nodeName": "me"}])),
-            slice("empty", json!([{"addresses": ["10.0.0.5"], "nodeName": "other"}])),
-        ];
-        let checks = service_health_checks(&services, &slices, "me");
-        let name = |name: &str| ServiceName { namespace: "ns".into(), name: name.into() };
-        assert_eq!(
-            checks,
-            BTreeMap::from([
-                (name("empty"), ServiceHealthCheck { port: 32001, local_endpoints: 0 }),
-                (name("lb"), ServiceHealthCheck { port: 32000, local_endpoints: 2 }),
-            ])
-        );
     }
 
     #[test]

@@ -24,10 +24,9 @@ use vipr::{
         },
         Dataplane,
     },
-    health::{ServiceHealthCheck, ServiceName},
     model::{
         kubernetes::{desired_state, NodeContext, SERVICE_NAME_LABEL},
-        DesiredState,
+        DesiredState, HealthCheck, ServiceName,
     },
 };
 
@@ -250,13 +249,12 @@ fn health_check_node_ports_are_accepted_while_the_service_exists() {
         .run(|| {
             let mut dataplane = IptablesDataplane::start(&IptablesOptions::default())?;
             let tools = dataplane.tools().clone();
-            let with_service = state(3, 2, 0);
-            let checks: BTreeMap<ServiceName, ServiceHealthCheck> = [(
+            let mut with_service = state(3, 2, 0);
+            with_service.health_checks = [(
                 ServiceName { namespace: "bench".into(), name: "svc0".into() },
-                ServiceHealthCheck { port: 30500, local_endpoints: 1 },
+                HealthCheck { port: 30500, local_endpoints: 1 },
             )]
             .into();
-            dataplane.set_health_check_node_ports(&checks);
             dataplane.sync(&with_service)?;
             let accepts = |saved: &str| -> Vec<String> {
                 saved
@@ -283,7 +281,6 @@ fn health_check_node_ports_are_accepted_while_the_service_exists() {
             ));
 
             // The service goes (and its health check with it): the rule goes.
-            dataplane.set_health_check_node_ports(&BTreeMap::new());
             let without: DesiredState = state(0, 0, 0);
             dataplane.sync(&without)?;
             assert!(accepts(&filter(Family::Ipv4)?).is_empty());

@@ -74,13 +74,4 @@ pub trait Dataplane {
     fn collectors(&self) -> Vec<std::sync::Arc<dyn crate::metrics::Collector>> {
         Vec::new()
     }
-
-    /// The health-check node ports of the services (eTP:Local load balancers), for the
-    /// dataplane to let through its filter from the next sync on, as kube-proxy's iptables
-    /// rules do. Dataplanes without a filter ignore it.
-    fn set_health_check_node_ports(
-        &mut self,
-        _checks: &std::collections::BTreeMap<crate::health::ServiceName, crate::health::ServiceHealthCheck>,
-    ) {
-    }
 }

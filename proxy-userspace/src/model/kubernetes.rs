@@ -43,8 +43,8 @@ use k8s_openapi::{
 };
 
 use super::{
-    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, PodInterfaces, Protocol, ServicePortName,
-    SourceClassifier, Treatment, WhenEmpty,
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, HealthCheck, PodInterfaces, Protocol,
+    ServiceName, ServicePortName, SourceClassifier, Treatment, WhenEmpty,
 };
 
 /// The label that ties an EndpointSlice to its Service.
@@ -278,6 +278,17 @@ pub fn health_check_node_port(service: &Service) -> Option<u16> {
     needs_health_check.then_some(port)
 }
 
+/// How many distinct addresses among `endpoints` are ready and on this node: a health
+/// check's local endpoints, as kube-proxy's `LocalReadyEndpoints` counts them.
+fn local_ready_addresses<'a>(endpoints: impl IntoIterator<Item = &'a EndpointSpec>) -> usize {
+    let addresses: HashSet<IpAddr> = endpoints
+        .into_iter()
+        .filter(|endpoint| endpoint.local && endpoint.ready)
+        .map(|endpoint| endpoint.backend.ip)
+        .collect();
+    addresses.len()
+}
+
 /// The service-wide settings every port shares.
 #[derive(Clone, Debug)]
 struct ServiceSpec {
@@ -335,10 +346,14 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &Node
         }
     }
     let mut endpoints: BTreeMap<ServicePortName, Vec<EndpointSpec>> = BTreeMap::new();
+    // Every endpoint of each service's slices, whatever the port, for its health check.
+    let mut by_service: BTreeMap<(String, String), Vec<EndpointSpec>> = BTreeMap::new();
     for slice in slices {
         match slice_endpoints(slice, node) {
             Ok(by_port) => {
                 for (name, found) in by_port {
+                    let service = (name.namespace.clone(), name.name.clone());
+                    by_service.entry(service).or_default().extend(found.iter().cloned());
                     endpoints.entry(name).or_default().extend(found);
                 }
             }
@@ -354,6 +369,15 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &Node
         ..DesiredState::default()
     };
     let health_check_node_ports: HashSet<u16> = services.iter().filter_map(health_check_node_port).collect();
+    for service in services {
+        let Some(port) = health_check_node_port(service) else { continue };
+        let Ok((namespace, name)) = identity(&service.metadata) else { continue };
+        let local = by_service.get(&(namespace.clone(), name.clone())).map(Vec::as_slice).unwrap_or_default();
+        state.health_checks.insert(
+            ServiceName { namespace, name },
+            HealthCheck { port, local_endpoints: local_ready_addresses(local) },
+        );
+    }
     // The ports of one service together and in a fixed order, as the incremental translator
     // numbers them.
     ports.sort_by(|a, b| a.name.cmp(&b.name));

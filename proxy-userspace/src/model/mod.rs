@@ -20,6 +20,7 @@ use std::{
 
 use ipnet::IpNet;
 
+pub mod changes;
 pub mod kubernetes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -240,6 +241,33 @@ pub struct DesiredState {
     /// clients learn of it at once instead of timing out.
     pub listed_endpoints: BTreeSet<Backend>,
     pub sources: SourceClassifier,
+    /// The health checks this node serves: every load balancer with
+    /// `externalTrafficPolicy: Local` and a `healthCheckNodePort`, with its local ready
+    /// endpoints. The agent's health servers answer them; a dataplane with a filter lets
+    /// their ports through.
+    pub health_checks: BTreeMap<ServiceName, HealthCheck>,
+}
+
+/// A service's namespace and name.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl fmt::Display for ServiceName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A service's health-check node port and how many ready endpoints it has on this node
+/// (distinct addresses, so that an endpoint serving several ports counts once, as in
+/// kube-proxy's `LocalReadyEndpoints`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub port: u16,
+    pub local_endpoints: usize,
 }
 
 /// What differs between two generations of a [`DesiredState`], so that a dataplane can apply
@@ -259,12 +287,14 @@ pub struct StateChanges {
     /// Endpoints that `listed_endpoints` gained or lost.
     pub listed_added: BTreeSet<Backend>,
     pub listed_removed: BTreeSet<Backend>,
+    /// `health_checks` changed (a port, or a count of local endpoints).
+    pub health_checks: bool,
 }
 
 impl StateChanges {
     /// Changes that make a dataplane compare everything.
     pub fn everything(generation: u64) -> Self {
-        Self { since: None, generation, classifiers: true, ..Self::default() }
+        Self { since: None, generation, classifiers: true, health_checks: true, ..Self::default() }
     }
 }
 

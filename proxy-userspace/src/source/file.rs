@@ -1,6 +1,7 @@
 //! The standalone source: a file of Kubernetes manifests (multi-document YAML, or JSON),
 //! re-read whenever its content changes.
 use std::{
+    collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
     sync::mpsc::{Receiver, RecvTimeoutError, Sender},
     time::{Duration, Instant},
@@ -10,8 +11,8 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice, networki
 use serde::Deserialize;
 use tracing::debug;
 
-use super::{Objects, Ownership, SourceEvent};
-use crate::model::kubernetes::Rejection;
+use super::{Key, Kind, Object, Objects, Ownership, SourceEvent};
+use crate::model::kubernetes::{content_hash, Rejection};
 
 /// A file that is not valid YAML/JSON at all. The whole file is refused, because a syntax
 /// error can hide any number of objects and applying the rest would delete them.
@@ -99,10 +100,14 @@ fn add_object(value: serde_yaml::Value, document: usize, objects: &mut Objects) 
     }
 }
 
-/// Watches a manifest file and sends the objects of it that `ownership` gives this proxy each
-/// time its content changes, until the receiving side is dropped or `stop` fires. Polling,
-/// rather than inotify, also catches editors and `kubectl`-style tools that replace the file
-/// by renaming over it.
+/// Watches a manifest file and sends the changes to the objects of it that `ownership` gives
+/// this proxy each time its content changes, until the receiving side is dropped or `stop`
+/// fires. Polling, rather than inotify, also catches editors and `kubectl`-style tools that
+/// replace the file by renaming over it.
+///
+/// The first content read is sent as a complete list of every kind and [`SourceEvent::Synced`];
+/// each later one is compared with the previous once, here, and only the objects added,
+/// changed or deleted are sent. A name repeated in the file is the object of its last document.
 ///
 /// A content is sent only once it has been read unchanged for [`settle_time`]: a file caught
 /// while a tool truncates and rewrites it in place (empty, or cut after a complete document)
@@ -118,6 +123,8 @@ pub fn watch(
     let mut last_content: Option<Vec<u8>> = None;
     let mut settling: Option<(Vec<u8>, Instant)> = None;
     let mut last_error: Option<String> = None;
+    // What the receiver was last sent: a hash of each object's content, by kind and key.
+    let mut sent: Option<HashMap<(Kind, Key), u64>> = None;
     loop {
         match std::fs::read(&path) {
             Ok(content) if last_content.as_ref() == Some(&content) => settling = None,
@@ -128,9 +135,13 @@ pub fn watch(
                     Some((settling_content, since)) if *settling_content == content => {
                         if now.duration_since(*since) >= settle {
                             settling = None;
-                            let event = objects_event(&path, &content, ownership);
+                            let read = read_objects(&path, &content, ownership);
                             last_content = Some(content);
-                            if events.send(event).is_err() {
+                            let batch = match read {
+                                Ok(objects) => changes(&mut sent, objects),
+                                Err(reason) => vec![SourceEvent::Unusable(reason)],
+                            };
+                            if batch.into_iter().any(|event| events.send(event).is_err()) {
                                 return;
                             }
                         }
@@ -163,22 +174,63 @@ pub fn settle_time(interval: Duration) -> Duration {
     interval * 2
 }
 
-fn objects_event(path: &Path, content: &[u8], ownership: &Ownership) -> SourceEvent {
-    match std::str::from_utf8(content) {
-        Ok(text) => match parse_manifests(path, text) {
-            Ok(mut objects) => {
-                ownership.retain_owned(&mut objects);
-                SourceEvent::Objects(objects)
-            }
-            Err(error) => SourceEvent::Unusable(error.to_string()),
-        },
-        Err(error) => SourceEvent::Unusable(format!("{}: not UTF-8: {error}", path.display())),
+/// The objects of a file's content that `ownership` gives this proxy, or why it is unusable.
+fn read_objects(path: &Path, content: &[u8], ownership: &Ownership) -> Result<Objects, String> {
+    let text =
+        std::str::from_utf8(content).map_err(|error| format!("{}: not UTF-8: {error}", path.display()))?;
+    let mut objects = parse_manifests(path, text).map_err(|error| error.to_string())?;
+    ownership.retain_owned(&mut objects);
+    Ok(objects)
+}
+
+/// The events that lead from what was `sent` to `objects`, and `sent` updated: the first time
+/// a complete list of every kind and [`SourceEvent::Synced`], then the objects that differ.
+fn changes(sent: &mut Option<HashMap<(Kind, Key), u64>>, objects: Objects) -> Vec<SourceEvent> {
+    // The last object of a key wins, as later documents of a file override earlier ones.
+    let mut current: HashMap<(Kind, Key), Object> = HashMap::new();
+    for object in objects.into_objects() {
+        current.insert((object.kind(), object.key()), object);
+    }
+    let hashes: HashMap<(Kind, Key), u64> =
+        current.iter().map(|(id, object)| (id.clone(), object_hash(object))).collect();
+    let Some(previous) = sent.replace(hashes.clone()) else {
+        let mut lists: BTreeMap<Kind, Vec<Object>> =
+            Kind::ALL.into_iter().map(|kind| (kind, Vec::new())).collect();
+        let mut sorted: Vec<((Kind, Key), Object)> = current.into_iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        for ((kind, _), object) in sorted {
+            lists.entry(kind).or_default().push(object);
+        }
+        let mut events: Vec<SourceEvent> =
+            lists.into_iter().map(|(kind, objects)| SourceEvent::Listed(kind, objects)).collect();
+        events.push(SourceEvent::Synced);
+        return events;
+    };
+    let mut deleted: Vec<&(Kind, Key)> = previous.keys().filter(|id| !hashes.contains_key(*id)).collect();
+    deleted.sort();
+    let mut events: Vec<SourceEvent> =
+        deleted.into_iter().map(|(kind, key)| SourceEvent::Deleted(*kind, key.clone())).collect();
+    let mut applied: Vec<((Kind, Key), Object)> =
+        current.into_iter().filter(|(id, _)| previous.get(id) != hashes.get(id)).collect();
+    applied.sort_by(|a, b| a.0.cmp(&b.0));
+    events.extend(applied.into_iter().map(|(_, object)| SourceEvent::Applied(object)));
+    events
+}
+
+fn object_hash(object: &Object) -> u64 {
+    match object {
+        Object::Service(service) => content_hash(service),
+        Object::EndpointSlice(slice) => content_hash(slice),
+        Object::Node(node) => content_hash(node),
+        Object::ServiceCidr(cidr) => content_hash(cidr),
+        Object::Invalid { rejection, .. } => content_hash(&rejection.reason),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::changes::ChangeTracker;
 
     fn parse(text: &str) -> Result<Objects, SyntaxError> {
         parse_manifests(Path::new("test.yaml"), text)
@@ -191,13 +243,22 @@ mod tests {
         )
     }
 
-    fn service_names(event: SourceEvent) -> Vec<String> {
-        match event {
-            SourceEvent::Objects(objects) => {
-                objects.services.into_iter().map(|s| s.metadata.name.unwrap_or_default()).collect()
-            }
-            SourceEvent::Unusable(reason) => vec![format!("unusable: {reason}")],
+    /// Receives the events of one read of the file (the first: up to Synced; a later one:
+    /// what arrives within a poll) into `tracker`, and names the services it then holds.
+    fn services_after_read(
+        received: &std::sync::mpsc::Receiver<SourceEvent>,
+        tracker: &mut ChangeTracker,
+        timeout: Duration,
+    ) -> Vec<String> {
+        let first = received.recv_timeout(timeout).unwrap();
+        let mut synced = matches!(first, SourceEvent::Synced);
+        first.apply_to(tracker);
+        while let Ok(event) = received.recv_timeout(if synced { Duration::from_millis(50) } else { timeout })
+        {
+            synced |= matches!(event, SourceEvent::Synced);
+            event.apply_to(tracker);
         }
+        Objects::held_by(tracker).services.into_iter().map(|s| s.metadata.name.unwrap_or_default()).collect()
     }
 
     #[test]
@@ -215,7 +276,9 @@ mod tests {
             std::thread::spawn(move || watch(path, &Ownership::default(), INTERVAL, events, stopped))
         };
         let deadline = Duration::from_secs(10);
-        assert_eq!(service_names(received.recv_timeout(deadline).unwrap()), ["a", "b"]);
+        let mut tracker = ChangeTracker::new(std::time::SystemTime::UNIX_EPOCH);
+        assert_eq!(services_after_read(&received, &mut tracker, deadline), ["a", "b"]);
+        tracker.take_dirty();
 
         // A slow writer, as `>` in a shell gives: truncated, then written in two steps with a
         // complete first document in between. Each state lasts longer than a poll, so the
@@ -225,8 +288,11 @@ mod tests {
             std::thread::sleep(INTERVAL * 13 / 10);
         }
         std::fs::write(&path, service_named("c")).unwrap();
-        // The first view sent after the rewrites is the last, settled one.
-        assert_eq!(service_names(received.recv_timeout(deadline).unwrap()), ["c"]);
+        // The first change sent after the rewrites is to the last, settled content, and
+        // only what differs is sent: a and b deleted, c added.
+        assert_eq!(services_after_read(&received, &mut tracker, deadline), ["c"]);
+        assert_eq!(tracker.take_dirty().services.len(), 3);
+        assert_eq!(tracker.total().services, 5);
         stop.send(()).unwrap();
         watcher.join().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
@@ -316,11 +382,12 @@ mod tests {
         let thread = std::thread::spawn(move || {
             watch(watched, &Ownership::default(), Duration::from_millis(10), events_tx, stop_rx)
         });
-        let event = events.recv_timeout(Duration::from_secs(10));
+        let mut tracker = ChangeTracker::new(std::time::SystemTime::UNIX_EPOCH);
+        services_after_read(&events, &mut tracker, Duration::from_secs(10));
         let _ = stop.send(());
         thread.join().unwrap();
         let _ = std::fs::remove_file(&path);
-        let Ok(SourceEvent::Objects(objects)) = event else { panic!("no objects") };
+        let objects = Objects::held_by(&tracker);
         let names: Vec<_> =
             objects.services.iter().map(|service| service.metadata.name.clone().unwrap()).collect();
         assert_eq!(names, ["plain"]);

@@ -1,24 +1,24 @@
-//! The API-server source: kube-rs watchers with reflector stores on what kube-proxy watches —
+//! The API-server source: kube-rs watchers (no reflector stores) on what kube-proxy watches —
 //! the Services and EndpointSlices this proxy owns ([`Ownership`]: label and field selectors,
-//! applied by the API server), this node's Node and the ServiceCIDRs — delivered as complete
-//! snapshots.
+//! applied by the API server), this node's Node and the ServiceCIDRs — delivered as events.
 //!
 //! The contract is the file source's: [`watch`] runs on its own thread until `stop` fires or
-//! the receiving side is dropped, sends a complete [`Objects`] snapshot whenever the stores
-//! change, and sends [`SourceEvent::Unusable`] when the API server cannot be reached (the agent
-//! then keeps its datapath).
+//! the receiving side is dropped, sends a [`SourceEvent`] for every object applied or deleted,
+//! and sends [`SourceEvent::Unusable`] when the API server cannot be reached (the agent then
+//! keeps its datapath).
 //!
-//! - No snapshot is sent before every initial list has completed: a partial view would make
-//!   the agent delete the services it has not seen yet. An API server that does not serve
+//! - A list (the first one, or a relist after 410 Gone) is buffered until it completes and
+//!   sent as one [`SourceEvent::Listed`]: a relist never shows an empty or partial view, and
+//!   a relist of unchanged objects changes nothing in the agent's tracker.
+//!   [`SourceEvent::Synced`] follows once every kind was listed: a partial view would make the
+//!   agent delete the services it has not seen yet. An API server that does not serve
 //!   ServiceCIDRs (before 1.33), or forbids them to vipr (an older ClusterRole), counts as
 //!   having none: vipr then uses `--service-cluster-ip-range`, and keeps retrying.
 //! - The kube-rs watcher resumes from its resourceVersion after a disconnect and relists after
-//!   410 Gone; the reflector swaps a relisted store in at once. A snapshot is therefore always
-//!   one complete view, never an empty one mid-relist, and a relist of unchanged objects gives
-//!   the same snapshot as before, so the dataplane diff is empty.
-//! - Objects that do not decode are kept out of the snapshot and reported in
-//!   [`Objects::rejected`] (see [`decoded`]).
-//! - Bursts of changes are coalesced into at most one snapshot per [`MIN_SNAPSHOT_INTERVAL`].
+//!   410 Gone.
+//! - Objects that do not decode are sent as [`Object::Invalid`] under their key (see
+//!   [`decoded`]), so a later fix or deletion replaces them.
+//! - Nothing is held here: the agent's tracker holds each object once.
 use std::{
     collections::HashSet,
     error::Error as _,
@@ -29,7 +29,7 @@ use std::{
     time::Duration,
 };
 
-use futures::{future, stream, Stream, StreamExt};
+use futures::{stream, Stream, StreamExt};
 use k8s_openapi::{
     api::{
         core::v1::{Node, Service},
@@ -41,12 +41,7 @@ use k8s_openapi::{
 };
 use kube::{
     config::{KubeConfigOptions, Kubeconfig},
-    runtime::{
-        reflector::{self, Store},
-        watcher,
-        watcher::DefaultBackoff,
-        WatchStreamExt,
-    },
+    runtime::{watcher, watcher::DefaultBackoff, WatchStreamExt},
     Api, Client,
 };
 use serde::de::DeserializeOwned;
@@ -54,21 +49,25 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use self::decoded::{Decoded, Slim};
-use super::{Objects, Ownership, SourceEvent, SERVICE_FIELD_SELECTOR};
-use crate::{metrics::rest_client::REST_CLIENT, model::kubernetes::Rejection};
+use super::{Kind, Object, Ownership, SourceEvent, SERVICE_FIELD_SELECTOR};
+use crate::{
+    metrics::rest_client::REST_CLIENT,
+    model::{
+        changes::{cluster_key, key},
+        kubernetes::Rejection,
+    },
+};
 
 mod decoded;
 
-/// At most one snapshot per this interval; the agent batches further.
-pub const MIN_SNAPSHOT_INTERVAL: Duration = Duration::from_millis(100);
-/// How often the loop checks `stop` and sends a snapshot held back by the interval.
+/// How often the loop checks `stop`.
 const TICK: Duration = Duration::from_millis(25);
 
 #[derive(Clone, Debug)]
 pub struct KubeSourceConfig {
     /// The kubeconfig file to use; `None` means the in-cluster service account.
     pub kubeconfig: Option<PathBuf>,
-    /// This node's name: its Node object is watched and delivered in [`Objects::node`].
+    /// This node's name: its Node object is watched and delivered.
     pub node_name: String,
     /// `--master`: the API server URL, overriding the kubeconfig's (or the in-cluster) one.
     pub master: Option<String>,
@@ -76,7 +75,7 @@ pub struct KubeSourceConfig {
     pub ownership: Ownership,
 }
 
-/// Watches the API server and sends a snapshot each time the watched objects change, until
+/// Watches the API server and sends an event for each change of the watched objects, until
 /// `stop` fires or the receiving side of `events` is dropped.
 pub fn watch(config: KubeSourceConfig, events: Sender<SourceEvent>, stop: Receiver<()>) {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
@@ -103,6 +102,15 @@ enum Collection {
 
 impl Collection {
     const ALL: [Self; 4] = [Self::Services, Self::EndpointSlices, Self::Node, Self::ServiceCidrs];
+
+    fn kind(self) -> Kind {
+        match self {
+            Self::Services => Kind::Service,
+            Self::EndpointSlices => Kind::EndpointSlice,
+            Self::Node => Kind::Node,
+            Self::ServiceCidrs => Kind::ServiceCidr,
+        }
+    }
 }
 
 impl fmt::Display for Collection {
@@ -116,20 +124,24 @@ impl fmt::Display for Collection {
     }
 }
 
-/// What one watch did to its store.
+/// What one watch reported.
 struct Progress {
     collection: Collection,
     step: Step,
 }
 
 enum Step {
-    /// Objects of a relist arrived; the store keeps its old content until the list completes.
-    Buffered,
-    /// An object was added, changed or deleted.
-    Changed,
-    /// A complete list replaced the store.
+    /// A list starts.
+    Listing,
+    /// An object of a list arrived; the list is sent when it completes.
+    Buffered(Object),
+    /// An object was added or changed.
+    Applied(Object),
+    /// An object was deleted.
+    Deleted(Object),
+    /// The list completed.
     Listed,
-    /// The watch failed; the watcher retries it after a backoff, and the store is unchanged.
+    /// The watch failed; the watcher retries it after a backoff.
     Failed(watcher::Error),
 }
 
@@ -142,7 +154,7 @@ struct Source {
     in_outage: bool,
     /// The ServiceCIDR list is not served or not allowed (logged once until it works).
     service_cidrs_unavailable: bool,
-    /// The Node watch answered 403 or 404: logged once, and snapshots go on without it.
+    /// The Node watch answered 403 or 404: logged once, and events go on without it.
     node_unavailable: bool,
 }
 
@@ -176,78 +188,98 @@ impl Source {
 
     async fn watch_stores(&mut self, client: Client, config: &KubeSourceConfig) {
         let owned = config.ownership.label_selector();
-        let (services, services_progress) = reflect(
+        let services_progress = watch_kind::<Service>(
             Api::all(client.clone()),
             watcher::Config::default().labels(&owned).fields(SERVICE_FIELD_SELECTOR),
             Collection::Services,
         );
-        let (slices, slices_progress) = reflect(
+        let slices_progress = watch_kind::<EndpointSlice>(
             Api::all(client.clone()),
             watcher::Config::default().labels(&owned),
             Collection::EndpointSlices,
         );
         let this_node = watcher::Config::default().fields(&format!("metadata.name={}", config.node_name));
-        let (nodes, node_progress) = reflect(Api::all(client.clone()), this_node, Collection::Node);
-        let (service_cidrs, service_cidrs_progress) = reflect(
+        let node_progress = watch_kind::<Node>(Api::all(client.clone()), this_node, Collection::Node);
+        let service_cidrs_progress = watch_kind::<ServiceCIDR>(
             Api::all(client),
             watcher::Config::default().labels(&Ownership::service_cidr_label_selector()),
             Collection::ServiceCidrs,
         );
-        let stores = Stores { services, slices, nodes, service_cidrs, node_name: config.node_name.clone() };
         let mut progress = pin!(stream::select(
             stream::select(services_progress, slices_progress),
             stream::select(node_progress, service_cidrs_progress),
         ));
 
         let mut listed = HashSet::new();
-        let mut changed = false;
-        let mut last_snapshot: Option<Instant> = None;
+        let mut synced = false;
+        // The objects of each list in progress.
+        let mut lists: std::collections::HashMap<Collection, Vec<Object>> = std::collections::HashMap::new();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::select! {
+            let event = tokio::select! {
                 Some(Progress { collection, step }) = progress.next() => match step {
-                    Step::Buffered => self.succeeded(collection),
-                    Step::Changed => {
+                    Step::Listing => {
                         self.succeeded(collection);
-                        changed = true;
+                        lists.insert(collection, Vec::new());
+                        None
+                    }
+                    Step::Buffered(object) => {
+                        self.succeeded(collection);
+                        lists.entry(collection).or_default().push(object);
+                        None
+                    }
+                    Step::Applied(object) => {
+                        self.succeeded(collection);
+                        Some(SourceEvent::Applied(object))
+                    }
+                    Step::Deleted(object) => {
+                        self.succeeded(collection);
+                        Some(SourceEvent::Deleted(object.kind(), object.key()))
                     }
                     Step::Listed => {
                         self.succeeded(collection);
                         listed.insert(collection);
-                        changed = true;
+                        let objects = lists.remove(&collection).unwrap_or_default();
+                        Some(SourceEvent::Listed(collection.kind(), objects))
                     }
                     Step::Failed(error) if collection == Collection::ServiceCidrs && unavailable(&error) => {
                         self.note_service_cidrs_unavailable(&error);
-                        // None to wait for: the snapshots go on with the store as it is.
-                        changed |= listed.insert(collection);
+                        // None to wait for: the objects go on as they are.
+                        listed.insert(collection);
+                        None
                     }
                     Step::Failed(error) if collection == Collection::Node && unavailable(&error) => {
                         self.note_node_unavailable(&error);
                         // The node's facts refine the services (zone, pod CIDRs, primary IPs);
                         // without them the services are still served, from the interfaces.
-                        changed |= listed.insert(collection);
+                        listed.insert(collection);
+                        None
                     }
                     Step::Failed(error) => {
                         if !self.failed(collection, &error) {
                             return;
                         }
+                        None
                     }
                 },
                 _ = tick.tick() => {
                     if self.stop_requested() {
                         return;
                     }
+                    None
                 }
-            }
-            let complete = Collection::ALL.iter().all(|collection| listed.contains(collection));
-            let due = last_snapshot.is_none_or(|at| at.elapsed() >= MIN_SNAPSHOT_INTERVAL);
-            if changed && complete && due {
-                if self.events.send(SourceEvent::Objects(stores.snapshot())).is_err() {
+            };
+            if let Some(event) = event {
+                if self.events.send(event).is_err() {
                     return;
                 }
-                changed = false;
-                last_snapshot = Some(Instant::now());
+            }
+            if !synced && Collection::ALL.iter().all(|collection| listed.contains(collection)) {
+                synced = true;
+                if self.events.send(SourceEvent::Synced).is_err() {
+                    return;
+                }
             }
         }
     }
@@ -398,31 +430,79 @@ where
     }
 }
 
-/// A reflector store of `K` fed by a watcher that retries with kube's default backoff, and
-/// the stream of what it does. Objects are decoded one by one ([`Decoded`]).
-fn reflect<K>(
+/// A kind the source watches, and how its objects become [`Object`]s.
+trait Watched:
+    Resource + Metadata<Ty = ObjectMeta> + DeserializeOwned + Slim + Clone + Debug + Send + Sync + 'static
+{
+    const WATCHED: Kind;
+    fn object(self) -> Object;
+}
+
+impl Watched for Service {
+    const WATCHED: Kind = Kind::Service;
+    fn object(self) -> Object {
+        Object::Service(self)
+    }
+}
+
+impl Watched for EndpointSlice {
+    const WATCHED: Kind = Kind::EndpointSlice;
+    fn object(self) -> Object {
+        Object::EndpointSlice(self)
+    }
+}
+
+impl Watched for Node {
+    const WATCHED: Kind = Kind::Node;
+    fn object(self) -> Object {
+        Object::Node(self)
+    }
+}
+
+impl Watched for ServiceCIDR {
+    const WATCHED: Kind = Kind::ServiceCidr;
+    fn object(self) -> Object {
+        Object::ServiceCidr(self)
+    }
+}
+
+/// An object as the API server sent it, decoded or not ([`Decoded`]).
+fn object<K: Watched>(decoded: Decoded<K>) -> Object {
+    match decoded {
+        Decoded::Valid(object) => object.object(),
+        Decoded::Invalid { metadata, reason } => {
+            let key = if K::WATCHED == Kind::Service || K::WATCHED == Kind::EndpointSlice {
+                key(&metadata)
+            } else {
+                cluster_key(&metadata)
+            };
+            Object::Invalid {
+                kind: K::WATCHED,
+                key,
+                rejection: Rejection { object: describe::<K>(&metadata), reason },
+            }
+        }
+    }
+}
+
+/// The events of a watcher of `K` that retries with kube's default backoff. Objects are
+/// decoded one by one ([`Decoded`]).
+fn watch_kind<K: Watched>(
     api: Api<Decoded<K>>,
     config: watcher::Config,
     collection: Collection,
-) -> (Store<Decoded<K>>, impl Stream<Item = Progress>)
-where
-    K: Resource + Metadata<Ty = ObjectMeta> + DeserializeOwned + Slim + Clone + Debug + Send + Sync + 'static,
-{
-    let (store, writer) = reflector::store();
-    let progress = watcher(api, config).default_backoff().reflect(writer).filter_map(move |event| {
-        future::ready(
-            match event {
-                // A relist starts; nothing was received yet.
-                Ok(watcher::Event::Init) => None,
-                Ok(watcher::Event::InitApply(_)) => Some(Step::Buffered),
-                Ok(watcher::Event::InitDone) => Some(Step::Listed),
-                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => Some(Step::Changed),
-                Err(error) => Some(Step::Failed(error)),
-            }
-            .map(|step| Progress { collection, step }),
-        )
-    });
-    (store, progress)
+) -> impl Stream<Item = Progress> {
+    watcher(api, config).default_backoff().map(move |event| {
+        let step = match event {
+            Ok(watcher::Event::Init) => Step::Listing,
+            Ok(watcher::Event::InitApply(decoded)) => Step::Buffered(object(decoded)),
+            Ok(watcher::Event::InitDone) => Step::Listed,
+            Ok(watcher::Event::Apply(decoded)) => Step::Applied(object(decoded)),
+            Ok(watcher::Event::Delete(decoded)) => Step::Deleted(object(decoded)),
+            Err(error) => Step::Failed(error),
+        };
+        Progress { collection, step }
+    })
 }
 
 /// A list or watch refused because the API server does not serve the resource (404) or
@@ -435,50 +515,6 @@ fn unavailable(error: &watcher::Error) -> bool {
         watcher::Error::WatchError(status) => matches!(status.code, 403 | 404),
         _ => false,
     }
-}
-
-struct Stores {
-    services: Store<Decoded<Service>>,
-    slices: Store<Decoded<EndpointSlice>>,
-    nodes: Store<Decoded<Node>>,
-    service_cidrs: Store<Decoded<ServiceCIDR>>,
-    node_name: String,
-}
-
-impl Stores {
-    fn snapshot(&self) -> Objects {
-        let mut rejected = Vec::new();
-        let services = usable(&self.services, &mut rejected);
-        let slices = usable(&self.slices, &mut rejected);
-        let node = usable(&self.nodes, &mut rejected)
-            .into_iter()
-            .find(|node| node.metadata.name.as_ref() == Some(&self.node_name));
-        let service_cidrs = usable(&self.service_cidrs, &mut rejected);
-        Objects { services, slices, node, service_cidrs, rejected }
-    }
-}
-
-/// The objects of `store` that decoded, in namespace/name order so that equal stores give equal
-/// snapshots; the others are added to `rejected`.
-fn usable<K>(store: &Store<Decoded<K>>, rejected: &mut Vec<Rejection>) -> Vec<K>
-where
-    K: Resource + Metadata<Ty = ObjectMeta> + Clone + 'static,
-{
-    let mut objects = store.state();
-    objects.sort_by(|a, b| {
-        let key = |object: &Decoded<K>| (object.metadata().namespace.clone(), object.metadata().name.clone());
-        key(a).cmp(&key(b))
-    });
-    let mut usable = Vec::with_capacity(objects.len());
-    for object in objects {
-        match object.as_ref() {
-            Decoded::Valid(object) => usable.push(object.clone()),
-            Decoded::Invalid { metadata, reason } => {
-                rejected.push(Rejection { object: describe::<K>(metadata), reason: reason.clone() })
-            }
-        }
-    }
-    usable
 }
 
 /// `Kind namespace/name`, or `Kind name` for cluster-scoped objects.

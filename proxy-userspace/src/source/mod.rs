@@ -1,5 +1,7 @@
-//! Where Kubernetes objects come from. A source only delivers objects; it never sees the
-//! dataplane or its errors.
+//! Where Kubernetes objects come from. A source delivers events (an object applied or deleted,
+//! a complete list of one kind, "synced" once every kind was listed), never snapshots; the
+//! agent's [`ChangeTracker`](crate::model::changes::ChangeTracker) keeps the objects. A source
+//! never sees the dataplane or its errors.
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::{
@@ -8,7 +10,8 @@ use k8s_openapi::api::{
     networking::v1::ServiceCIDR,
 };
 
-use crate::model::kubernetes::Rejection;
+pub use crate::model::changes::{Key, Kind, Object};
+use crate::model::{changes::ChangeTracker, kubernetes::Rejection};
 
 pub mod file;
 pub mod kubernetes;
@@ -83,13 +86,72 @@ impl Ownership {
     }
 }
 
+impl Objects {
+    /// Every object, as a source delivers them one by one.
+    pub fn into_objects(self) -> Vec<Object> {
+        let Self { services, slices, node, service_cidrs, rejected } = self;
+        let invalid = rejected.into_iter().map(|rejection| {
+            let kind = Kind::ALL
+                .into_iter()
+                .find(|kind| rejection.object.split(' ').next() == Some(kind.name()))
+                .unwrap_or(Kind::Service);
+            // A file's rejections are named by their document, which keeps them apart.
+            Object::Invalid { kind, key: (String::new(), rejection.object.clone()), rejection }
+        });
+        services
+            .into_iter()
+            .map(Object::Service)
+            .chain(slices.into_iter().map(Object::EndpointSlice))
+            .chain(node.map(Object::Node))
+            .chain(service_cidrs.into_iter().map(Object::ServiceCidr))
+            .chain(invalid)
+            .collect()
+    }
+
+    /// The objects `tracker` holds, in key order.
+    pub fn held_by(tracker: &ChangeTracker) -> Self {
+        Self {
+            services: tracker.services_sorted(),
+            slices: tracker.slices_sorted(),
+            node: tracker.node().cloned(),
+            service_cidrs: tracker.service_cidrs().cloned().collect(),
+            rejected: tracker.invalid().cloned().collect(),
+        }
+    }
+}
+
 #[allow(
     clippy::large_enum_variant,
     reason = "a few events a second, each moved once through a channel: boxing would buy nothing"
 )]
+#[derive(Clone, Debug)]
 pub enum SourceEvent {
-    /// A complete new view of the objects.
-    Objects(Objects),
+    /// An object was added or changed (a valid one, or one that does not decode).
+    Applied(Object),
+    /// The object of this kind and key is gone.
+    Deleted(Kind, Key),
+    /// A complete list of one kind (the first list, or a relist after the watch expired):
+    /// every object of the kind the source now knows; any other is gone.
+    Listed(Kind, Vec<Object>),
+    /// Every kind has been listed: the view is complete and may be applied. Sent once.
+    Synced,
     /// The source cannot be read right now; the datapath keeps what it has.
     Unusable(String),
+}
+
+impl SourceEvent {
+    /// Applies the event to `tracker`; true when it changed anything there.
+    pub fn apply_to(self, tracker: &mut ChangeTracker) -> bool {
+        match self {
+            Self::Applied(object) => tracker.apply(object),
+            Self::Deleted(kind, key) => tracker.delete(kind, &key),
+            Self::Listed(kind, objects) => tracker.list(kind, objects),
+            Self::Synced => {
+                let first = !tracker.is_synced();
+                tracker.set_synced();
+                first
+            }
+            Self::Unusable(_) => false,
+        }
+    }
 }

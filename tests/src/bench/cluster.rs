@@ -48,7 +48,6 @@ pub struct Cluster {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
     pub node: NodeContext,
-    slices_per_service: usize,
     replacements: usize,
 }
 
@@ -62,7 +61,6 @@ impl Cluster {
             services: Vec::with_capacity(services),
             slices: Vec::with_capacity(services * slices_per_service),
             node: node_context(),
-            slices_per_service,
             replacements: 0,
         };
         for i in 0..services {
@@ -81,32 +79,27 @@ impl Cluster {
         desired_state(&self.services, &self.slices, &self.node)
     }
 
-    /// One pod of `service` replaced by a new one with a new address (a rollout's single
-    /// step): its first endpoint's address changes. Returns the new address.
-    pub fn replace_endpoint(&mut self, service: usize) -> Ipv4Addr {
-        let address = offset(Ipv4Addr::new(10, 48, 0, 0), self.replacements);
-        self.replacements += 1;
-        let slice = &mut self.slices[service * self.slices_per_service];
-        slice.endpoints[0].addresses = vec![address.to_string()];
-        // As the API server does on every write; the agent's change tracking relies on it.
-        slice.metadata.resource_version = Some(format!("r{}", self.replacements));
-        address
+    /// The key of the slice [`Self::replaced`] changes for `service`: its first.
+    pub fn changed_slice_key(service: usize) -> (String, String) {
+        (NAMESPACE.to_owned(), format!("svc-{service}-0"))
     }
 
-    /// The endpoints of `service` as they are now.
-    pub fn endpoints_of(&self, service: usize) -> Vec<Ipv4Addr> {
-        let first = service * self.slices_per_service;
-        self.slices[first..first + self.slices_per_service]
-            .iter()
-            .flat_map(|slice| slice.endpoints.iter())
-            .flat_map(|endpoint| endpoint.addresses.iter())
-            .map(|address| address.parse().expect("the generator writes IPv4 addresses"))
-            .collect()
+    /// One pod replaced by a new one with a new address (a rollout's single step): a new
+    /// version of `slice` (the one [`Self::changed_slice_key`] names, as the agent holds it)
+    /// with its first endpoint's address changed, and that address: the object the watch
+    /// delivers next.
+    pub fn replaced(&mut self, slice: &EndpointSlice) -> (EndpointSlice, Ipv4Addr) {
+        let address = offset(Ipv4Addr::new(10, 48, 0, 0), self.replacements);
+        self.replacements += 1;
+        let mut slice = slice.clone();
+        slice.endpoints[0].addresses = vec![address.to_string()];
+        slice.metadata.resource_version = Some(format!("r{}", self.replacements));
+        (slice, address)
     }
 }
 
-/// The resourceVersion of every generated object; [`Cluster::replace_endpoint`] gives the
-/// changed slice a new one.
+/// The resourceVersion of every generated object; [`Cluster::replaced`] gives the changed
+/// slice a new one.
 const INITIAL_VERSION: &str = "r0";
 
 fn node_context() -> NodeContext {
@@ -205,9 +198,11 @@ mod tests {
             assert!(!entry.from_pod.masquerade, "pods are not masqueraded");
             assert!(entry.from_outside.masquerade, "outside sources are");
         }
-        let new = cluster.replace_endpoint(2);
-        assert!(cluster.endpoints_of(2).contains(&new));
-        assert_eq!(cluster.endpoints_of(2).len(), 150);
-        assert!(!cluster.endpoints_of(1).contains(&new));
+        let (key, first) = (Cluster::changed_slice_key(2), cluster.slices[2 * 2].clone());
+        assert_eq!(first.metadata.name.as_deref(), Some(key.1.as_str()));
+        let (replaced, new) = cluster.replaced(&first);
+        assert_eq!(replaced.endpoints[0].addresses, [new.to_string()]);
+        assert_eq!(replaced.endpoints.len(), first.endpoints.len());
+        assert_ne!(replaced.metadata.resource_version, first.metadata.resource_version);
     }
 }

@@ -5,12 +5,13 @@
 //! control-plane-child`), in a fresh network namespace with one veth device, on a fresh bpffs,
 //! so neither the kernel state nor the memory of one size reaches the next. The child builds
 //! the cluster's Services and EndpointSlices, starts `EbpfDataplane` (load, attach to the
-//! device), translates the objects with the agent's own incremental translator, and times
-//! `EbpfDataplane::sync_changes` of that desired state on the empty maps ("from scratch").
-//! Then it replaces one endpoint of a random service at a time and times the translation and
-//! the sync of each changed state as the agent does them: the translator re-translates what
-//! changed and hands the dataplane the changes, and both are part of what the agent does
-//! before the change is in the maps. It counts the `bpf()`
+//! device), hands the objects to the agent's change tracker as a source's first lists do
+//! (moved: the tracker holds them once, as in the agent), translates them with the agent's
+//! incremental translator, and times `EbpfDataplane::sync_changes` of that desired state on
+//! the empty maps ("from scratch"). Then it replaces one endpoint of a random service at a
+//! time and times, from the event on, what the agent does before the change is in the maps:
+//! the tracker takes the new slice and marks its service, the translator re-translates that
+//! service, and the dataplane syncs the changes. It counts the `bpf()`
 //! and all system calls of each sync with tracepoint perf counters, reads VmRSS / VmHWM from
 //! /proc/self/status, and checks in the pinned maps that the last change is there.
 
@@ -30,7 +31,10 @@ use vipr::{
         ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions, PinDir},
         Dataplane as _,
     },
-    model::kubernetes::incremental::Translator,
+    model::{
+        changes::{ChangeTracker, Kind, Object},
+        kubernetes::incremental::Translator,
+    },
 };
 
 use super::{
@@ -278,8 +282,17 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
     let start_ms = ms(started);
 
     let mut translator = Translator::new();
+    let mut tracker = ChangeTracker::new(std::time::SystemTime::now());
+    let services_listed: Vec<Object> =
+        std::mem::take(&mut cluster.services).into_iter().map(Object::Service).collect();
+    let slices_listed: Vec<Object> =
+        std::mem::take(&mut cluster.slices).into_iter().map(Object::EndpointSlice).collect();
     let started = Instant::now();
-    let scratch = translator.translate(&cluster.services, &cluster.slices, &cluster.node);
+    tracker.list(Kind::Service, services_listed);
+    tracker.list(Kind::EndpointSlice, slices_listed);
+    tracker.set_synced();
+    let dirty = tracker.take_dirty();
+    let scratch = translator.translate(&tracker, dirty, &cluster.node);
     let translate_ms = ms(started);
     let rejected = translator.rejected();
     ensure!(rejected.is_empty(), "the model rejected objects: {rejected:?}");
@@ -308,9 +321,13 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
         random ^= random >> 7;
         random ^= random << 17;
         let service = (random % services as u64) as usize;
-        let address = cluster.replace_endpoint(service);
+        let key = Cluster::changed_slice_key(service);
+        let current = tracker.slice(&key).context("the changed slice is held")?;
+        let (slice, address) = cluster.replaced(current);
         let started = Instant::now();
-        let changed = translator.translate(&cluster.services, &cluster.slices, &cluster.node);
+        tracker.apply(Object::EndpointSlice(slice));
+        let dirty = tracker.take_dirty();
+        let changed = translator.translate(&tracker, dirty, &cluster.node);
         let translate_ms = ms(started);
         let (bpf_before, _) = counters.read();
         let started = Instant::now();
@@ -340,8 +357,16 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
             backends.contains(&(address, TARGET_PORT)),
             "the last change is not in the maps: service {service} has {backends:?}, not {address}"
         );
-        let expected: Vec<(Ipv4Addr, u16)> =
-            cluster.endpoints_of(service).into_iter().map(|ip| (ip, TARGET_PORT)).collect();
+        let service_key = (Cluster::changed_slice_key(service).0, format!("svc-{service}"));
+        let expected: Vec<(Ipv4Addr, u16)> = tracker
+            .slices_of(&service_key)
+            .iter()
+            .filter_map(|key| tracker.slice(key))
+            .flat_map(|slice| slice.endpoints.iter())
+            .flat_map(|endpoint| endpoint.addresses.iter())
+            .filter_map(|address| address.parse().ok())
+            .map(|ip| (ip, TARGET_PORT))
+            .collect();
         ensure!(backends.len() == expected.len(), "service {service}: {backends:?}, expected {expected:?}");
     }
     let (service_entries, backend_slots) = (maps.service_entries()?, maps.backend_slots()?);

@@ -15,6 +15,7 @@ mod plot;
 mod report;
 mod stats;
 mod sys;
+mod watch_path;
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -44,6 +45,19 @@ enum Cmd {
     All(RunArgs),
     /// Redraw the plots and rewrite the report from the results in --out-dir, measuring nothing.
     Report(Output),
+    /// The control plane through the real watch path: the in-suite API server streams
+    /// EndpointSlice changes to the release `vipr` binary (prints its report as JSON).
+    ControlPlaneWatch {
+        #[arg(long, default_value_t = 10_000)]
+        services: usize,
+        #[arg(long, default_value_t = 100)]
+        rate: u32,
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// The agent's --min-sync-period.
+        #[arg(long, default_value = "1s")]
+        min_sync_period: String,
+    },
     /// One repetition of one control-plane size (run by `control-plane`, one process each).
     #[command(hide = true)]
     ControlPlaneChild {
@@ -106,6 +120,12 @@ pub fn main() -> ExitCode {
 fn run(command: Cmd) -> Result<()> {
     let (suites, args) = match command {
         Cmd::Report(output) => return report::write(&output.out_dir, &output.doc()),
+        Cmd::ControlPlaneWatch { services, rate, seconds, min_sync_period } => {
+            prepare()?;
+            let result = watch_path::run(services, rate, seconds, &min_sync_period)?;
+            println!("{}", serde_json::to_string(&result)?);
+            return Ok(());
+        }
         Cmd::ControlPlaneChild { services, endpoints, changes, seed } => {
             prepare()?;
             let result = control_plane::child(services, endpoints, changes, seed)?;

@@ -36,7 +36,6 @@ pub use self::{
 };
 use super::{Dataplane, SyncReport};
 use crate::config::NodePortAddress;
-use crate::health::{ServiceHealthCheck, ServiceName};
 use crate::model::{DesiredState, Frontend, FrontendEntry, Protocol};
 
 pub mod conntrack;
@@ -153,8 +152,6 @@ pub struct IptablesDataplane {
     applied: BTreeMap<Frontend, FrontendEntry>,
     /// IPv6 failures already warned about when there is nothing IPv6 to program.
     warned_ipv6: bool,
-    /// Service (`ns/name`) to its health-check node port, accepted in the filter table.
-    health_check_node_ports: BTreeMap<String, u16>,
     last: SyncStats,
 }
 
@@ -211,7 +208,6 @@ impl IptablesDataplane {
             last_full_sync: None,
             applied: BTreeMap::new(),
             warned_ipv6: false,
-            health_check_node_ports: BTreeMap::new(),
             last: SyncStats::default(),
         })
     }
@@ -312,12 +308,11 @@ impl IptablesDataplane {
         family: Family,
         full: bool,
     ) -> anyhow::Result<Option<Restore>> {
-        let wanted = ruleset::generate_with_health_checks(
-            state,
-            family,
-            self.rule_options,
-            &self.health_check_node_ports,
-        );
+        // Service (`ns/name`) to its health-check node port, accepted in the filter table.
+        let health_check_node_ports: BTreeMap<String, u16> =
+            state.health_checks.iter().map(|(service, check)| (service.to_string(), check.port)).collect();
+        let wanted =
+            ruleset::generate_with_health_checks(state, family, self.rule_options, &health_check_node_ports);
         let plan = match self.programmed.get(&family) {
             Some(previous) if !full => restore::partial(previous, &wanted),
             _ => {
@@ -348,11 +343,6 @@ impl IptablesDataplane {
 impl Dataplane for IptablesDataplane {
     fn mode(&self) -> &'static str {
         "iptables"
-    }
-
-    fn set_health_check_node_ports(&mut self, checks: &BTreeMap<ServiceName, ServiceHealthCheck>) {
-        self.health_check_node_ports =
-            checks.iter().map(|(service, check)| (service.to_string(), check.port)).collect();
     }
 
     fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {

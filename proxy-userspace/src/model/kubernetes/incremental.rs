@@ -1,116 +1,32 @@
-//! Incremental translation, as kube-proxy's Service and EndpointSlice change trackers: the
-//! [`Translator`] keeps each service's translation (its frontends, cluster IPs and listed
-//! endpoints) and, given the next complete snapshot, re-translates only the services whose
-//! Service objects or EndpointSlices changed, or everything when the node context changed.
-//! The result is always what [`desired_state`](super::desired_state) gives for the same
-//! snapshot (a randomized test holds the two together), plus the [`StateChanges`] since the
-//! previous snapshot.
-//!
-//! An object is unchanged when its uid and resourceVersion are (objects from the API server),
-//! or when it is equal to the previous one (objects from a file carry no resourceVersion).
+//! Incremental translation, as kube-proxy's proxiers consume their change trackers: the
+//! [`Translator`] keeps each service's translation (its frontends, cluster IPs, listed
+//! endpoints and health check) and re-translates only the services the
+//! [`ChangeTracker`](crate::model::changes::ChangeTracker) marked dirty, or every service when
+//! the node context changed. The result is always what [`desired_state`](super::desired_state)
+//! gives for the objects the tracker holds (a randomized test over event sequences holds the
+//! two together), plus the [`StateChanges`] since the previous translation.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
 };
 
-use k8s_openapi::{
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
-};
-
-use serde::Serialize;
-
 use super::{
-    claimant, content_hash, describe, frontends, health_check_node_port, lost_claim, reserved_for_vipr,
-    service_ports, slice_endpoints, ClaimRank, EndpointSpec, NodeContext, Rejection, SERVICE_NAME_LABEL,
+    claimant, describe, frontends, health_check_node_port, identity, local_ready_addresses, lost_claim,
+    reserved_for_vipr, service_ports, slice_endpoints, ClaimRank, EndpointSpec, NodeContext, Rejection,
 };
 use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, StateChanges,
+    changes::{ChangeTracker, Dirty, Key},
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, HealthCheck, ServiceName, ServicePortName,
+    StateChanges,
 };
 
-/// Namespace and name, as the objects name a service (an absent namespace is "default").
-type Key = (String, String);
-/// A slice's endpoints, by the service port they belong to.
-type EndpointsByPort = Vec<(ServicePortName, Vec<EndpointSpec>)>;
-/// The usable slices of one name: the service each belongs to, and its endpoints.
-type ParsedSlices = Vec<(Key, EndpointsByPort)>;
-/// The objects of one snapshot by namespace and name.
-type Groups<'a, T> = HashMap<(&'a str, &'a str), Vec<&'a T>>;
-
-/// The identity of one version of an object.
-#[derive(Clone, Debug, PartialEq)]
-enum Version {
-    Resource {
-        uid: Option<String>,
-        version: String,
-    },
-    /// No resourceVersion: a hash of the object's content ([`content_hash`]). A copy of the
-    /// object would do without the (2^-64) risk of a collision, at the price of holding every
-    /// object of a large services file twice.
-    Content(u64),
-}
-
-fn version<T: Serialize>(object: &T, metadata: &ObjectMeta) -> Version {
-    match &metadata.resource_version {
-        Some(version) => Version::Resource { uid: metadata.uid.clone(), version: version.clone() },
-        None => Version::Content(content_hash(object)),
-    }
-}
-
-fn unchanged<T: Serialize>(
-    stored: Option<&[Version]>,
-    objects: &[&T],
-    metadata: impl Fn(&T) -> &ObjectMeta,
-) -> bool {
-    let Some(stored) = stored else { return false };
-    stored.len() == objects.len()
-        && stored.iter().zip(objects).all(|(stored, object)| {
-            match (stored, &metadata(object).resource_version) {
-                (Version::Resource { uid, version }, Some(current)) => {
-                    version == current && *uid == metadata(object).uid
-                }
-                (Version::Content(hash), None) => *hash == content_hash(*object),
-                _ => false,
-            }
-        })
-}
-
-fn key_of(metadata: &ObjectMeta) -> (&str, &str) {
-    (metadata.namespace.as_deref().unwrap_or("default"), metadata.name.as_deref().unwrap_or_default())
-}
-
-fn owned((namespace, name): (&str, &str)) -> Key {
-    (namespace.to_owned(), name.to_owned())
-}
-
-/// Objects of one snapshot grouped by name, in their order (a file may repeat a name).
-fn group<T>(objects: &[T], metadata: impl Fn(&T) -> &ObjectMeta) -> Groups<'_, T> {
-    let mut grouped: Groups<'_, T> = HashMap::with_capacity(objects.len());
-    for object in objects {
-        grouped.entry(key_of(metadata(object))).or_default().push(object);
-    }
-    grouped
-}
-
-/// The EndpointSlices of one name. Their endpoints are not kept: at 10k services they would
-/// be a copy of every endpoint of the cluster, and the snapshot holds them anyway. A service
-/// re-translated for another reason than its slices parses them again from the snapshot.
-#[derive(Debug, Default)]
-struct SliceRecord {
-    versions: Box<[Version]>,
-    /// The service each usable slice belongs to.
-    services: Box<[Key]>,
-    rejected: Vec<Rejection>,
-}
-
-/// What one service (all Service objects of one name) contributes to the state. Boxed slices:
-/// a record is built once and kept as it is until its service changes.
+/// What one service contributes to the state. Boxed slices: a record is built once and kept
+/// as it is until its service changes.
 #[derive(Debug, Default)]
 struct ServiceRecord {
-    versions: Box<[Version]>,
     claims: Box<[(Frontend, ClaimRank)]>,
-    /// The health-check node ports its objects ask vipr to serve.
-    health_check_node_ports: Box<[u16]>,
+    /// The health check vipr serves for it, if any.
+    health_check: Option<HealthCheck>,
     /// It has an external or load-balancer IP that is a node address, so a change of the
     /// ports vipr serves there can change what it may claim.
     on_node_addresses: bool,
@@ -137,6 +53,7 @@ struct Before {
     frontends: HashMap<Frontend, Option<FrontendEntry>>,
     listed: HashMap<Backend, bool>,
     cluster_ips: HashMap<IpAddr, bool>,
+    health_checks: HashMap<ServiceName, Option<HealthCheck>>,
 }
 
 impl Before {
@@ -152,9 +69,8 @@ impl Before {
 pub struct Translator {
     node: Option<NodeContext>,
     services: HashMap<Key, ServiceRecord>,
-    slices: HashMap<Key, SliceRecord>,
-    /// Which slice names list endpoints of each service (a few each: a small vector).
-    slices_of: HashMap<Key, Vec<Key>>,
+    /// The rejections of each slice that the model refuses.
+    slice_rejections: HashMap<Key, Vec<Rejection>>,
     /// Every service port that claims each frontend, first in the full translation's order
     /// first: the first one owns it, the others are rejected.
     claims: HashMap<Frontend, Vec<Claim>>,
@@ -186,7 +102,7 @@ impl Translator {
     /// lists them (in another order).
     pub fn rejected(&self) -> Vec<Rejection> {
         let mut rejected: Vec<Rejection> = self.services.values().flat_map(|s| s.rejected.clone()).collect();
-        rejected.extend(self.slices.values().flat_map(|s| s.rejected.iter().cloned()));
+        rejected.extend(self.slice_rejections.values().flatten().cloned());
         for frontend in &self.contested {
             let Some((owner, others)) = self.claims.get(frontend).and_then(|c| c.split_first()) else {
                 continue;
@@ -196,19 +112,16 @@ impl Translator {
         rejected
     }
 
-    /// Brings the state to the translation of this snapshot and says what changed since the
-    /// previous one.
-    pub fn translate(
-        &mut self,
-        services: &[Service],
-        slices: &[EndpointSlice],
-        node: &NodeContext,
-    ) -> StateChanges {
+    /// Brings the state to the translation of the objects `tracker` holds, re-translating the
+    /// `dirty` services (every service when `node` is not the previous translation's), and says
+    /// what changed since the previous translation.
+    pub fn translate(&mut self, tracker: &ChangeTracker, dirty: Dirty, node: &NodeContext) -> StateChanges {
         let since = self.generation;
         let generation = since.wrapping_add(1);
         // The node decides which endpoints are local, which addresses serve NodePorts and how
         // every treatment masquerades: a new one changes every service.
         let everything = self.node.as_ref() != Some(node);
+        let Dirty { services: mut dirty, slices: dirty_slices } = dirty;
         if everything {
             *self = Self {
                 node: Some(node.clone()),
@@ -219,71 +132,31 @@ impl Translator {
                 },
                 ..Self::default()
             };
+            dirty = tracker.service_keys().cloned().collect();
+            for key in tracker.slice_keys() {
+                self.judge_slice(tracker, key, node);
+            }
+        } else {
+            for key in &dirty_slices {
+                self.judge_slice(tracker, key, node);
+            }
         }
         self.generation = generation;
-        let mut dirty: BTreeSet<Key> = BTreeSet::new();
 
-        let slice_groups = group(slices, |slice| &slice.metadata);
-        let gone: Vec<Key> = self
-            .slices
-            .keys()
-            .filter(|key| !slice_groups.contains_key(&(&*key.0, &*key.1)))
-            .cloned()
-            .collect();
-        for key in gone {
-            if let Some(record) = self.slices.remove(&key) {
-                self.forget_slice(&key, &record, &mut dirty);
-            }
-        }
-        // The endpoints of the slices that changed, parsed once for their services' records.
-        let mut parsed: HashMap<Key, ParsedSlices> = HashMap::new();
-        for (key, objects) in &slice_groups {
-            let key = owned(*key);
-            if unchanged(self.slices.get(&key).map(|r| &*r.versions), objects, |s| &s.metadata) {
-                continue;
-            }
-            if let Some(record) = self.slices.remove(&key) {
-                self.forget_slice(&key, &record, &mut dirty);
-            }
-            let (record, endpoints) = slice_record(objects, node);
-            for service in &record.services {
-                dirty.insert(service.clone());
-                let names = self.slices_of.entry(service.clone()).or_default();
-                if !names.contains(&key) {
-                    names.reserve_exact(1);
-                    names.push(key.clone());
-                }
-            }
-            parsed.insert(key.clone(), endpoints);
-            self.slices.insert(key, record);
-        }
-
-        let service_groups = group(services, |service| &service.metadata);
-        dirty.extend(
-            self.services.keys().filter(|key| !service_groups.contains_key(&(&*key.0, &*key.1))).cloned(),
-        );
-        for (key, objects) in &service_groups {
-            let key = owned(*key);
-            if !unchanged(self.services.get(&key).map(|r| &*r.versions), objects, |s| &s.metadata) {
-                dirty.insert(key);
-            }
-        }
-
-        if self.count_health_check_node_ports(&dirty, &service_groups) {
+        if self.count_health_check_node_ports(&dirty, tracker) {
             // Which node-address claims vipr's own servers rule out changed.
             dirty.extend(self.on_node_addresses.iter().cloned());
         }
 
         let mut before = Before { track: !everything, ..Before::default() };
-        let mut endpoints = SliceEndpoints { parsed, groups: &slice_groups, node };
         for key in dirty {
             if let Some(record) = self.services.remove(&key) {
-                self.withdraw(&record, &mut before);
+                self.withdraw(&key, &record, &mut before);
             }
             self.on_node_addresses.remove(&key);
-            if let Some(objects) = service_groups.get(&(&*key.0, &*key.1)) {
-                let (record, entries) = self.service_record(&key, objects, &mut endpoints, node);
-                self.contribute(&record, entries, &mut before);
+            if let Some(service) = tracker.service(&key) {
+                let (record, entries) = self.service_record(&key, service, tracker, node);
+                self.contribute(&key, &record, entries, &mut before);
                 if record.on_node_addresses {
                     self.on_node_addresses.insert(key.clone());
                 }
@@ -293,36 +166,39 @@ impl Translator {
         self.changes(since, generation, everything, before)
     }
 
+    /// Records whether the model refuses the slice `key` (gone: nothing to refuse).
+    fn judge_slice(&mut self, tracker: &ChangeTracker, key: &Key, node: &NodeContext) {
+        let rejection = tracker.slice(key).and_then(|slice| {
+            slice_endpoints(slice, node)
+                .err()
+                .map(|reason| Rejection { object: describe("EndpointSlice", &slice.metadata), reason })
+        });
+        match rejection {
+            Some(rejection) => self.slice_rejections.insert(key.clone(), vec![rejection]),
+            None => self.slice_rejections.remove(key),
+        };
+    }
+
     /// Counts the health-check node ports of the `dirty` services anew; true when the set of
     /// ports changed.
-    fn count_health_check_node_ports(
-        &mut self,
-        dirty: &BTreeSet<Key>,
-        services: &Groups<'_, Service>,
-    ) -> bool {
+    fn count_health_check_node_ports(&mut self, dirty: &BTreeSet<Key>, tracker: &ChangeTracker) -> bool {
         let mut changed = false;
         for key in dirty {
-            let old =
-                self.services.get(key).map(|record| &*record.health_check_node_ports).unwrap_or_default();
-            let new: Vec<u16> = services
-                .get(&(&*key.0, &*key.1))
-                .into_iter()
-                .flatten()
-                .filter_map(|service| health_check_node_port(service))
-                .collect();
-            if *old == *new {
+            let old = self.services.get(key).and_then(|record| record.health_check).map(|check| check.port);
+            let new = tracker.service(key).and_then(health_check_node_port);
+            if old == new {
                 continue;
             }
-            for port in old {
-                if let Some(count) = self.health_check_node_ports.get_mut(port) {
+            if let Some(port) = old {
+                if let Some(count) = self.health_check_node_ports.get_mut(&port) {
                     *count -= 1;
                     if *count == 0 {
-                        self.health_check_node_ports.remove(port);
+                        self.health_check_node_ports.remove(&port);
                         changed = true;
                     }
                 }
             }
-            for port in new {
+            if let Some(port) = new {
                 let count = self.health_check_node_ports.entry(port).or_default();
                 changed |= *count == 0;
                 *count += 1;
@@ -331,57 +207,42 @@ impl Translator {
         changed
     }
 
-    fn forget_slice(&mut self, key: &Key, record: &SliceRecord, dirty: &mut BTreeSet<Key>) {
-        for service in &record.services {
-            dirty.insert(service.clone());
-            if let Some(names) = self.slices_of.get_mut(service) {
-                names.retain(|name| name != key);
-                if names.is_empty() {
-                    self.slices_of.remove(service);
-                }
-            }
-        }
-    }
-
     /// One service's translation, as the full translation makes it, and the entries of its
     /// claims.
     fn service_record(
         &self,
         key: &Key,
-        objects: &[&Service],
-        slices: &mut SliceEndpoints<'_>,
+        service: &k8s_openapi::api::core::v1::Service,
+        tracker: &ChangeTracker,
         node: &NodeContext,
     ) -> (ServiceRecord, Vec<FrontendEntry>) {
-        let versions = objects.iter().map(|service| version(*service, &service.metadata)).collect();
-        let health_check_node_ports =
-            objects.iter().filter_map(|service| health_check_node_port(service)).collect();
         let mut rejected = Vec::new();
-        let mut ports = Vec::new();
-        for service in objects {
-            match service_ports(service) {
-                Ok(service_ports) => ports.extend(service_ports),
-                Err(reason) => {
-                    rejected.push(Rejection { object: describe("Service", &service.metadata), reason })
-                }
+        let ports = match service_ports(service) {
+            Ok(ports) => ports,
+            Err(reason) => {
+                rejected.push(Rejection { object: describe("Service", &service.metadata), reason });
+                Vec::new()
             }
-        }
+        };
         let mut entries = Vec::new();
-        if ports.is_empty() {
-            return (
-                ServiceRecord { versions, health_check_node_ports, rejected, ..ServiceRecord::default() },
-                entries,
-            );
-        }
+        // Its slices' endpoints by port; slices the model refuses add none.
         let mut endpoints: BTreeMap<ServicePortName, Vec<EndpointSpec>> = BTreeMap::new();
-        for name in self.slices_of.get(key).into_iter().flatten() {
-            for (service, by_port) in slices.take(name) {
-                if service == *key {
-                    for (port, found) in by_port {
-                        endpoints.entry(port).or_default().extend(found);
-                    }
+        for name in tracker.slices_of(key) {
+            let Some(slice) = tracker.slice(name) else { continue };
+            if let Ok(by_port) = slice_endpoints(slice, node) {
+                for (port, found) in by_port {
+                    endpoints.entry(port).or_default().extend(found);
                 }
             }
         }
+        let health_check =
+            health_check_node_port(service).filter(|_| identity(&service.metadata).is_ok()).map(|port| {
+                HealthCheck { port, local_endpoints: local_ready_addresses(endpoints.values().flatten()) }
+            });
+        if ports.is_empty() {
+            return (ServiceRecord { health_check, rejected, ..ServiceRecord::default() }, entries);
+        }
+        let mut ports = ports;
         ports.sort_by(|a, b| a.name.cmp(&b.name));
         let (mut claims, mut cluster_ips, mut listed) = (Vec::new(), Vec::new(), Vec::new());
         let mut on_node_addresses = false;
@@ -406,8 +267,7 @@ impl Translator {
             }
         }
         let record = ServiceRecord {
-            versions,
-            health_check_node_ports,
+            health_check,
             on_node_addresses,
             claims: claims.into_boxed_slice(),
             cluster_ips: cluster_ips.into_boxed_slice(),
@@ -417,7 +277,12 @@ impl Translator {
         (record, entries)
     }
 
-    fn withdraw(&mut self, record: &ServiceRecord, before: &mut Before) {
+    fn withdraw(&mut self, key: &Key, record: &ServiceRecord, before: &mut Before) {
+        let name = service_name(key);
+        let old = self.state.health_checks.remove(&name);
+        if before.track {
+            before.health_checks.entry(name).or_insert(old);
+        }
         for (frontend, order) in &record.claims {
             before.frontend(*frontend, &self.state);
             let Some(claims) = self.claims.get_mut(frontend) else { continue };
@@ -448,7 +313,20 @@ impl Translator {
         }
     }
 
-    fn contribute(&mut self, record: &ServiceRecord, entries: Vec<FrontendEntry>, before: &mut Before) {
+    fn contribute(
+        &mut self,
+        key: &Key,
+        record: &ServiceRecord,
+        entries: Vec<FrontendEntry>,
+        before: &mut Before,
+    ) {
+        let name = service_name(key);
+        if before.track {
+            before.health_checks.entry(name.clone()).or_insert(None);
+        }
+        if let Some(check) = record.health_check {
+            self.state.health_checks.insert(name, check);
+        }
         for ((frontend, order), entry) in record.claims.iter().zip(entries) {
             before.frontend(*frontend, &self.state);
             // Nearly every frontend has one claim: room for exactly one.
@@ -499,6 +377,8 @@ impl Translator {
         }
         changes.classifiers =
             before.cluster_ips.iter().any(|(ip, was)| *was != self.state.cluster_ips.contains(ip));
+        changes.health_checks =
+            before.health_checks.iter().any(|(name, was)| was.as_ref() != self.state.health_checks.get(name));
         changes
     }
 }
@@ -542,55 +422,8 @@ fn release<T: Ord + std::hash::Hash + Copy>(
     }
 }
 
-/// Where a service's record finds the endpoints of its slices: parsed in this translation
-/// if they changed, else parsed again from the snapshot.
-struct SliceEndpoints<'a> {
-    parsed: HashMap<Key, ParsedSlices>,
-    groups: &'a Groups<'a, EndpointSlice>,
-    node: &'a NodeContext,
-}
-
-impl SliceEndpoints<'_> {
-    /// The slices of one name. Taken: a name's slices nearly always belong to one service,
-    /// and another service that needs them parses them again.
-    fn take(&mut self, name: &Key) -> ParsedSlices {
-        self.parsed.remove(name).unwrap_or_else(|| {
-            let objects = self.groups.get(&(&*name.0, &*name.1)).map(Vec::as_slice).unwrap_or_default();
-            parse_slices(objects, self.node).0
-        })
-    }
-}
-
-/// The record of the slices of one name, and their endpoints.
-fn slice_record(objects: &[&EndpointSlice], node: &NodeContext) -> (SliceRecord, ParsedSlices) {
-    let (parsed, rejected) = parse_slices(objects, node);
-    let record = SliceRecord {
-        versions: objects.iter().map(|slice| version(*slice, &slice.metadata)).collect(),
-        services: parsed.iter().map(|(service, _)| service.clone()).collect(),
-        rejected,
-    };
-    (record, parsed)
-}
-
-/// Parses the slices of one name; `node` decides which endpoints are local.
-fn parse_slices(objects: &[&EndpointSlice], node: &NodeContext) -> (ParsedSlices, Vec<Rejection>) {
-    let mut parsed = Vec::new();
-    let mut rejected = Vec::new();
-    for slice in objects {
-        match slice_endpoints(slice, node) {
-            Ok(by_port) => {
-                // A usable slice has the label; its namespace is the services'.
-                let service = slice.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL));
-                if let Some(service) = service {
-                    parsed.push(((key_of(&slice.metadata).0.to_owned(), service.clone()), by_port));
-                }
-            }
-            Err(reason) => {
-                rejected.push(Rejection { object: describe("EndpointSlice", &slice.metadata), reason })
-            }
-        }
-    }
-    (parsed, rejected)
+fn service_name((namespace, name): &Key) -> ServiceName {
+    ServiceName { namespace: namespace.clone(), name: name.clone() }
 }
 
 #[cfg(test)]

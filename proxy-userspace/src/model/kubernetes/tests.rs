@@ -690,3 +690,56 @@ fn service_cidr_objects_replace_the_flags_range() {
     assert_eq!(rejected.len(), 1);
     assert!(rejected[0].to_string().starts_with("ServiceCIDR bad: spec.cidrs[1]"), "{}", rejected[0]);
 }
+
+/// The health checks are part of the desired state: eTP:Local load balancers with a
+/// healthCheckNodePort, each with its distinct ready endpoints on this node, by the model's
+/// own reading of the conditions (an unset `ready` is ready).
+#[test]
+fn health_checks_count_distinct_ready_local_endpoints() {
+    let local_lb = |port: u16| {
+        json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local", "healthCheckNodePort": port,
+               "clusterIP": "10.96.0.50", "ports": [{"port": 80, "nodePort": port + 100}]})
+    };
+    let services = [
+        service("lb", local_lb(32000)),
+        service("empty", local_lb(32001)),
+        service(
+            "cluster",
+            json!({"type": "LoadBalancer", "externalTrafficPolicy": "Cluster", "healthCheckNodePort": 32002}),
+        ),
+        service(
+            "nodeport",
+            json!({"type": "NodePort", "externalTrafficPolicy": "Local", "healthCheckNodePort": 32003}),
+        ),
+        service("noport", json!({"type": "LoadBalancer", "externalTrafficPolicy": "Local"})),
+    ];
+    let endpoints = |list: serde_json::Value| json!({"endpoints": list, "ports": [{"port": 80}]});
+    let slices = [
+        slice(
+            "lb-a",
+            "lb",
+            endpoints(json!([
+                {"addresses": ["10.0.0.1"], "nodeName": "node-a"},
+                {"addresses": ["10.0.0.2"], "nodeName": "node-a", "conditions": {"ready": true}},
+                {"addresses": ["10.0.0.3"], "nodeName": "node-a", "conditions": {"ready": false}},
+                {"addresses": ["10.0.0.4"], "nodeName": "other"},
+            ])),
+        ),
+        // The same endpoint in a second slice (another port) counts once.
+        slice(
+            "lb-b",
+            "lb",
+            json!({"endpoints": [{"addresses": ["10.0.0.1"], "nodeName": "node-a"}], "ports": [{"port": 81}]}),
+        ),
+        slice("empty-a", "empty", endpoints(json!([{"addresses": ["10.0.0.5"], "nodeName": "other"}]))),
+    ];
+    let checks = translate(&services, &slices).state.health_checks;
+    let name = |name: &str| ServiceName { namespace: "ns".into(), name: name.into() };
+    assert_eq!(
+        checks,
+        BTreeMap::from([
+            (name("empty"), HealthCheck { port: 32001, local_endpoints: 0 }),
+            (name("lb"), HealthCheck { port: 32000, local_endpoints: 2 }),
+        ])
+    );
+}

@@ -4,10 +4,10 @@
 //! at once: one object vipr cannot decode would fail the entire list (and the watcher would
 //! retry it forever), or its watch event would be lost without a trace. [`Decoded`] accepts
 //! any JSON value and decodes it into `K` itself. An object that does not decode is kept by
-//! its identity only, so the reflector store still tracks it — a later fix or deletion
-//! replaces it — and the snapshot reports it instead of silently leaving it out.
+//! its identity only, and sent under its key, so the agent's change tracker reports it
+//! instead of silently leaving it out, until a later fix or deletion replaces it.
 //!
-//! A decoded object is [`Slim`]med before the store keeps it.
+//! A decoded object is [`Slim`]med before it is sent.
 use k8s_openapi::{
     api::{
         core::v1::{Node, Service},
@@ -30,8 +30,8 @@ pub enum Decoded<K> {
     },
 }
 
-/// Drops what the API server sends and vipr never reads. The stores hold every Service and
-/// EndpointSlice of the cluster, and each snapshot a copy of them; in the API server's
+/// Drops what the API server sends and vipr never reads. The agent's change tracker holds
+/// every Service and EndpointSlice of the cluster; in the API server's
 /// objects, managed fields (a JSON tree per field manager), `kubectl apply`'s copy of the
 /// whole object and each endpoint's pod reference take half of it (a Service written by
 /// `kubectl apply` and its controller's slice of 10 endpoints: 23 KB decoded, 12 KB slimmed).

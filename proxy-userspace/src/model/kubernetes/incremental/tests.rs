@@ -1,8 +1,14 @@
-//! The incremental translator against the full one, over random sequences of changes.
+//! The incremental translator against the full one, over random sequences of events.
+use std::time::SystemTime;
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use serde_json::{json, Value};
 
 use super::*;
-use crate::model::kubernetes::desired_state;
+use crate::model::{
+    changes::{Kind, Object},
+    kubernetes::{desired_state, SERVICE_NAME_LABEL},
+};
 
 /// xorshift64: reproducible without a dependency.
 struct Random(u64);
@@ -162,18 +168,105 @@ fn random_node(random: &mut Random) -> NodeContext {
     }
 }
 
-/// Replaces, adds (possibly a second object of a name already there) or deletes one object.
-fn change<T>(random: &mut Random, objects: &mut Vec<T>, make: impl FnOnce(&mut Random) -> T) {
-    match random.below(4) {
-        0 if !objects.is_empty() => {
-            let index = random.below(objects.len());
-            objects.remove(index);
+/// A random object of a random kind.
+fn random_object(random: &mut Random, version: &mut u64) -> Object {
+    if random.chance(45) {
+        Object::Service(random_service(random, version))
+    } else {
+        Object::EndpointSlice(random_slice(random, version))
+    }
+}
+
+/// The keys the tracker holds of `kind`.
+fn held(tracker: &ChangeTracker, kind: Kind) -> Vec<Key> {
+    let mut keys: Vec<Key> = match kind {
+        Kind::Service => tracker.service_keys().cloned().collect(),
+        _ => tracker.slice_keys().cloned().collect(),
+    };
+    keys.sort();
+    keys
+}
+
+/// The current objects of `kind` as a relist returns them.
+fn listed(tracker: &ChangeTracker, kind: Kind) -> Vec<Object> {
+    match kind {
+        Kind::Service => tracker.services_sorted().into_iter().map(Object::Service).collect(),
+        _ => tracker.slices_sorted().into_iter().map(Object::EndpointSlice).collect(),
+    }
+}
+
+/// One step of a source: a few applies and deletes in random order (a reordered watch), an
+/// object deleted and created again (another uid), a repeated event, or a relist with or
+/// without changes.
+fn random_events(random: &mut Random, version: &mut u64, tracker: &mut ChangeTracker) {
+    let kind = *random.pick(&[Kind::Service, Kind::EndpointSlice]);
+    match random.below(10) {
+        0..=4 => {
+            let mut batch: Vec<Option<Object>> =
+                (0..1 + random.below(3)).map(|_| Some(random_object(random, version))).collect();
+            // Deletions among them, then the batch in random order.
+            for _ in 0..random.below(2) {
+                let keys = held(tracker, kind);
+                if !keys.is_empty() {
+                    let key = random.pick(&keys).clone();
+                    tracker.delete(kind, &key);
+                }
+            }
+            while !batch.is_empty() {
+                let index = random.below(batch.len());
+                if let Some(object) = batch.swap_remove(index) {
+                    tracker.apply(object);
+                }
+            }
         }
-        1 if !objects.is_empty() => {
-            let index = random.below(objects.len());
-            objects[index] = make(random);
+        5 => {
+            // Deleted and created again under the same name, with a new uid.
+            let keys = held(tracker, kind);
+            if keys.is_empty() {
+                return;
+            }
+            let key = random.pick(&keys).clone();
+            let Some(mut object) = listed(tracker, kind).into_iter().find(|object| object.key() == key)
+            else {
+                return;
+            };
+            tracker.delete(kind, &key);
+            *version += 1;
+            let metadata = match &mut object {
+                Object::Service(service) => &mut service.metadata,
+                Object::EndpointSlice(slice) => &mut slice.metadata,
+                _ => unreachable!(),
+            };
+            if metadata.resource_version.is_some() {
+                metadata.resource_version = Some(version.to_string());
+                metadata.uid = Some(format!("uid-{version}"));
+            }
+            tracker.apply(object);
         }
-        _ => objects.push(make(random)),
+        6 => {
+            // The same event again (a watch resumed from an older resourceVersion).
+            if let Some(object) = listed(tracker, kind).into_iter().next() {
+                assert!(!tracker.apply(object), "a repeated event changes nothing");
+            }
+        }
+        7 => {
+            // A relist of what is there: no change.
+            assert!(!tracker.list(kind, listed(tracker, kind)), "an unchanged relist changes nothing");
+        }
+        _ => {
+            // A relist after missed events: one object gone, another new or changed.
+            let mut objects = listed(tracker, kind);
+            if !objects.is_empty() && random.chance(70) {
+                let index = random.below(objects.len());
+                objects.remove(index);
+            }
+            let new = random_object(random, version);
+            if new.kind() == kind {
+                objects.retain(|object| object.key() != new.key());
+                objects.push(new);
+            }
+            tracker.list(kind, objects);
+        }
     }
 }
 
@@ -184,24 +277,27 @@ fn sorted(rejected: Vec<Rejection>) -> Vec<String> {
 }
 
 #[test]
-fn incremental_translation_equals_the_full_one_and_reports_every_change() {
-    for seed in 1..=60u64 {
+fn incremental_translation_equals_the_full_one_over_event_sequences() {
+    for seed in 1..=80u64 {
         let mut random = Random(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mut version = 0;
-        let mut services = Vec::new();
-        let mut slices = Vec::new();
+        let mut tracker = ChangeTracker::new(SystemTime::UNIX_EPOCH);
         let mut node = random_node(&mut random);
         let mut translator = Translator::new();
         let mut previous = DesiredState::default();
         let mut generation = None;
-        for step in 0..50 {
-            match random.below(10) {
-                0..=3 => change(&mut random, &mut services, |r| random_service(r, &mut version)),
-                4..=8 => change(&mut random, &mut slices, |r| random_slice(r, &mut version)),
-                _ => node = random_node(&mut random),
+        for step in 0..60 {
+            if random.chance(8) {
+                // A Node change: a new node context.
+                node = random_node(&mut random);
+            } else {
+                for _ in 0..1 + random.below(2) {
+                    random_events(&mut random, &mut version, &mut tracker);
+                }
             }
-            let changes = translator.translate(&services, &slices, &node);
-            let full = desired_state(&services, &slices, &node);
+            let dirty = tracker.take_dirty();
+            let changes = translator.translate(&tracker, dirty, &node);
+            let full = desired_state(&tracker.services_sorted(), &tracker.slices_sorted(), &node);
             let context = format!("seed {seed}, step {step}");
             assert_eq!(translator.state(), &full.state, "{context}");
             assert_eq!(sorted(translator.rejected()), sorted(full.rejected), "{context}");
@@ -221,6 +317,9 @@ fn incremental_translation_equals_the_full_one_and_reports_every_change() {
                 if changes.classifiers {
                     previous.cluster_ips = full.state.cluster_ips.clone();
                 }
+                if changes.health_checks {
+                    previous.health_checks = full.state.health_checks.clone();
+                }
                 assert_eq!(previous, full.state, "{context}: {changes:?}");
             }
             previous = full.state;
@@ -230,22 +329,28 @@ fn incremental_translation_equals_the_full_one_and_reports_every_change() {
 }
 
 #[test]
-fn an_unchanged_snapshot_changes_nothing_and_one_slice_changes_its_service_only() {
+fn nothing_dirty_changes_nothing_and_one_slice_changes_its_service_only() {
     let mut random = Random(7);
     let mut version = 0;
     let node = random_node(&mut random);
-    let services: Vec<Service> = (0..4)
+    let mut tracker = ChangeTracker::new(SystemTime::UNIX_EPOCH);
+    let services: Vec<Object> = (0..4)
         .map(|i| {
             let mut service = random_service(&mut random, &mut version);
             service.metadata.name = Some(format!("s{i}"));
             service.metadata.namespace = Some("a".into());
             service.spec.as_mut().unwrap().cluster_ips = Some(vec![format!("10.96.1.{i}")]);
-            service
+            Object::Service(service)
         })
         .collect();
+    tracker.list(Kind::Service, services.clone());
     let mut translator = Translator::new();
-    assert_eq!(translator.translate(&services, &[], &node).since, None);
-    let unchanged = translator.translate(&services, &[], &node);
+    let dirty = tracker.take_dirty();
+    assert_eq!(translator.translate(&tracker, dirty, &node).since, None);
+    // A relist of the same objects marks nothing.
+    assert!(!tracker.list(Kind::Service, services));
+    let dirty = tracker.take_dirty();
+    let unchanged = translator.translate(&tracker, dirty, &node);
     assert_eq!(unchanged.since, Some(1));
     assert!(unchanged.frontends.is_empty() && !unchanged.classifiers, "{unchanged:?}");
 
@@ -257,7 +362,10 @@ fn an_unchanged_snapshot_changes_nothing_and_one_slice_changes_its_service_only(
         "ports": [{"name": "http", "port": 8080}, {"name": "", "port": 8080}, {"name": "dns", "port": 5353, "protocol": "UDP"}],
     }))
     .unwrap();
-    let changes = translator.translate(&services, std::slice::from_ref(&slice), &node);
+    tracker.apply(Object::EndpointSlice(slice));
+    let dirty = tracker.take_dirty();
+    assert_eq!(dirty.services, [("a".to_owned(), "s2".to_owned())].into());
+    let changes = translator.translate(&tracker, dirty, &node);
     assert!(!changes.frontends.is_empty(), "{changes:?}");
     assert!(changes.frontends.iter().all(|f| translator.state().frontends[f].service.name == "s2"));
     assert!(!changes.classifiers);
