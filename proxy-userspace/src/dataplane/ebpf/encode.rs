@@ -532,7 +532,7 @@ mod tests {
         assert_eq!(needs.fixed[0][MapKind::Unmatched as usize] + 1, admitted.v4.unmatched.len() as u64);
 
         let tight = capacity::Capacity::new([[100, 100, 100, 1, 100], [100, 100, 100, 100, 100]]);
-        let refused = capacity::admit(&needs, &tight, &BTreeSet::new());
+        let refused = capacity::admit(&needs, &tight, BTreeSet::new);
         assert!(refused.services["ns/web"].contains("entries of vipr_srcr4_v1"), "{refused:?}");
         let wanted = encode_admitted(
             &state,

@@ -87,6 +87,8 @@ pub struct EbpfDataplane {
     /// The maps' capacities, and the Services refused because they do not fit them (see
     /// [`capacity`]); decided again when the state changes.
     capacity: Capacity,
+    /// What each Service needs of the maps, counted again only for the Services that change.
+    needs: capacity::NeedsTracker,
     refused: Refused,
     /// Services whose entries the kernel refused to store (`namespace/name` → reason): kept as
     /// they were until the state changes, then tried again.
@@ -265,6 +267,7 @@ impl EbpfDataplane {
             service_ids,
             balancing: options.balancing,
             capacity,
+            needs: capacity::NeedsTracker::default(),
             refused: Refused::default(),
             write_refused: BTreeMap::new(),
             host_traffic,
@@ -346,20 +349,26 @@ impl EbpfDataplane {
     }
 
     /// The Services of `state` that do not fit the maps; those with entries in the maps
-    /// already keep their room.
-    fn admit(&self, state: &DesiredState) -> Refused {
-        let needs = capacity::needs(state, self.balancing);
-        let programmed: BTreeSet<(std::net::IpAddr, u16, u8)> =
-            self.v4.programmed_frontends().chain(self.v6.programmed_frontends()).collect();
-        let programmed: BTreeSet<String> = state
-            .frontends
-            .iter()
-            .filter(|(frontend, _)| {
-                programmed.contains(&(frontend.ip, frontend.port, encode::ip_protocol(frontend.protocol)))
-            })
-            .map(|(_, entry)| capacity::service_name(&entry.service))
-            .collect();
-        capacity::admit(&needs, &self.capacity, &programmed)
+    /// already keep their room. `changes`: what changed since the state last counted, or
+    /// `None` to count everything.
+    fn admit(&mut self, state: &DesiredState, changes: Option<&StateChanges>) -> Refused {
+        match changes {
+            Some(changes) => self.needs.update(state, &changes.frontends, self.balancing),
+            None => self.needs.rebuild(state, self.balancing),
+        }
+        let (v4, v6) = (&self.v4, &self.v6);
+        capacity::admit(self.needs.needs(), &self.capacity, || {
+            let programmed: BTreeSet<(std::net::IpAddr, u16, u8)> =
+                v4.programmed_frontends().chain(v6.programmed_frontends()).collect();
+            state
+                .frontends
+                .iter()
+                .filter(|(frontend, _)| {
+                    programmed.contains(&(frontend.ip, frontend.port, encode::ip_protocol(frontend.protocol)))
+                })
+                .map(|(_, entry)| capacity::service_name(&entry.service))
+                .collect()
+        })
     }
 }
 
@@ -500,7 +509,7 @@ impl Dataplane for EbpfDataplane {
             if !std::mem::take(&mut self.write_refused).is_empty() {
                 incremental = false;
             }
-            let mut refused = self.admit(state);
+            let mut refused = self.admit(state, incremental.then_some(changes));
             if !refused.services.keys().eq(self.refused.services.keys())
                 || refused.cluster_ips != self.refused.cluster_ips
             {
