@@ -569,6 +569,42 @@ fn icmp_errors_and_fragments_cross_the_vip() {
     assert!(echoed == sent, "the echo came back as {} bytes, not the 4000 sent", echoed.len());
 }
 
+/// After the first sync the agent records a sync's changes in the record's journal, not the
+/// whole state: `vipr inspect drift` replays it, so each endpoint change still finds no drift.
+#[test]
+fn inspect_drift_follows_syncs_that_changed_a_few_entries() {
+    let mut lab = running_lab("e2e-drift-journal");
+    let record = vipr::dataplane::ebpf::record::path(
+        std::path::Path::new(vipr::inspect::DEFAULT_STATE_DIR),
+        lab.bpf_root(),
+    );
+    let mut journal = record.into_os_string();
+    journal.push(".journal");
+    let no_drift = |lab: &Lab, moment: &str| {
+        testbed::wait_for(&format!("no drift {moment}"), Duration::from_secs(10), || {
+            let (code, stdout, stderr) = run_inspect(lab, &["drift"]);
+            Ok(match code {
+                Some(0) => Check::Done(()),
+                other => Check::NotYet(format!("exit {other:?}: {stdout}{stderr}")),
+            })
+        })
+        .unwrap();
+    };
+    no_drift(&lab, "after the first sync");
+    for endpoints in [&["b1", "b2"][..], &["b2"], &["b1", "b3"]] {
+        lab.set_services(vec![web_service(endpoints)]).unwrap();
+        let wanted: BTreeSet<String> = endpoints.iter().map(|name| name.to_string()).collect();
+        testbed::wait_for("the change to be served", Duration::from_secs(10), || {
+            let reached = backends_reached(&lab, http(), CONNECTIONS);
+            Ok(if reached == wanted { Check::Done(()) } else { Check::NotYet(format!("{reached:?}")) })
+        })
+        .unwrap();
+        no_drift(&lab, &format!("with endpoints {endpoints:?}"));
+    }
+    let journaled = std::fs::metadata(&journal).map_or(0, |metadata| metadata.len());
+    assert!(journaled > 0, "the changes were not journaled: {} is empty", journal.to_string_lossy());
+}
+
 #[test]
 fn inspect_drift_is_empty_when_synced_and_names_entries_changed_behind_the_agent() {
     use aya::maps::{HashMap, Map, MapData};

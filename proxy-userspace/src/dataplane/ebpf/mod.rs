@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 use self::{
     capacity::{Capacity, Refused},
     counters::{CounterIds, CounterMap, DatapathCollector, FlowMetrics, StatsMap},
-    encode::{encode_admitted, encode_changes, ServiceIds, Wanted},
+    encode::{encode_admitted, encode_changes, ServiceIds, Touched, Wanted},
     family::{Family, V4, V6},
     family_maps::FamilyMaps,
 };
@@ -109,7 +109,7 @@ pub struct EbpfDataplane {
     collector: Option<Arc<DatapathCollector>>,
     /// Where the entries the maps should hold are recorded after a sync that changed them,
     /// for `vipr inspect drift`; `None`: not recorded.
-    record: Option<PathBuf>,
+    record: Option<record::Recorder>,
     /// The encoding changed since the record was last written.
     record_stale: bool,
     /// An earlier vipr's programs still serve (its maps had other layouts or sizes): the
@@ -320,19 +320,36 @@ impl EbpfDataplane {
     /// Records the entries the maps should hold in the file `path` after every sync that
     /// changes them (see [`record`]).
     pub fn record_desired_state(&mut self, path: PathBuf) {
-        self.record = Some(path);
+        self.record = Some(record::Recorder::new(path, self.pin_dir.path()));
         self.record_stale = true;
     }
 
-    fn write_record(&mut self) {
-        let Some(path) = &self.record else { return };
+    /// Records what the sync changed: the entries of the services-map keys it `touched` (and
+    /// the classifiers when they changed) appended to the record's journal, or, after a full
+    /// sync or when the journal has grown as large as the record, the whole record.
+    fn write_record(&mut self, touched: Option<&(Touched<V4>, Touched<V6>)>, classifiers: bool) {
+        let Some(recorder) = &mut self.record else { return };
         if !self.record_stale {
             return;
         }
-        let entries = record::Entries::wanted(&self.wanted);
-        match record::write(path, self.pin_dir.path(), &entries) {
+        let appended = match touched {
+            Some((v4, v6)) if recorder.has_record() => recorder.append(record::Delta::of(
+                &self.wanted,
+                &v4.keys,
+                &v6.keys,
+                classifiers || v4.source_ranges || v6.source_ranges,
+            )),
+            _ => Ok(false),
+        };
+        let written = match appended {
+            Ok(true) => Ok(()),
+            Ok(false) => recorder.write_whole(&record::Entries::wanted(&self.wanted)),
+            Err(error) => Err(error),
+        };
+        match written {
             Ok(()) => self.record_stale = false,
-            // `vipr inspect drift` then compares with an older record; the datapath is fine.
+            // `vipr inspect drift` then compares with an older record until the next whole
+            // one; the datapath is fine.
             Err(error) => warn!("cannot record the desired state: {error:#}"),
         }
     }
@@ -613,7 +630,7 @@ impl Dataplane for EbpfDataplane {
         if report.is_complete() {
             self.synced = Some(changes.generation);
         }
-        self.write_record();
+        self.write_record(touched.as_ref(), changes.classifiers);
         debug!(%report, incremental, "ebpf sync");
         self.switch_after(&report)?;
         Ok(report)

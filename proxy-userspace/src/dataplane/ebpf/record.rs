@@ -5,9 +5,12 @@
 //!
 //! The record is written whole to a temporary file and renamed over the previous one, so a
 //! reader sees one sync's record or the next, never half of one; and it lives outside the
-//! agent, so `vipr inspect` compares while the agent is stopped too.
+//! agent, so `vipr inspect` compares while the agent is stopped too. A sync that changed a few
+//! entries appends only those to the record's journal ([`Recorder`]), so that recording costs
+//! what the sync changed, not the whole state; the record is written whole again when the
+//! journal has grown as large as it.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fmt,
     io::Write as _,
     net::SocketAddr,
@@ -23,6 +26,7 @@ use super::{
     encode::{FamilyWanted, LpmKey, Wanted},
     family::{Family, V4, V6},
     mirror::KeyedMap as _,
+    plan::WantedService,
 };
 
 /// The record of the datapath pinned under `bpf_root`, in the state directory
@@ -41,7 +45,7 @@ pub fn path(state_dir: &Path, bpf_root: &Path) -> PathBuf {
 }
 
 /// Bumped when the record's layout changes: an older record is refused, not misread.
-const FORMAT: u32 = 1;
+const FORMAT: u32 = 2;
 
 /// What the agent meant the maps under `pin_dir` to hold.
 #[derive(Debug, Serialize, Deserialize)]
@@ -51,7 +55,131 @@ pub struct Record {
     pub pin_dir: PathBuf,
     /// The sync that wrote them, in seconds since the epoch.
     pub written_unix_seconds: u64,
+    /// Names this record for its journal: lines written for another one are ignored.
+    pub base: u64,
     pub entries: Entries,
+}
+
+/// One line of a record's journal: the entries one sync changed.
+#[derive(Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delta {
+    /// The record ([`Record::base`]) this line follows.
+    pub base: u64,
+    /// Services-map entries written (`Some`) or deleted (`None`).
+    pub services: BTreeMap<String, Option<ServiceEntry>>,
+    /// The classification and filter maps, whole, when they changed.
+    pub classifiers: Option<BTreeMap<String, BTreeMap<String, u8>>>,
+}
+
+impl Delta {
+    /// The entries of `wanted` under the services-map keys `v4` and `v6` (a key `wanted` no
+    /// longer has is a deletion), and the classifiers when `classifiers` changed.
+    pub fn of(
+        wanted: &Wanted,
+        v4: &BTreeSet<<V4 as Family>::ServiceKey>,
+        v6: &BTreeSet<<V6 as Family>::ServiceKey>,
+        classifiers: bool,
+    ) -> Self {
+        let mut delta = Self::default();
+        delta.add_services(&wanted.v4, v4);
+        delta.add_services(&wanted.v6, v6);
+        if classifiers {
+            let mut entries = Entries::default();
+            entries.add_classifiers(&wanted.v4);
+            entries.add_classifiers(&wanted.v6);
+            delta.classifiers = Some(entries.classifiers);
+        }
+        delta
+    }
+
+    fn add_services<F: Family>(&mut self, wanted: &FamilyWanted<F>, keys: &BTreeSet<F::ServiceKey>) {
+        for key in keys {
+            let entry = wanted.services.get(key).map(|service| service_entry::<F>(key, service).1);
+            self.services.insert(service_key_name::<F>(key, F::source_class(key)), entry);
+        }
+    }
+
+    fn apply(self, entries: &mut Entries) {
+        for (key, entry) in self.services {
+            match entry {
+                Some(entry) => entries.services.insert(key, entry),
+                None => entries.services.remove(&key),
+            };
+        }
+        if let Some(classifiers) = self.classifiers {
+            entries.classifiers = classifiers;
+        }
+    }
+}
+
+/// Writes the record of one pin directory: whole, or a sync's [`Delta`] appended to its
+/// journal.
+#[derive(Debug)]
+pub struct Recorder {
+    path: PathBuf,
+    pin_dir: PathBuf,
+    /// The record on disk that the journal follows; `None`: the next write is whole.
+    base: Option<u64>,
+    record_bytes: u64,
+    journal_bytes: u64,
+}
+
+/// The journal is never let grow past this, however small the record.
+const JOURNAL_MIN_LIMIT: u64 = 1 << 20;
+
+impl Recorder {
+    pub fn new(path: PathBuf, pin_dir: &Path) -> Self {
+        Self { path, pin_dir: pin_dir.to_owned(), base: None, record_bytes: 0, journal_bytes: 0 }
+    }
+
+    /// Whether [`Self::append`] can be used (a record this recorder wrote is there).
+    pub fn has_record(&self) -> bool {
+        self.base.is_some()
+    }
+
+    /// Writes `entries` as the record, whole, and starts its journal anew.
+    pub fn write_whole(&mut self, entries: &Entries) -> anyhow::Result<()> {
+        self.base = None;
+        let base = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_nanos() as u64);
+        self.record_bytes = write(&self.path, &self.pin_dir, base, entries)?;
+        let journal = journal_path(&self.path);
+        std::fs::File::create(&journal).with_context(|| format!("cannot empty {}", journal.display()))?;
+        self.journal_bytes = 0;
+        self.base = Some(base);
+        Ok(())
+    }
+
+    /// Appends `delta` to the journal; `Ok(false)` when the journal would outgrow the record
+    /// (the caller then writes the record whole).
+    pub fn append(&mut self, mut delta: Delta) -> anyhow::Result<bool> {
+        let Some(base) = self.base else { return Ok(false) };
+        delta.base = base;
+        let mut line = serde_json::to_vec(&delta).context("cannot encode a record's journal line")?;
+        line.push(b'\n');
+        if self.journal_bytes + line.len() as u64 > self.record_bytes.max(JOURNAL_MIN_LIMIT) {
+            return Ok(false);
+        }
+        let journal = journal_path(&self.path);
+        let appended = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&journal)
+            .and_then(|mut file| file.write_all(&line));
+        if let Err(error) = appended {
+            // What was written of the line is ignored by readers; the next write is whole.
+            self.base = None;
+            return Err(error).with_context(|| format!("cannot append to {}", journal.display()));
+        }
+        self.journal_bytes += line.len() as u64;
+        Ok(true)
+    }
+}
+
+fn journal_path(record: &Path) -> PathBuf {
+    let mut path = record.as_os_str().to_owned();
+    path.push(".journal");
+    PathBuf::from(path)
 }
 
 /// Every entry vipr writes, keyed readably: the services maps' entries with their backends in
@@ -148,6 +276,25 @@ fn service_key_name<F: Family>(key: &F::ServiceKey, class: u8) -> String {
     format!("{} {} from {}", protocol_name(protocol), SocketAddr::new(ip, port), source_name(class))
 }
 
+/// A services-map entry as the record keys and holds it.
+fn service_entry<F: Family>(key: &F::ServiceKey, service: &WantedService<F>) -> (String, ServiceEntry) {
+    let backends = service
+        .backends
+        .iter()
+        .map(|backend| {
+            let (ip, port, _counter) = F::backend_parts(backend);
+            SocketAddr::new(ip, port)
+        })
+        .collect();
+    let entry = ServiceEntry {
+        service_id: service.service_id,
+        flags: service.flags,
+        affinity_timeout: service.affinity_timeout,
+        backends,
+    };
+    (service_key_name::<F>(key, F::source_class(key)), entry)
+}
+
 fn prefix_name<F: Family>((bits, addr): &LpmKey<F::Addr>) -> String {
     format!("{}/{bits}", F::ip(addr))
 }
@@ -168,25 +315,11 @@ impl Entries {
     }
 
     fn add_wanted<F: Family>(&mut self, wanted: &FamilyWanted<F>) {
-        for (key, service) in &wanted.services {
-            let backends = service
-                .backends
-                .iter()
-                .map(|backend| {
-                    let (ip, port, _counter) = F::backend_parts(backend);
-                    SocketAddr::new(ip, port)
-                })
-                .collect();
-            self.services.insert(
-                service_key_name::<F>(key, F::source_class(key)),
-                ServiceEntry {
-                    service_id: service.service_id,
-                    flags: service.flags,
-                    affinity_timeout: service.affinity_timeout,
-                    backends,
-                },
-            );
-        }
+        self.services.extend(wanted.services.iter().map(|(key, service)| service_entry::<F>(key, service)));
+        self.add_classifiers(wanted);
+    }
+
+    fn add_classifiers<F: Family>(&mut self, wanted: &FamilyWanted<F>) {
         let maps = F::MAPS;
         self.add_classifier(
             maps.node_ips,
@@ -340,15 +473,27 @@ fn differ<V: PartialEq>(
         .collect()
 }
 
-/// Writes the record of `entries` for `pin_dir` to `path`, whole or not at all.
-pub fn write(path: &Path, pin_dir: &Path, entries: &Entries) -> anyhow::Result<()> {
-    let record = Record {
+/// The record as written: borrows its entries.
+#[derive(Serialize)]
+struct RecordRef<'a> {
+    format: u32,
+    pin_dir: &'a Path,
+    written_unix_seconds: u64,
+    base: u64,
+    entries: &'a Entries,
+}
+
+/// Writes the record `base` of `entries` for `pin_dir` to `path`, whole or not at all;
+/// returns its size.
+fn write(path: &Path, pin_dir: &Path, base: u64, entries: &Entries) -> anyhow::Result<u64> {
+    let record = RecordRef {
         format: FORMAT,
-        pin_dir: pin_dir.to_owned(),
+        pin_dir,
         written_unix_seconds: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |since| since.as_secs()),
-        entries: entries.clone(),
+        base,
+        entries,
     };
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -356,13 +501,16 @@ pub fn write(path: &Path, pin_dir: &Path, entries: &Entries) -> anyhow::Result<(
     let mut temporary = path.as_os_str().to_owned();
     temporary.push(".tmp");
     let temporary = PathBuf::from(temporary);
-    let written = std::fs::File::create(&temporary).and_then(|mut file| {
+    let written = std::fs::File::create(&temporary).and_then(|file| {
+        let mut file = std::io::BufWriter::new(file);
         serde_json::to_writer(&mut file, &record)?;
         file.write_all(b"\n")?;
-        file.sync_all()
+        let file = file.into_inner().map_err(|error| error.into_error())?;
+        file.sync_all()?;
+        file.metadata().map(|metadata| metadata.len())
     });
     written
-        .and_then(|()| std::fs::rename(&temporary, path))
+        .and_then(|size| std::fs::rename(&temporary, path).map(|()| size))
         .with_context(|| format!("cannot write {}", path.display()))
 }
 
@@ -379,6 +527,17 @@ pub fn read(path: &Path) -> anyhow::Result<Record> {
         path.display(),
         record.format
     );
+    let mut record = record;
+    // The journal's lines that follow this record, up to the first that is not whole (an
+    // agent stopped mid-write).
+    if let Ok(journal) = std::fs::read(journal_path(path)) {
+        for line in journal.split(|byte| *byte == b'\n').filter(|line| !line.is_empty()) {
+            let Ok(delta) = serde_json::from_slice::<Delta>(line) else { break };
+            if delta.base == record.base {
+                delta.apply(&mut record.entries);
+            }
+        }
+    }
     Ok(record)
 }
 
@@ -446,11 +605,62 @@ mod tests {
         assert!(path.ends_with("state/ebpf-desired-state-sys-fs-bpf.json"), "{}", path.display());
         let mut entries = Entries::default();
         entries.services.insert("TCP 10.96.0.10:80 from pod".into(), entry(&["10.1.0.2:8080"]));
-        write(&path, Path::new("/sys/fs/bpf/vipr"), &entries).unwrap();
+        Recorder::new(path.clone(), Path::new("/sys/fs/bpf/vipr")).write_whole(&entries).unwrap();
         let record = read(&path).unwrap();
         assert_eq!(record.entries, entries);
         assert_eq!(record.pin_dir, Path::new("/sys/fs/bpf/vipr"));
         assert!(!path.with_extension("json.tmp").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A sync appends what it changed; the reader replays the journal over the record, stops
+    /// at a line an interrupted agent left half written, skips lines of an earlier record, and
+    /// a journal that would outgrow the record asks for a whole one.
+    #[test]
+    fn the_journal_replays_each_syncs_changes_over_the_record() {
+        let dir = std::env::temp_dir().join(format!("vipr-journal-test-{}", std::process::id()));
+        let path = dir.join("record.json");
+        let mut recorder = Recorder::new(path.clone(), Path::new("/sys/fs/bpf/vipr"));
+        let mut entries = Entries::default();
+        entries.services.insert("TCP 10.96.0.10:80 from pod".into(), entry(&["10.1.0.2:8080"]));
+        entries.services.insert("TCP 10.96.0.11:80 from pod".into(), entry(&["10.1.0.3:8080"]));
+        recorder.write_whole(&entries).unwrap();
+        let base = read(&path).unwrap().base;
+
+        let mut delta = Delta::default();
+        delta.services.insert("TCP 10.96.0.10:80 from pod".into(), Some(entry(&["10.1.0.9:8080"])));
+        delta.services.insert("TCP 10.96.0.11:80 from pod".into(), None);
+        assert!(recorder.append(delta).unwrap());
+        let classifiers = Delta {
+            classifiers: Some([(pins::NODE_IPS4.to_owned(), [("10.0.0.1".to_owned(), 1)].into())].into()),
+            ..Delta::default()
+        };
+        assert!(recorder.append(classifiers).unwrap());
+        let mut expected = Entries::default();
+        expected.services.insert("TCP 10.96.0.10:80 from pod".into(), entry(&["10.1.0.9:8080"]));
+        expected.classifiers.insert(pins::NODE_IPS4.into(), [("10.0.0.1".to_owned(), 1)].into());
+        assert_eq!(read(&path).unwrap().entries, expected);
+
+        // A line of another record, then one cut short: neither applies.
+        let stale = Delta {
+            base: base ^ 1,
+            services: [("TCP 10.96.0.12:80 from pod".into(), None)].into(),
+            classifiers: None,
+        };
+        let mut journal = std::fs::OpenOptions::new().append(true).open(journal_path(&path)).unwrap();
+        let mut line = serde_json::to_vec(&stale).unwrap();
+        line.push(b'\n');
+        journal.write_all(&line).unwrap();
+        journal.write_all(br#"{"base":1,"services":{"TCP 10.96.0.10:80"#).unwrap();
+        assert_eq!(read(&path).unwrap().entries, expected);
+
+        // Past the journal's limit the recorder refuses to append; the whole record then
+        // starts an empty journal.
+        recorder.journal_bytes = JOURNAL_MIN_LIMIT;
+        assert!(!recorder.append(Delta::default()).unwrap());
+        recorder.write_whole(&expected).unwrap();
+        assert_eq!(std::fs::metadata(journal_path(&path)).unwrap().len(), 0);
+        assert_eq!(read(&path).unwrap().entries, expected);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
