@@ -136,6 +136,9 @@ pub struct Ruleset {
     pub family: Family,
     pub chains: BTreeMap<String, Chain>,
     pub sets: BTreeMap<String, Set>,
+    /// How many services lead to each `hairpin-endpoints` element: services share endpoints,
+    /// and a partial sync deletes an element only when the last one no longer does.
+    pub hairpin_users: BTreeMap<String, usize>,
 }
 
 impl Ruleset {
@@ -272,9 +275,42 @@ fn verdict_statement(verdict: Verdict) -> &'static str {
 
 /// Builds `family`'s table for `state`.
 pub fn generate(state: &DesiredState, family: Family) -> Ruleset {
+    let addresses = nodeport_addresses(&state.frontends, family);
+    let mut ruleset = generate_services(state, &state.frontends, family, None, &addresses);
+    for ip in &addresses {
+        ruleset.element(NODEPORT_IPS, ip.to_string(), None);
+    }
+    for ip in state.cluster_ips.iter().filter(|ip| Family::of(**ip) == family) {
+        ruleset.element(CLUSTER_IPS, ip.to_string(), None);
+    }
+    ruleset
+}
+
+/// The addresses of `family` that NodePorts are served on (the `nodeport-ips` set).
+pub fn nodeport_addresses(frontends: &BTreeMap<Frontend, FrontendEntry>, family: Family) -> BTreeSet<IpAddr> {
+    frontends
+        .iter()
+        .filter(|(frontend, entry)| entry.kind == FrontendKind::NodePort && Family::of(frontend.ip) == family)
+        .map(|(frontend, _)| frontend.ip)
+        .collect()
+}
+
+/// The fixed chains and sets (of `state`'s classifiers), and the chains and elements of the
+/// `frontends` of `services` (all with `None`); NodePorts are told apart by
+/// `nodeport_addresses`, the addresses of all of them. Without `nodeport-ips` and
+/// `cluster-ips` elements: a partial sync compares the services it names alone, as they
+/// were (the frontends last programmed) and as they are wanted now.
+pub fn generate_services(
+    state: &DesiredState,
+    frontends: &BTreeMap<Frontend, FrontendEntry>,
+    family: Family,
+    services: Option<&BTreeSet<ServicePortName>>,
+    nodeport_addresses: &BTreeSet<IpAddr>,
+) -> Ruleset {
     let addr = family_name(family);
     let addr_type = address_type(family);
-    let mut ruleset = Ruleset { family, chains: BTreeMap::new(), sets: BTreeMap::new() };
+    let mut ruleset =
+        Ruleset { family, chains: BTreeMap::new(), sets: BTreeMap::new(), hairpin_users: BTreeMap::new() };
     let (classes, pod_cidr_set) = Classes::new(state, family);
 
     let key3 = format!("type {addr_type} . inet_proto . inet_service : verdict ;");
@@ -384,22 +420,83 @@ pub fn generate(state: &DesiredState, family: Family) -> Ruleset {
     );
     ruleset.chain(REJECT_CHAIN, None, vec!["reject".to_owned()]);
 
-    for ip in state.cluster_ips.iter().filter(|ip| Family::of(**ip) == family) {
-        ruleset.element(CLUSTER_IPS, ip.to_string(), None);
-    }
-
-    let mut services: BTreeMap<&ServicePortName, Vec<(&Frontend, &FrontendEntry)>> = BTreeMap::new();
-    for (frontend, entry) in &state.frontends {
-        if Family::of(frontend.ip) == family {
-            services.entry(&entry.service).or_default().push((frontend, entry));
+    let mut by_service: BTreeMap<&ServicePortName, Vec<(&Frontend, &FrontendEntry)>> = BTreeMap::new();
+    for (frontend, entry) in frontends {
+        if Family::of(frontend.ip) == family
+            && services.is_none_or(|services| services.contains(&entry.service))
+        {
+            by_service.entry(&entry.service).or_default().push((frontend, entry));
         }
     }
     let mut builder = Builder { addr, addr_type, classes, ruleset, nodeports: BTreeMap::new() };
-    for (service, frontends) in &services {
+    for (service, frontends) in &by_service {
         builder.service(service, frontends);
     }
-    builder.nodeports();
+    builder.nodeports(nodeport_addresses);
     builder.ruleset
+}
+
+/// The batch that replaces, in the kernel and in `programmed` (what it holds), the chains,
+/// sets and elements `old` generated for some services (`generate_services` of the state
+/// last programmed) by those `new` generates for them (of the state wanted now). Nothing of
+/// any other service is looked at: the cost is that of the services changed.
+pub fn replace_services(programmed: &mut Ruleset, old: &Ruleset, new: &Ruleset) -> Batch {
+    let mut before = old.clone();
+    let mut after = new.clone();
+    // Hairpin elements are shared between services: counted, and only the touched ones compared.
+    for (key, users) in &old.hairpin_users {
+        if let Some(count) = programmed.hairpin_users.get_mut(key) {
+            *count = count.saturating_sub(*users);
+            if *count == 0 {
+                programmed.hairpin_users.remove(key);
+            }
+        }
+    }
+    for (key, users) in &new.hairpin_users {
+        *programmed.hairpin_users.entry(key.clone()).or_default() += users;
+    }
+    let touched: BTreeSet<&String> = old.hairpin_users.keys().chain(new.hairpin_users.keys()).collect();
+    let held = programmed.sets.get(HAIRPIN_ENDPOINTS).map(|set| &set.elements);
+    if let Some(set) = before.sets.get_mut(HAIRPIN_ENDPOINTS) {
+        set.elements = touched
+            .iter()
+            .filter(|key| held.is_some_and(|held| held.contains_key(**key)))
+            .map(|key| ((*key).clone(), None))
+            .collect();
+    }
+    if let Some(set) = after.sets.get_mut(HAIRPIN_ENDPOINTS) {
+        set.elements = touched
+            .iter()
+            .filter(|key| programmed.hairpin_users.contains_key(**key))
+            .map(|key| ((*key).clone(), None))
+            .collect();
+    }
+    let existing = Existing {
+        chains: before.chains.keys().cloned().collect(),
+        sets: before.sets.iter().map(|(name, set)| (name.clone(), set.kind)).collect(),
+    };
+    let batch = plan(&after, Some(&before), &existing);
+
+    for name in old.chains.keys().filter(|name| !new.chains.contains_key(*name)) {
+        programmed.chains.remove(name);
+    }
+    programmed.chains.extend(new.chains.iter().map(|(name, chain)| (name.clone(), chain.clone())));
+    for name in old.sets.keys().filter(|name| !new.sets.contains_key(*name)) {
+        programmed.sets.remove(name);
+    }
+    for (name, set) in &after.sets {
+        let Some(held) = programmed.sets.get_mut(name) else {
+            programmed.sets.insert(name.clone(), set.clone());
+            continue;
+        };
+        if let Some(old_set) = before.sets.get(name) {
+            for key in old_set.elements.keys() {
+                held.elements.remove(key);
+            }
+        }
+        held.elements.extend(set.elements.iter().map(|(key, value)| (key.clone(), value.clone())));
+    }
+    batch
 }
 
 struct Builder {
@@ -538,7 +635,9 @@ impl Builder {
             self.ruleset.chain(&name, None, rules);
         }
         for backend in endpoints {
-            self.ruleset.element(HAIRPIN_ENDPOINTS, format!("{ip} . {ip}", ip = backend.ip), None);
+            let key = format!("{ip} . {ip}", ip = backend.ip);
+            *self.ruleset.hairpin_users.entry(key.clone()).or_default() += 1;
+            self.ruleset.element(HAIRPIN_ENDPOINTS, key, None);
             if let Some(seconds) = chains.affinity {
                 let spec = format!("type {} ; flags dynamic,timeout ; timeout {seconds}s ;", self.addr_type);
                 let mut set = Set::new(SetKind::Set, spec);
@@ -678,13 +777,9 @@ impl Builder {
 
     /// NodePorts: one `service-nodeports` element when a port is served alike on every
     /// NodePort address, else one `service-ips` element per address.
-    fn nodeports(&mut self) {
-        let addresses: BTreeSet<IpAddr> = self.nodeports.values().flatten().map(|(ip, _, _)| *ip).collect();
-        for ip in &addresses {
-            self.ruleset.element(NODEPORT_IPS, ip.to_string(), None);
-        }
+    fn nodeports(&mut self, addresses: &BTreeSet<IpAddr>) {
         for ((protocol, port), frontends) in std::mem::take(&mut self.nodeports) {
-            let everywhere = frontends.iter().map(|(ip, _, _)| *ip).collect::<BTreeSet<_>>() == addresses
+            let everywhere = frontends.iter().map(|(ip, _, _)| *ip).collect::<BTreeSet<_>>() == *addresses
                 && frontends.iter().all(|(_, nat, empty)| (nat, empty) == (&frontends[0].1, &frontends[0].2));
             if everywhere {
                 let key = format!("{protocol} . {port}");

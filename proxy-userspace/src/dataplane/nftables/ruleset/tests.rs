@@ -204,3 +204,58 @@ fn a_full_batch_refills_everything_and_deletes_what_is_not_wanted() {
     assert!(batch.text.contains("flush chain ip vipr service-OLD-ns1/old/tcp/p80"));
     assert_eq!(batch.chains_written.len(), wanted.chains.len());
 }
+
+/// What a partial sync from changes does: the services of the changed frontends generated
+/// as they were and as they are, and replaced.
+fn replaced(
+    programmed: &mut Ruleset,
+    before: &DesiredState,
+    after: &DesiredState,
+    services: &[&str],
+) -> Batch {
+    let services: BTreeSet<ServicePortName> = services.iter().map(|name| service(name)).collect();
+    let addresses = nodeport_addresses(&after.frontends, Family::Ipv4);
+    let old = generate_services(after, &before.frontends, Family::Ipv4, Some(&services), &addresses);
+    let new = generate_services(after, &after.frontends, Family::Ipv4, Some(&services), &addresses);
+    replace_services(programmed, &old, &new)
+}
+
+#[test]
+fn replacing_the_changed_services_alone_leads_to_the_whole_generation() {
+    let before = state(vec![
+        ("172.30.0.1:80", entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080", "10.180.0.2:8080"])),
+        ("172.30.0.2:80", entry("svc2", FrontendKind::ClusterIp, &["10.180.0.2:8080"])),
+        ("192.168.0.2:30001", entry("svc3", FrontendKind::NodePort, &["10.180.0.3:8080"])),
+        ("172.30.0.4:80", entry("svc4", FrontendKind::ClusterIp, &["10.180.0.4:8080"])),
+    ]);
+    let mut programmed = generate(&before, Family::Ipv4);
+    // svc1 loses 10.180.0.2, which svc2 still has; svc3's NodePort gets another endpoint;
+    // svc4 goes, svc5 comes.
+    let after = state(vec![
+        ("172.30.0.1:80", entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080", "10.180.0.9:8080"])),
+        ("172.30.0.2:80", entry("svc2", FrontendKind::ClusterIp, &["10.180.0.2:8080"])),
+        ("192.168.0.2:30001", entry("svc3", FrontendKind::NodePort, &["10.180.0.3:8080", "10.180.0.5:8080"])),
+        ("172.30.0.5:80", entry("svc5", FrontendKind::ClusterIp, &["10.180.0.4:8080"])),
+    ]);
+    let mut after_without_cluster_ips = after.clone();
+    after_without_cluster_ips.cluster_ips = before.cluster_ips.clone();
+    let batch = replaced(&mut programmed, &before, &after, &["svc1", "svc3", "svc4", "svc5"]);
+    // Cluster IPs are classifiers, compared by full generations only.
+    assert_eq!(programmed, generate(&after_without_cluster_ips, Family::Ipv4));
+    let svc2 = programmed.chains.keys().find(|name| name.ends_with("/svc2/tcp/p80")).unwrap().clone();
+    assert!(!batch.text.contains("svc2"), "{}", batch.text);
+    assert!(!batch.text.contains("10.180.0.2 . 10.180.0.2"), "svc2 still needs it: {}", batch.text);
+    assert!(
+        batch.text.lines().any(|line| line.starts_with("add element ip vipr hairpin-endpoints")
+            && line.contains("10.180.0.9 . 10.180.0.9")),
+        "{}",
+        batch.text
+    );
+    assert!(batch.chains_deleted.iter().any(|name| name.ends_with("/svc4/tcp/p80")), "{batch:?}");
+    assert!(!batch.chains_written.contains(&svc2));
+    assert_eq!(batch.chains_written.len(), 3, "svc1, svc3 and svc5: {:?}", batch.chains_written);
+
+    // Nothing changed: nothing to send.
+    let again = replaced(&mut programmed, &after, &after, &["svc1", "svc3"]);
+    assert!(again.is_empty(), "{}", again.text);
+}
