@@ -161,7 +161,8 @@ pub fn probe() -> Result<(), String> {
     }
     let state = DesiredState::default();
     let mut probe = ruleset::generate(&state, Family::Ipv4);
-    // The expressions the service chains add: numgen, dnat, a dynamic set with timeouts.
+    // The expressions the service chains add: numgen, dnat (to an address or from an
+    // endpoint map), a dynamic set with timeouts.
     probe.sets.insert(
         "affinity-probe".to_owned(),
         ruleset::Set {
@@ -179,6 +180,7 @@ pub fn probe() -> Result<(), String> {
                 "ip saddr @affinity-probe update @affinity-probe { ip saddr } meta l4proto tcp dnat to 10.0.0.1:80"
                     .to_owned(),
                 "numgen random mod 2 0 meta l4proto tcp dnat to 10.0.0.2:80".to_owned(),
+                "meta l4proto tcp dnat ip addr . port to ip daddr . tcp dport . numgen random mod 2 map @endpoints-tcp-0".to_owned(),
                 "fib saddr type local jump mark-for-masquerade".to_owned(),
             ],
         },

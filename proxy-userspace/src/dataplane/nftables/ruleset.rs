@@ -71,6 +71,15 @@ pub const EXTERNAL_PREFIX: &str = "external-";
 pub const FIREWALL_PREFIX: &str = "firewall-";
 pub const NO_ENDPOINTS_PREFIX: &str = "no-endpoints-";
 pub const AFFINITY_PREFIX: &str = "affinity-";
+/// Shared chains that pick one of n endpoints from an endpoint map (`pick-tcp-0-3`).
+pub const PICK_PREFIX: &str = "pick-";
+/// The endpoint maps, one per protocol and list index of a service (`endpoints-tcp-0`: the
+/// cluster-wide list, `endpoints-tcp-1`: the local one, ...): frontend . port . slot →
+/// endpoint. Per protocol, since nft 1.0.6 cannot read back a rule whose key has
+/// `meta l4proto` and `th dport` after a protocol match.
+pub const ENDPOINTS_PREFIX: &str = "endpoints-";
+/// How many endpoint maps there are: a service's lists beyond are numgen cascades.
+const ENDPOINT_MAPS: usize = 3;
 
 /// Elements per `add element` line: long lines cost nft nothing, but error messages quote them.
 const ELEMENTS_PER_LINE: usize = 1000;
@@ -139,6 +148,8 @@ pub struct Ruleset {
     /// How many services lead to each `hairpin-endpoints` element: services share endpoints,
     /// and a partial sync deletes an element only when the last one no longer does.
     pub hairpin_users: BTreeMap<String, usize>,
+    /// How many endpoint lists go to each shared `pick-` chain, for the same reason.
+    pub pick_users: BTreeMap<String, usize>,
 }
 
 impl Ruleset {
@@ -273,6 +284,10 @@ fn verdict_statement(verdict: Verdict) -> &'static str {
     }
 }
 
+fn endpoint_map(protocol: &str, index: usize) -> String {
+    format!("{ENDPOINTS_PREFIX}{protocol}-{index}")
+}
+
 /// Builds `family`'s table for `state`.
 pub fn generate(state: &DesiredState, family: Family) -> Ruleset {
     let addresses = nodeport_addresses(&state.frontends, family);
@@ -309,8 +324,13 @@ pub fn generate_services(
 ) -> Ruleset {
     let addr = family_name(family);
     let addr_type = address_type(family);
-    let mut ruleset =
-        Ruleset { family, chains: BTreeMap::new(), sets: BTreeMap::new(), hairpin_users: BTreeMap::new() };
+    let mut ruleset = Ruleset {
+        family,
+        chains: BTreeMap::new(),
+        sets: BTreeMap::new(),
+        hairpin_users: BTreeMap::new(),
+        pick_users: BTreeMap::new(),
+    };
     let (classes, pod_cidr_set) = Classes::new(state, family);
 
     let key3 = format!("type {addr_type} . inet_proto . inet_service : verdict ;");
@@ -326,6 +346,14 @@ pub fn generate_services(
         (HAIRPIN_ENDPOINTS, SetKind::Set, format!("type {addr_type} . {addr_type} ;")),
     ] {
         ruleset.sets.insert(name.to_owned(), Set::new(kind, spec));
+    }
+    for protocol in ["tcp", "udp", "sctp"] {
+        for index in 0..ENDPOINT_MAPS {
+            let spec = format!(
+                "typeof {addr} daddr . {protocol} dport . numgen random mod 1 : {addr} daddr . {protocol} dport ;"
+            );
+            ruleset.sets.insert(endpoint_map(protocol, index), Set::new(SetKind::Map, spec));
+        }
     }
     if !pod_cidr_set.is_empty() {
         let mut set = Set::new(SetKind::Set, format!("type {addr_type} ; flags interval ;"));
@@ -471,16 +499,41 @@ pub fn replace_services(programmed: &mut Ruleset, old: &Ruleset, new: &Ruleset) 
             .map(|key| ((*key).clone(), None))
             .collect();
     }
+    // Pick chains too: the touched ones are in `before` when the kernel has them, in `after`
+    // when some list still goes to them.
+    for (key, users) in &old.pick_users {
+        if let Some(count) = programmed.pick_users.get_mut(key) {
+            *count = count.saturating_sub(*users);
+            if *count == 0 {
+                programmed.pick_users.remove(key);
+            }
+        }
+    }
+    for (key, users) in &new.pick_users {
+        *programmed.pick_users.entry(key.clone()).or_default() += users;
+    }
+    let picks: BTreeSet<&String> = old.pick_users.keys().chain(new.pick_users.keys()).collect();
+    for pick in &picks {
+        let chain = new.chains.get(*pick).or_else(|| old.chains.get(*pick)).cloned();
+        before.chains.remove(*pick);
+        after.chains.remove(*pick);
+        if let (Some(chain), true) = (&chain, programmed.chains.contains_key(*pick)) {
+            before.chains.insert((*pick).clone(), chain.clone());
+        }
+        if let (Some(chain), true) = (chain, programmed.pick_users.contains_key(*pick)) {
+            after.chains.insert((*pick).clone(), chain);
+        }
+    }
     let existing = Existing {
         chains: before.chains.keys().cloned().collect(),
         sets: before.sets.iter().map(|(name, set)| (name.clone(), set.kind)).collect(),
     };
     let batch = plan(&after, Some(&before), &existing);
 
-    for name in old.chains.keys().filter(|name| !new.chains.contains_key(*name)) {
+    for name in before.chains.keys().filter(|name| !after.chains.contains_key(*name)) {
         programmed.chains.remove(name);
     }
-    programmed.chains.extend(new.chains.iter().map(|(name, chain)| (name.clone(), chain.clone())));
+    programmed.chains.extend(after.chains.iter().map(|(name, chain)| (name.clone(), chain.clone())));
     for name in old.sets.keys().filter(|name| !new.sets.contains_key(*name)) {
         programmed.sets.remove(name);
     }
@@ -520,6 +573,8 @@ struct ServiceChains<'a> {
     lists: Vec<Vec<Backend>>,
     /// Masquerade rules at the top of each list's chain (cluster IPs, as kube-proxy).
     list_prefix_rules: Vec<Vec<String>>,
+    /// The frontends that reach each list: its endpoint map's keys.
+    list_frontends: Vec<BTreeSet<(IpAddr, u16)>>,
     /// Chains by content (external-, firewall-, no-endpoints-).
     others: Vec<(String, Vec<String>)>,
 }
@@ -539,9 +594,17 @@ impl ServiceChains<'_> {
             None => {
                 self.lists.push(backends.to_vec());
                 self.list_prefix_rules.push(Vec::new());
+                self.list_frontends.push(BTreeSet::new());
                 self.lists.len() - 1
             }
         }
+    }
+
+    /// [`Self::list_index`], for a list that `frontend` reaches.
+    fn use_list(&mut self, backends: &[Backend], frontend: &Frontend) -> usize {
+        let index = self.list_index(backends);
+        self.list_frontends[index].insert((frontend.ip, frontend.port));
+        index
     }
 
     /// The chain of `prefix` with `rules`: the service's own hash for the first content of
@@ -575,6 +638,7 @@ impl Builder {
                 .map(|timeout| timeout.as_secs().max(1)),
             lists: Vec::new(),
             list_prefix_rules: Vec::new(),
+            list_frontends: Vec::new(),
             others: Vec::new(),
         };
         let family = self.ruleset.family;
@@ -613,6 +677,36 @@ impl Builder {
                         addr = self.addr
                     ));
                 }
+            }
+            if chains.affinity.is_none() && index < ENDPOINT_MAPS {
+                // One goto: the endpoint is picked from the endpoint map by a shared chain,
+                // so that an endpoint change is a change of map elements alone.
+                let map = endpoint_map(protocol, index);
+                let pick = format!("{PICK_PREFIX}{protocol}-{index}-{}", list.len());
+                rules.push(format!("goto {pick}"));
+                self.ruleset.chain(
+                    &pick,
+                    None,
+                    vec![format!(
+                        "meta l4proto {protocol} dnat {addr} addr . port to {addr} daddr . {protocol} dport . numgen random mod {n} map @{map}",
+                        addr = self.addr,
+                        n = list.len()
+                    )],
+                );
+                *self.ruleset.pick_users.entry(pick).or_default() += 1;
+                for (ip, port) in &chains.list_frontends[index] {
+                    for (slot, backend) in list.iter().enumerate() {
+                        self.ruleset.element(
+                            &map,
+                            format!("{ip} . {port} . {slot}"),
+                            Some(format!("{} . {}", backend.ip, backend.port)),
+                        );
+                    }
+                }
+                endpoints.extend(list.iter().copied());
+                let name = chains.list_chain(index);
+                self.ruleset.chain(&name, None, rules);
+                continue;
             }
             for (i, backend) in list.iter().enumerate() {
                 let remaining = list.len() - i;
@@ -665,7 +759,7 @@ impl Builder {
         let mut target: Option<String> = None;
         if !all_empty {
             if entry.kind == FrontendKind::ClusterIp && uniform_list {
-                let index = chains.list_index(&treatments[NODE].backends);
+                let index = chains.use_list(&treatments[NODE].backends, frontend);
                 for matches in self.classes.matching(treatments.clone().map(|t| t.masquerade)) {
                     chains.list_prefix_rules[index].push(join(&[
                         &format!("{addr} daddr {} {protocol} dport {}", frontend.ip, frontend.port),
@@ -675,7 +769,7 @@ impl Builder {
                 }
                 target = Some(chains.list_chain(index));
             } else {
-                let rules = self.dispatch(chains, treatments);
+                let rules = self.dispatch(chains, frontend, treatments);
                 target = Some(chains.named(EXTERNAL_PREFIX, rules));
             }
         }
@@ -712,7 +806,12 @@ impl Builder {
     }
 
     /// Rules that classify the source and apply its class's treatment, for an entry chain.
-    fn dispatch(&self, chains: &mut ServiceChains, treatments: &Treatments) -> Vec<String> {
+    fn dispatch(
+        &self,
+        chains: &mut ServiceChains,
+        frontend: &Frontend,
+        treatments: &Treatments,
+    ) -> Vec<String> {
         let [node, pod, outside] = [&treatments[NODE], &treatments[POD], &treatments[OUTSIDE]];
         let emit_pod = self.classes.pods.is_some() && pod != outside;
         let emit_node = node != outside || (emit_pod && self.classes.node_in_pod_cidr && node != pod);
@@ -725,7 +824,7 @@ impl Builder {
             if treatment.masquerade {
                 rules.push(join(&[matches, "jump", MARK_FOR_MASQUERADE]));
             }
-            let index = chains.list_index(&treatment.backends);
+            let index = chains.use_list(&treatment.backends, frontend);
             let target = chains.list_chain(index);
             rules.push(join(&[matches, "goto", &target]));
         };
