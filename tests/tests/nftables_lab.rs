@@ -307,6 +307,8 @@ fn an_endpoint_change_rewrites_only_that_services_chain() {
 
     lab.set_endpoints(&["b1", "b2"]);
     assert_eq!(lab.handles("default/other/"), other, "the unrelated service's chain was not rewritten");
+    let log = std::fs::read_to_string(lab.log()).unwrap();
+    assert!(log.contains("from_changes=true"), "the change was applied from the changes alone:\n{log}");
     assert_ne!(web_endpoints(&lab), web, "the changed service's chain was rewritten");
     assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 40), names(&["b1", "b2"]));
     assert_eq!(lab.reach(frontend(OTHER_VIP, 80, Protocol::Tcp), 5), names(&["b1"]));

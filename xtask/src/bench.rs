@@ -1,4 +1,4 @@
-//! `cargo xtask bench <datapath|control-plane|e2e|all|report> [--quick]`: builds `vipr-bench` (release,
+//! `cargo xtask bench <datapath|control-plane|e2e|nftables|all|report> [--quick]`: builds `vipr-bench` (release,
 //! so the agent code it times is what ships; for `e2e` the `vipr` binary too) and runs the
 //! suites. A full run writes
 //! `docs/bench/<suite>.json`, the plots in `docs/bench/` and rewrites `docs/benchmarks.md`; a
@@ -41,6 +41,8 @@ enum Suite {
     ControlPlane,
     /// Traffic through the vipr binary between namespaces, by proxy mode and services.
     E2e,
+    /// The nftables dataplane at scale against issue 17's targets.
+    Nftables,
     /// All of them.
     All,
     /// Measures nothing: redraws the plots and rewrites the report from the results already in
@@ -54,6 +56,7 @@ impl Suite {
             Self::Datapath => "datapath",
             Self::ControlPlane => "control-plane",
             Self::E2e => "e2e",
+            Self::Nftables => "nftables",
             Self::All => "all",
             Self::Report => "report",
         }

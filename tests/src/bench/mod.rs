@@ -11,6 +11,7 @@ mod e2e;
 mod frame;
 mod load;
 mod meta;
+mod nftables;
 mod plot;
 mod report;
 mod stats;
@@ -41,6 +42,9 @@ enum Cmd {
     /// Traffic through the vipr binary between namespaces: connections/s, latency and UDP
     /// rates by proxy mode (ebpf, iptables-nft, iptables-legacy) and number of services.
     E2e(RunArgs),
+    /// The nftables dataplane at scale (issue 17): programming from empty, one endpoint
+    /// change, a full resync, new connections/s at many services against one.
+    Nftables(RunArgs),
     /// All suites.
     All(RunArgs),
     /// Redraw the plots and rewrite the report from the results in --out-dir, measuring nothing.
@@ -132,6 +136,12 @@ fn run(command: Cmd) -> Result<()> {
             println!("{}", serde_json::to_string(&result)?);
             return Ok(());
         }
+        Cmd::Nftables(args) => {
+            prepare()?;
+            let command =
+                args.invoked_as.clone().unwrap_or_else(|| std::env::args().collect::<Vec<_>>().join(" "));
+            return run_nftables(command, &args);
+        }
         Cmd::Datapath(args) => ((true, false, false), args),
         Cmd::ControlPlane(args) => ((false, true, false), args),
         Cmd::E2e(args) => ((false, false, true), args),
@@ -163,7 +173,20 @@ fn run(command: Cmd) -> Result<()> {
         let results = e2e::run(meta, settings)?;
         report::save(dir, report::E2E_JSON, &results)?;
     }
+    if suites == (true, true, true) {
+        let command =
+            args.invoked_as.clone().unwrap_or_else(|| std::env::args().collect::<Vec<_>>().join(" "));
+        run_nftables(command, &args)?;
+    }
     report::write(dir, &args.output.doc())
+}
+
+/// The nftables suite: its figures printed and saved (its section of the report is in the
+/// notes, written by hand).
+fn run_nftables(command: String, args: &RunArgs) -> Result<()> {
+    let settings = if args.quick { nftables::Settings::quick() } else { nftables::Settings::full() };
+    let results = nftables::run(meta::RunMeta::start(command, args.quick), settings)?;
+    report::save(&args.output.out_dir, report::NFTABLES_JSON, &results)
 }
 
 /// Root, then a namespace of our own. Runs while the process has a single thread.

@@ -23,6 +23,8 @@ use super::{
 pub const DATAPATH_JSON: &str = "datapath.json";
 pub const CONTROL_PLANE_JSON: &str = "control-plane.json";
 pub const E2E_JSON: &str = "e2e.json";
+/// The nftables suite's figures (printed; the report's nftables section is in its notes).
+pub const NFTABLES_JSON: &str = "nftables.json";
 const NOTES_BEGIN: &str = "<!-- bench:notes:begin -->";
 const NOTES_END: &str = "<!-- bench:notes:end -->";
 
@@ -402,7 +404,7 @@ fn render(
     );
     let _ = writeln!(
         w,
-        "Latest results of `cargo xtask bench <datapath|control-plane|e2e|all> [--quick]` (issue 6, item 3). \
+        "Latest results of `cargo xtask bench <datapath|control-plane|e2e|nftables|all> [--quick]` (issue 6, item 3). \
          Each suite writes its results to `{plot_dir}<suite>.json` and this file is regenerated from \
          whichever suites have results, so each section states its own command, date and machine. \
          `--quick` runs a short smoke version into `target/bench-quick/` and leaves this file alone. \

@@ -13,7 +13,9 @@
 //! (`nft -t list chains|sets|maps`), every chain flushed and refilled, every set and map flushed and
 //! refilled, what is not wanted deleted. Every other sync is partial: only the chains whose
 //! rules differ, the map and set elements added or deleted, the chains gone deleted; nothing
-//! when nothing changed. After the rules, UDP conntrack entries that lead to removed
+//! when nothing changed. A partial sync that follows the last one by known [`StateChanges`]
+//! generates and compares the services of the changed frontends alone
+//! ([`ruleset::replace_services`]); without them it compares the whole table. After the rules, UDP conntrack entries that lead to removed
 //! endpoints are deleted over netlink (the iptables dataplane's `conntrack`).
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -30,7 +32,7 @@ use super::{
     iptables::{self, conntrack, Family},
     Dataplane, SyncReport,
 };
-use crate::model::{DesiredState, Frontend, FrontendEntry};
+use crate::model::{DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, StateChanges};
 use crate::tool;
 
 pub mod ruleset;
@@ -67,6 +69,10 @@ pub struct Applied {
 #[derive(Clone, Debug, Default)]
 pub struct SyncStats {
     pub full: bool,
+    /// A partial sync given the changes since the generation last synced (`sync_changes`):
+    /// it generates and compares the services of the changed frontends alone (unless the
+    /// NodePort addresses changed).
+    pub from_changes: bool,
     /// One per family that had something to change.
     pub batches: Vec<Applied>,
     pub conntrack_deleted: usize,
@@ -79,6 +85,9 @@ pub struct NftablesDataplane {
     programmed: BTreeMap<Family, Ruleset>,
     need_full_sync: bool,
     last_full_sync: Option<Instant>,
+    /// The generation of the state the last complete sync programmed, when it was given one
+    /// (`sync_changes`): changes since then may be applied alone.
+    synced: Option<u64>,
     /// The frontends of the last complete sync, to count changes and find stale conntrack.
     applied: BTreeMap<Frontend, FrontendEntry>,
     warned_ipv6: bool,
@@ -152,7 +161,8 @@ pub fn probe() -> Result<(), String> {
     }
     let state = DesiredState::default();
     let mut probe = ruleset::generate(&state, Family::Ipv4);
-    // The expressions the service chains add: numgen, dnat, a dynamic set with timeouts.
+    // The expressions the service chains add: numgen, dnat (to an address or from an
+    // endpoint map), a dynamic set with timeouts.
     probe.sets.insert(
         "affinity-probe".to_owned(),
         ruleset::Set {
@@ -170,6 +180,7 @@ pub fn probe() -> Result<(), String> {
                 "ip saddr @affinity-probe update @affinity-probe { ip saddr } meta l4proto tcp dnat to 10.0.0.1:80"
                     .to_owned(),
                 "numgen random mod 2 0 meta l4proto tcp dnat to 10.0.0.2:80".to_owned(),
+                "meta l4proto tcp dnat ip addr . port to ip daddr . tcp dport . numgen random mod 2 map @endpoints-tcp-0".to_owned(),
                 "fib saddr type local jump mark-for-masquerade".to_owned(),
             ],
         },
@@ -215,6 +226,7 @@ impl NftablesDataplane {
             programmed: BTreeMap::new(),
             need_full_sync: true,
             last_full_sync: None,
+            synced: None,
             applied: BTreeMap::new(),
             warned_ipv6: false,
             last: SyncStats::default(),
@@ -255,7 +267,27 @@ impl NftablesDataplane {
         state: &DesiredState,
         family: Family,
         full: bool,
+        changes: Option<&StateChanges>,
     ) -> anyhow::Result<Option<Applied>> {
+        let programmed = if full || changes.is_none() { None } else { self.programmed.remove(&family) };
+        if let (Some(changes), Some(mut programmed)) = (changes, programmed) {
+            if let Some(services) = affected_services(&self.applied, state, changes, family) {
+                let addresses = ruleset::nodeport_addresses(&state.frontends, family);
+                let old =
+                    ruleset::generate_services(state, &self.applied, family, Some(&services), &addresses);
+                let new =
+                    ruleset::generate_services(state, &state.frontends, family, Some(&services), &addresses);
+                let batch = ruleset::replace_services(&mut programmed, &old, &new);
+                if batch.is_empty() {
+                    self.programmed.insert(family, programmed);
+                    return Ok(None);
+                }
+                let took = apply(&batch.text)?;
+                self.programmed.insert(family, programmed);
+                return Ok(Some(Applied { family, batch, took }));
+            }
+            self.programmed.insert(family, programmed);
+        }
         let wanted = ruleset::generate(state, family);
         let batch = match self.programmed.get(&family) {
             Some(previous) if !full => ruleset::partial(previous, &wanted),
@@ -282,14 +314,35 @@ impl Dataplane for NftablesDataplane {
     }
 
     fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
+        self.sync_with(state, None)
+    }
+
+    fn sync_changes(&mut self, state: &DesiredState, changes: &StateChanges) -> anyhow::Result<SyncReport> {
+        self.sync_with(state, Some(changes))
+    }
+}
+
+impl NftablesDataplane {
+    /// A sync; with `changes` (since the generation of the last complete sync, and with the
+    /// classifiers unchanged) a partial one looks at the changed frontends alone.
+    fn sync_with(
+        &mut self,
+        state: &DesiredState,
+        changes: Option<&StateChanges>,
+    ) -> anyhow::Result<SyncReport> {
         let started = Instant::now();
         let full = self.need_full_sync
             || self.last_full_sync.is_none_or(|last| last.elapsed() >= self.options.full_sync_period);
-        let mut stats = SyncStats { full, ..SyncStats::default() };
+        let generation = changes.map(|changes| changes.generation);
+        let changes = changes.filter(|changes| {
+            changes.since.is_some() && changes.since == self.synced && !changes.classifiers
+        });
+        self.synced = None;
+        let mut stats = SyncStats { full, from_changes: !full && changes.is_some(), ..SyncStats::default() };
         let mut report = SyncReport::default();
         let mut errors = Vec::new();
         for family in self.families.clone() {
-            match self.sync_family(state, family, full) {
+            match self.sync_family(state, family, full, changes) {
                 Ok(Some(applied)) => stats.batches.push(applied),
                 Ok(None) => {}
                 Err(error) if family == Family::Ipv6 && !Self::has_family(state, family) => {
@@ -303,6 +356,7 @@ impl Dataplane for NftablesDataplane {
         }
         if errors.is_empty() {
             self.need_full_sync = false;
+            self.synced = generation;
             if full {
                 self.last_full_sync = Some(Instant::now());
             }
@@ -330,9 +384,29 @@ impl Dataplane for NftablesDataplane {
         }
         let failed: BTreeSet<Family> = errors.iter().map(|(family, _)| *family).collect();
         let settled = |frontend: &Frontend| !failed.contains(&Family::of(frontend.ip));
-        report.changed = iptables::changed_frontends(&self.applied, &state.frontends, &settled);
+        // With changes, the frontends they name are all that can differ: compared alone.
+        let (before, after) = match changes {
+            Some(changes) => {
+                let pick =
+                    |frontends: &BTreeMap<Frontend, FrontendEntry>| -> BTreeMap<Frontend, FrontendEntry> {
+                        changes
+                            .frontends
+                            .iter()
+                            .filter_map(|frontend| {
+                                frontends.get(frontend).map(|entry| (*frontend, entry.clone()))
+                            })
+                            .collect()
+                    };
+                (
+                    std::borrow::Cow::Owned(pick(&self.applied)),
+                    std::borrow::Cow::Owned(pick(&state.frontends)),
+                )
+            }
+            None => (std::borrow::Cow::Borrowed(&self.applied), std::borrow::Cow::Borrowed(&state.frontends)),
+        };
+        report.changed = iptables::changed_frontends(&before, &after, &settled);
         if self.options.conntrack_cleanup {
-            let keep = iptables::stale_udp(&self.applied, &state.frontends, &settled);
+            let keep = iptables::stale_udp(&before, &after, &settled);
             if !keep.is_empty() {
                 match conntrack::delete_stale_udp(&keep) {
                     Ok(deleted) => stats.conntrack_deleted = deleted,
@@ -340,18 +414,34 @@ impl Dataplane for NftablesDataplane {
                 }
             }
         }
-        let mut applied: BTreeMap<Frontend, FrontendEntry> = state
-            .frontends
-            .iter()
-            .filter(|(frontend, _)| settled(frontend))
-            .map(|(f, e)| (*f, e.clone()))
-            .collect();
-        applied.extend(
-            self.applied.iter().filter(|(frontend, _)| !settled(frontend)).map(|(f, e)| (*f, e.clone())),
-        );
-        self.applied = applied;
+        match changes {
+            Some(changes) if errors.is_empty() => {
+                for frontend in &changes.frontends {
+                    match state.frontends.get(frontend) {
+                        Some(entry) => self.applied.insert(*frontend, entry.clone()),
+                        None => self.applied.remove(frontend),
+                    };
+                }
+            }
+            _ => {
+                let mut applied: BTreeMap<Frontend, FrontendEntry> = state
+                    .frontends
+                    .iter()
+                    .filter(|(frontend, _)| settled(frontend))
+                    .map(|(f, e)| (*f, e.clone()))
+                    .collect();
+                applied.extend(
+                    self.applied
+                        .iter()
+                        .filter(|(frontend, _)| !settled(frontend))
+                        .map(|(f, e)| (*f, e.clone())),
+                );
+                self.applied = applied;
+            }
+        }
         debug!(
             full,
+            from_changes = stats.from_changes,
             chains_written = stats.batches.iter().map(|a| a.batch.chains_written.len()).sum::<usize>(),
             elements_added = stats.batches.iter().map(|a| a.batch.elements_added).sum::<usize>(),
             elements_deleted = stats.batches.iter().map(|a| a.batch.elements_deleted).sum::<usize>(),
@@ -362,6 +452,44 @@ impl Dataplane for NftablesDataplane {
         self.last = stats;
         Ok(report)
     }
+}
+
+/// The services whose chains and elements `changes` may change in `family`'s table: those
+/// of the changed frontends before and after, and every service with a NodePort on a
+/// protocol and port they use (their elements are shared). `None` when the NodePort
+/// addresses changed, which changes every NodePort's elements: the whole table is compared.
+fn affected_services(
+    applied: &BTreeMap<Frontend, FrontendEntry>,
+    state: &DesiredState,
+    changes: &StateChanges,
+    family: Family,
+) -> Option<BTreeSet<ServicePortName>> {
+    let mut services = BTreeSet::new();
+    let mut nodeports = BTreeSet::new();
+    for frontend in changes.frontends.iter().filter(|frontend| Family::of(frontend.ip) == family) {
+        for entry in [applied.get(frontend), state.frontends.get(frontend)].into_iter().flatten() {
+            services.insert(entry.service.clone());
+            if entry.kind == FrontendKind::NodePort {
+                nodeports.insert((frontend.protocol, frontend.port));
+            }
+        }
+    }
+    if !nodeports.is_empty() {
+        if ruleset::nodeport_addresses(applied, family)
+            != ruleset::nodeport_addresses(&state.frontends, family)
+        {
+            return None;
+        }
+        for (frontend, entry) in applied.iter().chain(&state.frontends) {
+            if entry.kind == FrontendKind::NodePort
+                && Family::of(frontend.ip) == family
+                && nodeports.contains(&(frontend.protocol, frontend.port))
+            {
+                services.insert(entry.service.clone());
+            }
+        }
+    }
+    Some(services)
 }
 
 /// `nft list table` of each family vipr has a table in (`vipr inspect` in nftables mode).

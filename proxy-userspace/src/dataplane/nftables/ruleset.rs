@@ -71,6 +71,15 @@ pub const EXTERNAL_PREFIX: &str = "external-";
 pub const FIREWALL_PREFIX: &str = "firewall-";
 pub const NO_ENDPOINTS_PREFIX: &str = "no-endpoints-";
 pub const AFFINITY_PREFIX: &str = "affinity-";
+/// Shared chains that pick one of n endpoints from an endpoint map (`pick-tcp-0-3`).
+pub const PICK_PREFIX: &str = "pick-";
+/// The endpoint maps, one per protocol and list index of a service (`endpoints-tcp-0`: the
+/// cluster-wide list, `endpoints-tcp-1`: the local one, ...): frontend . port . slot →
+/// endpoint. Per protocol, since nft 1.0.6 cannot read back a rule whose key has
+/// `meta l4proto` and `th dport` after a protocol match.
+pub const ENDPOINTS_PREFIX: &str = "endpoints-";
+/// How many endpoint maps there are: a service's lists beyond are numgen cascades.
+const ENDPOINT_MAPS: usize = 3;
 
 /// Elements per `add element` line: long lines cost nft nothing, but error messages quote them.
 const ELEMENTS_PER_LINE: usize = 1000;
@@ -136,6 +145,11 @@ pub struct Ruleset {
     pub family: Family,
     pub chains: BTreeMap<String, Chain>,
     pub sets: BTreeMap<String, Set>,
+    /// How many services lead to each `hairpin-endpoints` element: services share endpoints,
+    /// and a partial sync deletes an element only when the last one no longer does.
+    pub hairpin_users: BTreeMap<String, usize>,
+    /// How many endpoint lists go to each shared `pick-` chain, for the same reason.
+    pub pick_users: BTreeMap<String, usize>,
 }
 
 impl Ruleset {
@@ -270,11 +284,53 @@ fn verdict_statement(verdict: Verdict) -> &'static str {
     }
 }
 
+fn endpoint_map(protocol: &str, index: usize) -> String {
+    format!("{ENDPOINTS_PREFIX}{protocol}-{index}")
+}
+
 /// Builds `family`'s table for `state`.
 pub fn generate(state: &DesiredState, family: Family) -> Ruleset {
+    let addresses = nodeport_addresses(&state.frontends, family);
+    let mut ruleset = generate_services(state, &state.frontends, family, None, &addresses);
+    for ip in &addresses {
+        ruleset.element(NODEPORT_IPS, ip.to_string(), None);
+    }
+    for ip in state.cluster_ips.iter().filter(|ip| Family::of(**ip) == family) {
+        ruleset.element(CLUSTER_IPS, ip.to_string(), None);
+    }
+    ruleset
+}
+
+/// The addresses of `family` that NodePorts are served on (the `nodeport-ips` set).
+pub fn nodeport_addresses(frontends: &BTreeMap<Frontend, FrontendEntry>, family: Family) -> BTreeSet<IpAddr> {
+    frontends
+        .iter()
+        .filter(|(frontend, entry)| entry.kind == FrontendKind::NodePort && Family::of(frontend.ip) == family)
+        .map(|(frontend, _)| frontend.ip)
+        .collect()
+}
+
+/// The fixed chains and sets (of `state`'s classifiers), and the chains and elements of the
+/// `frontends` of `services` (all with `None`); NodePorts are told apart by
+/// `nodeport_addresses`, the addresses of all of them. Without `nodeport-ips` and
+/// `cluster-ips` elements: a partial sync compares the services it names alone, as they
+/// were (the frontends last programmed) and as they are wanted now.
+pub fn generate_services(
+    state: &DesiredState,
+    frontends: &BTreeMap<Frontend, FrontendEntry>,
+    family: Family,
+    services: Option<&BTreeSet<ServicePortName>>,
+    nodeport_addresses: &BTreeSet<IpAddr>,
+) -> Ruleset {
     let addr = family_name(family);
     let addr_type = address_type(family);
-    let mut ruleset = Ruleset { family, chains: BTreeMap::new(), sets: BTreeMap::new() };
+    let mut ruleset = Ruleset {
+        family,
+        chains: BTreeMap::new(),
+        sets: BTreeMap::new(),
+        hairpin_users: BTreeMap::new(),
+        pick_users: BTreeMap::new(),
+    };
     let (classes, pod_cidr_set) = Classes::new(state, family);
 
     let key3 = format!("type {addr_type} . inet_proto . inet_service : verdict ;");
@@ -290,6 +346,14 @@ pub fn generate(state: &DesiredState, family: Family) -> Ruleset {
         (HAIRPIN_ENDPOINTS, SetKind::Set, format!("type {addr_type} . {addr_type} ;")),
     ] {
         ruleset.sets.insert(name.to_owned(), Set::new(kind, spec));
+    }
+    for protocol in ["tcp", "udp", "sctp"] {
+        for index in 0..ENDPOINT_MAPS {
+            let spec = format!(
+                "typeof {addr} daddr . {protocol} dport . numgen random mod 1 : {addr} daddr . {protocol} dport ;"
+            );
+            ruleset.sets.insert(endpoint_map(protocol, index), Set::new(SetKind::Map, spec));
+        }
     }
     if !pod_cidr_set.is_empty() {
         let mut set = Set::new(SetKind::Set, format!("type {addr_type} ; flags interval ;"));
@@ -384,22 +448,108 @@ pub fn generate(state: &DesiredState, family: Family) -> Ruleset {
     );
     ruleset.chain(REJECT_CHAIN, None, vec!["reject".to_owned()]);
 
-    for ip in state.cluster_ips.iter().filter(|ip| Family::of(**ip) == family) {
-        ruleset.element(CLUSTER_IPS, ip.to_string(), None);
-    }
-
-    let mut services: BTreeMap<&ServicePortName, Vec<(&Frontend, &FrontendEntry)>> = BTreeMap::new();
-    for (frontend, entry) in &state.frontends {
-        if Family::of(frontend.ip) == family {
-            services.entry(&entry.service).or_default().push((frontend, entry));
+    let mut by_service: BTreeMap<&ServicePortName, Vec<(&Frontend, &FrontendEntry)>> = BTreeMap::new();
+    for (frontend, entry) in frontends {
+        if Family::of(frontend.ip) == family
+            && services.is_none_or(|services| services.contains(&entry.service))
+        {
+            by_service.entry(&entry.service).or_default().push((frontend, entry));
         }
     }
     let mut builder = Builder { addr, addr_type, classes, ruleset, nodeports: BTreeMap::new() };
-    for (service, frontends) in &services {
+    for (service, frontends) in &by_service {
         builder.service(service, frontends);
     }
-    builder.nodeports();
+    builder.nodeports(nodeport_addresses);
     builder.ruleset
+}
+
+/// The batch that replaces, in the kernel and in `programmed` (what it holds), the chains,
+/// sets and elements `old` generated for some services (`generate_services` of the state
+/// last programmed) by those `new` generates for them (of the state wanted now). Nothing of
+/// any other service is looked at: the cost is that of the services changed.
+pub fn replace_services(programmed: &mut Ruleset, old: &Ruleset, new: &Ruleset) -> Batch {
+    let mut before = old.clone();
+    let mut after = new.clone();
+    // Hairpin elements are shared between services: counted, and only the touched ones compared.
+    for (key, users) in &old.hairpin_users {
+        if let Some(count) = programmed.hairpin_users.get_mut(key) {
+            *count = count.saturating_sub(*users);
+            if *count == 0 {
+                programmed.hairpin_users.remove(key);
+            }
+        }
+    }
+    for (key, users) in &new.hairpin_users {
+        *programmed.hairpin_users.entry(key.clone()).or_default() += users;
+    }
+    let touched: BTreeSet<&String> = old.hairpin_users.keys().chain(new.hairpin_users.keys()).collect();
+    let held = programmed.sets.get(HAIRPIN_ENDPOINTS).map(|set| &set.elements);
+    if let Some(set) = before.sets.get_mut(HAIRPIN_ENDPOINTS) {
+        set.elements = touched
+            .iter()
+            .filter(|key| held.is_some_and(|held| held.contains_key(**key)))
+            .map(|key| ((*key).clone(), None))
+            .collect();
+    }
+    if let Some(set) = after.sets.get_mut(HAIRPIN_ENDPOINTS) {
+        set.elements = touched
+            .iter()
+            .filter(|key| programmed.hairpin_users.contains_key(**key))
+            .map(|key| ((*key).clone(), None))
+            .collect();
+    }
+    // Pick chains too: the touched ones are in `before` when the kernel has them, in `after`
+    // when some list still goes to them.
+    for (key, users) in &old.pick_users {
+        if let Some(count) = programmed.pick_users.get_mut(key) {
+            *count = count.saturating_sub(*users);
+            if *count == 0 {
+                programmed.pick_users.remove(key);
+            }
+        }
+    }
+    for (key, users) in &new.pick_users {
+        *programmed.pick_users.entry(key.clone()).or_default() += users;
+    }
+    let picks: BTreeSet<&String> = old.pick_users.keys().chain(new.pick_users.keys()).collect();
+    for pick in &picks {
+        let chain = new.chains.get(*pick).or_else(|| old.chains.get(*pick)).cloned();
+        before.chains.remove(*pick);
+        after.chains.remove(*pick);
+        if let (Some(chain), true) = (&chain, programmed.chains.contains_key(*pick)) {
+            before.chains.insert((*pick).clone(), chain.clone());
+        }
+        if let (Some(chain), true) = (chain, programmed.pick_users.contains_key(*pick)) {
+            after.chains.insert((*pick).clone(), chain);
+        }
+    }
+    let existing = Existing {
+        chains: before.chains.keys().cloned().collect(),
+        sets: before.sets.iter().map(|(name, set)| (name.clone(), set.kind)).collect(),
+    };
+    let batch = plan(&after, Some(&before), &existing);
+
+    for name in before.chains.keys().filter(|name| !after.chains.contains_key(*name)) {
+        programmed.chains.remove(name);
+    }
+    programmed.chains.extend(after.chains.iter().map(|(name, chain)| (name.clone(), chain.clone())));
+    for name in old.sets.keys().filter(|name| !new.sets.contains_key(*name)) {
+        programmed.sets.remove(name);
+    }
+    for (name, set) in &after.sets {
+        let Some(held) = programmed.sets.get_mut(name) else {
+            programmed.sets.insert(name.clone(), set.clone());
+            continue;
+        };
+        if let Some(old_set) = before.sets.get(name) {
+            for key in old_set.elements.keys() {
+                held.elements.remove(key);
+            }
+        }
+        held.elements.extend(set.elements.iter().map(|(key, value)| (key.clone(), value.clone())));
+    }
+    batch
 }
 
 struct Builder {
@@ -423,6 +573,8 @@ struct ServiceChains<'a> {
     lists: Vec<Vec<Backend>>,
     /// Masquerade rules at the top of each list's chain (cluster IPs, as kube-proxy).
     list_prefix_rules: Vec<Vec<String>>,
+    /// The frontends that reach each list: its endpoint map's keys.
+    list_frontends: Vec<BTreeSet<(IpAddr, u16)>>,
     /// Chains by content (external-, firewall-, no-endpoints-).
     others: Vec<(String, Vec<String>)>,
 }
@@ -442,9 +594,17 @@ impl ServiceChains<'_> {
             None => {
                 self.lists.push(backends.to_vec());
                 self.list_prefix_rules.push(Vec::new());
+                self.list_frontends.push(BTreeSet::new());
                 self.lists.len() - 1
             }
         }
+    }
+
+    /// [`Self::list_index`], for a list that `frontend` reaches.
+    fn use_list(&mut self, backends: &[Backend], frontend: &Frontend) -> usize {
+        let index = self.list_index(backends);
+        self.list_frontends[index].insert((frontend.ip, frontend.port));
+        index
     }
 
     /// The chain of `prefix` with `rules`: the service's own hash for the first content of
@@ -478,6 +638,7 @@ impl Builder {
                 .map(|timeout| timeout.as_secs().max(1)),
             lists: Vec::new(),
             list_prefix_rules: Vec::new(),
+            list_frontends: Vec::new(),
             others: Vec::new(),
         };
         let family = self.ruleset.family;
@@ -517,6 +678,36 @@ impl Builder {
                     ));
                 }
             }
+            if chains.affinity.is_none() && index < ENDPOINT_MAPS {
+                // One goto: the endpoint is picked from the endpoint map by a shared chain,
+                // so that an endpoint change is a change of map elements alone.
+                let map = endpoint_map(protocol, index);
+                let pick = format!("{PICK_PREFIX}{protocol}-{index}-{}", list.len());
+                rules.push(format!("goto {pick}"));
+                self.ruleset.chain(
+                    &pick,
+                    None,
+                    vec![format!(
+                        "meta l4proto {protocol} dnat {addr} addr . port to {addr} daddr . {protocol} dport . numgen random mod {n} map @{map}",
+                        addr = self.addr,
+                        n = list.len()
+                    )],
+                );
+                *self.ruleset.pick_users.entry(pick).or_default() += 1;
+                for (ip, port) in &chains.list_frontends[index] {
+                    for (slot, backend) in list.iter().enumerate() {
+                        self.ruleset.element(
+                            &map,
+                            format!("{ip} . {port} . {slot}"),
+                            Some(format!("{} . {}", backend.ip, backend.port)),
+                        );
+                    }
+                }
+                endpoints.extend(list.iter().copied());
+                let name = chains.list_chain(index);
+                self.ruleset.chain(&name, None, rules);
+                continue;
+            }
             for (i, backend) in list.iter().enumerate() {
                 let remaining = list.len() - i;
                 let pick =
@@ -538,7 +729,9 @@ impl Builder {
             self.ruleset.chain(&name, None, rules);
         }
         for backend in endpoints {
-            self.ruleset.element(HAIRPIN_ENDPOINTS, format!("{ip} . {ip}", ip = backend.ip), None);
+            let key = format!("{ip} . {ip}", ip = backend.ip);
+            *self.ruleset.hairpin_users.entry(key.clone()).or_default() += 1;
+            self.ruleset.element(HAIRPIN_ENDPOINTS, key, None);
             if let Some(seconds) = chains.affinity {
                 let spec = format!("type {} ; flags dynamic,timeout ; timeout {seconds}s ;", self.addr_type);
                 let mut set = Set::new(SetKind::Set, spec);
@@ -566,7 +759,7 @@ impl Builder {
         let mut target: Option<String> = None;
         if !all_empty {
             if entry.kind == FrontendKind::ClusterIp && uniform_list {
-                let index = chains.list_index(&treatments[NODE].backends);
+                let index = chains.use_list(&treatments[NODE].backends, frontend);
                 for matches in self.classes.matching(treatments.clone().map(|t| t.masquerade)) {
                     chains.list_prefix_rules[index].push(join(&[
                         &format!("{addr} daddr {} {protocol} dport {}", frontend.ip, frontend.port),
@@ -576,7 +769,7 @@ impl Builder {
                 }
                 target = Some(chains.list_chain(index));
             } else {
-                let rules = self.dispatch(chains, treatments);
+                let rules = self.dispatch(chains, frontend, treatments);
                 target = Some(chains.named(EXTERNAL_PREFIX, rules));
             }
         }
@@ -613,7 +806,12 @@ impl Builder {
     }
 
     /// Rules that classify the source and apply its class's treatment, for an entry chain.
-    fn dispatch(&self, chains: &mut ServiceChains, treatments: &Treatments) -> Vec<String> {
+    fn dispatch(
+        &self,
+        chains: &mut ServiceChains,
+        frontend: &Frontend,
+        treatments: &Treatments,
+    ) -> Vec<String> {
         let [node, pod, outside] = [&treatments[NODE], &treatments[POD], &treatments[OUTSIDE]];
         let emit_pod = self.classes.pods.is_some() && pod != outside;
         let emit_node = node != outside || (emit_pod && self.classes.node_in_pod_cidr && node != pod);
@@ -626,7 +824,7 @@ impl Builder {
             if treatment.masquerade {
                 rules.push(join(&[matches, "jump", MARK_FOR_MASQUERADE]));
             }
-            let index = chains.list_index(&treatment.backends);
+            let index = chains.use_list(&treatment.backends, frontend);
             let target = chains.list_chain(index);
             rules.push(join(&[matches, "goto", &target]));
         };
@@ -678,13 +876,9 @@ impl Builder {
 
     /// NodePorts: one `service-nodeports` element when a port is served alike on every
     /// NodePort address, else one `service-ips` element per address.
-    fn nodeports(&mut self) {
-        let addresses: BTreeSet<IpAddr> = self.nodeports.values().flatten().map(|(ip, _, _)| *ip).collect();
-        for ip in &addresses {
-            self.ruleset.element(NODEPORT_IPS, ip.to_string(), None);
-        }
+    fn nodeports(&mut self, addresses: &BTreeSet<IpAddr>) {
         for ((protocol, port), frontends) in std::mem::take(&mut self.nodeports) {
-            let everywhere = frontends.iter().map(|(ip, _, _)| *ip).collect::<BTreeSet<_>>() == addresses
+            let everywhere = frontends.iter().map(|(ip, _, _)| *ip).collect::<BTreeSet<_>>() == *addresses
                 && frontends.iter().all(|(_, nat, empty)| (nat, empty) == (&frontends[0].1, &frontends[0].2));
             if everywhere {
                 let key = format!("{protocol} . {port}");

@@ -56,7 +56,7 @@ fn chain<'a>(ruleset: &'a Ruleset, prefix: &str) -> (&'a String, &'a Chain) {
 }
 
 #[test]
-fn a_cluster_ip_is_one_verdict_map_element_and_a_numgen_cascade() {
+fn a_cluster_ip_is_one_verdict_map_element_and_its_endpoints_elements_of_an_endpoint_map() {
     let state = state(vec![(
         "172.30.0.41:80",
         entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080", "10.180.0.2:8080"]),
@@ -65,13 +65,15 @@ fn a_cluster_ip_is_one_verdict_map_element_and_a_numgen_cascade() {
     let (name, service) = chain(&ruleset, SERVICE_PREFIX);
     assert!(name.ends_with("-ns1/svc1/tcp/p80"), "{name}");
     assert_eq!(ruleset.sets[SERVICE_IPS].elements["172.30.0.41 . tcp . 80"], Some(format!("goto {name}")),);
+    assert_eq!(service.rules, ["goto pick-tcp-0-2"]);
     assert_eq!(
-        service.rules,
-        [
-            "numgen random mod 2 0 meta l4proto tcp dnat to 10.180.0.1:8080",
-            "meta l4proto tcp dnat to 10.180.0.2:8080",
-        ]
+        ruleset.chains["pick-tcp-0-2"].rules,
+        ["meta l4proto tcp dnat ip addr . port to ip daddr . tcp dport . numgen random mod 2 map @endpoints-tcp-0"]
     );
+    let endpoints = &ruleset.sets["endpoints-tcp-0"].elements;
+    assert_eq!(endpoints.len(), 2);
+    assert_eq!(endpoints["172.30.0.41 . 80 . 0"].as_deref(), Some("10.180.0.1 . 8080"));
+    assert_eq!(endpoints["172.30.0.41 . 80 . 1"].as_deref(), Some("10.180.0.2 . 8080"));
     assert!(ruleset.sets[HAIRPIN_ENDPOINTS].elements.contains_key("10.180.0.1 . 10.180.0.1"));
     assert!(ruleset.sets[CLUSTER_IPS].elements.contains_key("172.30.0.41"));
     assert_eq!(ruleset.chains[CLUSTER_IPS_CHECK].rules[1], "ip daddr 172.30.0.0/16 drop");
@@ -168,10 +170,13 @@ fn a_partial_batch_sends_only_the_changed_chain_and_elements() {
     );
     let (old, new) = (generate(&before, Family::Ipv4), generate(&after, Family::Ipv4));
     let batch = partial(&old, &new);
-    assert_eq!(batch.chains_written.len(), 1, "{}", batch.text);
-    assert!(batch.chains_written[0].ends_with("ns1/svc1/tcp/p80"));
+    // svc1 goes to the shared chain that picks one of two, created now.
+    assert_eq!(batch.chains_written.len(), 2, "{}", batch.text);
+    assert_eq!(batch.chains_written[0], "pick-tcp-0-2");
+    assert!(batch.chains_written[1].ends_with("ns1/svc1/tcp/p80"));
     assert!(batch.chains_deleted.is_empty());
-    assert_eq!((batch.elements_added, batch.elements_deleted), (1, 0), "{}", batch.text);
+    // The new endpoint's map element and hairpin element.
+    assert_eq!((batch.elements_added, batch.elements_deleted), (2, 0), "{}", batch.text);
     assert!(!batch.text.contains("svc2"), "{}", batch.text);
     assert!(batch.text.contains("flush chain ip vipr service-"), "{}", batch.text);
     assert!(partial(&new, &new).is_empty());
@@ -180,7 +185,8 @@ fn a_partial_batch_sends_only_the_changed_chain_and_elements() {
     let mut gone = after.clone();
     gone.frontends.remove(&frontend("172.30.0.42:80"));
     let batch = partial(&new, &generate(&gone, Family::Ipv4));
-    assert_eq!(batch.chains_deleted.len(), 1);
+    // Its chain and the pick chain no other service goes to.
+    assert_eq!(batch.chains_deleted.len(), 2, "{}", batch.text);
     let element = batch.text.find("delete element ip vipr service-ips").unwrap();
     let chain = batch.text.find("delete chain ip vipr service-").unwrap();
     assert!(element < chain, "{}", batch.text);
@@ -203,4 +209,74 @@ fn a_full_batch_refills_everything_and_deletes_what_is_not_wanted() {
     assert!(batch.text.contains("flush map ip vipr service-ips"));
     assert!(batch.text.contains("flush chain ip vipr service-OLD-ns1/old/tcp/p80"));
     assert_eq!(batch.chains_written.len(), wanted.chains.len());
+}
+
+/// What a partial sync from changes does: the services of the changed frontends generated
+/// as they were and as they are, and replaced.
+fn replaced(
+    programmed: &mut Ruleset,
+    before: &DesiredState,
+    after: &DesiredState,
+    services: &[&str],
+) -> Batch {
+    let services: BTreeSet<ServicePortName> = services.iter().map(|name| service(name)).collect();
+    let addresses = nodeport_addresses(&after.frontends, Family::Ipv4);
+    let old = generate_services(after, &before.frontends, Family::Ipv4, Some(&services), &addresses);
+    let new = generate_services(after, &after.frontends, Family::Ipv4, Some(&services), &addresses);
+    replace_services(programmed, &old, &new)
+}
+
+#[test]
+fn replacing_the_changed_services_alone_leads_to_the_whole_generation() {
+    let before = state(vec![
+        ("172.30.0.1:80", entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080", "10.180.0.2:8080"])),
+        ("172.30.0.2:80", entry("svc2", FrontendKind::ClusterIp, &["10.180.0.2:8080"])),
+        ("192.168.0.2:30001", entry("svc3", FrontendKind::NodePort, &["10.180.0.3:8080"])),
+        ("172.30.0.4:80", entry("svc4", FrontendKind::ClusterIp, &["10.180.0.4:8080"])),
+    ]);
+    let mut programmed = generate(&before, Family::Ipv4);
+    // svc1 loses 10.180.0.2, which svc2 still has; svc3's NodePort gets another endpoint;
+    // svc4 goes, svc5 comes.
+    let after = state(vec![
+        ("172.30.0.1:80", entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080", "10.180.0.9:8080"])),
+        ("172.30.0.2:80", entry("svc2", FrontendKind::ClusterIp, &["10.180.0.2:8080"])),
+        ("192.168.0.2:30001", entry("svc3", FrontendKind::NodePort, &["10.180.0.3:8080", "10.180.0.5:8080"])),
+        ("172.30.0.5:80", entry("svc5", FrontendKind::ClusterIp, &["10.180.0.4:8080"])),
+    ]);
+    let mut after_without_cluster_ips = after.clone();
+    after_without_cluster_ips.cluster_ips = before.cluster_ips.clone();
+    let batch = replaced(&mut programmed, &before, &after, &["svc1", "svc3", "svc4", "svc5"]);
+    // Cluster IPs are classifiers, compared by full generations only.
+    assert_eq!(programmed, generate(&after_without_cluster_ips, Family::Ipv4));
+    let svc2 = programmed.chains.keys().find(|name| name.ends_with("/svc2/tcp/p80")).unwrap().clone();
+    assert!(!batch.text.contains("svc2"), "{}", batch.text);
+    assert!(!batch.text.contains("10.180.0.2 . 10.180.0.2"), "svc2 still needs it: {}", batch.text);
+    assert!(
+        batch.text.lines().any(|line| line.starts_with("add element ip vipr hairpin-endpoints")
+            && line.contains("10.180.0.9 . 10.180.0.9")),
+        "{}",
+        batch.text
+    );
+    assert!(batch.chains_deleted.iter().any(|name| name.ends_with("/svc4/tcp/p80")), "{batch:?}");
+    assert!(!batch.chains_written.contains(&svc2));
+    // svc1's endpoint replaced is a change of map elements alone; svc3 now picks one of two.
+    assert_eq!(batch.chains_written.len(), 2, "svc3 and svc5: {:?}", batch.chains_written);
+    assert!(batch.chains_written.iter().all(|name| !name.contains("/svc1/")), "{batch:?}");
+    assert!(batch.text.contains("10.180.0.9 . 8080"), "{}", batch.text);
+    // svc2 still goes to the pick chain svc3 and svc4 went to.
+    assert!(!batch.chains_deleted.iter().any(|name| name.starts_with(PICK_PREFIX)), "{batch:?}");
+
+    // svc2 and svc5 gone too: the pick chain they went to with them.
+    let mut without_svc2 = after.clone();
+    without_svc2.frontends.remove(&frontend("172.30.0.2:80"));
+    without_svc2.frontends.remove(&frontend("172.30.0.5:80"));
+    let batch = replaced(&mut programmed, &after, &without_svc2, &["svc2", "svc5"]);
+    assert!(batch.chains_deleted.contains(&"pick-tcp-0-1".to_owned()), "{batch:?}");
+    let mut expected = generate(&without_svc2, Family::Ipv4);
+    expected.sets.insert(CLUSTER_IPS.to_owned(), programmed.sets[CLUSTER_IPS].clone());
+    assert_eq!(programmed, expected);
+
+    // Nothing changed: nothing to send.
+    let again = replaced(&mut programmed, &without_svc2, &without_svc2, &["svc1", "svc3"]);
+    assert!(again.is_empty(), "{}", again.text);
 }

@@ -1,0 +1,305 @@
+//! The nftables dataplane at scale (issue 17), driven as a library in the benchmark's own
+//! network namespace: services × endpoints programmed from empty, one endpoint change among
+//! them (the agent's path: the incremental translation, then `sync_changes`), a full resync
+//! at the large size, and new connections/s through one service of 1 and of many services.
+//! Kube-proxy-style objects: one port per Service, every third a NodePort.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
+    time::{Duration, Instant},
+};
+
+use anyhow::{ensure, Context as _, Result};
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use vipr::{
+    dataplane::{
+        nftables::{NftablesDataplane, NftablesOptions},
+        Dataplane as _,
+    },
+    model::kubernetes::{incremental::Translator, NodeContext, SERVICE_NAME_LABEL},
+};
+
+use testbed::{exchanges, unique_name, EchoServer, Frontend, LeafSpec, Netns, Protocol, Topology};
+
+use super::meta::RunMeta;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Settings {
+    /// Services programmed from empty, and the endpoints of each.
+    pub services: usize,
+    pub endpoints: usize,
+    /// Services × 2 endpoints of the full resync.
+    pub resync_services: usize,
+    /// Services of the connection rate's many-service measurement.
+    pub rate_services: usize,
+    /// Connections per round (three rounds, the best counts).
+    pub connections: usize,
+}
+
+impl Settings {
+    pub fn full() -> Self {
+        Self {
+            services: 10_000,
+            endpoints: 10,
+            resync_services: 44_000,
+            rate_services: 30_000,
+            connections: 400,
+        }
+    }
+
+    pub fn quick() -> Self {
+        Self { services: 500, endpoints: 10, resync_services: 1_000, rate_services: 1_000, connections: 50 }
+    }
+}
+
+/// One measurement against its target.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Figure {
+    pub what: String,
+    pub measured: String,
+    pub target: String,
+    pub met: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Results {
+    pub meta: RunMeta,
+    pub settings: Settings,
+    pub from_empty_ms: f64,
+    pub from_empty_nft_ms: f64,
+    /// The sync of the change (the target's figure, as the control-plane suite's), and the
+    /// agent's incremental translation before it.
+    pub change_ms: f64,
+    pub change_nft_ms: f64,
+    pub change_translate_ms: f64,
+    pub resync_ms: f64,
+    pub resync_nft_ms: f64,
+    pub rate_at_one: f64,
+    pub rate_at_many: f64,
+    pub figures: Vec<Figure>,
+}
+
+pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
+    let programming = Netns::create(&unique_name("bench-nft"))?;
+    let (from_empty, (change, translate), resync) = programming.run(|| programming_times(&settings))?;
+    drop(programming);
+    let (rate_at_one, rate_at_many) = connection_rates(&settings)?;
+    meta.finish();
+    let ms = |(total, _): (f64, f64)| total * 1e3;
+    let rate = 100.0 * rate_at_many / rate_at_one;
+    let scale = |n: usize| if n >= 1000 { format!("{}k", n / 1000) } else { n.to_string() };
+    let figures = vec![
+        Figure {
+            what: format!(
+                "{} services × {} endpoints programmed from empty",
+                scale(settings.services),
+                settings.endpoints
+            ),
+            measured: format!("{:.0} ms (nft -f {:.0} ms)", ms(from_empty), from_empty.1 * 1e3),
+            target: "< 2 s".into(),
+            met: ms(from_empty) < 2000.0,
+        },
+        Figure {
+            what: format!("one endpoint change at {} services", scale(settings.services)),
+            measured: format!(
+                "{:.1} ms (nft -f {:.1} ms); with the agent's re-translation {:.1} ms",
+                ms(change),
+                change.1 * 1e3,
+                ms(change) + translate * 1e3
+            ),
+            target: "< 50 ms".into(),
+            met: ms(change) < 50.0,
+        },
+        Figure {
+            what: format!("{} services × 2 endpoints, full resync", scale(settings.resync_services)),
+            measured: format!("{:.0} ms (nft -f {:.0} ms)", ms(resync), resync.1 * 1e3),
+            target: "< 10 s".into(),
+            met: ms(resync) < 10_000.0,
+        },
+        Figure {
+            what: format!("new connections/s at {} services vs 1", scale(settings.rate_services)),
+            measured: format!("{rate_at_many:.0} vs {rate_at_one:.0}/s ({rate:.1}%)"),
+            target: "within 10%".into(),
+            met: rate >= 90.0,
+        },
+    ];
+    println!("nftables mode ({}):", if meta.quick { "quick" } else { "full" });
+    for figure in &figures {
+        println!(
+            "  {}: {} (target {}: {})",
+            figure.what,
+            figure.measured,
+            figure.target,
+            if figure.met { "met" } else { "MISSED" }
+        );
+    }
+    Ok(Results {
+        meta,
+        settings,
+        from_empty_ms: ms(from_empty),
+        from_empty_nft_ms: from_empty.1 * 1e3,
+        change_ms: ms(change),
+        change_nft_ms: change.1 * 1e3,
+        change_translate_ms: translate * 1e3,
+        resync_ms: ms(resync),
+        resync_nft_ms: resync.1 * 1e3,
+        rate_at_one,
+        rate_at_many,
+        figures,
+    })
+}
+
+type Seconds = (f64, f64);
+
+/// (from empty, (one endpoint change, its translation), full resync at the large size), each
+/// (the whole sync, `nft -f` alone) in seconds.
+fn programming_times(settings: &Settings) -> Result<(Seconds, (Seconds, f64), Seconds)> {
+    let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
+    let mut dataplane = NftablesDataplane::start(&options)?;
+    let mut translator = Translator::new();
+    let node = node();
+    let (services, mut slices) = objects(settings.services, settings.endpoints, None);
+    let changes = translator.translate(&services, &slices, &node);
+    let from_empty = timed(&mut dataplane, |dataplane| dataplane.sync_changes(translator.state(), &changes))?;
+
+    slices[settings.services / 2] = slice(settings.services / 2, settings.endpoints, 1, None);
+    let started = Instant::now();
+    let changes = translator.translate(&services, &slices, &node);
+    let translated = started.elapsed().as_secs_f64();
+    let (sync, nft) =
+        timed(&mut dataplane, |dataplane| dataplane.sync_changes(translator.state(), &changes))?;
+    ensure!(dataplane.last_sync().from_changes, "the endpoint change was not applied from the changes");
+    let change = ((sync, nft), translated);
+
+    let (services, slices) = objects(settings.resync_services, 2, None);
+    let changes = translator.translate(&services, &slices, &node);
+    dataplane.sync_changes(translator.state(), &changes)?;
+    dataplane.request_full_sync();
+    let resync = timed(&mut dataplane, |dataplane| dataplane.sync(translator.state()))?;
+    ensure!(dataplane.last_sync().full, "the resync was not full");
+    Ok((from_empty, change, resync))
+}
+
+fn timed(
+    dataplane: &mut NftablesDataplane,
+    sync: impl FnOnce(&mut NftablesDataplane) -> Result<vipr::dataplane::SyncReport>,
+) -> Result<Seconds> {
+    let started = Instant::now();
+    let report = sync(dataplane)?;
+    let total = started.elapsed().as_secs_f64();
+    ensure!(report.is_complete(), "the sync was incomplete: {report:?}");
+    let nft = dataplane.last_sync().batches.iter().map(|applied| applied.took.as_secs_f64()).sum();
+    Ok((total, nft))
+}
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
+const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 20, 1, 2);
+
+/// New connections/s through service 0 at 1 service and at `rate_services` (the 1-service
+/// figure the best of one before and one after: the machine drifts).
+fn connection_rates(settings: &Settings) -> Result<(f64, f64)> {
+    let leaves =
+        vec![LeafSpec::in_own_slash24("client", CLIENT)?, LeafSpec::in_own_slash24("backend", BACKEND)?];
+    let topology = Topology::build("bench-nft-cps", leaves)?;
+    let backend = &topology.leaf("backend").context("backend leaf")?.netns;
+    let _server = EchoServer::start(backend, "backend", &[SocketAddr::from((BACKEND, 8080))], &[])?;
+    let node = node();
+    let (one, one_slices) = objects(1, 1, Some(BACKEND));
+    let (many, many_slices) = objects(settings.rate_services, 2, Some(BACKEND));
+    topology.node().run(|| {
+        let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
+        let mut dataplane = NftablesDataplane::start(&options)?;
+        let mut translator = Translator::new();
+        translator.translate(&one, &one_slices, &node);
+        dataplane.sync(translator.state())?;
+        let at_one = rate(&topology, settings.connections)?;
+        translator.translate(&many, &many_slices, &node);
+        dataplane.sync(translator.state())?;
+        let at_many = rate(&topology, settings.connections)?;
+        translator.translate(&one, &one_slices, &node);
+        dataplane.sync(translator.state())?;
+        let again = rate(&topology, settings.connections)?;
+        Ok((at_one.max(again), at_many))
+    })
+}
+
+/// Connections/s (connect, one request and its answer, close) from the client to service 0,
+/// best of three rounds.
+fn rate(topology: &Topology, connections: usize) -> Result<f64> {
+    let client = &topology.leaf("client").context("client leaf")?.netns;
+    let frontend = Frontend { addr: SocketAddrV4::new(cluster_ip(0), 80), protocol: Protocol::Tcp };
+    let mut best: f64 = 0.0;
+    for _ in 0..3 {
+        let started = Instant::now();
+        let answers = client.run(|| exchanges(frontend, connections, Duration::from_secs(2)))?;
+        ensure!(answers.len() == connections, "{} of {connections} answered", answers.len());
+        best = best.max(connections as f64 / started.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+fn node() -> NodeContext {
+    let node_ip: IpAddr = "192.168.0.2".parse().expect("valid address");
+    NodeContext {
+        name: "node-a".into(),
+        cluster_cidrs: vec!["10.0.0.0/8".parse().expect("valid CIDR")],
+        node_ips: [node_ip].into(),
+        primary_ips: vec![node_ip],
+        node_port_ips: [node_ip].into(),
+        ..NodeContext::default()
+    }
+}
+
+fn cluster_ip(index: usize) -> Ipv4Addr {
+    Ipv4Addr::new(172, 30 + (index / 62_500) as u8, (index / 250 % 250) as u8, (index % 250 + 1) as u8)
+}
+
+/// `services` Services (every third a NodePort) and their slices of `endpoints` each;
+/// service 0's one endpoint is `backend` when given.
+fn objects(
+    services: usize,
+    endpoints: usize,
+    backend: Option<Ipv4Addr>,
+) -> (Vec<Service>, Vec<EndpointSlice>) {
+    let objects = (0..services).map(service).collect();
+    let slices =
+        (0..services).map(|index| slice(index, endpoints, 0, backend.filter(|_| index == 0))).collect();
+    (objects, slices)
+}
+
+fn service(index: usize) -> Service {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": format!("svc{index}"), "namespace": "bench", "resourceVersion": "r0"},
+        "spec": {
+            "type": if index.is_multiple_of(3) { "NodePort" } else { "ClusterIP" },
+            "clusterIP": cluster_ip(index).to_string(),
+            "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
+        },
+    }))
+    .expect("a valid Service")
+}
+
+/// `endpoints` endpoints of service `index`, moved by `generation` (a new resourceVersion
+/// each, as the API server writes them).
+fn slice(index: usize, endpoints: usize, generation: usize, backend: Option<Ipv4Addr>) -> EndpointSlice {
+    let addresses: Vec<String> = match backend {
+        Some(backend) => vec![backend.to_string()],
+        None => (0..endpoints)
+            .map(|e| format!("10.{}.{}.{}", 100 + index / 250 % 150, index % 250, e + 1 + generation))
+            .collect(),
+    };
+    serde_json::from_value(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {
+            "name": format!("svc{index}-1"), "namespace": "bench", "resourceVersion": format!("r{generation}"),
+            "labels": {SERVICE_NAME_LABEL: format!("svc{index}")},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": addresses.iter().map(|address| json!({"addresses": [address], "nodeName": "node-b"})).collect::<Vec<_>>(),
+    }))
+    .expect("a valid EndpointSlice")
+}
