@@ -18,7 +18,11 @@ use vipr::{
         nftables::{NftablesDataplane, NftablesOptions},
         Dataplane as _,
     },
-    model::kubernetes::{incremental::Translator, NodeContext, SERVICE_NAME_LABEL},
+    model::{
+        changes::{ChangeTracker, Kind, Object},
+        kubernetes::{incremental::Translator, NodeContext, SERVICE_NAME_LABEL},
+        DesiredState, StateChanges,
+    },
 };
 
 use testbed::{exchanges, unique_name, EchoServer, Frontend, LeafSpec, Netns, Protocol, Topology};
@@ -153,31 +157,67 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
 
 type Seconds = (f64, f64);
 
+/// The agent's change tracker and translator, given whole lists (as a source's relist) or one
+/// changed EndpointSlice.
+struct Model {
+    tracker: ChangeTracker,
+    translator: Translator,
+    node: NodeContext,
+}
+
+impl Model {
+    fn new(node: NodeContext) -> Self {
+        Self {
+            tracker: ChangeTracker::new(std::time::SystemTime::now()),
+            translator: Translator::new(),
+            node,
+        }
+    }
+
+    fn list(&mut self, services: &[Service], slices: &[EndpointSlice]) -> StateChanges {
+        self.tracker.list(Kind::Service, services.iter().cloned().map(Object::Service).collect());
+        self.tracker.list(Kind::EndpointSlice, slices.iter().cloned().map(Object::EndpointSlice).collect());
+        self.tracker.set_synced();
+        self.translate()
+    }
+
+    fn apply(&mut self, slice: EndpointSlice) -> StateChanges {
+        self.tracker.apply(Object::EndpointSlice(slice));
+        self.translate()
+    }
+
+    fn translate(&mut self) -> StateChanges {
+        let dirty = self.tracker.take_dirty();
+        self.translator.translate(&self.tracker, dirty, &self.node)
+    }
+
+    fn state(&self) -> &DesiredState {
+        self.translator.state()
+    }
+}
+
 /// (from empty, (one endpoint change, its translation), full resync at the large size), each
 /// (the whole sync, `nft -f` alone) in seconds.
 fn programming_times(settings: &Settings) -> Result<(Seconds, (Seconds, f64), Seconds)> {
     let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
     let mut dataplane = NftablesDataplane::start(&options)?;
-    let mut translator = Translator::new();
-    let node = node();
-    let (services, mut slices) = objects(settings.services, settings.endpoints, None);
-    let changes = translator.translate(&services, &slices, &node);
-    let from_empty = timed(&mut dataplane, |dataplane| dataplane.sync_changes(translator.state(), &changes))?;
+    let mut model = Model::new(node());
+    let (services, slices) = objects(settings.services, settings.endpoints, None);
+    let changes = model.list(&services, &slices);
+    let from_empty = timed(&mut dataplane, |dataplane| dataplane.sync_changes(model.state(), &changes))?;
 
-    slices[settings.services / 2] = slice(settings.services / 2, settings.endpoints, 1, None);
     let started = Instant::now();
-    let changes = translator.translate(&services, &slices, &node);
+    let changes = model.apply(slice(settings.services / 2, settings.endpoints, 1, None));
     let translated = started.elapsed().as_secs_f64();
-    let (sync, nft) =
-        timed(&mut dataplane, |dataplane| dataplane.sync_changes(translator.state(), &changes))?;
+    let (sync, nft) = timed(&mut dataplane, |dataplane| dataplane.sync_changes(model.state(), &changes))?;
     ensure!(dataplane.last_sync().from_changes, "the endpoint change was not applied from the changes");
     let change = ((sync, nft), translated);
 
     let (services, slices) = objects(settings.resync_services, 2, None);
-    let changes = translator.translate(&services, &slices, &node);
-    dataplane.sync_changes(translator.state(), &changes)?;
+    let changes = model.list(&services, &slices);
+    dataplane.sync_changes(model.state(), &changes)?;
     dataplane.request_full_sync();
-    let resync = timed(&mut dataplane, |dataplane| dataplane.sync(translator.state()))?;
+    let resync = timed(&mut dataplane, |dataplane| dataplane.sync(model.state()))?;
     ensure!(dataplane.last_sync().full, "the resync was not full");
     Ok((from_empty, change, resync))
 }
@@ -205,21 +245,20 @@ fn connection_rates(settings: &Settings) -> Result<(f64, f64)> {
     let topology = Topology::build("bench-nft-cps", leaves)?;
     let backend = &topology.leaf("backend").context("backend leaf")?.netns;
     let _server = EchoServer::start(backend, "backend", &[SocketAddr::from((BACKEND, 8080))], &[])?;
-    let node = node();
     let (one, one_slices) = objects(1, 1, Some(BACKEND));
     let (many, many_slices) = objects(settings.rate_services, 2, Some(BACKEND));
     topology.node().run(|| {
         let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
         let mut dataplane = NftablesDataplane::start(&options)?;
-        let mut translator = Translator::new();
-        translator.translate(&one, &one_slices, &node);
-        dataplane.sync(translator.state())?;
+        let mut model = Model::new(node());
+        model.list(&one, &one_slices);
+        dataplane.sync(model.state())?;
         let at_one = rate(&topology, settings.connections)?;
-        translator.translate(&many, &many_slices, &node);
-        dataplane.sync(translator.state())?;
+        model.list(&many, &many_slices);
+        dataplane.sync(model.state())?;
         let at_many = rate(&topology, settings.connections)?;
-        translator.translate(&one, &one_slices, &node);
-        dataplane.sync(translator.state())?;
+        model.list(&one, &one_slices);
+        dataplane.sync(model.state())?;
         let again = rate(&topology, settings.connections)?;
         Ok((at_one.max(again), at_many))
     })
