@@ -292,6 +292,24 @@ impl Verdict {
 /// A frontend's three treatments (node, pod, outside).
 pub(crate) type Treatments = [ClassTreatment; 3];
 
+/// A service port's class treatments in the order their endpoint lists are named (iptables'
+/// `KUBE-SVC-` / `KUBE-SVL-`, nftables' `service-` / `local-`): the cluster-wide list first,
+/// what the node's connections to external destinations use, else what cluster IPs use; then
+/// every other list.
+pub(crate) fn lists_in_naming_order<'a>(
+    treated: &'a [(&Frontend, &FrontendEntry, Treatments)],
+) -> impl Iterator<Item = &'a ClassTreatment> {
+    let external = |entry: &FrontendEntry| entry.kind != FrontendKind::ClusterIp;
+    treated
+        .iter()
+        .filter(move |(_, entry, _)| external(entry))
+        .map(|(_, _, t)| &t[NODE])
+        .chain(
+            treated.iter().filter(move |(_, entry, _)| !external(entry)).flat_map(|(_, _, t)| t.iter().rev()),
+        )
+        .chain(treated.iter().flat_map(|(_, _, t)| t.iter()))
+}
+
 /// (Shared with the nftables dataplane, whose rules apply the same per-class treatments.)
 pub(crate) fn treatments(entry: &FrontendEntry, family: Family) -> Treatments {
     let model = [&entry.from_node, &entry.from_pod, &entry.from_outside];
@@ -614,16 +632,7 @@ impl Builder {
             .collect();
         // Name the endpoint lists: the cluster-wide list first (what the node's connections to
         // external destinations use, else what cluster IPs use), so that it gets KUBE-SVC-.
-        let external = |entry: &FrontendEntry| entry.kind != FrontendKind::ClusterIp;
-        let ordered = treated
-            .iter()
-            .filter(|(_, entry, _)| external(entry))
-            .map(|(_, _, t)| &t[NODE])
-            .chain(
-                treated.iter().filter(|(_, entry, _)| !external(entry)).flat_map(|(_, _, t)| t.iter().rev()),
-            )
-            .chain(treated.iter().flat_map(|(_, _, t)| t.iter()));
-        for treatment in ordered {
+        for treatment in lists_in_naming_order(&treated) {
             if !treatment.backends.is_empty() {
                 chains.list_index(&treatment.backends);
             }

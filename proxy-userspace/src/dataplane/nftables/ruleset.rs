@@ -37,7 +37,10 @@ use ipnet::IpNet;
 
 use crate::dataplane::iptables::{
     names::{protocol_name, service_chain},
-    ruleset::{treatments, ClassTreatment, Family, Treatments, Verdict, MASQUERADE_MARK, NODE, OUTSIDE, POD},
+    ruleset::{
+        lists_in_naming_order, treatments, ClassTreatment, Family, Treatments, Verdict, MASQUERADE_MARK,
+        NODE, OUTSIDE, POD,
+    },
 };
 use crate::model::{
     Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, PodInterfaces, ServicePortName,
@@ -647,16 +650,7 @@ impl Builder {
             .map(|(frontend, entry)| (*frontend, *entry, treatments(entry, family)))
             .collect();
         // The cluster-wide list first, so that it gets the `service-` name.
-        let external = |entry: &FrontendEntry| entry.kind != FrontendKind::ClusterIp;
-        let ordered = treated
-            .iter()
-            .filter(|(_, entry, _)| external(entry))
-            .map(|(_, _, t)| &t[NODE])
-            .chain(
-                treated.iter().filter(|(_, entry, _)| !external(entry)).flat_map(|(_, _, t)| t.iter().rev()),
-            )
-            .chain(treated.iter().flat_map(|(_, _, t)| t.iter()));
-        for treatment in ordered {
+        for treatment in lists_in_naming_order(&treated) {
             if !treatment.backends.is_empty() {
                 chains.list_index(&treatment.backends);
             }
