@@ -289,6 +289,36 @@ impl Verdict {
     }
 }
 
+/// One rule's source condition, in terms both netfilter dataplanes spell their own way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ClassMatch {
+    Pods,
+    NotPods,
+    /// A node address (`fib saddr type local`, `-m addrtype --src-type LOCAL`).
+    Local,
+    NotLocal,
+    PodsNotLocal,
+    NotPodsNotLocal,
+}
+
+/// The rules (each one condition) that together match the classes whose flag is set
+/// (node, pod, outside), for marks that may be applied twice; a pod detector is known.
+/// Called with some but not all classes set.
+pub(crate) fn class_matches([node, pod, outside]: [bool; 3], node_in_pod_cidr: bool) -> Vec<ClassMatch> {
+    use ClassMatch::*;
+    match (node, pod, outside) {
+        (true, false, true) if node_in_pod_cidr => vec![NotPods, Local],
+        (true, false, true) => vec![NotPods],
+        (true, false, false) => vec![Local],
+        (false, true, false) if node_in_pod_cidr => vec![PodsNotLocal],
+        (false, true, false) => vec![Pods],
+        (false, false, true) => vec![NotPodsNotLocal],
+        (true, true, false) => vec![Pods, Local],
+        (false, true, true) => vec![NotLocal],
+        (true, true, true) | (false, false, false) => Vec::new(),
+    }
+}
+
 /// A frontend's three treatments (node, pod, outside).
 pub(crate) type Treatments = [ClassTreatment; 3];
 
@@ -396,22 +426,17 @@ impl Classes {
             [pods] => pods,
             _ => return None,
         };
-        let rules = match (node, pod, outside) {
-            (true, false, true) => {
-                let mut rules = vec![format!("! {pods}")];
-                if self.node_in_pod_cidr {
-                    rules.push(LOCAL.to_owned());
-                }
-                rules
-            }
-            (true, false, false) => vec![LOCAL.to_owned()],
-            (false, true, false) if self.node_in_pod_cidr => vec![format!("{pods} {NOT_LOCAL}")],
-            (false, true, false) => vec![pods.clone()],
-            (false, false, true) => vec![format!("! {pods} {NOT_LOCAL}")],
-            (true, true, false) => vec![pods.clone(), LOCAL.to_owned()],
-            (false, true, true) => vec![NOT_LOCAL.to_owned()],
-            (true, true, true) | (false, false, false) => unreachable!("handled above"),
-        };
+        let rules = class_matches([node, pod, outside], self.node_in_pod_cidr)
+            .into_iter()
+            .map(|condition| match condition {
+                ClassMatch::Pods => pods.clone(),
+                ClassMatch::NotPods => format!("! {pods}"),
+                ClassMatch::Local => LOCAL.to_owned(),
+                ClassMatch::NotLocal => NOT_LOCAL.to_owned(),
+                ClassMatch::PodsNotLocal => format!("{pods} {NOT_LOCAL}"),
+                ClassMatch::NotPodsNotLocal => format!("! {pods} {NOT_LOCAL}"),
+            })
+            .collect();
         Some(rules)
     }
 }

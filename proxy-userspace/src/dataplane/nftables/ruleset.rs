@@ -38,8 +38,8 @@ use ipnet::IpNet;
 use crate::dataplane::iptables::{
     names::{protocol_name, service_chain},
     ruleset::{
-        lists_in_naming_order, treatments, ClassTreatment, Family, Treatments, Verdict, MASQUERADE_MARK,
-        NODE, OUTSIDE, POD,
+        class_matches, lists_in_naming_order, treatments, ClassMatch, ClassTreatment, Family, Treatments,
+        Verdict, MASQUERADE_MARK, NODE, OUTSIDE, POD,
     },
 };
 use crate::model::{
@@ -250,22 +250,17 @@ impl Classes {
         let Some((pods, not_pods)) = &self.pods else {
             return vec![if node { LOCAL } else { NOT_LOCAL }.to_owned()];
         };
-        match (node, pod, outside) {
-            (true, false, true) => {
-                let mut rules = vec![not_pods.clone()];
-                if self.node_in_pod_cidr {
-                    rules.push(LOCAL.to_owned());
-                }
-                rules
-            }
-            (true, false, false) => vec![LOCAL.to_owned()],
-            (false, true, false) if self.node_in_pod_cidr => vec![format!("{pods} {NOT_LOCAL}")],
-            (false, true, false) => vec![pods.clone()],
-            (false, false, true) => vec![format!("{not_pods} {NOT_LOCAL}")],
-            (true, true, false) => vec![pods.clone(), LOCAL.to_owned()],
-            (false, true, true) => vec![NOT_LOCAL.to_owned()],
-            (true, true, true) | (false, false, false) => unreachable!("handled above"),
-        }
+        class_matches([node, pod, outside], self.node_in_pod_cidr)
+            .into_iter()
+            .map(|condition| match condition {
+                ClassMatch::Pods => pods.clone(),
+                ClassMatch::NotPods => not_pods.clone(),
+                ClassMatch::Local => LOCAL.to_owned(),
+                ClassMatch::NotLocal => NOT_LOCAL.to_owned(),
+                ClassMatch::PodsNotLocal => format!("{pods} {NOT_LOCAL}"),
+                ClassMatch::NotPodsNotLocal => format!("{not_pods} {NOT_LOCAL}"),
+            })
+            .collect()
     }
 }
 
