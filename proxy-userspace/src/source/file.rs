@@ -107,7 +107,9 @@ fn add_object(value: serde_yaml::Value, document: usize, objects: &mut Objects) 
 ///
 /// The first content read is sent as a complete list of every kind and [`SourceEvent::Synced`];
 /// each later one is compared with the previous once, here, and only the objects added,
-/// changed or deleted are sent. A name repeated in the file is the object of its last document.
+/// changed or deleted are sent. Each read's events go as one [`SourceEvent::Batch`]: the file
+/// is one desired state, and a sync between two of its changes would program a state it never
+/// described (seen in ipvs mode: a stage's Service programmed before its slice). A name repeated in the file is the object of its last document.
 ///
 /// A content is sent only once it has been read unchanged for [`settle_time`]: a file caught
 /// while a tool truncates and rewrites it in place (empty, or cut after a complete document)
@@ -137,11 +139,11 @@ pub fn watch(
                             settling = None;
                             let read = read_objects(&path, &content, ownership);
                             last_content = Some(content);
-                            let batch = match read {
-                                Ok(objects) => changes(&mut sent, objects),
-                                Err(reason) => vec![SourceEvent::Unusable(reason)],
+                            let event = match read {
+                                Ok(objects) => SourceEvent::Batch(changes(&mut sent, objects)),
+                                Err(reason) => SourceEvent::Unusable(reason),
                             };
-                            if batch.into_iter().any(|event| events.send(event).is_err()) {
+                            if events.send(event).is_err() {
                                 return;
                             }
                         }
@@ -251,11 +253,11 @@ mod tests {
         timeout: Duration,
     ) -> Vec<String> {
         let first = received.recv_timeout(timeout).unwrap();
-        let mut synced = matches!(first, SourceEvent::Synced);
+        let mut synced = first.completes_the_view();
         first.apply_to(tracker);
         while let Ok(event) = received.recv_timeout(if synced { Duration::from_millis(50) } else { timeout })
         {
-            synced |= matches!(event, SourceEvent::Synced);
+            synced |= event.completes_the_view();
             event.apply_to(tracker);
         }
         Objects::held_by(tracker).services.into_iter().map(|s| s.metadata.name.unwrap_or_default()).collect()
@@ -293,6 +295,41 @@ mod tests {
         assert_eq!(services_after_read(&received, &mut tracker, deadline), ["c"]);
         assert_eq!(tracker.take_dirty().services.len(), 3);
         assert_eq!(tracker.total().services, 5);
+        stop.send(()).unwrap();
+        watcher.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A re-read that changes several objects is one event: the agent cannot sync between
+    /// them (a sync between a Service's change and its slice's is a state the file never held).
+    #[test]
+    fn one_read_of_the_file_is_one_event() {
+        const INTERVAL: Duration = Duration::from_millis(50);
+        let dir = std::env::temp_dir().join(format!("vipr-file-batch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("services.yaml");
+        std::fs::write(&path, service_named("a") + &service_named("b")).unwrap();
+        let (events, received) = std::sync::mpsc::channel();
+        let (stop, stopped) = std::sync::mpsc::channel();
+        let watcher = {
+            let path = path.clone();
+            std::thread::spawn(move || watch(path, &Ownership::default(), INTERVAL, events, stopped))
+        };
+        let deadline = Duration::from_secs(10);
+        let first = received.recv_timeout(deadline).unwrap();
+        assert!(first.completes_the_view(), "the first read is complete in one event: {first:?}");
+
+        std::fs::write(&path, service_named("b") + &service_named("c")).unwrap();
+        let second = received.recv_timeout(deadline).unwrap();
+        let SourceEvent::Batch(changes) = &second else { panic!("one read, one batch: {second:?}") };
+        let deleted = changes.iter().filter(|event| matches!(event, SourceEvent::Deleted(..))).count();
+        let applied = changes.iter().filter(|event| matches!(event, SourceEvent::Applied(..))).count();
+        assert_eq!((deleted, applied), (1, 1), "a deleted, c added, b unchanged: {changes:?}");
+        let mut tracker = ChangeTracker::new(std::time::SystemTime::UNIX_EPOCH);
+        first.apply_to(&mut tracker);
+        assert!(second.apply_to(&mut tracker));
+        assert_eq!(tracker.services_sorted().len(), 2);
+        assert!(received.recv_timeout(INTERVAL * 4).is_err(), "nothing more was sent");
         stop.send(()).unwrap();
         watcher.join().unwrap();
         std::fs::remove_dir_all(&dir).unwrap();

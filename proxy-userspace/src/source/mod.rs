@@ -137,6 +137,10 @@ pub enum SourceEvent {
     Synced,
     /// The source cannot be read right now; the datapath keeps what it has.
     Unusable(String),
+    /// Events that belong together, applied together so that no sync sees a part of them:
+    /// one re-read of the services file, which is one desired state (a Service's new port and
+    /// its slices' new endpoints, or every object of a conformance stage).
+    Batch(Vec<SourceEvent>),
 }
 
 impl SourceEvent {
@@ -152,6 +156,18 @@ impl SourceEvent {
                 first
             }
             Self::Unusable(_) => false,
+            Self::Batch(events) => {
+                events.into_iter().fold(false, |changed, event| event.apply_to(tracker) | changed)
+            }
+        }
+    }
+
+    /// Whether this is [`SourceEvent::Synced`] or a batch that holds it.
+    pub fn completes_the_view(&self) -> bool {
+        match self {
+            Self::Synced => true,
+            Self::Batch(events) => events.iter().any(Self::completes_the_view),
+            _ => false,
         }
     }
 }

@@ -270,7 +270,7 @@ fn run_case(
                     None => (Status::Fail, failure.clone()),
                 })
                 .collect(),
-            None => check_stage(&lab, case, stage, &stage_jobs, &drop_controls, &skip_reason, options.mode),
+            None => check_stage(&lab, case, stage, &stage_jobs, &drop_controls, &skip_reason),
         };
         for ((_, job), (status, reason)) in stage_jobs.iter().zip(outcomes) {
             report(result(job, status, reason));
@@ -559,21 +559,6 @@ fn exit_reason(log: &Path) -> Option<String> {
     error.or(lines.last()).map(|line| (*line).to_owned())
 }
 
-/// [`probe::check`], once: a failure is a failure. In ipvs mode alone a failed flow is checked
-/// once more, 2 s later, and passes only if that check passes, the line saying what the first
-/// saw: in the single-CPU User-Mode Linux guest, right after a stage removes an endpoint, one
-/// run in a few sent a new connection to the removed endpoint (`TestSessionAffinity`, "one
-/// endpoint left"); the cause is not found yet (docs/conformance.md).
-fn checked(check: &probe::FlowCheck, mode: Mode) -> Result<String, String> {
-    probe::check(check).or_else(|first| {
-        if mode != Mode::Ipvs {
-            return Err(first);
-        }
-        std::thread::sleep(std::time::Duration::from_secs(2));
-        probe::check(check).map(|detail| format!("{detail} (on the second check; the first: {first})"))
-    })
-}
-
 fn check_stage(
     lab: &CaseLab,
     case: &Case,
@@ -581,7 +566,6 @@ fn check_stage(
     stage_jobs: &[(usize, &Job)],
     drop_controls: &[Option<String>],
     skip_reason: &(dyn Fn(&Job) -> String + Sync),
-    mode: Mode,
 ) -> Vec<(Status, String)> {
     std::thread::scope(|scope| {
         let handles: Vec<_> = stage_jobs
@@ -596,7 +580,7 @@ fn check_stage(
                     let Some(place) = lab.owner(check.source) else {
                         return (Status::Fail, format!("testbed: no namespace owns {}", check.source));
                     };
-                    let outcome = lab.netns(place).run(|| Ok(checked(&check, mode)));
+                    let outcome = lab.netns(place).run(|| Ok(probe::check(&check)));
                     let mut reported = match outcome {
                         Ok(Ok(detail)) => match control {
                             Some(control) => (Status::Fail, control),
