@@ -132,8 +132,7 @@ pub trait Maps: Sized {
     fn early_drop_pop();
     /// The services entry of the packet's destination, for one source class.
     fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service>;
-    fn backend(slot: &BackendSlot) -> Option<Endpoint<Self>>;
-    /// [`Maps::backend`] with the slot's counter index.
+    /// The backend in a slot, with its (service port, backend) counter index.
     fn counted_backend(slot: &BackendSlot) -> Option<(Endpoint<Self>, u32)>;
     fn is_node(addr: &Self) -> bool;
     fn in_pod_cidr(addr: &Self) -> bool;
@@ -441,11 +440,6 @@ macro_rules! family_maps {
                     proto: packet.proto,
                     source_class,
                 })
-            }
-
-            #[inline(always)]
-            fn backend(slot: &BackendSlot) -> Option<Endpoint<Self>> {
-                $backends.get(slot).map(|backend| Endpoint { addr: backend.addr, port: backend.port })
             }
 
             #[inline(always)]

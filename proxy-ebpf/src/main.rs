@@ -14,6 +14,12 @@ fn main() {}
 /// ClientIP session affinity, for both the TC and the socket paths.
 #[cfg(target_arch = "bpf")]
 mod affinity;
+/// Flow entries: tracking, masquerade ports, early drop.
+#[cfg(target_arch = "bpf")]
+mod conntrack;
+/// Per-connection and datapath counters.
+#[cfg(target_arch = "bpf")]
+mod counters;
 #[cfg(target_arch = "bpf")]
 mod family;
 /// Later IPv4 fragments, placed by their first fragment's ports.
@@ -22,6 +28,9 @@ mod fragment;
 /// Reverse NAT of ICMP errors about tracked connections.
 #[cfg(target_arch = "bpf")]
 mod icmp_error;
+/// The service decision every hook shares.
+#[cfg(target_arch = "bpf")]
+mod lb;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]

@@ -58,7 +58,7 @@ use aya_ebpf::{
 };
 use proxy_common::{datapath_stat, proto};
 
-use crate::tc::stat;
+use crate::counters::stat;
 
 use crate::wire::{
     ETH_HLEN, ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_MIN_HLEN, IPV6_HLEN, TCP_CSUM_AT, UDP_CSUM_AT,

@@ -1,4 +1,5 @@
-//! Where a rewritten packet goes, and source NAT to the node: which address, which port.
+//! Where a rewritten packet goes, and the node's address a masqueraded one leaves from (the
+//! port is conntrack.rs's).
 //!
 //! A rewritten packet that the node forwards to another host takes one of two paths, chosen by
 //! the agent with `--bpf-forwarding` (the read-only global [`VIPR_FORWARDING`]):
@@ -31,19 +32,14 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC},
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_get_prandom_u32, bpf_redirect_neigh},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
     programs::TcContext,
     EbpfContext as _,
 };
 
-use proxy_common::{forwarding, snat, SnatPorts};
+use proxy_common::forwarding;
 
-use crate::{
-    family::{Endpoint, Family, Nat},
-    maps::SNAT_PORTS,
-    packet::Tuple,
-    tc::{is_full, Refusal},
-};
+use crate::family::Family;
 
 /// `--bpf-forwarding` ([`forwarding::STACK`] or [`forwarding::REDIRECT`]), written by the agent
 /// at load time. Read-only data: the verifier knows its value and drops the other path.
@@ -57,10 +53,6 @@ pub fn redirecting() -> bool {
     // object's default in (the agent sets the value when it loads the object).
     unsafe { core::ptr::read_volatile(&VIPR_FORWARDING) == forwarding::REDIRECT }
 }
-
-/// Ports tried before a masqueraded connection is given up (its packet dropped; the client
-/// retransmits and tries again).
-const SNAT_PORT_ATTEMPTS: u32 = 8;
 
 /// The route toward an address, from the node's forwarding table.
 pub struct Route<A> {
@@ -116,56 +108,4 @@ pub fn zeroed_fib_params(params: &mut MaybeUninit<bpf_fib_lookup>) -> &mut bpf_f
 pub fn redirect<A>(route: &Route<A>) -> i32 {
     // SAFETY: no parameters: the kernel looks the neighbour up from the packet's destination.
     unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
-}
-
-/// Claims a node port for the replies of a masqueraded connection and stores `reply` under
-/// it: the client's own port when it is in the masquerade range and free toward this backend,
-/// else a few random ones of the range. An error when every attempt is taken, or the flows
-/// map is full.
-///
-/// The range (`vipr_snat_v1`, written by the agent) is disjoint from the node's ephemeral
-/// ports: the kernel picks a local socket's port without knowing vipr's flow entries, so a
-/// masquerade port it could also pick would let a node socket connected to the same backend
-/// share the reply tuple, and one connection would receive the other's replies. Claiming with
-/// `BPF_NOEXIST` only keeps masqueraded connections apart from each other.
-#[inline(always)]
-pub fn claim_reply<A: Family>(
-    backend: &Endpoint<A>,
-    node_addr: A,
-    client: &Tuple<A>,
-    reply: &Nat<A>,
-) -> Result<u16, Refusal> {
-    let range = SNAT_PORTS
-        .get(&0)
-        .filter(|range| range.count != 0)
-        .unwrap_or(SnatPorts { first: snat::DEFAULT_FIRST, count: snat::DEFAULT_COUNT });
-    let client_port = u32::from(client.src_port);
-    let mut key = Tuple {
-        src: backend.addr,
-        dst: node_addr,
-        src_port: backend.port,
-        dst_port: if client_port.wrapping_sub(range.first) < range.count {
-            client.src_port
-        } else {
-            random_port(&range)
-        },
-        proto: client.proto,
-    };
-    for _ in 0..SNAT_PORT_ATTEMPTS {
-        match A::claim(&key, reply) {
-            Ok(()) => return Ok(key.dst_port),
-            // The flows map is full, not the port taken: the caller may make room.
-            Err(error) if is_full(error) => return Err(Refusal::MapFull),
-            Err(_) => {}
-        }
-        key.dst_port = random_port(&range);
-    }
-    Err(Refusal::PortsTaken)
-}
-
-#[inline(always)]
-fn random_port(range: &SnatPorts) -> u16 {
-    // `max(1)` spares the division its panic branch (which the verifier would refuse); a count
-    // of 0 never gets here (see claim_reply).
-    (range.first.wrapping_add(unsafe { bpf_get_prandom_u32() } % range.count.max(1))) as u16
 }

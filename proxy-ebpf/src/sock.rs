@@ -21,22 +21,19 @@ use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{
     bindings::{bpf_sock, bpf_sock_addr},
-    helpers::{
-        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_coarse_ns,
-        bpf_set_retval,
-    },
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
     EbpfContext as _,
 };
 use proxy_common::{
-    proto, service_flags, source_class, unmatched, BackendSlot, SockConfig, SockFrontend4, SockFrontend6,
-    SockRevKey4, SockRevKey6,
+    proto, service_flags, source_class, unmatched, SockConfig, SockFrontend4, SockFrontend6, SockRevKey4,
+    SockRevKey6,
 };
 
 use crate::{
-    affinity,
-    family::{Family, Ipv4, Ipv6, Maps as _},
+    family::{Family, Ipv4, Ipv6},
+    lb::{decide, Decision, Pick},
     maps::{SOCK_CONFIG, SOCK_REVERSE4, SOCK_REVERSE6},
     packet::Tuple,
 };
@@ -384,35 +381,25 @@ fn choose<S: SockAddress, const SENDMSG: bool>(
     frontend: &Tuple<S::Addr>,
     pick: u32,
 ) -> Choice<S::Addr> {
-    let Some(service) = S::Addr::service(frontend, source_class::NODE) else {
-        return Choice::Verdict(unmatched_destination(&frontend.dst));
-    };
-    if service.flags & service_flags::SOURCE_RANGES != 0
-        && !S::Addr::in_source_ranges(service.service_id, &source::<S, SENDMSG>(ctx, config))
-    {
-        // A drop: a socket has no silent equivalent.
-        return Choice::Verdict(REFUSE);
-    }
-    if service.backend_count == 0 {
-        return Choice::Verdict(if service.flags & service_flags::REJECT_WHEN_EMPTY != 0 {
-            refuse(ECONNREFUSED)
-        } else {
-            REFUSE
-        });
-    }
-    // Every node process shares the node's address, so with session affinity they share one
-    // backend, as behind kube-proxy.
-    let client =
-        if service.affinity_timeout != 0 { source::<S, SENDMSG>(ctx, config) } else { S::Addr::UNSPECIFIED };
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
-    let slot = affinity::remembered_slot(&service, &client, now).unwrap_or(pick % service.backend_count);
-    let slot = BackendSlot { backend_set: service.backend_set, slot };
-    match S::Addr::backend(&slot) {
-        Some(backend) => {
-            affinity::remember(&service, &client, &backend, now);
-            Choice::Backend(Peer { addr: backend.addr, port: backend.port })
+    // Source ranges and session affinity see the socket's source. Every node process shares
+    // the node's address, so with session affinity they share one backend, as behind
+    // kube-proxy.
+    let client = source::<S, SENDMSG>(ctx, config);
+    match decide(frontend, source_class::NODE, &client, Pick::Given(pick)) {
+        Decision::Backend(chosen) => {
+            Choice::Backend(Peer { addr: chosen.backend.addr, port: chosen.backend.port })
         }
-        None => Choice::Retired,
+        Decision::NoService => Choice::Verdict(unmatched_destination(&frontend.dst)),
+        // A drop: a socket has no silent equivalent.
+        Decision::SourceDenied => Choice::Verdict(REFUSE),
+        Decision::NoBackend(service) => {
+            Choice::Verdict(if service.flags & service_flags::REJECT_WHEN_EMPTY != 0 {
+                refuse(ECONNREFUSED)
+            } else {
+                REFUSE
+            })
+        }
+        Decision::Retired => Choice::Retired,
     }
 }
 

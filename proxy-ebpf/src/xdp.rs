@@ -26,21 +26,21 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC},
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_ktime_get_coarse_ns},
+    helpers::bpf_fib_lookup as fib_lookup,
     macros::{map, xdp},
     maps::DevMapHash,
     programs::XdpContext,
     EbpfContext as _,
 };
-use proxy_common::{flow_flags, proto, service_flags, source_class, BackendSlot};
+use proxy_common::{flow_flags, proto, service_flags, source_class};
 
 use crate::{
-    affinity,
+    conntrack::{observe, track, track_masqueraded, Refusal},
+    counters,
     family::{Family, Ipv4, Maps, Nat},
-    maps::BACKEND_COUNTERS,
+    lb::{classify, decide, Chosen, Decision, Pick},
     packet::{Change, Packet, Tuple, ETH_P_IP},
     route::zeroed_fib_params,
-    tc::{choose_slot, classify, observe, track, track_masqueraded, Refusal},
     wire::{ETH_HLEN, IPV4_MIN_HLEN, IP_MF, IP_OFFSET, TCP_CSUM_AT, TCP_FLAGS_AT, UDP_CSUM_AT},
 };
 
@@ -185,18 +185,13 @@ fn fast_path(ctx: &XdpContext) -> Option<u32> {
         count(ctx, flow.counter);
         return finish(ctx, &packet, &flow, &out);
     }
-    let service = Ipv4::service(&packet.flow, source_class::OUTSIDE)?;
-    // Drops and rejects are TC's (it answers with ICMP errors).
-    if service.backend_count == 0
-        || (service.flags & service_flags::SOURCE_RANGES != 0
-            && !Ipv4::in_source_ranges(service.service_id, &packet.flow.src))
-    {
+    let Decision::Backend(Chosen { service, backend, counter, now }) =
+        decide(&packet.flow, source_class::OUTSIDE, &packet.flow.src, Pick::Flow(&packet.flow))
+    else {
+        // Unmatched destinations, source-range drops and empty services are TC's (it answers
+        // with ICMP errors), and so is a set retired meanwhile.
         return None;
-    }
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
-    let slot =
-        BackendSlot { backend_set: service.backend_set, slot: choose_slot(&packet.flow, &service, now) };
-    let (backend, counter) = Ipv4::counted_backend(&slot)?;
+    };
     if backend.addr.is(&packet.flow.src) {
         return None;
     }
@@ -213,7 +208,6 @@ fn fast_path(ctx: &XdpContext) -> Option<u32> {
         // Counted by the tracking; TC would drop it the same way.
         Err(_) => return Some(xdp_action::XDP_DROP),
     };
-    affinity::remember(&service, &packet.flow.src, &backend, now);
     count(ctx, counter);
     finish(ctx, &packet, &forward, &out)
 }
@@ -274,16 +268,8 @@ fn finish(ctx: &XdpContext, packet: &Packet<Ipv4>, flow: &Nat<Ipv4>, out: &Egres
     })
 }
 
-/// Adds the packet to its (service port, backend) counters, as TC counts (IP bytes).
+/// Counts the packet for its connection, by its IP length, as TC counts.
 #[inline(always)]
 fn count(ctx: &XdpContext, counter: u32) {
-    if let Some(counters) = BACKEND_COUNTERS.get_ptr(&counter) {
-        let counters = counters.as_ptr();
-        let bytes = (ctx.data_end() - ctx.data()).saturating_sub(ETH_HLEN) as u64;
-        // SAFETY: this CPU's value of a live array element.
-        unsafe {
-            (*counters).packets += 1;
-            (*counters).bytes += bytes;
-        }
-    }
+    counters::count(counter, (ctx.data_end() - ctx.data()).saturating_sub(ETH_HLEN) as u64);
 }

@@ -1,0 +1,135 @@
+//! The service decision for a new connection, taken the same way by every hook (TC, XDP and
+//! the socket hooks, as Cilium's lb.h serves its programs): the services entry of the
+//! destination for the source's class, the service's source ranges, an empty backend set, the
+//! slot (session affinity, else Maglev's flow hash or a random or given pick), the backend and
+//! its counter, and the client's affinity remembered. What a hook does with the outcome is its
+//! own: TC rejects or drops and tracks, XDP leaves what it does not handle to TC, a socket hook
+//! fails the system call or rewrites its address.
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
+use proxy_common::{service_flags, source_class, BackendSlot, Service};
+
+use crate::{
+    affinity,
+    family::{Endpoint, Family},
+    maps::POD_INTERFACES,
+    packet::Tuple,
+};
+
+/// What the service decision found for a new connection.
+pub(crate) enum Decision<A> {
+    /// No services entry for the destination and this source class: the hook asks the
+    /// unmatched-destination trie.
+    NoService,
+    /// The service has source ranges and the client is outside them: dropped.
+    SourceDenied,
+    /// The service has no backend: rejected or dropped, as its flags say.
+    NoBackend(Service),
+    /// The agent retired the backend set between the service's lookup and the slot's: the
+    /// next attempt meets the new set.
+    Retired,
+    /// The connection's backend.
+    Backend(Chosen<A>),
+}
+
+/// A new connection's backend and what the hook needs to track and count it.
+pub(crate) struct Chosen<A> {
+    pub service: Service,
+    pub backend: Endpoint<A>,
+    /// The (service port, backend) counter index.
+    pub counter: u32,
+    /// The clock reading (`bpf_ktime_get_coarse_ns`) of the decision, for the flow entries'
+    /// `last_seen`: read only once a backend is to be chosen, so that the paths that stop
+    /// before (a miss above all) pay no helper call.
+    pub now: u64,
+}
+
+/// How the slot is picked when session affinity does not decide.
+pub(crate) enum Pick<'a, A> {
+    /// By the packet's flow: Maglev's flow hash for a Maglev service, else at random.
+    Flow(&'a Tuple<A>),
+    /// A number the hook chose (a socket hook's per-socket spread); taken modulo the set's size.
+    Given(u32),
+}
+
+/// The service decision. `frontend` is the destination asked for, `class` the source's class
+/// (`proxy_common::source_class`), `client` the source address that source ranges and session
+/// affinity see.
+#[inline(always)]
+pub(crate) fn decide<A: Family>(
+    frontend: &Tuple<A>,
+    class: u8,
+    client: &A,
+    pick: Pick<'_, A>,
+) -> Decision<A> {
+    let Some(service) = A::service(frontend, class) else {
+        return Decision::NoService;
+    };
+    if service.flags & service_flags::SOURCE_RANGES != 0 && !A::in_source_ranges(service.service_id, client) {
+        return Decision::SourceDenied;
+    }
+    if service.backend_count == 0 {
+        return Decision::NoBackend(service);
+    }
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let slot = match affinity::remembered_slot(&service, client, now) {
+        Some(slot) => slot,
+        None => match pick {
+            Pick::Flow(flow) => choose_slot(flow, &service),
+            Pick::Given(number) => number % service.backend_count,
+        },
+    };
+    let Some((backend, counter)) =
+        A::counted_backend(&BackendSlot { backend_set: service.backend_set, slot })
+    else {
+        return Decision::Retired;
+    };
+    affinity::remember(&service, client, &backend, now);
+    Decision::Backend(Chosen { service, backend, counter, now })
+}
+
+/// Part of the flow hash: changing it moves every Maglev flow to another backend.
+const FLOW_HASH_SEED: u32 = 0x7669_7072; // "vipr"
+
+/// The source class of a packet from `source` that entered through interface
+/// `entered_through`: the node's own, a pod's (by the local-traffic detector: its CIDRs, or
+/// the pod interfaces, whichever the agent filled), or anything else.
+#[inline(always)]
+pub(crate) fn classify<A: Family>(source: &A, entered_through: u32) -> u8 {
+    if A::is_node(source) {
+        source_class::NODE
+    } else if A::in_pod_cidr(source) || POD_INTERFACES.contains(&entered_through) {
+        source_class::POD
+    } else {
+        source_class::OUTSIDE
+    }
+}
+
+/// The slot of a new connection's backend without session affinity: the one the flow hash
+/// names in a Maglev table, else a random one.
+#[inline(always)]
+fn choose_slot<A: Family>(flow: &Tuple<A>, service: &Service) -> u32 {
+    if service.flags & service_flags::MAGLEV != 0 {
+        flow_hash(flow) % service.backend_count
+    } else {
+        (unsafe { bpf_get_prandom_u32() }) % service.backend_count
+    }
+}
+
+/// The Maglev flow hash: the same on every node and every vipr build, so the nodes agree on a
+/// flow's backend. It leaves out the destination address, which for a NodePort is each node's
+/// own (the service is already chosen by then).
+#[inline(always)]
+fn flow_hash<A: Family>(flow: &Tuple<A>) -> u32 {
+    let ports = (u32::from(flow.src_port) << 16) | u32::from(flow.dst_port);
+    mix32(mix32(flow.src.fold() ^ FLOW_HASH_SEED) ^ ports ^ (u32::from(flow.proto) << 8))
+}
+
+/// MurmurHash3's finalizer: every input bit flips each output bit with probability ~1/2.
+#[inline(always)]
+fn mix32(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
