@@ -31,6 +31,10 @@ pub struct BenchArgs {
     /// e2e only: these numbers of services, comma-separated (e.g. 1,1000).
     #[arg(long)]
     services: Option<String>,
+    /// datapath only: another build's eBPF object (the same maps), measured beside this build's
+    /// in the same rounds; the report gives each path's ratio (see docs/benchmarks.md, Method).
+    #[arg(long)]
+    baseline_object: Option<PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -107,6 +111,9 @@ pub fn run(workspace: &Workspace, args: &BenchArgs) -> Result<ExitCode> {
     }
     if let Some(services) = &args.services {
         bench.arg("--services").arg(services);
+    }
+    if let Some(object) = &args.baseline_object {
+        bench.arg("--baseline-object").arg(object);
     }
     Ok(exit_code_of(cmd::status(&mut bench)?))
 }

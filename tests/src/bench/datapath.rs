@@ -28,7 +28,7 @@
 use std::{
     net::Ipv4Addr,
     os::fd::{AsFd as _, BorrowedFd},
-    path::Path,
+    path::{Path, PathBuf},
     time::Instant,
 };
 
@@ -76,6 +76,11 @@ pub struct Settings {
     /// The backends-per-service axis (with `backends_axis_services` services).
     pub backends_axis: Vec<usize>,
     pub backends_axis_services: usize,
+    /// Another build of vipr's eBPF object (with the same maps) measured beside this build's
+    /// on the same maps, path by path in the same rounds: a refactoring's cost, free of the
+    /// machine's drift between two runs.
+    #[serde(default)]
+    pub baseline_object: Option<PathBuf>,
 }
 
 impl Settings {
@@ -89,6 +94,7 @@ impl Settings {
             default_backends: 10,
             backends_axis: vec![1, 10, 100, 1_000],
             backends_axis_services: 1_000,
+            baseline_object: None,
         }
     }
 
@@ -102,6 +108,7 @@ impl Settings {
             default_backends: 10,
             backends_axis: vec![1, 10],
             backends_axis_services: 1_000,
+            baseline_object: None,
         }
     }
 
@@ -224,11 +231,18 @@ pub struct Cell {
     #[serde(default)]
     pub notes: Vec<String>,
     pub paths: Vec<PathResult>,
+    /// The same paths run by `Settings::baseline_object`, when one was given.
+    #[serde(default)]
+    pub baseline_paths: Vec<PathResult>,
 }
 
 impl Cell {
     pub fn path(&self, kind: PathKind) -> Option<&PathResult> {
         self.paths.iter().find(|path| path.path == kind)
+    }
+
+    pub fn baseline_path(&self, kind: PathKind) -> Option<&PathResult> {
+        self.baseline_paths.iter().find(|path| path.path == kind)
     }
 }
 
@@ -253,12 +267,23 @@ pub fn run(meta: RunMeta, settings: Settings) -> Result<Results> {
     sys::set_up_network()?;
     let cgroup = PrivateCgroup::new()?;
     let empty = sys::load_empty_tc_program()?;
+    let baseline_object = match &settings.baseline_object {
+        Some(path) => Some(std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?),
+        None => None,
+    };
     let mut baselines = Baselines::default();
     let mut cells = Vec::new();
     for (services, backends) in settings.cells() {
         eprintln!("datapath: programming {services} services x {backends} backends");
-        let cell = CellBench::set_up(&settings, empty.as_fd(), &cgroup, services, backends)
-            .with_context(|| format!("{services} services x {backends} backends per service"))?;
+        let cell = CellBench::set_up(
+            &settings,
+            empty.as_fd(),
+            &cgroup,
+            services,
+            backends,
+            baseline_object.as_deref(),
+        )
+        .with_context(|| format!("{services} services x {backends} backends per service"))?;
         cells.push(cell);
     }
     // Round robin over the cells, so that the machine's slow and fast phases (other work, the
@@ -266,7 +291,7 @@ pub fn run(meta: RunMeta, settings: Settings) -> Result<Results> {
     for repetition in 0..settings.repetitions {
         eprintln!("datapath: repetition {}/{}", repetition + 1, settings.repetitions);
         for cell in &mut cells {
-            cell.measure_all(&mut baselines).with_context(|| {
+            cell.measure_all(&mut baselines, repetition).with_context(|| {
                 format!("{} services x {} backends per service", cell.services, cell.backends)
             })?;
         }
@@ -283,6 +308,16 @@ pub fn run(meta: RunMeta, settings: Settings) -> Result<Results> {
                 path.program.max,
                 path.measured.median
             );
+            if let Some(baseline) = cell.baseline_path(path.path) {
+                eprintln!(
+                    "  {:<42} {:>8.1} ns/packet ({:.1}..{:.1}): this build {:.3}x",
+                    "  baseline object",
+                    baseline.program.median,
+                    baseline.program.min,
+                    baseline.program.max,
+                    path.program.median / baseline.program.median
+                );
+            }
         }
     }
     let mut meta = meta;
@@ -313,6 +348,12 @@ struct Measurements {
 }
 
 impl Measurements {
+    fn push(&mut self, (measured, program, pooled): (f64, f64, Vec<f64>)) {
+        self.measured.push(measured);
+        self.program.push(program);
+        self.pooled.extend(pooled);
+    }
+
     fn finish(self) -> Result<PathResult> {
         let pooled = stats::sorted(&self.pooled);
         Ok(PathResult {
@@ -328,8 +369,10 @@ impl Measurements {
 
 /// One cell of the grid, programmed and ready to measure.
 struct CellBench<'a> {
-    // Field order is drop order: the object's descriptors before the bpffs they are pinned in.
+    // Field order is drop order: the objects' descriptors before the bpffs they are pinned in.
     bench: Bench<'a>,
+    /// `Settings::baseline_object` loaded on the same maps, and what it measured.
+    baseline: Option<(Bench<'a>, Vec<Measurements>)>,
     _bpffs: BpfMount,
     services: usize,
     backends: usize,
@@ -355,6 +398,7 @@ impl<'a> CellBench<'a> {
         cgroup: &PrivateCgroup,
         services: usize,
         backends: usize,
+        baseline_object: Option<&[u8]>,
     ) -> Result<Self> {
         let started = Instant::now();
         let mut notes = Vec::new();
@@ -410,7 +454,7 @@ impl<'a> CellBench<'a> {
         }
         let setup_seconds = started.elapsed().as_secs_f64();
 
-        let mut bench = Bench::load(bpffs.path(), sizes, empty, settings)?;
+        let mut bench = Bench::load(vipr::EBPF_OBJECT, bpffs.path(), sizes, empty, settings)?;
         let service_entries = bench.count(pins::SERVICES4)?;
         let backend_slots = bench.count(pins::BACKENDS4)?;
         ensure!(service_entries == 3 * services, "{service_entries} service entries for {services} services");
@@ -447,13 +491,34 @@ impl<'a> CellBench<'a> {
                 next_hop: Default::default(),
             },
         )?;
-        let method = |kind| match kind {
-            PathKind::NewFlow => Method::Chain,
-            PathKind::Established | PathKind::Reply | PathKind::Miss => Method::Repeat,
-            _ => Method::Single,
+        let measurements = || -> Vec<Measurements> {
+            let method = |kind| match kind {
+                PathKind::NewFlow => Method::Chain,
+                PathKind::Established | PathKind::Reply | PathKind::Miss => Method::Repeat,
+                _ => Method::Single,
+            };
+            PathKind::ALL
+                .iter()
+                .map(|&kind| Measurements {
+                    kind,
+                    method: method(kind),
+                    measured: Vec::new(),
+                    program: Vec::new(),
+                    pooled: Vec::new(),
+                })
+                .collect()
+        };
+        let baseline = match baseline_object {
+            Some(object) => Some((
+                Bench::load(object, bpffs.path(), sizes, empty, settings)
+                    .context("loading the baseline object")?,
+                measurements(),
+            )),
+            None => None,
         };
         Ok(Self {
             bench,
+            baseline,
             _bpffs: bpffs,
             services,
             backends,
@@ -468,61 +533,86 @@ impl<'a> CellBench<'a> {
             miss: frame::tcp((client_ip(0), 40_000), (Ipv4Addr::new(10, 2, 0, 9), TARGET_PORT)),
             sent: 0,
             random: XorShift(0x9e37_79b9_7f4a_7c15),
-            paths: PathKind::ALL
-                .iter()
-                .map(|&kind| Measurements {
-                    kind,
-                    method: method(kind),
-                    measured: Vec::new(),
-                    program: Vec::new(),
-                    pooled: Vec::new(),
-                })
-                .collect(),
+            paths: measurements(),
         })
     }
 
-    /// One repetition of every path.
-    fn measure_all(&mut self, baselines: &mut Baselines) -> Result<()> {
+    /// One repetition of every path, by this build's object and the baseline's (which goes
+    /// first alternates between repetitions, so that neither always runs on the other's
+    /// caches).
+    fn measure_all(&mut self, baselines: &mut Baselines, repetition: usize) -> Result<()> {
         for i in 0..self.paths.len() {
             let kind = self.paths[i].kind;
-            let (measured, program, pooled) = match kind {
-                PathKind::NewFlow => {
-                    // A first run brings the chain's entries into the caches (the other cells'
-                    // measurements pushed them out) and is not counted: warm means warm.
-                    self.bench.chain_once(kind, &mut Baselines::default())?;
-                    let (measured, program) = self.bench.chain_once(kind, baselines)?;
-                    (measured, program, Vec::new())
-                }
-                PathKind::Established => {
-                    let input = self.established.clone();
-                    let (m, p) = self.bench.repeat_once(kind, &input, TC_ACT_REDIRECT, baselines)?;
-                    (m, p, Vec::new())
-                }
-                PathKind::Reply => {
-                    let input = self.reply.clone();
-                    let (m, p) = self.bench.repeat_once(kind, &input, TC_ACT_REDIRECT, baselines)?;
-                    (m, p, Vec::new())
-                }
-                PathKind::Miss => {
-                    let input = self.miss.clone();
-                    let (m, p) = self.bench.repeat_once(kind, &input, TC_ACT_UNSPEC, baselines)?;
-                    (m, p, Vec::new())
-                }
-                PathKind::NewFlowCold
-                | PathKind::NewFlowMasqueradeCold
-                | PathKind::NewFlowSpreadCold
-                | PathKind::EstablishedCold => {
-                    let packets: Vec<(Vec<u8>, Rewrite)> =
-                        (0..self.bench.settings.samples).map(|_| self.packet(kind)).collect();
-                    self.bench.single_once(kind, &packets, baselines)?
-                }
-            };
-            let path = &mut self.paths[i];
-            path.measured.push(measured);
-            path.program.push(program);
-            path.pooled.extend(pooled);
+            let baseline_first = repetition % 2 == 1;
+            if baseline_first {
+                self.measure_baseline(i, kind)?;
+            }
+            let measured = self.measure_path(kind, false, baselines)?;
+            self.paths[i].push(measured);
+            if !baseline_first {
+                self.measure_baseline(i, kind)?;
+            }
         }
         Ok(())
+    }
+
+    fn measure_baseline(&mut self, index: usize, kind: PathKind) -> Result<()> {
+        if self.baseline.is_some() {
+            // The empty program's figures come from this build's rounds alone.
+            let measured = self.measure_path(kind, true, &mut Baselines::default())?;
+            if let Some((_, paths)) = &mut self.baseline {
+                paths[index].push(measured);
+            }
+        }
+        Ok(())
+    }
+
+    /// One repetition of one path by this build's object, or the baseline's: ns measured,
+    /// ns of the program, and (single method) every packet's program cost.
+    fn measure_path(
+        &mut self,
+        kind: PathKind,
+        by_baseline: bool,
+        baselines: &mut Baselines,
+    ) -> Result<(f64, f64, Vec<f64>)> {
+        let packets: Vec<(Vec<u8>, Rewrite)> = match kind {
+            PathKind::NewFlowCold
+            | PathKind::NewFlowMasqueradeCold
+            | PathKind::NewFlowSpreadCold
+            | PathKind::EstablishedCold => {
+                (0..self.bench.settings.samples).map(|_| self.packet(kind)).collect()
+            }
+            _ => Vec::new(),
+        };
+        let bench = match &mut self.baseline {
+            Some((baseline, _)) if by_baseline => baseline,
+            _ => &mut self.bench,
+        };
+        Ok(match kind {
+            PathKind::NewFlow => {
+                // A first run brings the chain's entries into the caches (the other cells'
+                // measurements pushed them out) and is not counted: warm means warm.
+                bench.chain_once(kind, &mut Baselines::default())?;
+                let (measured, program) = bench.chain_once(kind, baselines)?;
+                (measured, program, Vec::new())
+            }
+            PathKind::Established => {
+                let (m, p) = bench.repeat_once(kind, &self.established, TC_ACT_REDIRECT, baselines)?;
+                (m, p, Vec::new())
+            }
+            PathKind::Reply => {
+                let (m, p) = bench.repeat_once(kind, &self.reply, TC_ACT_REDIRECT, baselines)?;
+                (m, p, Vec::new())
+            }
+            PathKind::Miss => {
+                let (m, p) = bench.repeat_once(kind, &self.miss, TC_ACT_UNSPEC, baselines)?;
+                (m, p, Vec::new())
+            }
+            PathKind::NewFlowCold
+            | PathKind::NewFlowMasqueradeCold
+            | PathKind::NewFlowSpreadCold
+            | PathKind::EstablishedCold => bench.single_once(kind, &packets, baselines)?,
+        })
     }
 
     /// The next packet of a single-method path, and what the program must do to it.
@@ -559,6 +649,10 @@ impl<'a> CellBench<'a> {
             setup_seconds: self.setup_seconds,
             notes: self.notes,
             paths: self.paths.into_iter().map(Measurements::finish).collect::<Result<_>>()?,
+            baseline_paths: match self.baseline {
+                Some((_, paths)) => paths.into_iter().map(Measurements::finish).collect::<Result<_>>()?,
+                None => Vec::new(),
+            },
         })
     }
 }
@@ -582,8 +676,10 @@ struct Bench<'a> {
 }
 
 impl<'a> Bench<'a> {
-    /// A second copy of vipr's object on the maps the agent pinned under `bpf_root`.
+    /// A second copy of vipr's object (or another build's, `object`) on the maps the agent
+    /// pinned under `bpf_root`.
     fn load(
+        object: &[u8],
         bpf_root: &Path,
         sizes: BpfMapSizes,
         empty: BorrowedFd<'a>,
@@ -598,7 +694,7 @@ impl<'a> Bench<'a> {
         loader.map_max_entries(pins::SERVICES4, sizes.services);
         loader.map_max_entries(pins::BACKENDS4, sizes.backends);
         loader.map_max_entries(pins::FLOWS4, sizes.flows);
-        let mut ebpf = loader.load(vipr::EBPF_OBJECT).context("loading vipr's eBPF object")?;
+        let mut ebpf = loader.load(object).context("loading vipr's eBPF object")?;
         let program: &mut SchedClassifier = ebpf
             .program_mut(pins::TC_INGRESS_PROGRAM)
             .with_context(|| format!("no program {}", pins::TC_INGRESS_PROGRAM))?

@@ -92,6 +92,10 @@ struct RunArgs {
     /// e2e: only these numbers of services, comma-separated.
     #[arg(long, value_delimiter = ',')]
     services: Vec<usize>,
+    /// datapath: another build's eBPF object (same maps) measured beside this build's, path by
+    /// path in the same rounds (e.g. the `proxy-ebpf` object of the commit before a change).
+    #[arg(long)]
+    baseline_object: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -151,7 +155,8 @@ fn run(command: Cmd) -> Result<()> {
     let command = args.invoked_as.clone().unwrap_or_else(|| std::env::args().collect::<Vec<_>>().join(" "));
     let dir = &args.output.out_dir;
     if suites.0 {
-        let settings = if args.quick { datapath::Settings::quick() } else { datapath::Settings::full() };
+        let mut settings = if args.quick { datapath::Settings::quick() } else { datapath::Settings::full() };
+        settings.baseline_object = args.baseline_object.clone();
         let results = datapath::run(meta::RunMeta::start(command.clone(), args.quick), settings)?;
         report::save(dir, report::DATAPATH_JSON, &results)?;
     }
