@@ -480,6 +480,45 @@ fn render_meta(w: &mut String, meta: &RunMeta) {
     );
 }
 
+/// This build against `--baseline-object`, path by path, when the run measured one: the
+/// program's median ns of each, and this build's as a multiple of the baseline's.
+fn render_datapath_baseline(w: &mut String, results: &datapath::Results) {
+    let Some(object) = &results.settings.baseline_object else { return };
+    let _ = writeln!(w, "### Against the baseline object\n");
+    let _ = writeln!(
+        w,
+        "`{}` (another build's `proxy-ebpf`), loaded on the same maps and measured in the same rounds, \
+         each path right before or after this build's (alternating). ns per packet, this build / \
+         baseline, and the ratio.\n",
+        object.display()
+    );
+    let _ = write!(w, "| path |");
+    for cell in &results.cells {
+        let _ = write!(w, " {} × {} |", short(cell.services), cell.backends_per_service);
+    }
+    let _ = write!(w, "\n|---|");
+    for _ in &results.cells {
+        let _ = write!(w, "---|");
+    }
+    let _ = writeln!(w);
+    for kind in PathKind::ALL {
+        let _ = write!(w, "| {} |", kind.label());
+        for cell in &results.cells {
+            match (cell.path(kind), cell.baseline_path(kind)) {
+                (Some(this), Some(baseline)) => {
+                    let (this, baseline) = (this.program.median, baseline.program.median);
+                    let _ = write!(w, " {} / {} = {:.2}× |", num(this), num(baseline), this / baseline);
+                }
+                _ => {
+                    let _ = write!(w, " — |");
+                }
+            }
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(w);
+}
+
 fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], plot_dir: &str) {
     let s = &results.settings;
     let _ = writeln!(w, "## Datapath\n");
@@ -581,6 +620,7 @@ fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], 
     if results.cells.iter().any(|cell| !cell.notes.is_empty()) {
         let _ = writeln!(w);
     }
+    render_datapath_baseline(w, results);
 
     let _ = writeln!(w, "### Method\n");
     let _ = writeln!(
