@@ -98,6 +98,11 @@ pub mod pins {
     /// packet's NAT that must come after the stack's routing and filtering
     /// ([`crate::forwarding`]).
     pub const TC_EGRESS_PROGRAM: &str = "vipr_tc_egress";
+    /// The XDP program, attached to the `--devices` with `--bpf-xdp`.
+    pub const XDP_PROGRAM: &str = "vipr_xdp";
+    /// The XDP program's device map of redirect targets (the interfaces it is attached to).
+    /// Not pinned: each agent fills its own program's.
+    pub const XDP_TX_DEVICES: &str = "vipr_xdptx";
 }
 
 /// `--bpf-forwarding`: how the TC program hands on a packet it rewrote for another host. The

@@ -131,7 +131,19 @@ impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize>
     }
 }
 
-const fn same_name(a: &str, b: &str) -> bool {
+/// Declares a pinned map. `export_name` (the name the map is pinned under) must be a literal;
+/// the macro checks it at compile time against the name the agent uses (`proxy_common::pins`
+/// and the like), so each name is written once here.
+macro_rules! pinned {
+    ($vis:vis static $ident:ident = $name:literal as $shared:path: $ty:ty;) => {
+        const _: () = assert!(same_name($name, $shared));
+        #[unsafe(link_section = ".maps")]
+        #[unsafe(export_name = $name)]
+        $vis static $ident: $ty = PinnedMap::new();
+    };
+}
+
+pub(crate) const fn same_name(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() != b.len() {
         return false;
@@ -146,116 +158,88 @@ const fn same_name(a: &str, b: &str) -> bool {
     true
 }
 
-// export_name must be a literal; these asserts keep the literals equal to the shared names.
-const _: () = {
-    assert!(same_name("vipr_svc4_v2", pins::SERVICES4));
-    assert!(same_name("vipr_back4_v2", pins::BACKENDS4));
-    assert!(same_name("vipr_flow4_v4", pins::FLOWS4));
-    assert!(same_name("vipr_node4_v1", pins::NODE_IPS4));
-    assert!(same_name("vipr_pod4_v1", pins::POD_CIDRS4));
-    assert!(same_name("vipr_unm4_v1", pins::UNMATCHED4));
-    assert!(same_name("vipr_srcr4_v1", pins::SOURCE_RANGES4));
-};
+pinned! {
+    pub static SERVICES4 = "vipr_svc4_v2" as pins::SERVICES4:
+        PinnedMap<ServiceKey4, Service, HASH, { capacity::SERVICES as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_svc4_v2")]
-pub static SERVICES4: PinnedMap<ServiceKey4, Service, HASH, { capacity::SERVICES as usize }> =
-    PinnedMap::new();
+pinned! {
+    pub static BACKENDS4 = "vipr_back4_v2" as pins::BACKENDS4:
+        PinnedMap<BackendSlot, Backend4, HASH, { capacity::BACKENDS as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_back4_v2")]
-pub static BACKENDS4: PinnedMap<BackendSlot, Backend4, HASH, { capacity::BACKENDS as usize }> =
-    PinnedMap::new();
+pinned! {
+    pub static FLOWS4 = "vipr_flow4_v4" as pins::FLOWS4:
+        PinnedMap<FlowKey4, Flow4, HASH, { capacity::FLOWS as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_flow4_v4")]
-pub static FLOWS4: PinnedMap<FlowKey4, Flow4, HASH, { capacity::FLOWS as usize }> = PinnedMap::new();
+pinned! {
+    pub static NODE_IPS4 = "vipr_node4_v1" as pins::NODE_IPS4:
+        PinnedMap<[u8; 4], u8, HASH, { capacity::NODE_IPS as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_node4_v1")]
-pub static NODE_IPS4: PinnedMap<[u8; 4], u8, HASH, { capacity::NODE_IPS as usize }> = PinnedMap::new();
+pinned! {
+    pub static POD_CIDRS4 = "vipr_pod4_v1" as pins::POD_CIDRS4:
+        PinnedMap<Prefix4, u8, LPM_TRIE, { capacity::POD_CIDRS as usize }, LPM_FLAGS>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_pod4_v1")]
-pub static POD_CIDRS4: PinnedMap<Prefix4, u8, LPM_TRIE, { capacity::POD_CIDRS as usize }, LPM_FLAGS> =
-    PinnedMap::new();
+pinned! {
+    pub static UNMATCHED4 = "vipr_unm4_v1" as pins::UNMATCHED4:
+        PinnedMap<Prefix4, u8, LPM_TRIE, { capacity::UNMATCHED as usize }, LPM_FLAGS>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_unm4_v1")]
-pub static UNMATCHED4: PinnedMap<Prefix4, u8, LPM_TRIE, { capacity::UNMATCHED as usize }, LPM_FLAGS> =
-    PinnedMap::new();
-
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_srcr4_v1")]
-pub static SOURCE_RANGES4: PinnedMap<
-    SourceRange4,
-    u8,
-    LPM_TRIE,
-    { capacity::SOURCE_RANGES as usize },
-    LPM_FLAGS,
-> = PinnedMap::new();
+pinned! {
+    pub static SOURCE_RANGES4 = "vipr_srcr4_v1" as pins::SOURCE_RANGES4:
+        PinnedMap<SourceRange4, u8, LPM_TRIE, { capacity::SOURCE_RANGES as usize }, LPM_FLAGS>;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Session affinity and backend-set membership. The membership maps are written only by the
 // agent (with the sets), so they need no preallocation; the affinity maps are LRU, so a full
 // one forgets its oldest clients rather than refusing new ones.
 
-const _: () = {
-    assert!(same_name("vipr_aff4_v1", pins::AFFINITY4));
-    assert!(same_name("vipr_aff6_v1", pins::AFFINITY6));
-    assert!(same_name("vipr_memb4_v1", pins::MEMBERS4));
-    assert!(same_name("vipr_memb6_v1", pins::MEMBERS6));
-};
+pinned! {
+    pub static AFFINITY4 = "vipr_aff4_v1" as pins::AFFINITY4:
+        PinnedMap<AffinityKey4, Affinity4, LRU_HASH, { capacity::AFFINITY as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_aff4_v1")]
-pub static AFFINITY4: PinnedMap<AffinityKey4, Affinity4, LRU_HASH, { capacity::AFFINITY as usize }> =
-    PinnedMap::new();
+pinned! {
+    pub static AFFINITY6 = "vipr_aff6_v1" as pins::AFFINITY6:
+        PinnedMap<AffinityKey6, Affinity6, LRU_HASH, { capacity::AFFINITY as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_aff6_v1")]
-pub static AFFINITY6: PinnedMap<AffinityKey6, Affinity6, LRU_HASH, { capacity::AFFINITY as usize }> =
-    PinnedMap::new();
+pinned! {
+    pub static MEMBERS4 = "vipr_memb4_v1" as pins::MEMBERS4:
+        PinnedMap<BackendMember4, u32, HASH, { capacity::BACKENDS as usize }, NO_PREALLOC>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_memb4_v1")]
-pub static MEMBERS4: PinnedMap<BackendMember4, u32, HASH, { capacity::BACKENDS as usize }, NO_PREALLOC> =
-    PinnedMap::new();
-
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_memb6_v1")]
-pub static MEMBERS6: PinnedMap<BackendMember6, u32, HASH, { capacity::BACKENDS as usize }, NO_PREALLOC> =
-    PinnedMap::new();
+pinned! {
+    pub static MEMBERS6 = "vipr_memb6_v1" as pins::MEMBERS6:
+        PinnedMap<BackendMember6, u32, HASH, { capacity::BACKENDS as usize }, NO_PREALLOC>;
+}
 
 // ---------------------------------------------------------------------------------------------
 // IPv4 fragments (fragment.rs): the ports of each fragmented datagram's first fragment, for the
 // later ones. LRU, so a datagram whose last fragment never came is forgotten in time.
 
-const _: () = assert!(same_name("vipr_frag4_v1", pins::FRAGMENTS4));
-
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_frag4_v1")]
-pub static FRAGMENTS4: PinnedMap<FragmentKey4, FragmentPorts, LRU_HASH, { capacity::FRAGMENTS4 as usize }> =
-    PinnedMap::new();
+pinned! {
+    pub static FRAGMENTS4 = "vipr_frag4_v1" as pins::FRAGMENTS4:
+        PinnedMap<FragmentKey4, FragmentPorts, LRU_HASH, { capacity::FRAGMENTS4 as usize }>;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Counters, shared by both families: per CPU, so a packet adds without atomics or contention;
 // the agent sums the CPUs when /metrics is scraped.
 
-const _: () = {
-    assert!(same_name("vipr_bcnt_v1", pins::BACKEND_COUNTERS));
-    assert!(same_name("vipr_dstat_v2", pins::DATAPATH_STATS));
-};
+pinned! {
+    pub static BACKEND_COUNTERS = "vipr_bcnt_v1" as pins::BACKEND_COUNTERS:
+        PinnedMap<u32, Counters, PERCPU_ARRAY, { capacity::BACKEND_COUNTERS as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_bcnt_v1")]
-pub static BACKEND_COUNTERS: PinnedMap<u32, Counters, PERCPU_ARRAY, { capacity::BACKEND_COUNTERS as usize }> =
-    PinnedMap::new();
-
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_dstat_v2")]
-pub static DATAPATH_STATS: PinnedMap<u32, u64, PERCPU_ARRAY, { capacity::DATAPATH_STATS as usize }> =
-    PinnedMap::new();
+pinned! {
+    pub static DATAPATH_STATS = "vipr_dstat_v2" as pins::DATAPATH_STATS:
+        PinnedMap<u32, u64, PERCPU_ARRAY, { capacity::DATAPATH_STATS as usize }>;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Early-drop candidates (tc.rs `make_room`): the keys of the latest new connections, so that a new
@@ -264,18 +248,15 @@ pub static DATAPATH_STATS: PinnedMap<u32, u64, PERCPU_ARRAY, { capacity::DATAPAT
 // established connections to offer); CPUs writing at once may lose a key or tear one, which
 // costs an eviction candidate, never a wrong eviction: a candidate is checked in the flows map.
 
-const _: () = {
-    assert!(same_name("vipr_edrop4_v1", pins::EARLY_DROP4));
-    assert!(same_name("vipr_edrop6_v1", pins::EARLY_DROP6));
-};
+pinned! {
+    pub static EARLY_DROP4 = "vipr_edrop4_v1" as pins::EARLY_DROP4:
+        PinnedMap<u32, proxy_common::EarlyDropRing4, EARLY_DROP_ARRAY, 1>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_edrop4_v1")]
-pub static EARLY_DROP4: PinnedMap<u32, proxy_common::EarlyDropRing4, EARLY_DROP_ARRAY, 1> = PinnedMap::new();
-
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_edrop6_v1")]
-pub static EARLY_DROP6: PinnedMap<u32, proxy_common::EarlyDropRing6, EARLY_DROP_ARRAY, 1> = PinnedMap::new();
+pinned! {
+    pub static EARLY_DROP6 = "vipr_edrop6_v1" as pins::EARLY_DROP6:
+        PinnedMap<u32, proxy_common::EarlyDropRing6, EARLY_DROP_ARRAY, 1>;
+}
 
 const EARLY_DROP_ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_ARRAY as usize;
 
@@ -284,55 +265,46 @@ const EARLY_DROP_ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_A
 
 const ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_ARRAY as usize;
 
-const _: () = {
-    assert!(same_name("vipr_skcfg_v2", proxy_common::sock::CONFIG));
-    assert!(same_name("vipr_skrev4_v1", proxy_common::sock::REVERSE4));
-    assert!(same_name("vipr_skrev6_v1", proxy_common::sock::REVERSE6));
-};
+pinned! {
+    pub static SOCK_CONFIG = "vipr_skcfg_v2" as proxy_common::sock::CONFIG:
+        PinnedMap<u32, proxy_common::SockConfig, ARRAY, 1>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_skcfg_v2")]
-pub static SOCK_CONFIG: PinnedMap<u32, proxy_common::SockConfig, ARRAY, 1> = PinnedMap::new();
+pinned! {
+    pub static SOCK_REVERSE4 = "vipr_skrev4_v1" as proxy_common::sock::REVERSE4:
+        PinnedMap<
+            proxy_common::SockRevKey4,
+            proxy_common::SockFrontend4,
+            LRU_HASH,
+            { proxy_common::sock::REVERSE4_CAPACITY as usize },
+        >;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_skrev4_v1")]
-pub static SOCK_REVERSE4: PinnedMap<
-    proxy_common::SockRevKey4,
-    proxy_common::SockFrontend4,
-    LRU_HASH,
-    { proxy_common::sock::REVERSE4_CAPACITY as usize },
-> = PinnedMap::new();
-
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_skrev6_v1")]
-pub static SOCK_REVERSE6: PinnedMap<
-    proxy_common::SockRevKey6,
-    proxy_common::SockFrontend6,
-    LRU_HASH,
-    { proxy_common::sock::REVERSE6_CAPACITY as usize },
-> = PinnedMap::new();
+pinned! {
+    pub static SOCK_REVERSE6 = "vipr_skrev6_v1" as proxy_common::sock::REVERSE6:
+        PinnedMap<
+            proxy_common::SockRevKey6,
+            proxy_common::SockFrontend6,
+            LRU_HASH,
+            { proxy_common::sock::REVERSE6_CAPACITY as usize },
+        >;
+}
 
 // Masquerade source ports (route.rs): the range the agent keeps clear of the node's ephemeral
 // ports.
-const _: () = assert!(same_name("vipr_snat_v1", proxy_common::snat::PORTS));
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_snat_v1")]
-pub static SNAT_PORTS: PinnedMap<u32, proxy_common::SnatPorts, ARRAY, 1> = PinnedMap::new();
+pinned! {
+    pub static SNAT_PORTS = "vipr_snat_v1" as proxy_common::snat::PORTS:
+        PinnedMap<u32, proxy_common::SnatPorts, ARRAY, 1>;
+}
 
 // The local-traffic detector by interface (tc.rs `classify`): interface indexes the agent keeps
 // from the pod interfaces' names. Only the agent writes it.
-const _: () = assert!(same_name("vipr_podif_v1", proxy_common::pod_interfaces::MAP));
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_podif_v1")]
-pub static POD_INTERFACES: PinnedMap<
-    u32,
-    u8,
-    HASH,
-    { proxy_common::pod_interfaces::CAPACITY as usize },
-    NO_PREALLOC,
-> = PinnedMap::new();
+pinned! {
+    pub static POD_INTERFACES = "vipr_podif_v1" as proxy_common::pod_interfaces::MAP:
+        PinnedMap<u32, u8, HASH, { proxy_common::pod_interfaces::CAPACITY as usize }, NO_PREALLOC>;
+}
 
 // ---------------------------------------------------------------------------------------------
 // IPv6: the same maps as the IPv4 ones above, with the `*6` key and value types. The services
@@ -344,75 +316,37 @@ pub static POD_INTERFACES: PinnedMap<
 /// Only for maps that programs never write.
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
-const _: () = {
-    assert!(same_name("vipr_svc6_v2", pins::SERVICES6));
-    assert!(same_name("vipr_back6_v2", pins::BACKENDS6));
-    assert!(same_name("vipr_flow6_v4", pins::FLOWS6));
-    assert!(same_name("vipr_node6_v1", pins::NODE_IPS6));
-    assert!(same_name("vipr_pod6_v1", pins::POD_CIDRS6));
-    assert!(same_name("vipr_unm6_v1", pins::UNMATCHED6));
-    assert!(same_name("vipr_srcr6_v1", pins::SOURCE_RANGES6));
-};
+pinned! {
+    pub static SERVICES6 = "vipr_svc6_v2" as pins::SERVICES6:
+        PinnedMap<proxy_common::ServiceKey6, Service, HASH, { capacity::SERVICES as usize }, NO_PREALLOC>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_svc6_v2")]
-pub static SERVICES6: PinnedMap<
-    proxy_common::ServiceKey6,
-    Service,
-    HASH,
-    { capacity::SERVICES as usize },
-    NO_PREALLOC,
-> = PinnedMap::new();
+pinned! {
+    pub static BACKENDS6 = "vipr_back6_v2" as pins::BACKENDS6:
+        PinnedMap<BackendSlot, proxy_common::Backend6, HASH, { capacity::BACKENDS as usize }, NO_PREALLOC>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_back6_v2")]
-pub static BACKENDS6: PinnedMap<
-    BackendSlot,
-    proxy_common::Backend6,
-    HASH,
-    { capacity::BACKENDS as usize },
-    NO_PREALLOC,
-> = PinnedMap::new();
+pinned! {
+    pub static FLOWS6 = "vipr_flow6_v4" as pins::FLOWS6:
+        PinnedMap<proxy_common::FlowKey6, proxy_common::Flow6, HASH, { capacity::FLOWS as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_flow6_v4")]
-pub static FLOWS6: PinnedMap<
-    proxy_common::FlowKey6,
-    proxy_common::Flow6,
-    HASH,
-    { capacity::FLOWS as usize },
-> = PinnedMap::new();
+pinned! {
+    pub static NODE_IPS6 = "vipr_node6_v1" as pins::NODE_IPS6:
+        PinnedMap<[u8; 16], u8, HASH, { capacity::NODE_IPS as usize }>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_node6_v1")]
-pub static NODE_IPS6: PinnedMap<[u8; 16], u8, HASH, { capacity::NODE_IPS as usize }> = PinnedMap::new();
+pinned! {
+    pub static POD_CIDRS6 = "vipr_pod6_v1" as pins::POD_CIDRS6:
+        PinnedMap<proxy_common::Prefix6, u8, LPM_TRIE, { capacity::POD_CIDRS as usize }, LPM_FLAGS>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_pod6_v1")]
-pub static POD_CIDRS6: PinnedMap<
-    proxy_common::Prefix6,
-    u8,
-    LPM_TRIE,
-    { capacity::POD_CIDRS as usize },
-    LPM_FLAGS,
-> = PinnedMap::new();
+pinned! {
+    pub static UNMATCHED6 = "vipr_unm6_v1" as pins::UNMATCHED6:
+        PinnedMap<proxy_common::Prefix6, u8, LPM_TRIE, { capacity::UNMATCHED as usize }, LPM_FLAGS>;
+}
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_unm6_v1")]
-pub static UNMATCHED6: PinnedMap<
-    proxy_common::Prefix6,
-    u8,
-    LPM_TRIE,
-    { capacity::UNMATCHED as usize },
-    LPM_FLAGS,
-> = PinnedMap::new();
-
-#[unsafe(link_section = ".maps")]
-#[unsafe(export_name = "vipr_srcr6_v1")]
-pub static SOURCE_RANGES6: PinnedMap<
-    proxy_common::SourceRange6,
-    u8,
-    LPM_TRIE,
-    { capacity::SOURCE_RANGES as usize },
-    LPM_FLAGS,
-> = PinnedMap::new();
+pinned! {
+    pub static SOURCE_RANGES6 = "vipr_srcr6_v1" as pins::SOURCE_RANGES6:
+        PinnedMap<proxy_common::SourceRange6, u8, LPM_TRIE, { capacity::SOURCE_RANGES as usize }, LPM_FLAGS>;
+}

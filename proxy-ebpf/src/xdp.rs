@@ -47,6 +47,9 @@ use crate::{
 const TCP_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
 
+// The attribute below needs a literal; this keeps it the name the agent looks the map up by.
+const _: () = assert!(crate::maps::same_name("vipr_xdptx", proxy_common::pins::XDP_TX_DEVICES));
+
 /// The devices XDP may redirect to: those vipr attached its XDP program to (the agent fills
 /// it, ifindex -> ifindex). A driver transmits redirected frames only where it is set up for
 /// XDP; any other egress is left to TC.

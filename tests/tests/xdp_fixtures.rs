@@ -31,7 +31,7 @@ use testbed::{unique_name, Netns};
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
-const PROGRAM: &str = "vipr_xdp";
+const PROGRAM: &str = proxy_common::pins::XDP_PROGRAM;
 
 const CLIENT: Ep = ep([192, 168, 1, 100], 40000);
 const NODE: [u8; 4] = [10, 0, 0, 1];

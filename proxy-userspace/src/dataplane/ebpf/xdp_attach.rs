@@ -43,9 +43,9 @@ use super::PinDir;
 use crate::cli::XdpMode;
 
 /// The XDP program's name in the object.
-pub const PROGRAM: &str = "vipr_xdp";
+pub const PROGRAM: &str = proxy_common::pins::XDP_PROGRAM;
 /// The device map of redirect targets (xdp.rs `XDP_TX_DEVICES`).
-const TX_DEVICES: &str = "vipr_xdptx";
+const TX_DEVICES: &str = proxy_common::pins::XDP_TX_DEVICES;
 const PIN_PREFIX: &str = "xdp-";
 /// Where sysfs shows the network devices of the namespace that mounted it: the agent's own
 /// when it runs with the host network (the DaemonSet), checked per device by [`LinkIdentity`].
