@@ -184,8 +184,10 @@ impl NeedsTracker {
                 *count -= 1;
                 if *count == 0 {
                     self.claimed.remove(&ip);
+                    // Saturating: when the cluster IPs changed too, they are counted again after.
                     if state.cluster_ips.contains(&ip) {
-                        self.claimed_cluster_ips[family_index(ip)] -= 1;
+                        let claimed = &mut self.claimed_cluster_ips[family_index(ip)];
+                        *claimed = claimed.saturating_sub(1);
                     }
                 }
             }
@@ -235,7 +237,7 @@ impl NeedsTracker {
         for ((family, listed), claimed) in
             fixed.iter_mut().zip(self.cluster_ips).zip(self.claimed_cluster_ips)
         {
-            family[MapKind::Unmatched as usize] += listed - claimed;
+            family[MapKind::Unmatched as usize] += listed.saturating_sub(claimed);
         }
         self.needs.fixed = fixed;
     }
