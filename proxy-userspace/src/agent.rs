@@ -40,7 +40,7 @@ use crate::{
     health::{Moment, ProxyHealth, ServiceHealthServer},
     host,
     http::{HttpRuntime, Workload},
-    metrics::{ProxyMetrics, Registry},
+    metrics::{kube_proxy::NoLocalEndpoints, ProxyMetrics, Registry},
     model::{
         changes::{ChangeTracker, Changes},
         kubernetes::{
@@ -224,7 +224,12 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         .then(|| links::watch(links::sender(wakeups_tx, || Wakeup::Links)))
         .flatten();
 
-    info!(node = settings.node_name, mode = dataplane.mode(), "vipr running");
+    info!(
+        node = settings.node_name,
+        mode = dataplane.mode(),
+        min_sync_period = %crate::config::format_go_duration(settings.min_sync_period_in(mode)),
+        "vipr running"
+    );
     let mut agent = Agent::new(settings, mode, health, metrics, http, events);
     let mut devices_checked = Instant::now();
     while !terminate.load(Ordering::Relaxed) {
@@ -429,7 +434,12 @@ struct Agent<'a> {
     counted: Changes,
     /// Their translation, redone for what changed on each sync.
     translator: Translator,
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`, recounted for the changed
+    /// frontends only.
+    no_local_endpoints: NoLocalEndpoints,
     service_health: ServiceHealthServer,
+    /// The translation's health checks changed since `service_health` last followed them.
+    health_checks_changed: bool,
     /// Each newly logged rejection is also an Event about the object.
     events: Arc<dyn EventSink>,
     /// Rejections and unsupported frontends already logged, so that periodic syncs do not
@@ -458,11 +468,13 @@ impl<'a> Agent<'a> {
         Self {
             settings,
             mode,
-            runner: SyncRunner::new(settings.min_sync_period, settings.sync_period),
+            runner: SyncRunner::new(settings.min_sync_period_in(mode), settings.sync_period),
             tracker: ChangeTracker::new(Moment::now().wall),
             counted: Changes::default(),
             translator: Translator::new(),
+            no_local_endpoints: NoLocalEndpoints::default(),
             service_health: ServiceHealthServer::new(health.clone(), http),
+            health_checks_changed: false,
             events,
             health,
             metrics,
@@ -535,9 +547,11 @@ impl<'a> Agent<'a> {
             .cloned()
             .chain(self.translator.rejected())
             .collect();
+        // A translation's health-check changes are served by the next sync that reaches the
+        // dataplane, which may not be this one.
+        self.health_checks_changed |= changes.health_checks;
         let objects = &self.tracker;
         let state = self.translator.state();
-        let health_checks = state.health_checks.clone();
         let result = dataplane.sync_changes(state, &changes);
         // Objects the dataplane refused (a Service that does not fit its maps) are reported
         // as the model's rejections are; a failed sync keeps the last ones it refused.
@@ -568,13 +582,18 @@ impl<'a> Agent<'a> {
         self.logged_rejections = rejections;
         // A sync without a previous generation compares everything: kube-proxy's full sync.
         self.metrics.observe_sync(started.instant.elapsed(), changes.since.is_none());
-        self.metrics.set_no_local_endpoints(crate::metrics::kube_proxy::no_local_endpoints(state));
+        self.no_local_endpoints.update(state, &changes);
+        self.metrics.set_no_local_endpoints(self.no_local_endpoints.counts());
         let size = (state.frontends.len(), state.listed_endpoints.len());
         let outcome = match result {
             Ok(report) => {
                 self.log_report(&report, size, started);
-                self.service_health
-                    .sync(health_check_listen_ips(&node, self.settings, self.mode), &health_checks);
+                let listen_ips = health_check_listen_ips(&node, self.settings, self.mode);
+                if std::mem::take(&mut self.health_checks_changed)
+                    || !self.service_health.is_current(&listen_ips)
+                {
+                    self.service_health.sync(listen_ips, &self.translator.state().health_checks);
+                }
                 if report.is_complete() {
                     Outcome::Succeeded
                 } else {
@@ -595,6 +614,7 @@ impl<'a> Agent<'a> {
                 for trigger_time in self.tracker.synced_successfully() {
                     let latency = done.wall.duration_since(trigger_time).unwrap_or_default();
                     self.metrics.network_programming_duration.observe_duration(latency);
+                    self.metrics.network_programming_duration_fine.observe_duration(latency);
                 }
                 self.count_changes();
             }
@@ -730,7 +750,11 @@ fn log_settings(settings: &Settings) {
         crate::probe::mode_name(settings.proxy_mode),
         settings.node_name,
         crate::config::format_go_duration(settings.sync_period),
-        crate::config::format_go_duration(settings.min_sync_period),
+        if settings.min_sync_period_defaulted && settings.proxy_mode == ProxyMode::Auto {
+            "the running mode's default".to_owned()
+        } else {
+            crate::config::format_go_duration(settings.min_sync_period)
+        },
         address(settings.healthz_bind_address),
         address(settings.metrics_bind_address),
         detection,

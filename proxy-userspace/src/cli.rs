@@ -410,7 +410,7 @@ pub struct Args {
 
     /// vipr's own flag (kube-proxy has none of this name): the minimum time between two
     /// syncs in every mode, over the per-mode flags and the file (a Go duration: 1s, 500ms,
-    /// 1m30s) [default: the running mode's, 1s; ipvs: 0s].
+    /// 1m30s) [default: the running mode's, 1s; ipvs: 0s; ebpf: 20ms].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub min_sync_period: Option<Duration>,
 
@@ -423,7 +423,8 @@ pub struct Args {
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub iptables_sync_period: Option<Duration>,
 
-    /// kube-proxy's minimum sync period, for every mode but ipvs [default: 1s].
+    /// kube-proxy's minimum sync period, for every mode but ipvs [default: 1s; ebpf mode,
+    /// which kube-proxy does not have: 20ms].
     #[arg(long, value_name = "DURATION", value_parser = parse_go_duration)]
     pub iptables_min_sync_period: Option<Duration>,
 

@@ -44,6 +44,13 @@ pub const DEFAULT_METRICS_BIND_ADDRESS_V6: SocketAddr =
 pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
 /// kube-proxy's minimum sync period default in iptables and nftables modes (ipvs mode's is 0).
 pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
+/// vipr's minimum sync period default in ebpf mode, a mode kube-proxy does not have. kube-proxy's
+/// 1 s bounds the cost of rewriting whole rulesets; an eBPF sync costs what changed (about a
+/// millisecond for an EndpointSlice at 10k services), so a short period keeps the programming
+/// latency of a busy cluster in milliseconds and still batches a burst of changes into a
+/// few syncs (docs/benchmarks.md, issue 13). An explicit period is honoured as given.
+pub const EBPF_DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_millis(EBPF_DEFAULT_MIN_SYNC_MS);
+const EBPF_DEFAULT_MIN_SYNC_MS: u64 = 20;
 /// kube-proxy's `--oom-score-adj` default (the kubelet's `KubeProxyOOMScoreAdj`).
 pub const DEFAULT_OOM_SCORE_ADJ: i32 = -999;
 /// kube-proxy's `--kube-api-qps`, `--kube-api-burst` and `--kube-api-content-type` defaults.
@@ -168,8 +175,12 @@ pub struct Settings {
     pub metrics_bind_address: Option<SocketAddr>,
     /// `--metrics-per-endpoint`: whether `/metrics` has the `vipr_backend_*` series.
     pub metrics_per_endpoint: bool,
-    /// Syncs happen at most this often, however fast objects change.
+    /// Syncs happen at most this often, however fast objects change (the requested mode's;
+    /// see [`Settings::min_sync_period_in`] for the running mode's).
     pub min_sync_period: Duration,
+    /// No flag or file field gave the minimum sync period: it is the running mode's default,
+    /// which `--proxy-mode=auto` only knows once it chose.
+    pub min_sync_period_defaulted: bool,
     /// Syncs happen at least this often, even without changes; a change not synced within
     /// twice this period makes `/healthz` unhealthy.
     pub sync_period: Duration,
@@ -422,7 +433,8 @@ impl Settings {
             }
         }
 
-        let (sync_period, min_sync_period) = sync_periods(args, &file, proxy_mode, &mode_section)?;
+        let (sync_period, min_sync_period, min_sync_period_defaulted) =
+            sync_periods(args, &file, proxy_mode, &mode_section)?;
 
         let cluster_cidrs = match &args.cluster_cidr {
             Some(cidrs) => cidrs.0.clone(),
@@ -526,6 +538,7 @@ impl Settings {
             metrics_bind_address,
             metrics_per_endpoint: args.metrics_per_endpoint.unwrap_or(true),
             min_sync_period,
+            min_sync_period_defaulted,
             sync_period,
             cluster_cidrs,
             service_cidrs,
@@ -553,25 +566,24 @@ impl Settings {
 /// The sync periods of the mode that runs, as kube-proxy picks them: vipr's own
 /// `--sync-period` / `--min-sync-period` first, then kube-proxy's per-mode flags (the
 /// `--iptables-*` ones in every mode but ipvs, as kube-proxy), then the file's section of the
-/// mode, where zero means the default.
+/// mode, where zero means the default. Also whether the minimum period is a default.
 fn sync_periods(
     args: &Args,
     file: &KubeProxyConfiguration,
     mode: ProxyMode,
     section: &ModeSection<'_>,
-) -> anyhow::Result<(Duration, Duration)> {
-    let (mode_sync, mode_min, default_min) = if mode == ProxyMode::Ipvs {
-        (
+) -> anyhow::Result<(Duration, Duration, bool)> {
+    let (mode_sync, mode_min, default_min) = match mode {
+        ProxyMode::Ipvs => (
             ("ipvs-sync-period", args.ipvs_sync_period),
             ("ipvs-min-sync-period", args.ipvs_min_sync_period),
             Duration::ZERO,
-        )
-    } else {
-        (
+        ),
+        _ => (
             ("iptables-sync-period", args.iptables_sync_period),
             ("iptables-min-sync-period", args.iptables_min_sync_period),
-            DEFAULT_MIN_SYNC_PERIOD,
-        )
+            if mode == ProxyMode::Ebpf { EBPF_DEFAULT_MIN_SYNC_PERIOD } else { DEFAULT_MIN_SYNC_PERIOD },
+        ),
     };
     let file_duration = |field: &str, value: &Option<String>| -> anyhow::Result<Option<Duration>> {
         let parsed = value
@@ -615,6 +627,9 @@ fn sync_periods(
     if sync.is_zero() {
         bail!("{sync_from}: the sync period must be greater than 0");
     }
+    let defaulted = min_from == "the default";
+    // A default never stands in the way of a short sync period given.
+    let min = if defaulted { min.min(sync) } else { min };
     if min > sync {
         bail!(
             "{min_from}: the minimum sync period ({}) must not be greater than the sync period ({}, {sync_from})",
@@ -622,7 +637,7 @@ fn sync_periods(
             format_go_duration(sync)
         );
     }
-    Ok((sync, min))
+    Ok((sync, min, defaulted))
 }
 
 /// `--detect-local-mode` over the file's `detectLocalMode`; "" is kube-proxy's default,
@@ -1482,6 +1497,17 @@ pub fn format_go_duration(duration: Duration) -> String {
 }
 
 impl Settings {
+    /// The minimum sync period when `mode` runs: the one given, else that mode's default
+    /// (ebpf's is [`EBPF_DEFAULT_MIN_SYNC_PERIOD`]; `--proxy-mode=auto` resolves its mode at
+    /// start).
+    pub fn min_sync_period_in(&self, mode: ProxyMode) -> Duration {
+        if self.min_sync_period_defaulted && mode == ProxyMode::Ebpf {
+            EBPF_DEFAULT_MIN_SYNC_PERIOD.min(self.sync_period)
+        } else {
+            self.min_sync_period
+        }
+    }
+
     /// The effective configuration as a kube-proxy v1alpha1 KubeProxyConfiguration
     /// (`--write-config-to`): what vipr runs with, defaults filled in, in kube-proxy's field
     /// names, so that `--config` of the written file gives the same settings. `mode` is
@@ -1491,9 +1517,16 @@ impl Settings {
         use serde_json::json;
         let duration = |duration: Duration| format_go_duration(duration);
         let address = |address: Option<SocketAddr>| address.map(|a| a.to_string()).unwrap_or_default();
+        // With auto, the default minimum period depends on the mode chosen at start: zero,
+        // which reads back as the default.
+        let min_sync_period = if self.proxy_mode == ProxyMode::Auto && self.min_sync_period_defaulted {
+            Duration::ZERO
+        } else {
+            self.min_sync_period
+        };
         let periods = json!({
             "syncPeriod": duration(self.sync_period),
-            "minSyncPeriod": duration(self.min_sync_period),
+            "minSyncPeriod": duration(min_sync_period),
         });
         let mode_name = crate::probe::mode_name(self.proxy_mode);
         let mut sections = serde_json::Map::new();
@@ -2198,6 +2231,47 @@ mod kube_proxy_fixtures {
         let v4 = self::settings(&["--bind-address=10.0.0.5"]).unwrap();
         assert_eq!(v4.bind_address, Some("10.0.0.5".parse::<IpAddr>().unwrap()));
         assert_eq!(v4.healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
+    }
+
+    #[test]
+    fn ebpf_mode_defaults_to_a_short_minimum_sync_period_and_honours_a_given_one() {
+        let running = |argv: &[&str], mode: ProxyMode| settings(argv).unwrap().min_sync_period_in(mode);
+        let kube_proxy_default = Duration::from_secs(1);
+        // Nothing given: ebpf's own default; kube-proxy's in the netfilter modes, also when
+        // auto falls back to one of them.
+        assert_eq!(running(&["--proxy-mode=ebpf"], ProxyMode::Ebpf), EBPF_DEFAULT_MIN_SYNC_PERIOD);
+        assert_eq!(running(&["--proxy-mode=auto"], ProxyMode::Ebpf), EBPF_DEFAULT_MIN_SYNC_PERIOD);
+        assert_eq!(running(&["--proxy-mode=auto"], ProxyMode::Nftables), kube_proxy_default);
+        assert_eq!(running(&["--proxy-mode=iptables"], ProxyMode::Iptables), kube_proxy_default);
+        assert_eq!(running(&["--proxy-mode=nftables"], ProxyMode::Nftables), kube_proxy_default);
+        assert_eq!(running(&["--proxy-mode=ipvs"], ProxyMode::Ipvs), Duration::ZERO);
+        // Anything given is honoured in ebpf mode too: each flag, the file's field, and 0.
+        for given in ["--min-sync-period=1s", "--iptables-min-sync-period=1s"] {
+            for mode in ["--proxy-mode=ebpf", "--proxy-mode=auto"] {
+                assert_eq!(running(&[mode, given], ProxyMode::Ebpf), kube_proxy_default, "{mode} {given}");
+            }
+        }
+        assert_eq!(running(&["--proxy-mode=ebpf", "--min-sync-period=0s"], ProxyMode::Ebpf), Duration::ZERO);
+        let file = Written::new("mode: ebpf\niptables: {minSyncPeriod: 2s}\n");
+        assert_eq!(running(&[&file.arg()], ProxyMode::Ebpf), Duration::from_secs(2));
+        // A zero in the file is kube-proxy's "the default".
+        let file = Written::new("iptables: {minSyncPeriod: 0s}\n");
+        assert_eq!(
+            running(&[&file.arg(), "--proxy-mode=ebpf"], ProxyMode::Ebpf),
+            EBPF_DEFAULT_MIN_SYNC_PERIOD
+        );
+        // A short sync period given is not refused because of the default minimum.
+        assert_eq!(
+            running(&["--proxy-mode=ebpf", "--sync-period=10ms"], ProxyMode::Ebpf),
+            Duration::from_millis(10)
+        );
+        // The written configuration keeps the default a default: ebpf's value, or zero for auto.
+        let written = |argv: &[&str]| {
+            settings(argv).unwrap().to_kube_proxy_configuration()["iptables"]["minSyncPeriod"].clone()
+        };
+        assert_eq!(written(&["--proxy-mode=ebpf"]), "20ms");
+        assert_eq!(written(&["--proxy-mode=auto"]), "0s");
+        assert_eq!(written(&["--proxy-mode=auto", "--min-sync-period=1s"]), "1s");
     }
 
     #[test]

@@ -238,11 +238,19 @@ pub struct ServiceHealthServer {
     proxy_health: Arc<ProxyHealth>,
     runtime: HttpRuntime,
     servers: BTreeMap<ServiceName, HealthCheckServer>,
+    /// A server could not be opened at the last sync: the next one tries again.
+    retry: bool,
 }
 
 impl ServiceHealthServer {
     pub fn new(proxy_health: Arc<ProxyHealth>, runtime: HttpRuntime) -> Self {
-        Self { listen_ips: Vec::new(), proxy_health, runtime, servers: BTreeMap::new() }
+        Self { listen_ips: Vec::new(), proxy_health, runtime, servers: BTreeMap::new(), retry: false }
+    }
+
+    /// Whether the last [`Self::sync`] served every check it was given on `listen_ips`: a
+    /// sync with the same checks would change nothing, so the agent skips it.
+    pub fn is_current(&self, listen_ips: &[IpAddr]) -> bool {
+        !self.retry && self.listen_ips == listen_ips
     }
 
     /// Makes the served health checks exactly `checks`, on `listen_ips`: servers of services
@@ -254,6 +262,7 @@ impl ServiceHealthServer {
             self.servers.clear();
             self.listen_ips = listen_ips;
         }
+        self.retry = false;
         self.servers.retain(|name, server| {
             let keep = checks.get(name).is_some_and(|check| check.port == server.port);
             if !keep {
@@ -272,6 +281,7 @@ impl ServiceHealthServer {
                     self.servers.insert(name.clone(), server);
                 }
                 Err(open_error) => {
+                    self.retry = true;
                     error!(service = %name, port = check.port, "cannot open health check: {open_error:#}")
                 }
             }
@@ -461,12 +471,18 @@ mod tests {
             ServiceName { namespace: "ns".into(), name: "lb".into() },
             ServiceHealthCheck { port, local_endpoints: 1 },
         )]);
-        server.sync(vec![IpAddr::from([127, 0, 0, 1])], &checks);
+        let loopback = [IpAddr::from([127, 0, 0, 1])];
+        server.sync(loopback.to_vec(), &checks);
         assert_eq!(bind_failures(), 1.0);
         assert!(server.servers.is_empty());
+        // The agent syncs the health checks again only when they or their addresses changed,
+        // or when one did not open.
+        assert!(!server.is_current(&loopback), "a failed port is tried again at the next sync");
         drop(holder);
-        server.sync(vec![IpAddr::from([127, 0, 0, 1])], &checks);
+        server.sync(loopback.to_vec(), &checks);
         assert_eq!(server.servers.len(), 1, "opened once the port is free");
+        assert!(server.is_current(&loopback));
+        assert!(!server.is_current(&[IpAddr::from([127, 0, 0, 2])]), "other addresses");
         assert_eq!(bind_failures(), 1.0);
     }
 }

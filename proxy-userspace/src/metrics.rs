@@ -332,6 +332,13 @@ pub fn linear_buckets(start: f64, width: f64, count: usize) -> Vec<f64> {
     (0..count).map(|i| start + width * i as f64).collect()
 }
 
+/// `vipr_network_programming_duration_seconds`' buckets: kube-proxy's histogram starts at
+/// 250 ms, where the eBPF dataplane programs a change in about a millisecond.
+pub const FINE_PROGRAMMING_BUCKETS: [f64; 26] = [
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1,
+    0.15, 0.2, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+];
+
 /// The agent's metrics. Fields are updated by the agent and the health servers; everything
 /// under a kube-proxy name has kube-proxy's meaning and buckets.
 #[derive(Debug)]
@@ -346,6 +353,9 @@ pub struct ProxyMetrics {
     /// From the change of an EndpointSlice (its `endpoints.kubernetes.io/last-change-trigger-time`)
     /// to the sync that programmed it.
     pub network_programming_duration: Histogram,
+    /// The same latencies in buckets fine enough for a sync of milliseconds
+    /// ([`FINE_PROGRAMMING_BUCKETS`]); kube-proxy's histogram keeps its own buckets.
+    pub network_programming_duration_fine: Histogram,
     /// When the dataplane last synced successfully.
     pub last_sync_timestamp: Gauge,
     /// When a sync was last asked for by a change.
@@ -386,6 +396,7 @@ impl Default for ProxyMetrics {
             sync_full_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
             sync_partial_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
             network_programming_duration: Histogram::new(programming_buckets),
+            network_programming_duration_fine: Histogram::new(FINE_PROGRAMMING_BUCKETS.to_vec()),
             last_sync_timestamp: Gauge::default(),
             last_queued_timestamp: Gauge::default(),
             service_changes: Counter::default(),
@@ -488,6 +499,14 @@ impl Collector for ProxyMetrics {
                 Histogram,
                 self.network_programming_duration.sample(),
             ),
+            MetricFamily {
+                name: "vipr_network_programming_duration_seconds".to_owned(),
+                help: "From an EndpointSlice's last-change-trigger-time to the sync that programmed it, \
+                       in finer buckets than kubeproxy_network_programming_duration_seconds"
+                    .to_owned(),
+                kind: Histogram,
+                samples: vec![self.network_programming_duration_fine.sample()],
+            },
             family(
                 "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
                 "[ALPHA] The last time proxy rules were successfully synced",

@@ -41,7 +41,8 @@ pub struct BenchArgs {
 enum Suite {
     /// Cost per packet of the TC program by path (BPF_PROG_TEST_RUN).
     Datapath,
-    /// Programming time from a desired state, per endpoint change, and agent memory.
+    /// Programming time from a desired state, per endpoint change, and agent memory; then
+    /// EndpointSlice changes streamed through the real agent's watch path.
     ControlPlane,
     /// Traffic through the vipr binary between namespaces, by proxy mode and services.
     E2e,
@@ -70,8 +71,9 @@ impl Suite {
 pub fn run(workspace: &Workspace, args: &BenchArgs) -> Result<ExitCode> {
     setup::all(setup::Mode::Install)?;
     let mut build = vec!["build", "--release", "-p", "vipr-tests", "--bin", "vipr-bench"];
-    if matches!(args.suite, Suite::E2e | Suite::All) {
-        // The agent the e2e suite runs: found next to vipr-bench (target/release/vipr).
+    if matches!(args.suite, Suite::E2e | Suite::ControlPlane | Suite::All) {
+        // The agent the e2e suite and the control plane's watch path run: found next to
+        // vipr-bench (target/release/vipr).
         build.extend(["-p", "proxy-userspace", "--bin", "vipr"]);
     }
     cmd::run(workspace.cargo().args(build))?;

@@ -42,6 +42,7 @@ use super::{
     meta::RunMeta,
     stats::{self, Summary},
     sys::{self, BpfMount, PrivateCgroup, SyscallCounter},
+    watch_path,
 };
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -53,15 +54,31 @@ pub struct Settings {
     /// Numbers of services.
     pub sizes: Vec<usize>,
     pub endpoints_per_service: usize,
+    /// The stream of EndpointSlice changes through the real agent's watch path
+    /// ([`watch_path`]); `None` in results of runs before it was part of the suite.
+    #[serde(default)]
+    pub watch: Option<watch_path::Settings>,
 }
 
 impl Settings {
     pub fn full() -> Self {
-        Self { repetitions: 5, changes: 20, sizes: vec![1_000, 10_000, 50_000], endpoints_per_service: 10 }
+        Self {
+            repetitions: 5,
+            changes: 100,
+            sizes: vec![1_000, 10_000, 50_000],
+            endpoints_per_service: 10,
+            watch: Some(watch_path::Settings::full()),
+        }
     }
 
     pub fn quick() -> Self {
-        Self { repetitions: 2, changes: 5, sizes: vec![100, 1_000], endpoints_per_service: 10 }
+        Self {
+            repetitions: 2,
+            changes: 20,
+            sizes: vec![100, 1_000],
+            endpoints_per_service: 10,
+            watch: Some(watch_path::Settings::quick()),
+        }
     }
 }
 
@@ -116,8 +133,13 @@ pub struct SizeResult {
     pub change_translate_ms: Summary,
     pub change_sync_ms: Summary,
     pub change_sync_p90_ms: f64,
-    /// Translation and sync of one change, added per change.
+    /// `None` in results of runs before the p99s were reported.
+    #[serde(default)]
+    pub change_sync_p99_ms: Option<f64>,
+    /// Translation and sync of one change, added per change: from the event to the maps.
     pub change_total_ms: Summary,
+    #[serde(default)]
+    pub change_total_p99_ms: Option<f64>,
     pub change_bpf_calls: Option<f64>,
     pub rss_before_start_mib: Summary,
     pub rss_after_sync_mib: Summary,
@@ -129,6 +151,9 @@ pub struct Results {
     pub meta: RunMeta,
     pub settings: Settings,
     pub sizes: Vec<SizeResult>,
+    /// The changes streamed through the real agent's watch path.
+    #[serde(default)]
+    pub watch: Option<watch_path::WatchPathReport>,
 }
 
 impl Results {
@@ -176,9 +201,46 @@ pub fn run(meta: RunMeta, settings: Settings) -> Result<Results> {
         }
         sizes.push(summarize(services, settings.endpoints_per_service, &children)?);
     }
+    let watch = settings.watch.as_ref().map(|watch| run_watch(&exe, watch)).transpose()?;
     let mut meta = meta;
     meta.finish();
-    Ok(Results { meta, settings, sizes })
+    Ok(Results { meta, settings, sizes, watch })
+}
+
+/// The watch-path stream, in a child process of its own (`vipr-bench control-plane-watch`).
+fn run_watch(exe: &std::path::Path, settings: &watch_path::Settings) -> Result<watch_path::WatchPathReport> {
+    eprintln!(
+        "control-plane: watch path, {} services, {} changes/s for {} s",
+        settings.services, settings.rate, settings.seconds
+    );
+    let mut command = Command::new(exe);
+    command
+        .arg("control-plane-watch")
+        .args(["--services", &settings.services.to_string()])
+        .args(["--rate", &settings.rate.to_string()])
+        .args(["--seconds", &settings.seconds.to_string()]);
+    if let Some(period) = &settings.min_sync_period {
+        command.args(["--min-sync-period", period]);
+    }
+    let output = command
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running vipr-bench control-plane-watch")?;
+    ensure!(output.status.success(), "the watch-path run failed ({})", output.status);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout.lines().last().context("the watch-path run printed no result")?;
+    let report: watch_path::WatchPathReport =
+        serde_json::from_str(line).with_context(|| format!("unreadable watch-path result: {line}"))?;
+    eprintln!(
+        "  {} of {} changes programmed, p50 {:.2} ms, p99 {:.2} ms, agent CPU {:.1}% of a core",
+        report.changes_programmed,
+        report.changes_written,
+        report.p50_ms,
+        report.p99_ms,
+        report.agent_cpu_percent
+    );
+    Ok(report)
 }
 
 fn summarize(services: usize, endpoints: usize, children: &[ChildReport]) -> Result<SizeResult> {
@@ -217,7 +279,15 @@ fn summarize(services: usize, endpoints: usize, children: &[ChildReport]) -> Res
             90.0,
         )
         .context("no changes")?,
+        change_sync_p99_ms: stats::percentile(
+            &stats::sorted(&changes.iter().map(|c| c.sync_ms).collect::<Vec<_>>()),
+            99.0,
+        ),
         change_total_ms: change(&|c| c.translate_ms + c.sync_ms)?,
+        change_total_p99_ms: stats::percentile(
+            &stats::sorted(&changes.iter().map(|c| c.translate_ms + c.sync_ms).collect::<Vec<_>>()),
+            99.0,
+        ),
         change_bpf_calls: optional_median(changes.iter().map(|c| c.bpf_calls.map(|n| n as f64)).collect()),
         rss_before_start_mib: of(&|c| mib(c.rss_before_start_kib))?,
         rss_after_sync_mib: of(&|c| mib(c.rss_after_sync_kib))?,

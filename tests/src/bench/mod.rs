@@ -58,9 +58,9 @@ enum Cmd {
         rate: u32,
         #[arg(long, default_value_t = 60)]
         seconds: u64,
-        /// The agent's --min-sync-period.
-        #[arg(long, default_value = "1s")]
-        min_sync_period: String,
+        /// The agent's --min-sync-period [default: the agent's own default in ebpf mode].
+        #[arg(long)]
+        min_sync_period: Option<String>,
     },
     /// One repetition of one control-plane size (run by `control-plane`, one process each).
     #[command(hide = true)]
@@ -130,7 +130,7 @@ fn run(command: Cmd) -> Result<()> {
         Cmd::Report(output) => return report::write(&output.out_dir, &output.doc()),
         Cmd::ControlPlaneWatch { services, rate, seconds, min_sync_period } => {
             prepare()?;
-            let result = watch_path::run(services, rate, seconds, &min_sync_period)?;
+            let result = watch_path::run(&watch_path::Settings { services, rate, seconds, min_sync_period })?;
             println!("{}", serde_json::to_string(&result)?);
             return Ok(());
         }

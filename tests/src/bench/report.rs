@@ -18,6 +18,7 @@ use super::{
     meta::RunMeta,
     plot,
     stats::Summary,
+    watch_path,
 };
 
 pub const DATAPATH_JSON: &str = "datapath.json";
@@ -243,6 +244,7 @@ fn targets(
         10.0,
         "ms",
     ));
+    rows.extend(event_to_maps_targets(control));
     rows.push(limit(
         "agent RSS < 150 MiB at 10k services × 10 endpoints",
         size(10_000).map(|s| {
@@ -258,8 +260,98 @@ fn targets(
         150.0,
         "MiB",
     ));
+    rows.extend(watch_targets(control.and_then(|results| results.watch.as_ref())));
     rows.extend(e2e_targets(e2e));
     rows
+}
+
+/// Issue 13: one EndpointSlice change from the event to the maps (the change tracker, the
+/// translation of the service, the dataplane's sync), at 10k services and across sizes.
+fn event_to_maps_targets(control: Option<&control_plane::Results>) -> Vec<Target> {
+    let size = |n: usize| control.and_then(|results| results.size(n));
+    let p99 = |s: &control_plane::SizeResult| s.change_total_p99_ms;
+    let mut rows = vec![
+        limit(
+            "one EndpointSlice change at 10k services, event → maps: p50 < 2 ms",
+            size(10_000).map(|s| (s.change_total_ms.median, format!("{} ms", num(s.change_total_ms.median)))),
+            2.0,
+            "ms",
+        ),
+        limit(
+            "the same: p99 < 10 ms",
+            size(10_000).and_then(|s| Some((p99(s)?, format!("{} ms", num(p99(s)?))))),
+            10.0,
+            "ms",
+        ),
+    ];
+    // Within ±25% of its cost at 10k services at every size from 1k to 50k.
+    let spread = control.and_then(|results| {
+        let reference = results.size(10_000)?.change_total_ms.median;
+        let sizes: Vec<&control_plane::SizeResult> =
+            results.sizes.iter().filter(|s| (1_000..=50_000).contains(&s.services)).collect();
+        if sizes.len() < 2 || reference <= 0.0 {
+            return None;
+        }
+        let ratios: Vec<(usize, f64)> =
+            sizes.iter().map(|s| (s.services, s.change_total_ms.median / reference)).collect();
+        let worst = ratios.iter().map(|(_, ratio)| (ratio - 1.0).abs()).fold(0.0, f64::max);
+        let listed: Vec<String> =
+            ratios.iter().map(|(services, ratio)| format!("{}: {ratio:.2}×", short(*services))).collect();
+        Some((worst, format!("p50 against 10k's by services: {}", listed.join(", "))))
+    });
+    rows.push(match spread {
+        None => Target {
+            what: "the same, p50 within ±25% from 1k to 50k services",
+            measured: "not measured".into(),
+            status: Status::NotMeasured,
+        },
+        Some((worst, measured)) if worst <= 0.25 => Target {
+            what: "the same, p50 within ±25% from 1k to 50k services",
+            measured,
+            status: Status::Met,
+        },
+        Some((worst, measured)) => Target {
+            what: "the same, p50 within ±25% from 1k to 50k services",
+            measured,
+            status: Status::Missed(format!("(±{:.0}%)", worst * 100.0)),
+        },
+    });
+    rows
+}
+
+/// Issue 13 through the real watch path: the agent's network programming latency and CPU.
+fn watch_targets(watch: Option<&watch_path::WatchPathReport>) -> Vec<Target> {
+    let stream = |w: &watch_path::WatchPathReport| {
+        format!("{} services, {} changes/s for {} s", short(w.services), w.changes_per_second, w.seconds)
+    };
+    vec![
+        limit(
+            "watch path (100 EndpointSlice changes/s at 10k services): network programming p99 < 50 ms",
+            watch.map(|w| {
+                (
+                    w.p99_ms,
+                    format!(
+                        "{} ms (p50 {} ms; {}; {} of {} changes programmed)",
+                        num(w.p99_ms),
+                        num(w.p50_ms),
+                        stream(w),
+                        count(w.changes_programmed),
+                        count(w.changes_written as f64)
+                    ),
+                )
+            }),
+            50.0,
+            "ms",
+        ),
+        limit(
+            "the same: the agent < 10% of one core",
+            watch.map(|w| {
+                (w.agent_cpu_percent, format!("{:.1}% ({} syncs)", w.agent_cpu_percent, count(w.syncs)))
+            }),
+            10.0,
+            "%",
+        ),
+    ]
 }
 
 /// A minimum: met when `value >= min`.
@@ -710,18 +802,21 @@ fn render_control(w: &mut String, results: &control_plane::Results, plots: &[&st
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "| services × endpoints | one change: sync | sync p90 | translate | translate + sync | bpf() calls per change | RSS objects only | RSS after sync | peak RSS |\n|---|---|---|---|---|---|---|---|---|"
+        "| services × endpoints | one change: sync | sync p90 / p99 | translate | event → maps (translate + sync) | event → maps p99 | bpf() calls per change | RSS objects only | RSS after sync | peak RSS |\n|---|---|---|---|---|---|---|---|---|---|"
     );
+    let optional = |value: Option<f64>| value.map_or("n/a".into(), num);
     for size in &results.sizes {
         let _ = writeln!(
             w,
-            "| {} × {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} × {} | {} | {} / {} | {} | {} | {} | {} | {} | {} | {} |",
             count(size.services as f64),
             size.endpoints_per_service,
             with_spread(&size.change_sync_ms),
             num(size.change_sync_p90_ms),
+            optional(size.change_sync_p99_ms),
             with_spread(&size.change_translate_ms),
             with_spread(&size.change_total_ms),
+            optional(size.change_total_p99_ms),
             size.change_bpf_calls.map_or("n/a".into(), count),
             with_spread(&size.rss_before_start_mib),
             with_spread(&size.rss_after_sync_mib),
@@ -729,6 +824,38 @@ fn render_control(w: &mut String, results: &control_plane::Results, plots: &[&st
         );
     }
     let _ = writeln!(w);
+    if let Some(watch) = &results.watch {
+        let _ = writeln!(
+            w,
+            "Through the real watch path (`vipr-bench control-plane-watch`): the release `vipr` in ebpf \
+             mode watching the in-suite API server, one EndpointSlice changed every {:.0} ms. Latency from \
+             each change's `last-change-trigger-time` to the sync that programmed it, in ms, as the agent \
+             measured it (p50 / p99 from `vipr_network_programming_duration_seconds`, mean and the p99 \
+             bucket from kube-proxy's `kubeproxy_network_programming_duration_seconds`).\n",
+            1000.0 / f64::from(watch.changes_per_second.max(1))
+        );
+        let _ = writeln!(
+            w,
+            "| services × endpoints | changes/s × s | --min-sync-period | changes programmed | p50 | p99 | kube-proxy histogram: mean / p99 bucket | syncs (mean ms) | agent CPU, % of a core |\n|---|---|---|---|---|---|---|---|---|"
+        );
+        let _ = writeln!(
+            w,
+            "| {} × 10 | {} × {} | {} | {} of {} | {} | {} | {} / ≤ {} s | {} ({}) | {:.1} |\n",
+            count(watch.services as f64),
+            watch.changes_per_second,
+            watch.seconds,
+            watch.min_sync_period,
+            count(watch.changes_programmed),
+            count(watch.changes_written as f64),
+            num(watch.p50_ms),
+            num(watch.p99_ms),
+            num(watch.mean_ms),
+            num(watch.p99_at_most_s),
+            count(watch.syncs),
+            num(watch.sync_mean_ms),
+            watch.agent_cpu_percent,
+        );
+    }
     if plots.contains(&plot::CONTROL_PLANE) {
         let _ = writeln!(
             w,
@@ -746,16 +873,24 @@ fn render_control(w: &mut String, results: &control_plane::Results, plots: &[&st
          the default map sizes (load, verify, attach: *start*), translates them with the agent's model \
          code (*translate*), and times `EbpfDataplane::sync` of that desired state on the empty maps \
          (*sync from scratch*).\n\
-         - Then {} times: one endpoint of a random service gets a new address; the whole cluster is \
-         translated again (the agent re-translates every object on each change) and the changed state \
-         synced. *sync* is the network programming latency asked for: when it returns, the next packet \
-         sees the change. After the last change the child reads the pinned maps and checks that the \
-         service's backends are exactly its new endpoints.\n\
+         - Then {} times: one endpoint of a random service gets a new address, and the child times \
+         what the agent does from that event on: the change tracker takes the new EndpointSlice and \
+         marks its service, the translator re-translates that service (*translate*), and the dataplane \
+         syncs what changed (*sync*; when it returns, the next packet sees the change). *event → maps* \
+         is both, per change; p50 is the median column. After the last change the child reads the \
+         pinned maps and checks that the service's backends are exactly its new endpoints.\n\
          - `bpf()` and all system calls of the syncing thread are counted with the \
          `syscalls:sys_enter_bpf` and `raw_syscalls:sys_enter` tracepoints (perf counters); CPU from \
          getrusage; memory from VmRSS / VmHWM in /proc/self/status. *RSS objects only* is the process \
          before the dataplane starts, holding the generated objects, as the agent holds its watch \
-         caches.\n",
+         caches.\n\
+         - The watch path: a child process (`vipr-bench control-plane-watch`) in a network namespace \
+         and bpffs of its own loads the in-suite API server with the Services and EndpointSlices, \
+         starts the release `vipr` (`--proxy-mode=ebpf`, the default `--min-sync-period` unless the \
+         table says otherwise) against it, waits for its first sync, then writes one EndpointSlice \
+         (one endpoint replaced) at a fixed rate, each with its trigger time, and waits until the \
+         agent measured every change (at most 10 s more). Agent CPU is its user + system time over \
+         the stream and that wait, from /proc/<pid>/stat.\n",
         s.changes
     );
 }

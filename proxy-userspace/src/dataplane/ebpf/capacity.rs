@@ -92,6 +92,8 @@ pub fn service_name(service: &ServicePortName) -> String {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Needs {
     pub services: BTreeMap<String, Entries>,
+    /// The sum of `services`, kept with it, so that a fit check need not add them up.
+    pub services_total: Entries,
     pub fixed: Entries,
     /// The cluster IPs each Service's frontends claim.
     pub cluster_ips: BTreeMap<String, BTreeSet<IpAddr>>,
@@ -115,6 +117,10 @@ pub struct NeedsTracker {
     service_of: HashMap<Frontend, String>,
     /// How many Services claim each cluster IP (an unclaimed one counts in `fixed`).
     claimed: HashMap<IpAddr, usize>,
+    /// By family: the state's cluster IPs, and how many of them are claimed; counted whole
+    /// only when the cluster IPs change, so that `fixed` follows a Service's change alone.
+    cluster_ips: [u64; 2],
+    claimed_cluster_ips: [u64; 2],
 }
 
 impl NeedsTracker {
@@ -134,12 +140,20 @@ impl NeedsTracker {
         for name in &names {
             self.recount(state, name, balancing);
         }
+        self.count_cluster_ips(state);
         self.count_fixed(state);
     }
 
     /// Counts again the Services whose frontends are among `changed` (added, changed or
-    /// removed since the state this tracker last saw).
-    pub fn update(&mut self, state: &DesiredState, changed: &BTreeSet<Frontend>, balancing: Balancing) {
+    /// removed since the state this tracker last saw); `classifiers`: the state's cluster IPs
+    /// or service ranges may have changed too.
+    pub fn update(
+        &mut self,
+        state: &DesiredState,
+        changed: &BTreeSet<Frontend>,
+        classifiers: bool,
+        balancing: Balancing,
+    ) {
         let mut dirty = BTreeSet::new();
         for frontend in changed {
             if let Some(before) = self.service_of.remove(frontend) {
@@ -158,6 +172,9 @@ impl NeedsTracker {
         for name in &dirty {
             self.recount(state, name, balancing);
         }
+        if classifiers {
+            self.count_cluster_ips(state);
+        }
         self.count_fixed(state);
     }
 
@@ -167,10 +184,17 @@ impl NeedsTracker {
                 *count -= 1;
                 if *count == 0 {
                     self.claimed.remove(&ip);
+                    // Saturating: when the cluster IPs changed too, they are counted again after.
+                    if state.cluster_ips.contains(&ip) {
+                        let claimed = &mut self.claimed_cluster_ips[family_index(ip)];
+                        *claimed = claimed.saturating_sub(1);
+                    }
                 }
             }
         }
-        self.needs.services.remove(name);
+        if let Some(before) = self.needs.services.remove(name) {
+            add_entries(&mut self.needs.services_total, &before, |total, need| total - need);
+        }
         let Some(frontends) = self.frontends.get(name).filter(|frontends| !frontends.is_empty()) else {
             self.frontends.remove(name);
             return;
@@ -179,12 +203,28 @@ impl NeedsTracker {
             frontends.iter().filter_map(|frontend| state.frontends.get_key_value(frontend)),
             balancing,
         );
+        add_entries(&mut self.needs.services_total, &entries, |total, need| total + need);
         self.needs.services.insert(name.to_owned(), entries);
         if !cluster_ips.is_empty() {
             for ip in &cluster_ips {
-                *self.claimed.entry(*ip).or_default() += 1;
+                let count = self.claimed.entry(*ip).or_default();
+                *count += 1;
+                if *count == 1 && state.cluster_ips.contains(ip) {
+                    self.claimed_cluster_ips[family_index(*ip)] += 1;
+                }
             }
             self.needs.cluster_ips.insert(name.to_owned(), cluster_ips);
+        }
+    }
+
+    /// The state's cluster IPs by family, and how many of them Services claim.
+    fn count_cluster_ips(&mut self, state: &DesiredState) {
+        (self.cluster_ips, self.claimed_cluster_ips) = ([0; 2], [0; 2]);
+        for ip in &state.cluster_ips {
+            self.cluster_ips[family_index(*ip)] += 1;
+            if self.claimed.contains_key(ip) {
+                self.claimed_cluster_ips[family_index(*ip)] += 1;
+            }
         }
     }
 
@@ -194,10 +234,19 @@ impl NeedsTracker {
         for net in &state.service_cidrs {
             fixed[family_index(net.addr())][MapKind::Unmatched as usize] += 1;
         }
-        for ip in state.cluster_ips.iter().filter(|ip| !self.claimed.contains_key(ip)) {
-            fixed[family_index(*ip)][MapKind::Unmatched as usize] += 1;
+        for ((family, listed), claimed) in
+            fixed.iter_mut().zip(self.cluster_ips).zip(self.claimed_cluster_ips)
+        {
+            family[MapKind::Unmatched as usize] += listed.saturating_sub(claimed);
         }
         self.needs.fixed = fixed;
+    }
+}
+
+/// `total` with each of `entries` folded in by `fold`.
+fn add_entries(total: &mut Entries, entries: &Entries, fold: impl Fn(u64, u64) -> u64) {
+    for (total, entry) in total.as_flattened_mut().iter_mut().zip(entries.as_flattened()) {
+        *total = fold(*total, *entry);
     }
 }
 
@@ -247,11 +296,7 @@ fn service_needs<'a>(
 /// `programmed` is asked for only when not everything fits.
 pub fn admit(needs: &Needs, capacity: &Capacity, programmed: impl FnOnce() -> BTreeSet<String>) -> Refused {
     let mut total = needs.fixed;
-    for need in needs.services.values() {
-        for (total, need) in total.as_flattened_mut().iter_mut().zip(need.as_flattened()) {
-            *total += need;
-        }
-    }
+    add_entries(&mut total, &needs.services_total, |total, need| total + need);
     let limits = capacity.limits.as_flattened();
     if total.as_flattened().iter().zip(limits).all(|(total, limit)| total <= limit) {
         return Refused::default();
@@ -373,7 +418,7 @@ mod tests {
         tracker.rebuild(&state, Balancing::Random);
         assert_eq!(tracker.needs(), &needs(&state, Balancing::Random));
 
-        let steps: [&dyn Fn(&mut DesiredState); 4] = [
+        let steps: [&dyn Fn(&mut DesiredState); 7] = [
             // More backends for web, a new Service dns.
             &|state| {
                 add(state, "web", &[ip(1), ip(2)], 2, &[backend(1), backend(2), backend(4)]);
@@ -395,9 +440,16 @@ mod tests {
                 state.frontends.retain(|_, entry| entry.service.name != "dns");
                 state.cluster_ips.remove(&ip(5));
             },
+            // A cluster IP no frontend claims (a Service without ports), then one claimed
+            // and given up again while the cluster IPs stay as they are.
+            &|state| {
+                state.cluster_ips.insert(ip(7));
+            },
+            &|state| add(state, "late", &[ip(7)], 1, &[backend(7)]),
+            &|state| state.frontends.retain(|_, entry| entry.service.name != "late"),
         ];
         for (index, step) in steps.iter().enumerate() {
-            let before = state.frontends.clone();
+            let (before, cluster_ips_before) = (state.frontends.clone(), state.cluster_ips.clone());
             step(&mut state);
             let changed: BTreeSet<Frontend> = before
                 .keys()
@@ -405,7 +457,8 @@ mod tests {
                 .filter(|frontend| before.get(*frontend) != state.frontends.get(*frontend))
                 .copied()
                 .collect();
-            tracker.update(&state, &changed, Balancing::Random);
+            let classifiers = state.cluster_ips != cluster_ips_before;
+            tracker.update(&state, &changed, classifiers, Balancing::Random);
             assert_eq!(tracker.needs(), &needs(&state, Balancing::Random), "after step {index}");
         }
     }

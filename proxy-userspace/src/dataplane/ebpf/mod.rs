@@ -370,7 +370,9 @@ impl EbpfDataplane {
     /// `None` to count everything.
     fn admit(&mut self, state: &DesiredState, changes: Option<&StateChanges>) -> Refused {
         match changes {
-            Some(changes) => self.needs.update(state, &changes.frontends, self.balancing),
+            Some(changes) => {
+                self.needs.update(state, &changes.frontends, changes.classifiers, self.balancing)
+            }
             None => self.needs.rebuild(state, self.balancing),
         }
         let (v4, v6) = (&self.v4, &self.v6);

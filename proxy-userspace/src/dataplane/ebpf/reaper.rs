@@ -192,14 +192,23 @@ fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metric
     count_fill(&options.pin_dir, metrics, true);
     let mut last_fill = Some(Instant::now());
     let mut snat_exhausted = StatGrowth(datapath_stat::SNAT_PORT_EXHAUSTED, 0);
+    let mut gone_scans = ScanPacing::default();
     loop {
-        match requests.recv_timeout(next_expiry.saturating_duration_since(Instant::now())) {
+        let wake = gone_scans.due().map_or(next_expiry, |due| due.min(next_expiry));
+        match requests.recv_timeout(wake.saturating_duration_since(Instant::now())) {
             Ok(()) => {
                 // Requests that queued up during a scan are served by the next one.
                 while requests.try_recv().is_ok() {}
-                reap_gone(options, listed, metrics);
+                gone_scans.request(Instant::now());
             }
-            Err(RecvTimeoutError::Timeout) => {
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        if gone_scans.start_if_due(Instant::now()) {
+            reap_gone(options, listed, metrics);
+        }
+        if Instant::now() >= next_expiry {
+            {
                 let now = monotonic_coarse_ns();
                 let ports_short = snat_exhausted.grew(&options.stats_pin);
                 expiry4.ports_short = ports_short;
@@ -232,7 +241,42 @@ fn run(options: &ReaperOptions, listed: &Listed, requests: &Receiver<()>, metric
                 next_expiry = Instant::now()
                     + if under_pressure { pressure_interval(&options.timeouts) } else { interval };
             }
-            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// The shortest time between two scans for connections to gone endpoints. A scan reads the
+/// whole flows maps, so one per sync would make a sync's cost grow with the flows maps again
+/// when endpoints change many times a second; a change waits at most this long for its scan.
+const GONE_SCAN_INTERVAL: Duration = Duration::from_millis(200);
+
+/// When the next scan for connections to gone endpoints runs: at once after a request, unless
+/// one ran less than [`GONE_SCAN_INTERVAL`] ago, then when that interval is over; the requests
+/// meanwhile share that one scan.
+#[derive(Debug, Default)]
+struct ScanPacing {
+    last: Option<Instant>,
+    due: Option<Instant>,
+}
+
+impl ScanPacing {
+    fn request(&mut self, now: Instant) {
+        if self.due.is_none() {
+            self.due = Some(self.last.map_or(now, |last| (last + GONE_SCAN_INTERVAL).max(now)));
+        }
+    }
+
+    fn due(&self) -> Option<Instant> {
+        self.due
+    }
+
+    /// Whether a scan is due at `now`; if so, it counts as started then.
+    fn start_if_due(&mut self, now: Instant) -> bool {
+        if self.due.is_some_and(|due| due <= now) {
+            (self.due, self.last) = (None, Some(now));
+            true
+        } else {
+            false
         }
     }
 }
@@ -648,6 +692,28 @@ impl FailureLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scans_for_gone_endpoints_run_at_once_then_at_most_once_per_interval() {
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut pacing = ScanPacing::default();
+        assert_eq!(pacing.due(), None, "nothing asked");
+        pacing.request(at(0));
+        assert!(pacing.start_if_due(at(0)), "the first request is served at once");
+        assert!(!pacing.start_if_due(at(1)), "one scan per request");
+        // Requests within the interval wait for its end and share one scan.
+        pacing.request(at(10));
+        pacing.request(at(50));
+        assert_eq!(pacing.due(), Some(at(0) + GONE_SCAN_INTERVAL));
+        assert!(!pacing.start_if_due(at(100)));
+        assert!(pacing.start_if_due(at(0) + GONE_SCAN_INTERVAL));
+        assert!(!pacing.start_if_due(at(1_000)), "both requests were served");
+        // After a quiet interval, a request is served at once again.
+        let later = at(0) + GONE_SCAN_INTERVAL * 3;
+        pacing.request(later);
+        assert!(pacing.start_if_due(later));
+    }
 
     #[test]
     fn both_directions_name_the_backend() {
