@@ -714,7 +714,7 @@ fn maps(dir: &Path) -> anyhow::Result<Vec<MapView>> {
         );
         let entries = if fills {
             let fd = info.fd().with_context(|| format!("cannot open {name}"))?;
-            bpf_sys::count_keys(fd.as_fd(), info.key_size(), u64::from(info.max_entries()))
+            bpf_sys::count_keys(fd.as_fd(), bpf_sys::EntryLayout::of(&info), u64::from(info.max_entries()))
                 .with_context(|| format!("cannot count {name}"))?
         } else {
             u64::from(info.max_entries())

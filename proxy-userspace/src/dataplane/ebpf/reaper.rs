@@ -545,7 +545,11 @@ fn count_fill(pin_dir: &Path, metrics: &FlowMetrics, with_flows: bool) {
                 | aya::maps::MapType::PerCpuHash
                 | aya::maps::MapType::LruPerCpuHash
                 | aya::maps::MapType::LpmTrie,
-            ) => match crate::bpf_sys::count_keys(map.fd().as_fd(), info.key_size(), capacity) {
+            ) => match crate::bpf_sys::count_keys(
+                map.fd().as_fd(),
+                crate::bpf_sys::EntryLayout::of(&info),
+                capacity,
+            ) {
                 Ok(entries) => entries,
                 Err(_) => continue,
             },
