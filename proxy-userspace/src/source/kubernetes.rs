@@ -456,14 +456,14 @@ impl Watched for EndpointSlice {
 impl Watched for Node {
     const WATCHED: Kind = Kind::Node;
     fn object(self) -> Object {
-        Object::Node(self)
+        Object::from(self)
     }
 }
 
 impl Watched for ServiceCIDR {
     const WATCHED: Kind = Kind::ServiceCidr;
     fn object(self) -> Object {
-        Object::ServiceCidr(self)
+        Object::from(self)
     }
 }
 

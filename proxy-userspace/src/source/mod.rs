@@ -121,8 +121,8 @@ impl Objects {
             .into_iter()
             .map(Object::from)
             .chain(slices.into_iter().map(Object::from))
-            .chain(node.map(Object::Node))
-            .chain(service_cidrs.into_iter().map(Object::ServiceCidr))
+            .chain(node.map(Object::from))
+            .chain(service_cidrs.into_iter().map(Object::from))
             .chain(invalid)
             .collect()
     }
