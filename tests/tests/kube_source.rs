@@ -25,11 +25,11 @@ use testbed::{apiserver::Collection, FakeApiServer, WorkDir};
 use vipr::{
     model::{
         changes::ChangeTracker,
-        kubernetes::{desired_state, service_cidrs, NodeContext, Translation, SERVICE_NAME_LABEL},
+        kubernetes::{desired_state_of, service_cidrs, NodeContext, Translation, SERVICE_NAME_LABEL},
     },
     source::{
         kubernetes::{self, KubeSourceConfig},
-        Objects, Ownership, SourceEvent, HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL,
+        HeldObjects as Objects, Ownership, SourceEvent, HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL,
     },
 };
 
@@ -179,7 +179,7 @@ impl Source {
 }
 
 fn translate(objects: &Objects) -> Translation {
-    desired_state(
+    desired_state_of(
         &objects.services,
         &objects.slices,
         &NodeContext { name: NODE.into(), ..NodeContext::default() },
@@ -618,8 +618,8 @@ fn apply_labelled(
     Ok(())
 }
 
-fn names<T>(objects: &[T], metadata: impl Fn(&T) -> &ObjectMeta) -> Vec<String> {
-    objects.iter().map(|object| metadata(object).name.clone().unwrap_or_default()).collect()
+fn names<T>(objects: &[T], name: impl Fn(&T) -> &str) -> Vec<String> {
+    objects.iter().map(|object| name(object).to_owned()).collect()
 }
 
 /// A server with `web` (unlabelled), `cilium` (another proxy's), `mine` (labelled vipr) and a
@@ -647,8 +647,12 @@ fn services_labelled_for_another_proxy_and_headless_ones_are_not_watched() -> Re
     let mut source = Source::start(&server)?;
 
     let first = source.snapshot_where("the initial snapshot", |_| true)?;
-    assert_eq!(names(&first.services, |s| &s.metadata), ["web"], "the unlabelled, non-headless Service only");
-    assert_eq!(names(&first.slices, |s| &s.metadata), ["web-1"], "no labelled or headless slice");
+    assert_eq!(
+        names(&first.services, |s| s.meta().name()),
+        ["web"],
+        "the unlabelled, non-headless Service only"
+    );
+    assert_eq!(names(&first.slices, |s| s.meta().name()), ["web-1"], "no labelled or headless slice");
     assert_eq!(programmed(&first), frontends(&[("10.96.0.10:80/TCP", &["10.1.0.2:8080"])]));
 
     // Labelled for another proxy later: it leaves, as the API server's watch reports it.
@@ -679,8 +683,8 @@ fn with_a_service_proxy_name_only_the_services_labelled_with_it_are_watched() ->
     let mut source = Source::start_owning(&server, Ownership { service_proxy_name: Some("vipr".into()) })?;
 
     let first = source.snapshot_where("the initial snapshot", |_| true)?;
-    assert_eq!(names(&first.services, |s| &s.metadata), ["mine"]);
-    assert_eq!(names(&first.slices, |s| &s.metadata), ["mine-1"]);
+    assert_eq!(names(&first.services, |s| s.meta().name()), ["mine"]);
+    assert_eq!(names(&first.slices, |s| s.meta().name()), ["mine-1"]);
     assert_eq!(programmed(&first), frontends(&[("10.96.0.30:80/TCP", &["10.1.0.4:8080"])]));
 
     // Migration one Service at a time: web is labelled for vipr and moves over.
@@ -712,7 +716,7 @@ fn dropped_ranges(objects: &Objects, flag: &[&str]) -> Vec<String> {
     let (ranges, rejected) = service_cidrs(&objects.service_cidrs, &flag);
     assert!(rejected.is_empty(), "{rejected:?}");
     let node = NodeContext { name: NODE.into(), service_cidrs: ranges, ..NodeContext::default() };
-    let state = desired_state(&objects.services, &objects.slices, &node).state;
+    let state = desired_state_of(&objects.services, &objects.slices, &node).state;
     state.service_cidrs.iter().map(ToString::to_string).collect()
 }
 

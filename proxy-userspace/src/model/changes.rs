@@ -11,7 +11,9 @@
 //! resourceVersion (a relist of an unchanged object), or equal to it where there is no
 //! resourceVersion (a file's objects), is no change at all.
 //!
-//! Each object is held here once, as the source decoded and slimmed it.
+//! Each object is held here once, in vipr's own decoded form ([`ServiceObject`],
+//! [`SliceObject`]: only what the translation reads), as the source decoded it. The Node and
+//! the ServiceCIDRs, one and a few objects, are held as the API source slimmed them.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     time::SystemTime,
@@ -26,7 +28,8 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-use super::kubernetes::{Rejection, SERVICE_NAME_LABEL};
+pub use super::kubernetes::objects::{ServiceObject, SliceObject};
+use super::kubernetes::{objects::Meta, Rejection};
 
 /// Namespace and name: the one identity of every object ([`key`]).
 pub type Key = (String, String);
@@ -71,17 +74,16 @@ impl Kind {
     }
 }
 
-/// One object as a source delivers it.
-#[allow(
-    clippy::large_enum_variant,
-    reason = "each object is moved once, from the source into the tracker's maps, which hold it unboxed: a box would be one more allocation per event"
-)]
+/// One object as a source delivers it: Services and EndpointSlices already decoded
+/// ([`Object::from`] an API object). The Node and ServiceCIDRs are boxed: a list of
+/// thousands of objects is a vector of this enum, and their API structs are ten times the
+/// size of a decoded Service.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Object {
-    Service(Service),
-    EndpointSlice(EndpointSlice),
-    Node(Node),
-    ServiceCidr(ServiceCIDR),
+    Service(ServiceObject),
+    EndpointSlice(SliceObject),
+    Node(Box<Node>),
+    ServiceCidr(Box<ServiceCIDR>),
     /// An object the source could not decode: it takes its key's place (a valid object
     /// stored there is gone) and is reported until it is fixed or deleted.
     Invalid {
@@ -104,12 +106,37 @@ impl Object {
 
     pub fn key(&self) -> Key {
         match self {
-            Self::Service(service) => key(&service.metadata),
-            Self::EndpointSlice(slice) => key(&slice.metadata),
+            Self::Service(service) => service.meta.key(),
+            Self::EndpointSlice(slice) => slice.meta.key(),
             Self::Node(node) => cluster_key(&node.metadata),
             Self::ServiceCidr(cidr) => cluster_key(&cidr.metadata),
             Self::Invalid { key, .. } => key.clone(),
         }
+    }
+}
+
+/// A Service decoded at the source: the API object is dropped, its decoded form kept.
+impl From<Service> for Object {
+    fn from(service: Service) -> Self {
+        Self::Service(ServiceObject::decode(&service))
+    }
+}
+
+impl From<EndpointSlice> for Object {
+    fn from(slice: EndpointSlice) -> Self {
+        Self::EndpointSlice(SliceObject::decode(&slice))
+    }
+}
+
+impl From<Node> for Object {
+    fn from(node: Node) -> Self {
+        Self::Node(Box::new(node))
+    }
+}
+
+impl From<ServiceCIDR> for Object {
+    fn from(cidr: ServiceCIDR) -> Self {
+        Self::ServiceCidr(Box::new(cidr))
     }
 }
 
@@ -154,8 +181,8 @@ impl Dirty {
 /// The latest object of every key, and what changed since the translator last looked.
 #[derive(Debug)]
 pub struct ChangeTracker {
-    services: HashMap<Key, Service>,
-    slices: HashMap<Key, EndpointSlice>,
+    services: HashMap<Key, ServiceObject>,
+    slices: HashMap<Key, SliceObject>,
     /// The slices that name each service (by their `kubernetes.io/service-name` label).
     slices_of: HashMap<Key, Vec<Key>>,
     node: Option<Node>,
@@ -210,13 +237,13 @@ impl ChangeTracker {
             Object::EndpointSlice(slice) => self.apply_slice(key, slice),
             Object::Node(node) => {
                 // The agent's node context follows it; the translator compares that context.
-                let changed = self.node.as_ref() != Some(&node);
-                self.node = Some(node);
+                let changed = self.node.as_ref() != Some(&*node);
+                self.node = Some(*node);
                 changed
             }
             Object::ServiceCidr(cidr) => {
-                let changed = self.service_cidrs.get(&key) != Some(&cidr);
-                self.service_cidrs.insert(key, cidr);
+                let changed = self.service_cidrs.get(&key) != Some(&*cidr);
+                self.service_cidrs.insert(key, *cidr);
                 changed
             }
             Object::Invalid { kind, key, rejection } => {
@@ -305,11 +332,11 @@ impl ChangeTracker {
         }
     }
 
-    fn apply_service(&mut self, key: Key, service: Service) -> bool {
+    fn apply_service(&mut self, key: Key, service: ServiceObject) -> bool {
         if self
             .services
             .get(&key)
-            .is_some_and(|old| same_version(&old.metadata, &service.metadata, || *old == service))
+            .is_some_and(|old| same_version(&old.meta, &service.meta, || *old == service))
         {
             return false;
         }
@@ -319,9 +346,9 @@ impl ChangeTracker {
         true
     }
 
-    fn apply_slice(&mut self, key: Key, slice: EndpointSlice) -> bool {
+    fn apply_slice(&mut self, key: Key, slice: SliceObject) -> bool {
         if let Some(old) = self.slices.get(&key) {
-            if same_version(&old.metadata, &slice.metadata, || *old == slice) {
+            if same_version(&old.meta, &slice.meta, || *old == slice) {
                 return false;
             }
         }
@@ -345,7 +372,7 @@ impl ChangeTracker {
 
     /// Forgets that `old` (stored under `key`) lists endpoints of its service, and marks that
     /// service dirty.
-    fn unindex(&mut self, key: &Key, old: &EndpointSlice) {
+    fn unindex(&mut self, key: &Key, old: &SliceObject) {
         let Some(service) = service_of(key, old) else { return };
         if let Some(names) = self.slices_of.get_mut(&service) {
             names.retain(|name| name != key);
@@ -362,22 +389,15 @@ impl ChangeTracker {
         self.total.add(change);
     }
 
-    fn count_slice(&mut self, slice: &EndpointSlice) {
+    fn count_slice(&mut self, slice: &SliceObject) {
         let mut change = Changes { endpoint_slices: 1, ..Changes::default() };
-        change.endpoint_slices_by_family[usize::from(slice.address_type == "IPv6")] = 1;
+        change.endpoint_slices_by_family[usize::from(slice.ipv6)] = 1;
         self.pending.add(change);
         self.total.add(change);
     }
 
-    fn record_trigger_time(&mut self, slice: &EndpointSlice) {
-        let trigger_time = slice
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|annotations| annotations.get(LAST_CHANGE_TRIGGER_TIME))
-            .and_then(|text| text.parse::<jiff::Timestamp>().ok())
-            .map(SystemTime::from)
-            .filter(|time| *time > self.started);
+    fn record_trigger_time(&mut self, slice: &SliceObject) {
+        let trigger_time = slice.trigger_time.filter(|time| *time > self.started);
         self.pending_trigger_times.extend(trigger_time);
     }
 
@@ -403,11 +423,11 @@ impl ChangeTracker {
         std::mem::take(&mut self.pending_trigger_times)
     }
 
-    pub fn service(&self, key: &Key) -> Option<&Service> {
+    pub fn service(&self, key: &Key) -> Option<&ServiceObject> {
         self.services.get(key)
     }
 
-    pub fn slice(&self, key: &Key) -> Option<&EndpointSlice> {
+    pub fn slice(&self, key: &Key) -> Option<&SliceObject> {
         self.slices.get(key)
     }
 
@@ -440,32 +460,38 @@ impl ChangeTracker {
     /// The uid of an object, for Events about it.
     pub fn uid(&self, kind: Kind, namespace: Option<&str>, name: &str) -> Option<String> {
         let key = |namespace: Option<&str>| (namespace.unwrap_or("default").to_owned(), name.to_owned());
-        let metadata = match kind {
-            Kind::Service => self.services.get(&key(namespace)).map(|s| &s.metadata),
-            Kind::EndpointSlice => self.slices.get(&key(namespace)).map(|s| &s.metadata),
-            Kind::Node => self.node.as_ref().map(|n| &n.metadata).filter(|m| m.name.as_deref() == Some(name)),
-            Kind::ServiceCidr => {
-                self.service_cidrs.get(&(String::new(), name.to_owned())).map(|c| &c.metadata)
-            }
+        let uid = match kind {
+            Kind::Service => self.services.get(&key(namespace)).and_then(|s| s.meta.uid()),
+            Kind::EndpointSlice => self.slices.get(&key(namespace)).and_then(|s| s.meta.uid()),
+            Kind::Node => self
+                .node
+                .as_ref()
+                .map(|n| &n.metadata)
+                .filter(|m| m.name.as_deref() == Some(name))
+                .and_then(|m| m.uid.as_deref()),
+            Kind::ServiceCidr => self
+                .service_cidrs
+                .get(&(String::new(), name.to_owned()))
+                .and_then(|c| c.metadata.uid.as_deref()),
         };
-        metadata.and_then(|metadata| metadata.uid.clone())
+        uid.map(str::to_owned)
     }
 
     /// Copies of every object held, in key order (for tests and the full translation).
-    pub fn services_sorted(&self) -> Vec<Service> {
-        let sorted: BTreeMap<&Key, &Service> = self.services.iter().collect();
+    pub fn services_sorted(&self) -> Vec<ServiceObject> {
+        let sorted: BTreeMap<&Key, &ServiceObject> = self.services.iter().collect();
         sorted.into_values().cloned().collect()
     }
 
-    pub fn slices_sorted(&self) -> Vec<EndpointSlice> {
-        let sorted: BTreeMap<&Key, &EndpointSlice> = self.slices.iter().collect();
+    pub fn slices_sorted(&self) -> Vec<SliceObject> {
+        let sorted: BTreeMap<&Key, &SliceObject> = self.slices.iter().collect();
         sorted.into_values().cloned().collect()
     }
 }
 
 /// Whether `new` is the version of the object `old` already is: the same uid and
 /// resourceVersion, or without a resourceVersion (a file's objects) `equal` content.
-fn same_version(old: &ObjectMeta, new: &ObjectMeta, equal: impl FnOnce() -> bool) -> bool {
+fn same_version(old: &Meta, new: &Meta, equal: impl FnOnce() -> bool) -> bool {
     match (&old.resource_version, &new.resource_version) {
         (Some(old_version), Some(new_version)) => old_version == new_version && old.uid == new.uid,
         (None, None) => equal(),
@@ -474,9 +500,9 @@ fn same_version(old: &ObjectMeta, new: &ObjectMeta, equal: impl FnOnce() -> bool
 }
 
 /// The service a slice lists endpoints of: its label, in its namespace.
-fn service_of(key: &Key, slice: &EndpointSlice) -> Option<Key> {
-    let name = slice.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)?;
-    Some((key.0.clone(), name.clone()))
+fn service_of(key: &Key, slice: &SliceObject) -> Option<Key> {
+    let name = slice.service.as_deref()?;
+    Some((key.0.clone(), name.to_owned()))
 }
 
 #[cfg(test)]

@@ -42,6 +42,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
+use self::objects::{Hints, ServiceObject, SliceObject};
 use super::{
     Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, HealthCheck, PodInterfaces, Protocol,
     ServiceName, ServicePortName, SourceClassifier, Treatment, WhenEmpty,
@@ -290,8 +291,8 @@ fn local_ready_addresses<'a>(endpoints: impl IntoIterator<Item = &'a EndpointSpe
 }
 
 /// The service-wide settings every port shares.
-#[derive(Clone, Debug)]
-struct ServiceSpec {
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ServiceSpec {
     seniority: Arc<Seniority>,
     cluster_ips: Vec<IpAddr>,
     external_ips: Vec<IpAddr>,
@@ -304,8 +305,8 @@ struct ServiceSpec {
 }
 
 /// One port of a service, validated.
-#[derive(Clone, Debug)]
-struct ServicePortSpec {
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ServicePortSpec {
     /// Shared by the incremental translator's claims, which name this port once per claim.
     name: Arc<ServicePortName>,
     service: Arc<ServiceSpec>,
@@ -315,41 +316,60 @@ struct ServicePortSpec {
 
 /// One endpoint of a slice for one slice port, validated.
 #[derive(Clone, Debug)]
-struct EndpointSpec {
+pub(crate) struct EndpointSpec {
     backend: Backend,
     ready: bool,
     serving: bool,
     terminating: bool,
     local: bool,
-    /// The nodes the EndpointSlice controller hints this endpoint for (`forNodes`, set for
-    /// `trafficDistribution: PreferSameNode`).
-    node_hints: Vec<String>,
-    /// The zones the EndpointSlice controller hints this endpoint for (`forZones`).
-    zone_hints: Vec<String>,
+    hints: Option<Arc<Hints>>,
 }
 
 impl EndpointSpec {
     fn serving_and_terminating(&self) -> bool {
         self.serving && self.terminating
     }
+
+    /// The nodes the EndpointSlice controller hints this endpoint for (`forNodes`, set for
+    /// `trafficDistribution: PreferSameNode`).
+    fn node_hints(&self) -> &[Box<str>] {
+        self.hints.as_deref().map(|hints| &*hints.nodes).unwrap_or_default()
+    }
+
+    /// The zones the EndpointSlice controller hints this endpoint for (`forZones`).
+    fn zone_hints(&self) -> &[Box<str>] {
+        self.hints.as_deref().map(|hints| &*hints.zones).unwrap_or_default()
+    }
 }
 
+/// The translation of every API object at once: [`desired_state_of`] their decoded forms.
 pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &NodeContext) -> Translation {
+    let services: Vec<ServiceObject> = services.iter().map(ServiceObject::decode).collect();
+    let slices: Vec<SliceObject> = slices.iter().map(SliceObject::decode).collect();
+    desired_state_of(&services, &slices, node)
+}
+
+/// The translation of every object at once, as the change tracker holds them; the agent's
+/// [`incremental::Translator`] gives the same result by what changed.
+pub fn desired_state_of(
+    services: &[ServiceObject],
+    slices: &[SliceObject],
+    node: &NodeContext,
+) -> Translation {
     let mut rejected = Vec::new();
     let mut ports = Vec::new();
     for service in services {
-        match service_ports(service) {
-            Ok(service_ports) => ports.extend(service_ports),
-            Err(reason) => {
-                rejected.push(Rejection { object: describe("Service", &service.metadata), reason })
-            }
+        match &service.ports {
+            Ok(service_ports) => ports.extend(service_ports.iter().cloned()),
+            Err(reason) => rejected
+                .push(Rejection { object: service.meta.describe("Service"), reason: reason.to_string() }),
         }
     }
     let mut endpoints: BTreeMap<ServicePortName, Vec<EndpointSpec>> = BTreeMap::new();
     // Every endpoint of each service's slices, whatever the port, for its health check.
     let mut by_service: BTreeMap<(String, String), Vec<EndpointSpec>> = BTreeMap::new();
     for slice in slices {
-        match slice_endpoints(slice, node) {
+        match slice.endpoints(node) {
             Ok(by_port) => {
                 for (name, found) in by_port {
                     let service = (name.namespace.clone(), name.name.clone());
@@ -357,9 +377,8 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &Node
                     endpoints.entry(name).or_default().extend(found);
                 }
             }
-            Err(reason) => {
-                rejected.push(Rejection { object: describe("EndpointSlice", &slice.metadata), reason })
-            }
+            Err(reason) => rejected
+                .push(Rejection { object: slice.meta.describe("EndpointSlice"), reason: reason.to_owned() }),
         }
     }
 
@@ -368,10 +387,11 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice], node: &Node
         sources: node.source_classifier(),
         ..DesiredState::default()
     };
-    let health_check_node_ports: HashSet<u16> = services.iter().filter_map(health_check_node_port).collect();
+    let health_check_node_ports: HashSet<u16> =
+        services.iter().filter_map(|service| service.health_check_node_port).collect();
     for service in services {
-        let Some(port) = health_check_node_port(service) else { continue };
-        let Ok((namespace, name)) = identity(&service.metadata) else { continue };
+        let Some(port) = service.health_check_node_port else { continue };
+        let Ok((namespace, name)) = service.meta.identity() else { continue };
         let local = by_service.get(&(namespace.clone(), name.clone())).map(Vec::as_slice).unwrap_or_default();
         state.health_checks.insert(
             ServiceName { namespace, name },
@@ -451,8 +471,8 @@ impl Topology<'_> {
     fn admits(self, endpoint: &EndpointSpec) -> bool {
         match self {
             Self::Anywhere => true,
-            Self::SameNode(node) => endpoint.node_hints.iter().any(|hint| hint == node),
-            Self::SameZone(zone) => endpoint.zone_hints.iter().any(|hint| hint == zone),
+            Self::SameNode(node) => endpoint.node_hints().iter().any(|hint| &**hint == node),
+            Self::SameZone(zone) => endpoint.zone_hints().iter().any(|hint| &**hint == zone),
         }
     }
 }
@@ -464,15 +484,15 @@ impl Topology<'_> {
 /// node without a ready endpoint.
 fn topology<'a>(endpoints: &[EndpointSpec], node: &'a NodeContext) -> Topology<'a> {
     let ready: Vec<&EndpointSpec> = endpoints.iter().filter(|e| e.ready).collect();
-    let usable = |hints: fn(&EndpointSpec) -> &[String], wanted: &str| {
+    let usable = |hints: fn(&EndpointSpec) -> &[Box<str>], wanted: &str| {
         ready.iter().all(|e| !hints(e).is_empty())
-            && ready.iter().any(|e| hints(e).iter().any(|hint| hint == wanted))
+            && ready.iter().any(|e| hints(e).iter().any(|hint| &**hint == wanted))
     };
-    if !node.name.is_empty() && usable(|e| &e.node_hints, &node.name) {
+    if !node.name.is_empty() && usable(EndpointSpec::node_hints, &node.name) {
         return Topology::SameNode(&node.name);
     }
     match node.zone.as_deref().filter(|zone| !zone.is_empty()) {
-        Some(zone) if usable(|e| &e.zone_hints, zone) => Topology::SameZone(zone),
+        Some(zone) if usable(EndpointSpec::zone_hints, zone) => Topology::SameZone(zone),
         _ => Topology::Anywhere,
     }
 }
@@ -650,14 +670,6 @@ pub(crate) fn content_hash<T: serde::Serialize>(object: &T) -> u64 {
     let mut hasher = DefaultHasher::new();
     serde_json::to_string(object).unwrap_or_default().hash(&mut hasher);
     hasher.finish()
-}
-
-fn describe(kind: &str, metadata: &ObjectMeta) -> String {
-    format!(
-        "{kind} {}/{}",
-        metadata.namespace.as_deref().unwrap_or("default"),
-        metadata.name.as_deref().unwrap_or("<unnamed>")
-    )
 }
 
 fn identity(metadata: &ObjectMeta) -> Result<(String, String), String> {
@@ -872,91 +884,8 @@ fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
     Ok(ports)
 }
 
-/// The endpoints of a slice grouped by the service port they belong to.
-fn slice_endpoints(
-    slice: &EndpointSlice,
-    node: &NodeContext,
-) -> Result<Vec<(ServicePortName, Vec<EndpointSpec>)>, String> {
-    let (namespace, _) = identity(&slice.metadata)?;
-    let service = slice
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|labels| labels.get(SERVICE_NAME_LABEL))
-        .filter(|name| !name.is_empty())
-        .ok_or_else(|| format!("label {SERVICE_NAME_LABEL} is missing"))?
-        .clone();
-    match slice.address_type.as_str() {
-        "IPv4" | "IPv6" => {}
-        // kube-proxy ignores FQDN slices: they have no addresses to balance to.
-        "FQDN" => return Ok(Vec::new()),
-        other => return Err(format!("addressType {other:?} is not IPv4, IPv6 or FQDN")),
-    }
-
-    let mut endpoints = Vec::new();
-    for (index, endpoint) in slice.endpoints.iter().enumerate() {
-        let address =
-            endpoint.addresses.first().ok_or_else(|| format!("endpoints[{index}] has no address"))?;
-        let ip: IpAddr = address
-            .parse()
-            .map_err(|_| format!("endpoints[{index}].addresses[0] {address:?} is not an IP address"))?;
-        if ip.is_ipv4() != (slice.address_type == "IPv4") {
-            return Err(format!(
-                "endpoints[{index}] address {ip} is not of addressType {}",
-                slice.address_type
-            ));
-        }
-        // Unset conditions: ready, serving, not terminating (as kube-proxy reads them).
-        let conditions = endpoint.conditions.as_ref();
-        endpoints.push(EndpointSpec {
-            backend: Backend { ip, port: 0 },
-            ready: conditions.and_then(|c| c.ready).unwrap_or(true),
-            serving: conditions.and_then(|c| c.serving).unwrap_or(true),
-            terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-            local: endpoint.node_name.as_deref() == Some(node.name.as_str()),
-            node_hints: endpoint
-                .hints
-                .iter()
-                .flat_map(|hints| hints.for_nodes.iter().flatten())
-                .map(|node| node.name.clone())
-                .collect(),
-            zone_hints: endpoint
-                .hints
-                .iter()
-                .flat_map(|hints| hints.for_zones.iter().flatten())
-                .map(|zone| zone.name.clone())
-                .collect(),
-        });
-    }
-
-    let mut by_port = Vec::new();
-    for (index, port) in slice.ports.iter().flatten().enumerate() {
-        let field = format!("ports[{index}]");
-        let Some(number) = port.port else {
-            // A port without a number is "all ports", which kube-proxy cannot program.
-            continue;
-        };
-        let number = port_number(number, &format!("{field}.port"))?;
-        let protocol = protocol(port.protocol.as_deref(), &format!("{field}.protocol"))?;
-        let name = ServicePortName {
-            namespace: namespace.clone(),
-            name: service.clone(),
-            port: port_name(port.name.as_deref(), &format!("{field}.name"))?,
-            protocol,
-        };
-        let with_port = endpoints
-            .iter()
-            .map(|endpoint| EndpointSpec {
-                backend: Backend { port: number, ..endpoint.backend },
-                ..endpoint.clone()
-            })
-            .collect();
-        by_port.push((name, with_port));
-    }
-    Ok(by_port)
-}
-
 #[cfg(test)]
 mod tests;
 
 pub mod incremental;
+pub mod objects;

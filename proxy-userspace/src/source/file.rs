@@ -189,12 +189,27 @@ fn read_objects(path: &Path, content: &[u8], ownership: &Ownership) -> Result<Ob
 /// a complete list of every kind and [`SourceEvent::Synced`], then the objects that differ.
 fn changes(sent: &mut Option<HashMap<(Kind, Key), u64>>, objects: Objects) -> Vec<SourceEvent> {
     // The last object of a key wins, as later documents of a file override earlier ones.
+    // Each is hashed as the file wrote it, then decoded.
     let mut current: HashMap<(Kind, Key), Object> = HashMap::new();
-    for object in objects.into_objects() {
-        current.insert((object.kind(), object.key()), object);
+    let mut hashes: HashMap<(Kind, Key), u64> = HashMap::new();
+    let Objects { services, slices, node, service_cidrs, rejected } = objects;
+    let hashed = services
+        .into_iter()
+        .map(|service| (content_hash(&service), Object::from(service)))
+        .chain(slices.into_iter().map(|slice| (content_hash(&slice), Object::from(slice))))
+        .chain(node.map(|node| (content_hash(&node), Object::from(node))))
+        .chain(service_cidrs.into_iter().map(|cidr| (content_hash(&cidr), Object::from(cidr))))
+        .chain(
+            Objects { rejected, ..Objects::default() }
+                .into_objects()
+                .into_iter()
+                .map(|invalid| (invalid_hash(&invalid), invalid)),
+        );
+    for (hash, object) in hashed {
+        let id = (object.kind(), object.key());
+        hashes.insert(id.clone(), hash);
+        current.insert(id, object);
     }
-    let hashes: HashMap<(Kind, Key), u64> =
-        current.iter().map(|(id, object)| (id.clone(), object_hash(object))).collect();
     let Some(previous) = sent.replace(hashes.clone()) else {
         let mut lists: BTreeMap<Kind, Vec<Object>> =
             Kind::ALL.into_iter().map(|kind| (kind, Vec::new())).collect();
@@ -219,13 +234,10 @@ fn changes(sent: &mut Option<HashMap<(Kind, Key), u64>>, objects: Objects) -> Ve
     events
 }
 
-fn object_hash(object: &Object) -> u64 {
+fn invalid_hash(object: &Object) -> u64 {
     match object {
-        Object::Service(service) => content_hash(service),
-        Object::EndpointSlice(slice) => content_hash(slice),
-        Object::Node(node) => content_hash(node),
-        Object::ServiceCidr(cidr) => content_hash(cidr),
         Object::Invalid { rejection, .. } => content_hash(&rejection.reason),
+        _ => 0,
     }
 }
 
@@ -260,7 +272,7 @@ mod tests {
             synced |= event.completes_the_view();
             event.apply_to(tracker);
         }
-        Objects::held_by(tracker).services.into_iter().map(|s| s.metadata.name.unwrap_or_default()).collect()
+        Objects::held_by(tracker).services.iter().map(|s| s.meta().name().to_owned()).collect()
     }
 
     #[test]
@@ -425,8 +437,7 @@ mod tests {
         thread.join().unwrap();
         let _ = std::fs::remove_file(&path);
         let objects = Objects::held_by(&tracker);
-        let names: Vec<_> =
-            objects.services.iter().map(|service| service.metadata.name.clone().unwrap()).collect();
+        let names: Vec<_> = objects.services.iter().map(|service| service.meta().name().to_owned()).collect();
         assert_eq!(names, ["plain"]);
         assert_eq!(objects.slices.len(), 1);
     }

@@ -430,7 +430,8 @@ where
     }
 }
 
-/// A kind the source watches, and how its objects become [`Object`]s.
+/// A kind the source watches, and how its objects become [`Object`]s: Services and
+/// EndpointSlices are decoded into vipr's own form right here, and the API object dropped.
 trait Watched:
     Resource + Metadata<Ty = ObjectMeta> + DeserializeOwned + Slim + Clone + Debug + Send + Sync + 'static
 {
@@ -441,28 +442,28 @@ trait Watched:
 impl Watched for Service {
     const WATCHED: Kind = Kind::Service;
     fn object(self) -> Object {
-        Object::Service(self)
+        Object::from(self)
     }
 }
 
 impl Watched for EndpointSlice {
     const WATCHED: Kind = Kind::EndpointSlice;
     fn object(self) -> Object {
-        Object::EndpointSlice(self)
+        Object::from(self)
     }
 }
 
 impl Watched for Node {
     const WATCHED: Kind = Kind::Node;
     fn object(self) -> Object {
-        Object::Node(self)
+        Object::from(self)
     }
 }
 
 impl Watched for ServiceCIDR {
     const WATCHED: Kind = Kind::ServiceCidr;
     fn object(self) -> Object {
-        Object::ServiceCidr(self)
+        Object::from(self)
     }
 }
 

@@ -11,21 +11,40 @@ use k8s_openapi::api::{
 };
 
 pub use crate::model::changes::{Key, Kind, Object};
-use crate::model::{changes::ChangeTracker, kubernetes::Rejection};
+use crate::model::{
+    changes::{ChangeTracker, ServiceObject, SliceObject},
+    kubernetes::Rejection,
+};
 
 pub mod file;
 pub mod kubernetes;
 
 /// Every Service and EndpointSlice this proxy owns ([`Ownership`]) that the source currently
 /// knows, this node's Node when the source has one (the file source does not), the cluster's
-/// ServiceCIDRs, plus the objects it could not even decode.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Objects {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
+/// ServiceCIDRs, plus the objects it could not even decode. As a file holds them (API
+/// objects), or as the change tracker does ([`HeldObjects`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Objects<S = Service, E = EndpointSlice> {
+    pub services: Vec<S>,
+    pub slices: Vec<E>,
     pub node: Option<Node>,
     pub service_cidrs: Vec<ServiceCIDR>,
     pub rejected: Vec<Rejection>,
+}
+
+/// The objects a change tracker holds, in vipr's decoded form.
+pub type HeldObjects = Objects<ServiceObject, SliceObject>;
+
+impl<S, E> Default for Objects<S, E> {
+    fn default() -> Self {
+        Self {
+            services: Vec::new(),
+            slices: Vec::new(),
+            node: None,
+            service_cidrs: Vec::new(),
+            rejected: Vec::new(),
+        }
+    }
 }
 
 /// The label by which a Service (and, copied by the EndpointSlice controller, its slices)
@@ -87,7 +106,7 @@ impl Ownership {
 }
 
 impl Objects {
-    /// Every object, as a source delivers them one by one.
+    /// Every object, decoded, as a source delivers them one by one.
     pub fn into_objects(self) -> Vec<Object> {
         let Self { services, slices, node, service_cidrs, rejected } = self;
         let invalid = rejected.into_iter().map(|rejection| {
@@ -100,14 +119,16 @@ impl Objects {
         });
         services
             .into_iter()
-            .map(Object::Service)
-            .chain(slices.into_iter().map(Object::EndpointSlice))
-            .chain(node.map(Object::Node))
-            .chain(service_cidrs.into_iter().map(Object::ServiceCidr))
+            .map(Object::from)
+            .chain(slices.into_iter().map(Object::from))
+            .chain(node.map(Object::from))
+            .chain(service_cidrs.into_iter().map(Object::from))
             .chain(invalid)
             .collect()
     }
+}
 
+impl HeldObjects {
     /// The objects `tracker` holds, in key order.
     pub fn held_by(tracker: &ChangeTracker) -> Self {
         Self {

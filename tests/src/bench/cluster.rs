@@ -16,7 +16,10 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
-use vipr::model::kubernetes::{desired_state, NodeContext, NodeFacts, ProxySettings, Translation};
+use vipr::model::{
+    changes::Object,
+    kubernetes::{desired_state, NodeContext, NodeFacts, ProxySettings, Translation},
+};
 
 use super::sys::NODE_IP;
 
@@ -48,6 +51,7 @@ pub struct Cluster {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
     pub node: NodeContext,
+    endpoints_per_service: usize,
     replacements: usize,
 }
 
@@ -61,17 +65,38 @@ impl Cluster {
             services: Vec::with_capacity(services),
             slices: Vec::with_capacity(services * slices_per_service),
             node: node_context(),
+            endpoints_per_service,
             replacements: 0,
         };
         for i in 0..services {
             cluster.services.push(service(i));
-            let addresses: Vec<Ipv4Addr> =
-                (0..endpoints_per_service).map(|j| endpoint_ip(i, j, endpoints_per_service)).collect();
-            for (k, chunk) in addresses.chunks(SLICE_CAPACITY).enumerate() {
-                cluster.slices.push(slice(i, k, chunk));
-            }
+            cluster.slices.extend(slices(i, endpoints_per_service));
         }
         cluster
+    }
+
+    /// The cluster as the agent holds it: each Service and EndpointSlice decoded as the source
+    /// decodes it, one at a time, so that the API objects are never all held at once. The
+    /// returned cluster's `services` and `slices` are empty.
+    pub fn decoded(services: usize, endpoints_per_service: usize) -> (Self, Vec<Object>, Vec<Object>) {
+        let mut cluster = Self::new(1, endpoints_per_service);
+        cluster.services.clear();
+        cluster.slices.clear();
+        let slices_per_service = endpoints_per_service.div_ceil(SLICE_CAPACITY);
+        let mut decoded_services = Vec::with_capacity(services);
+        let mut decoded_slices = Vec::with_capacity(services * slices_per_service);
+        for i in 0..services {
+            decoded_services.push(Object::from(service(i)));
+            decoded_slices.extend(slices(i, endpoints_per_service).into_iter().map(Object::from));
+        }
+        (cluster, decoded_services, decoded_slices)
+    }
+
+    /// As [`Self::replaced`], for the first slice of `service` as generated and changed by
+    /// earlier replacements (only its first endpoint ever changes).
+    pub fn replacement(&mut self, service: usize) -> (EndpointSlice, Ipv4Addr) {
+        let first = slices(service, self.endpoints_per_service).swap_remove(0);
+        self.replaced(&first)
     }
 
     /// The agent's translation of the whole cluster, as it does on every sync.
@@ -146,6 +171,13 @@ fn service(i: usize) -> Service {
         }),
         ..Service::default()
     }
+}
+
+/// The slices of service `i`.
+fn slices(i: usize, endpoints_per_service: usize) -> Vec<EndpointSlice> {
+    let addresses: Vec<Ipv4Addr> =
+        (0..endpoints_per_service).map(|j| endpoint_ip(i, j, endpoints_per_service)).collect();
+    addresses.chunks(SLICE_CAPACITY).enumerate().map(|(k, chunk)| slice(i, k, chunk)).collect()
 }
 
 fn slice(service: usize, k: usize, addresses: &[Ipv4Addr]) -> EndpointSlice {

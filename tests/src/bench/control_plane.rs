@@ -4,7 +4,8 @@
 //! Every repetition of every size runs in a child process of its own (`vipr-bench
 //! control-plane-child`), in a fresh network namespace with one veth device, on a fresh bpffs,
 //! so neither the kernel state nor the memory of one size reaches the next. The child builds
-//! the cluster's Services and EndpointSlices, starts `EbpfDataplane` (load, attach to the
+//! the cluster's Services and EndpointSlices decoded as the agent's source decodes them (so
+//! "RSS objects only" is what the agent holds), starts `EbpfDataplane` (load, attach to the
 //! device), hands the objects to the agent's change tracker as a source's first lists do
 //! (moved: the tracker holds them once, as in the agent), translates them with the agent's
 //! incremental translator, and times `EbpfDataplane::sync_changes` of that desired state on
@@ -333,7 +334,7 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
     sys::set_up_network()?;
     let cgroup = PrivateCgroup::new()?;
     let bpffs = BpfMount::new()?;
-    let mut cluster = Cluster::new(services, endpoints);
+    let (mut cluster, services_listed, slices_listed) = Cluster::decoded(services, endpoints);
     let counters = Counters::new();
     let rss_before_start_kib = sys::status_kib("VmRSS")?;
 
@@ -353,10 +354,6 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
 
     let mut translator = Translator::new();
     let mut tracker = ChangeTracker::new(std::time::SystemTime::now());
-    let services_listed: Vec<Object> =
-        std::mem::take(&mut cluster.services).into_iter().map(Object::Service).collect();
-    let slices_listed: Vec<Object> =
-        std::mem::take(&mut cluster.slices).into_iter().map(Object::EndpointSlice).collect();
     let started = Instant::now();
     tracker.list(Kind::Service, services_listed);
     tracker.list(Kind::EndpointSlice, slices_listed);
@@ -391,11 +388,11 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
         random ^= random >> 7;
         random ^= random << 17;
         let service = (random % services as u64) as usize;
-        let key = Cluster::changed_slice_key(service);
-        let current = tracker.slice(&key).context("the changed slice is held")?;
-        let (slice, address) = cluster.replaced(current);
+        // The event as the source delivers it: decoded.
+        let (slice, address) = cluster.replacement(service);
+        let slice = Object::from(slice);
         let started = Instant::now();
-        tracker.apply(Object::EndpointSlice(slice));
+        tracker.apply(slice);
         let dirty = tracker.take_dirty();
         let changed = translator.translate(&tracker, dirty, &cluster.node);
         let translate_ms = ms(started);
@@ -432,9 +429,11 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
             .slices_of(&service_key)
             .iter()
             .filter_map(|key| tracker.slice(key))
-            .flat_map(|slice| slice.endpoints.iter())
-            .flat_map(|endpoint| endpoint.addresses.iter())
-            .filter_map(|address| address.parse().ok())
+            .flat_map(|slice| slice.addresses())
+            .filter_map(|ip| match ip {
+                std::net::IpAddr::V4(ip) => Some(ip),
+                std::net::IpAddr::V6(_) => None,
+            })
             .map(|ip| (ip, TARGET_PORT))
             .collect();
         ensure!(backends.len() == expected.len(), "service {service}: {backends:?}, expected {expected:?}");

@@ -175,14 +175,14 @@ impl Model {
     }
 
     fn list(&mut self, services: &[Service], slices: &[EndpointSlice]) -> StateChanges {
-        self.tracker.list(Kind::Service, services.iter().cloned().map(Object::Service).collect());
-        self.tracker.list(Kind::EndpointSlice, slices.iter().cloned().map(Object::EndpointSlice).collect());
+        self.tracker.list(Kind::Service, services.iter().cloned().map(Object::from).collect());
+        self.tracker.list(Kind::EndpointSlice, slices.iter().cloned().map(Object::from).collect());
         self.tracker.set_synced();
         self.translate()
     }
 
     fn apply(&mut self, slice: EndpointSlice) -> StateChanges {
-        self.tracker.apply(Object::EndpointSlice(slice));
+        self.tracker.apply(Object::from(slice));
         self.translate()
     }
 

@@ -3,14 +3,18 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::*;
+use crate::model::kubernetes::SERVICE_NAME_LABEL;
 
 fn service(name: &str, version: Option<&str>, uid: &str, port: i32) -> Object {
     let mut metadata = json!({"name": name, "namespace": "ns", "uid": uid});
     if let Some(version) = version {
         metadata["resourceVersion"] = json!(version);
     }
-    Object::Service(
-        serde_json::from_value(json!({"metadata": metadata, "spec": {"ports": [{"port": port}]}})).unwrap(),
+    Object::from(
+        serde_json::from_value::<Service>(
+            json!({"metadata": metadata, "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": port}]}}),
+        )
+        .unwrap(),
     )
 }
 
@@ -20,9 +24,11 @@ fn slice(name: &str, service: &str, version: &str, family: &str, trigger: Option
     if let Some(trigger) = trigger {
         metadata["annotations"] = json!({LAST_CHANGE_TRIGGER_TIME: trigger});
     }
-    Object::EndpointSlice(
-        serde_json::from_value(json!({"metadata": metadata, "addressType": family, "endpoints": []}))
-            .unwrap(),
+    Object::from(
+        serde_json::from_value::<EndpointSlice>(
+            json!({"metadata": metadata, "addressType": family, "endpoints": []}),
+        )
+        .unwrap(),
     )
 }
 
@@ -62,7 +68,7 @@ fn one_identity_rule_namespace_defaults_and_uid_marks_a_recreate() {
     let unnamespaced: Service =
         serde_json::from_value(json!({"metadata": {"name": "web", "resourceVersion": "1", "uid": "u1"}}))
             .unwrap();
-    tracker.apply(Object::Service(unnamespaced));
+    tracker.apply(Object::from(unnamespaced));
     assert!(tracker.service(&("default".to_owned(), "web".to_owned())).is_some());
     tracker.apply(service("a", Some("1"), "u1", 80));
     tracker.take_dirty();

@@ -11,8 +11,8 @@ use std::{
 };
 
 use super::{
-    claimant, describe, frontends, health_check_node_port, identity, local_ready_addresses, lost_claim,
-    reserved_for_vipr, service_ports, slice_endpoints, ClaimRank, EndpointSpec, NodeContext, Rejection,
+    claimant, frontends, local_ready_addresses, lost_claim, objects::ServiceObject, reserved_for_vipr,
+    ClaimRank, EndpointSpec, NodeContext, Rejection,
 };
 use crate::model::{
     changes::{ChangeTracker, Dirty, Key},
@@ -134,11 +134,11 @@ impl Translator {
             };
             dirty = tracker.service_keys().cloned().collect();
             for key in tracker.slice_keys() {
-                self.judge_slice(tracker, key, node);
+                self.judge_slice(tracker, key);
             }
         } else {
             for key in &dirty_slices {
-                self.judge_slice(tracker, key, node);
+                self.judge_slice(tracker, key);
             }
         }
         self.generation = generation;
@@ -167,11 +167,12 @@ impl Translator {
     }
 
     /// Records whether the model refuses the slice `key` (gone: nothing to refuse).
-    fn judge_slice(&mut self, tracker: &ChangeTracker, key: &Key, node: &NodeContext) {
+    fn judge_slice(&mut self, tracker: &ChangeTracker, key: &Key) {
         let rejection = tracker.slice(key).and_then(|slice| {
-            slice_endpoints(slice, node)
-                .err()
-                .map(|reason| Rejection { object: describe("EndpointSlice", &slice.metadata), reason })
+            slice.invalid().map(|reason| Rejection {
+                object: slice.meta.describe("EndpointSlice"),
+                reason: reason.to_owned(),
+            })
         });
         match rejection {
             Some(rejection) => self.slice_rejections.insert(key.clone(), vec![rejection]),
@@ -185,7 +186,7 @@ impl Translator {
         let mut changed = false;
         for key in dirty {
             let old = self.services.get(key).and_then(|record| record.health_check).map(|check| check.port);
-            let new = tracker.service(key).and_then(health_check_node_port);
+            let new = tracker.service(key).and_then(|service| service.health_check_node_port);
             if old == new {
                 continue;
             }
@@ -212,15 +213,16 @@ impl Translator {
     fn service_record(
         &self,
         key: &Key,
-        service: &k8s_openapi::api::core::v1::Service,
+        service: &ServiceObject,
         tracker: &ChangeTracker,
         node: &NodeContext,
     ) -> (ServiceRecord, Vec<FrontendEntry>) {
         let mut rejected = Vec::new();
-        let ports = match service_ports(service) {
-            Ok(ports) => ports,
+        let ports = match &service.ports {
+            Ok(ports) => ports.to_vec(),
             Err(reason) => {
-                rejected.push(Rejection { object: describe("Service", &service.metadata), reason });
+                rejected
+                    .push(Rejection { object: service.meta.describe("Service"), reason: reason.to_string() });
                 Vec::new()
             }
         };
@@ -229,14 +231,14 @@ impl Translator {
         let mut endpoints: BTreeMap<ServicePortName, Vec<EndpointSpec>> = BTreeMap::new();
         for name in tracker.slices_of(key) {
             let Some(slice) = tracker.slice(name) else { continue };
-            if let Ok(by_port) = slice_endpoints(slice, node) {
+            if let Ok(by_port) = slice.endpoints(node) {
                 for (port, found) in by_port {
                     endpoints.entry(port).or_default().extend(found);
                 }
             }
         }
         let health_check =
-            health_check_node_port(service).filter(|_| identity(&service.metadata).is_ok()).map(|port| {
+            service.health_check_node_port.filter(|_| service.meta.identity().is_ok()).map(|port| {
                 HealthCheck { port, local_endpoints: local_ready_addresses(endpoints.values().flatten()) }
             });
         if ports.is_empty() {

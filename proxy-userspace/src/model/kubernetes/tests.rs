@@ -356,7 +356,7 @@ fn a_node_address_is_an_external_ip_except_on_the_ports_vipr_serves_there() {
                "healthCheckNodePort": 31000, "ports": [{"port": 80, "nodePort": 30080}]}),
     );
     let services = [external("livez", 10256), external("hc", 31000), external("fine", 8080), health_checked];
-    let translation = desired_state(&services, &[], &node);
+    let translation = desired_state(&services, &[] as &[EndpointSlice], &node);
     let frontends = &translation.state.frontends;
     assert!(frontends.contains_key(&frontend("192.168.0.2", 8080, Protocol::Tcp)));
     assert!(!frontends.contains_key(&frontend("192.168.0.2", 10256, Protocol::Tcp)));

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 use super::*;
 use crate::model::{
     changes::{Kind, Object},
-    kubernetes::{desired_state, SERVICE_NAME_LABEL},
+    kubernetes::{desired_state_of, SERVICE_NAME_LABEL},
 };
 
 /// xorshift64: reproducible without a dependency.
@@ -171,9 +171,9 @@ fn random_node(random: &mut Random) -> NodeContext {
 /// A random object of a random kind.
 fn random_object(random: &mut Random, version: &mut u64) -> Object {
     if random.chance(45) {
-        Object::Service(random_service(random, version))
+        Object::from(random_service(random, version))
     } else {
-        Object::EndpointSlice(random_slice(random, version))
+        Object::from(random_slice(random, version))
     }
 }
 
@@ -232,14 +232,13 @@ fn random_events(random: &mut Random, version: &mut u64, tracker: &mut ChangeTra
             };
             tracker.delete(kind, &key);
             *version += 1;
-            let metadata = match &mut object {
-                Object::Service(service) => &mut service.metadata,
-                Object::EndpointSlice(slice) => &mut slice.metadata,
+            let meta = match &mut object {
+                Object::Service(service) => &mut service.meta,
+                Object::EndpointSlice(slice) => &mut slice.meta,
                 _ => unreachable!(),
             };
-            if metadata.resource_version.is_some() {
-                metadata.resource_version = Some(version.to_string());
-                metadata.uid = Some(format!("uid-{version}"));
+            if meta.resource_version().is_some() {
+                meta.set_version(Some(&format!("uid-{version}")), Some(&version.to_string()));
             }
             tracker.apply(object);
         }
@@ -297,7 +296,7 @@ fn incremental_translation_equals_the_full_one_over_event_sequences() {
             }
             let dirty = tracker.take_dirty();
             let changes = translator.translate(&tracker, dirty, &node);
-            let full = desired_state(&tracker.services_sorted(), &tracker.slices_sorted(), &node);
+            let full = desired_state_of(&tracker.services_sorted(), &tracker.slices_sorted(), &node);
             let context = format!("seed {seed}, step {step}");
             assert_eq!(translator.state(), &full.state, "{context}");
             assert_eq!(sorted(translator.rejected()), sorted(full.rejected), "{context}");
@@ -340,7 +339,7 @@ fn nothing_dirty_changes_nothing_and_one_slice_changes_its_service_only() {
             service.metadata.name = Some(format!("s{i}"));
             service.metadata.namespace = Some("a".into());
             service.spec.as_mut().unwrap().cluster_ips = Some(vec![format!("10.96.1.{i}")]);
-            Object::Service(service)
+            Object::from(service)
         })
         .collect();
     tracker.list(Kind::Service, services.clone());
@@ -362,7 +361,7 @@ fn nothing_dirty_changes_nothing_and_one_slice_changes_its_service_only() {
         "ports": [{"name": "http", "port": 8080}, {"name": "", "port": 8080}, {"name": "dns", "port": 5353, "protocol": "UDP"}],
     }))
     .unwrap();
-    tracker.apply(Object::EndpointSlice(slice));
+    tracker.apply(Object::from(slice));
     let dirty = tracker.take_dirty();
     assert_eq!(dirty.services, [("a".to_owned(), "s2".to_owned())].into());
     let changes = translator.translate(&tracker, dirty, &node);
