@@ -84,6 +84,8 @@ pub struct Applied {
     pub batch: Batch,
     pub took: Duration,
     pub writer: Writer,
+    /// The netlink batch's part of `took`.
+    pub netlink_took: Duration,
 }
 
 /// What the last sync did, for tests, benchmarks and debugging.
@@ -302,40 +304,69 @@ impl NftablesDataplane {
     }
 
     /// Writes a batch: its element changes over netlink when that is all it holds (and
-    /// allowed), else its text with `nft -f` (and then, for a table created from empty, its
-    /// elements over netlink). `Ok(None)`: the netlink batch was refused (logged and
-    /// counted), nothing of it applied; the caller syncs the family in full.
+    /// allowed), else its text with `nft -f` (and then, for a table created from empty, the
+    /// elements of `wanted`'s sets it left out, over netlink). `Ok(None)`: the netlink batch
+    /// was refused (logged and counted), nothing of it applied; the caller syncs the family
+    /// in full.
     fn write(
         &mut self,
         family: Family,
         batch: Batch,
+        wanted: Option<&Ruleset>,
         stats: &mut SyncStats,
     ) -> anyhow::Result<Option<Applied>> {
         let started = Instant::now();
         let elements_only = self.options.netlink_elements && !batch.structural && !batch.elements.is_empty();
-        if elements_only || batch.elements_apart {
-            let writer = if batch.elements_apart {
-                apply(&batch.text)?;
-                Writer::NftThenNetlink
-            } else {
-                Writer::Netlink
-            };
-            return match netlink::apply(family, &batch.elements) {
-                Ok(()) => Ok(Some(Applied { family, batch, took: started.elapsed(), writer })),
-                Err(error) => {
-                    self.netlink_fallbacks += 1;
-                    stats.netlink_fallbacks += 1;
-                    warn!(
-                        family = ruleset::family_name(family),
-                        fallbacks = self.netlink_fallbacks,
-                        "nftables element batch over netlink failed, syncing the table in full with nft: {error}"
-                    );
-                    Ok(None)
-                }
-            };
+        let apart = match wanted {
+            Some(wanted) if !batch.elements_apart.is_empty() => batch
+                .elements_apart
+                .iter()
+                .filter_map(|name| Some((name, wanted.sets.get(name)?)))
+                .map(|(name, set)| netlink::Elements {
+                    set: name,
+                    spec: &set.spec,
+                    delete: false,
+                    elements: set
+                        .elements
+                        .iter()
+                        .map(|(key, value)| (key.as_str(), value.as_deref()))
+                        .collect(),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        if !elements_only && apart.is_empty() {
+            let took = apply(&batch.text)?;
+            return Ok(Some(Applied {
+                family,
+                batch,
+                took,
+                writer: Writer::Nft,
+                netlink_took: Duration::ZERO,
+            }));
         }
-        let took = apply(&batch.text)?;
-        Ok(Some(Applied { family, batch, took, writer: Writer::Nft }))
+        let (writer, elements) = if apart.is_empty() {
+            (Writer::Netlink, batch.elements.iter().map(netlink::ElementChange::view).collect())
+        } else {
+            apply(&batch.text)?;
+            (Writer::NftThenNetlink, apart)
+        };
+        let netlink_started = Instant::now();
+        let result = netlink::apply(family, elements);
+        let netlink_took = netlink_started.elapsed();
+        match result {
+            Ok(()) => Ok(Some(Applied { family, batch, took: started.elapsed(), writer, netlink_took })),
+            Err(error) => {
+                self.netlink_fallbacks += 1;
+                stats.netlink_fallbacks += 1;
+                warn!(
+                    family = ruleset::family_name(family),
+                    fallbacks = self.netlink_fallbacks,
+                    "nftables element batch over netlink failed, syncing the table in full with nft: {error}"
+                );
+                Ok(None)
+            }
+        }
     }
 
     fn sync_family(
@@ -359,7 +390,7 @@ impl NftablesDataplane {
                     self.programmed.insert(family, programmed);
                     return Ok(None);
                 }
-                if let Some(applied) = self.write(family, batch, stats)? {
+                if let Some(applied) = self.write(family, batch, None, stats)? {
                     self.programmed.insert(family, programmed);
                     return Ok(Some(applied));
                 }
@@ -383,7 +414,7 @@ impl NftablesDataplane {
             return Ok(None);
         }
         self.programmed.remove(&family);
-        match self.write(family, batch, stats)? {
+        match self.write(family, batch, Some(&wanted), stats)? {
             Some(applied) => {
                 self.programmed.insert(family, wanted);
                 Ok(Some(applied))
@@ -400,7 +431,7 @@ impl NftablesDataplane {
         let batch = ruleset::full(&list_table(family)?, &wanted);
         let took = apply(&batch.text)?;
         self.programmed.insert(family, wanted);
-        Ok(Applied { family, batch, took, writer: Writer::Nft })
+        Ok(Applied { family, batch, took, writer: Writer::Nft, netlink_took: Duration::ZERO })
     }
 
     fn has_family(state: &DesiredState, family: Family) -> bool {

@@ -223,6 +223,28 @@ pub struct ElementChange {
     pub elements: Vec<(String, Option<String>)>,
 }
 
+impl ElementChange {
+    /// The change's elements, borrowed, as [`ElementBatch::encode`] takes them.
+    pub fn view(&self) -> Elements<'_> {
+        Elements {
+            set: &self.set,
+            spec: &self.spec,
+            delete: self.delete,
+            elements: self.elements.iter().map(|(key, value)| (key.as_str(), value.as_deref())).collect(),
+        }
+    }
+}
+
+/// Elements of one set to add or delete, borrowed: from an [`ElementChange`], or from a
+/// ruleset's set when a table is created (no copy of its strings).
+#[derive(Clone, Debug)]
+pub struct Elements<'a> {
+    pub set: &'a str,
+    pub spec: &'a str,
+    pub delete: bool,
+    pub elements: Vec<(&'a str, Option<&'a str>)>,
+}
+
 /// What each message of a batch carries, to name the element an error is about.
 #[derive(Clone, Debug)]
 struct Sent {
@@ -238,7 +260,7 @@ pub struct ElementBatch<'a> {
     family: Family,
     bytes: Vec<u8>,
     sent: Vec<Sent>,
-    changes: &'a [ElementChange],
+    changes: Vec<Elements<'a>>,
 }
 
 /// Why a batch was not applied.
@@ -286,7 +308,7 @@ impl<'a> ElementBatch<'a> {
     /// Encodes `changes` to `family`'s table, numbering the messages from `first_sequence`.
     pub fn encode(
         family: Family,
-        changes: &'a [ElementChange],
+        changes: Vec<Elements<'a>>,
         first_sequence: u32,
     ) -> Result<Self, BatchError> {
         let mut sequence = first_sequence;
@@ -308,16 +330,15 @@ impl<'a> ElementBatch<'a> {
                 let mut elements = Vec::new();
                 let mut end = start;
                 while end < change.elements.len() && list.bytes().len() < ELEMENTS_BYTES {
-                    let (key, value) = &change.elements[end];
-                    let element =
-                        encode_element(&layout, key, value.as_deref(), change.delete).ok_or_else(|| {
-                            BatchError::Unsupported(format!(
-                                "element {} of set {} {{ {} }}",
-                                render(key, value.as_deref()),
-                                change.set,
-                                change.spec
-                            ))
-                        })?;
+                    let (key, value) = change.elements[end];
+                    let element = encode_element(&layout, key, value, change.delete).ok_or_else(|| {
+                        BatchError::Unsupported(format!(
+                            "element {} of set {} {{ {} }}",
+                            render(key, value),
+                            change.set,
+                            change.spec
+                        ))
+                    })?;
                     elements.push((end, list.bytes().len()));
                     list.put_nested(NFTA_LIST_ELEM, &element);
                     end += 1;
@@ -325,7 +346,7 @@ impl<'a> ElementBatch<'a> {
                 let mut attributes = Attributes::new();
                 attributes
                     .put_str(NFTA_SET_ELEM_LIST_TABLE, TABLE)
-                    .put_str(NFTA_SET_ELEM_LIST_SET, &change.set);
+                    .put_str(NFTA_SET_ELEM_LIST_SET, change.set);
                 // The elements' offsets in the message: header, nfgenmsg, the attributes
                 // before, the list's own header.
                 let base = HEADER_LEN + NFGENMSG_LEN + attributes.bytes().len() + 4;
@@ -372,8 +393,8 @@ impl<'a> ElementBatch<'a> {
             return Some(format!("{prefix}: one of elements {first}..={last} of this change"));
         };
         let (index, _) = sent.elements.iter().rev().find(|(_, start)| *start <= offset)?;
-        let (key, value) = &change.elements[*index];
-        Some(format!("{prefix} {{ {} }}", render(key, value.as_deref())))
+        let (key, value) = change.elements[*index];
+        Some(format!("{prefix} {{ {} }}", render(key, value)))
     }
 
     /// Sends the batch in the calling thread's network namespace; `Ok` when the kernel
@@ -414,7 +435,7 @@ fn render(key: &str, value: Option<&str>) -> String {
 
 /// Applies `changes` to `family`'s table as one transaction, over a socket of its own in the
 /// calling thread's network namespace (where `nft` would run).
-pub fn apply(family: Family, changes: &[ElementChange]) -> Result<(), BatchError> {
+pub fn apply(family: Family, changes: Vec<Elements<'_>>) -> Result<(), BatchError> {
     let kernel = |error: io::Error| BatchError::Kernel { error, element: None, explanation: None };
     let mut socket = Socket::open(NETLINK_NETFILTER).map_err(kernel)?;
     socket.extended_acknowledgements().map_err(kernel)?;

@@ -952,11 +952,11 @@ pub struct Batch {
     /// Tables, chains or sets created, refilled or deleted: a change `nft` must make. A
     /// partial batch without any is element additions and deletions alone, in `elements`.
     pub structural: bool,
-    /// A partial batch's element changes, in the order of the text (empty for full ones),
-    /// or, with `elements_apart`, the elements of a table created from empty.
+    /// A partial batch's element changes, in the order of the text (empty for full ones).
     pub elements: Vec<ElementChange>,
-    /// `elements` are not in the text: they are to be added after it (`from_empty`).
-    pub elements_apart: bool,
+    /// A table created from empty (`from_empty`): the sets whose elements are not in the
+    /// text, to be added after it from the wanted ruleset.
+    pub elements_apart: Vec<String>,
 }
 
 impl Batch {
@@ -998,27 +998,31 @@ pub fn full(existing: &Existing, wanted: &Ruleset) -> Batch {
 /// need not be one; nft parses ~200k elements (10k services × 10 endpoints) for most of a
 /// second, the kernel's netlink parse is a fraction of that.
 pub fn from_empty(wanted: &Ruleset) -> Batch {
-    let mut apart = wanted.clone();
-    let mut elements = Vec::new();
-    for (name, set) in &mut apart.sets {
-        if set.dynamic || set.elements.is_empty() || super::netlink::Layout::of_spec(&set.spec).is_none() {
-            continue;
-        }
-        elements.push(ElementChange {
-            set: name.clone(),
-            spec: set.spec.clone(),
-            delete: false,
-            elements: std::mem::take(&mut set.elements).into_iter().collect(),
-        });
-    }
-    let mut batch = plan(&apart, None, &Existing::default());
-    batch.elements_added += elements.iter().map(|change| change.elements.len()).sum::<usize>();
-    batch.elements = elements;
-    batch.elements_apart = !batch.elements.is_empty();
+    let apart: BTreeSet<&String> = wanted
+        .sets
+        .iter()
+        .filter(|(_, set)| {
+            !set.dynamic && !set.elements.is_empty() && super::netlink::Layout::of_spec(&set.spec).is_some()
+        })
+        .map(|(name, _)| name)
+        .collect();
+    let mut batch = plan_leaving_out(wanted, None, &Existing::default(), &apart);
+    batch.elements_added += apart.iter().map(|name| wanted.sets[*name].elements.len()).sum::<usize>();
+    batch.elements_apart = apart.into_iter().cloned().collect();
     batch
 }
 
 fn plan(wanted: &Ruleset, previous: Option<&Ruleset>, existing: &Existing) -> Batch {
+    plan_leaving_out(wanted, previous, existing, &BTreeSet::new())
+}
+
+/// [`plan`], with the elements of the sets `apart` left out of the text.
+fn plan_leaving_out(
+    wanted: &Ruleset,
+    previous: Option<&Ruleset>,
+    existing: &Existing,
+    apart: &BTreeSet<&String>,
+) -> Batch {
     let family = family_name(wanted.family);
     let prefix = format!("{family} {TABLE}");
     let mut batch = Batch::default();
@@ -1076,7 +1080,7 @@ fn plan(wanted: &Ruleset, previous: Option<&Ruleset>, existing: &Existing) -> Ba
         }
     };
     for (name, set) in &wanted.sets {
-        if set.dynamic {
+        if set.dynamic || apart.contains(name) {
             continue;
         }
         let (deleted, added): (Vec<String>, Vec<String>) = match previous {

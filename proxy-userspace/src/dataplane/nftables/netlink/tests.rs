@@ -26,7 +26,8 @@ fn change(set: &str, spec: &str, delete: bool, elements: &[(&str, Option<&str>)]
 #[test]
 fn one_verdict_map_element_is_encoded_as_nft_sends_it() {
     let changes = [change("v", VERDICT_MAP, false, &[("10.0.0.1 . tcp . 80", Some("goto c"))])];
-    let batch = ElementBatch::encode(Family::Ipv4, &changes, 1).unwrap();
+    let batch =
+        ElementBatch::encode(Family::Ipv4, changes.iter().map(ElementChange::view).collect(), 1).unwrap();
     #[rustfmt::skip]
     let expected: Vec<u8> = [
         // NFNL_MSG_BATCH_BEGIN, request, seq 1; nfgenmsg: AF_UNSPEC, v0, res_id NFNL_SUBSYS_NFTABLES.
@@ -78,10 +79,10 @@ fn what_cannot_be_encoded_is_refused_before_sending() {
     assert_eq!(Layout::of_spec("type ipv4_addr ; flags interval ;"), None, "interval sets need ranges");
     assert_eq!(Layout::of_spec("type mark ;"), None);
     let changes = [change("v", VERDICT_MAP, false, &[("10.0.0.1 . tcp", Some("goto c"))])];
-    let refused = ElementBatch::encode(Family::Ipv4, &changes, 1);
+    let refused = ElementBatch::encode(Family::Ipv4, changes.iter().map(ElementChange::view).collect(), 1);
     assert!(matches!(refused, Err(BatchError::Unsupported(_))), "a key with a field missing");
     let changes = [change("s", "type ipv4_addr ;", false, &[("fe80::1", None)])];
-    let refused = ElementBatch::encode(Family::Ipv4, &changes, 1);
+    let refused = ElementBatch::encode(Family::Ipv4, changes.iter().map(ElementChange::view).collect(), 1);
     assert!(matches!(refused, Err(BatchError::Unsupported(_))), "an IPv6 address in an IPv4 set");
 }
 
@@ -91,7 +92,8 @@ fn large_changes_are_split_into_messages_under_64_kib() {
         .map(|i| (format!("10.0.{}.{} . tcp . 80", i / 250, i % 250 + 1), Some(format!("goto service-{i}"))))
         .collect();
     let changes = [ElementChange { set: "v".into(), spec: VERDICT_MAP.into(), delete: false, elements }];
-    let batch = ElementBatch::encode(Family::Ipv4, &changes, 1).unwrap();
+    let batch =
+        ElementBatch::encode(Family::Ipv4, changes.iter().map(ElementChange::view).collect(), 1).unwrap();
     assert!(batch.sent.len() > 1, "{} messages", batch.sent.len());
     assert_eq!(batch.sent.iter().map(|sent| sent.elements.len()).sum::<usize>(), 5000);
     for message in crate::netlink::split_messages(batch.bytes()).unwrap() {
@@ -256,19 +258,11 @@ fn a_refused_netlink_batch_falls_back_to_a_full_nft_sync() {
 fn a_refused_element_is_named_in_the_error() {
     let error = in_new_netns(|| {
         nft(&["add table ip vipr ; add map ip vipr v { type ipv4_addr . inet_proto . inet_service : verdict ; }"]);
-        apply(
-            Family::Ipv4,
-            &[
-                change("v", VERDICT_MAP, false, &[("10.0.0.1 . tcp . 80", Some("drop"))]),
-                change(
-                    "v",
-                    VERDICT_MAP,
-                    true,
-                    &[("10.0.0.1 . tcp . 80", None), ("10.0.0.9 . udp . 53", None)],
-                ),
-            ],
-        )
-        .unwrap_err()
+        let changes = [
+            change("v", VERDICT_MAP, false, &[("10.0.0.1 . tcp . 80", Some("drop"))]),
+            change("v", VERDICT_MAP, true, &[("10.0.0.1 . tcp . 80", None), ("10.0.0.9 . udp . 53", None)]),
+        ];
+        apply(Family::Ipv4, changes.iter().map(ElementChange::view).collect()).unwrap_err()
     });
     let BatchError::Kernel { error, element, .. } = &error else { panic!("{error}") };
     assert_eq!(error.raw_os_error(), Some(libc::ENOENT), "{error}");
