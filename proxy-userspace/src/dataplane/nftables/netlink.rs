@@ -321,7 +321,7 @@ impl<'a> ElementBatch<'a> {
         let mut bytes = message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, next(), &header);
         let mut sent = Vec::new();
         for (index, change) in changes.iter().enumerate() {
-            let layout = Layout::of_spec(&change.spec).ok_or_else(|| {
+            let layout = Layout::of_spec(change.spec).ok_or_else(|| {
                 BatchError::Unsupported(format!("set {} {{ {} }}", change.set, change.spec))
             })?;
             let mut start = 0;
