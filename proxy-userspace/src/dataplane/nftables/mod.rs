@@ -402,9 +402,7 @@ impl NftablesDataplane {
         let batch = match self.programmed.get(&family) {
             Some(previous) if !full => ruleset::partial(previous, &wanted),
             _ => {
-                // One `nft list tables` where there is no table yet, rather than three listings.
-                let existing =
-                    if tables()?.contains(&family) { list_table(family)? } else { Existing::default() };
+                let existing = list_table(family)?;
                 if self.options.netlink_elements && existing == Existing::default() {
                     ruleset::from_empty(&wanted)
                 } else {
