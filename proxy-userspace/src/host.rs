@@ -86,7 +86,7 @@ const IFINFOMSG_LEN: usize = 16;
 /// Every interface of the current network namespace, with its master (rtnetlink: the
 /// namespace of the calling thread, unlike /sys/class/net after setns()).
 pub fn links() -> io::Result<Vec<Link>> {
-    use crate::dataplane::ipvs::netlink::Socket;
+    use crate::netlink::Socket;
     let mut socket = Socket::open(libc::NETLINK_ROUTE)?;
     let mut request = vec![0u8; IFINFOMSG_LEN];
     request[0] = libc::AF_UNSPEC as u8;
@@ -100,7 +100,7 @@ pub fn links() -> io::Result<Vec<Link>> {
 
 /// A link from an `RTM_NEWLINK` payload; `None` if it is malformed or has no name.
 fn parse_link(payload: &[u8]) -> Option<Link> {
-    use crate::dataplane::ipvs::netlink::parse_attributes;
+    use crate::netlink::parse_attributes;
     let index = u32::from_ne_bytes(payload.get(4..8)?.try_into().ok()?);
     let mut name = None;
     let mut master = None;
@@ -129,7 +129,7 @@ mod tests {
 
     #[test]
     fn a_link_message_gives_name_and_master() {
-        use crate::dataplane::ipvs::netlink::Attributes;
+        use crate::netlink::Attributes;
         let mut payload = vec![0u8; IFINFOMSG_LEN];
         payload[4..8].copy_from_slice(&7u32.to_ne_bytes());
         let mut attributes = Attributes::new();

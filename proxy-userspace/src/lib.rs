@@ -17,6 +17,7 @@ pub mod http;
 pub mod inspect;
 pub mod metrics;
 pub mod model;
+pub mod netlink;
 pub mod probe;
 pub mod source;
 pub mod status;

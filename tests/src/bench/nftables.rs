@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use vipr::{
     dataplane::{
-        nftables::{NftablesDataplane, NftablesOptions},
+        nftables::{NftablesDataplane, NftablesOptions, Writer},
         Dataplane as _,
     },
     model::{
@@ -72,12 +72,30 @@ pub struct Results {
     pub meta: RunMeta,
     pub settings: Settings,
     pub from_empty_ms: f64,
+    /// The writers alone (`nft -f` for the chains and sets, netlink for the elements).
     pub from_empty_nft_ms: f64,
+    /// The netlink batch of the elements alone.
+    #[serde(default)]
+    pub from_empty_netlink_ms: f64,
+    /// The same, every element in the `nft -f` batch (netlink off): the comparison.
+    #[serde(default)]
+    pub from_empty_by_nft_ms: f64,
+    #[serde(default)]
+    pub from_empty_by_nft_nft_ms: f64,
     /// The sync of the change (the target's figure, as the control-plane suite's), and the
     /// agent's incremental translation before it.
     pub change_ms: f64,
+    /// The writer alone (netlink for an element-only change, else `nft -f`).
     pub change_nft_ms: f64,
     pub change_translate_ms: f64,
+    /// What wrote the change (`Netlink` or `Nft`).
+    pub change_writer: String,
+    /// Another endpoint change of the same size, written by `nft -f` (netlink off): the
+    /// comparison, (sync, `nft -f` alone).
+    #[serde(default)]
+    pub change_by_nft_ms: f64,
+    #[serde(default)]
+    pub change_by_nft_nft_ms: f64,
     pub resync_ms: f64,
     pub resync_nft_ms: f64,
     pub rate_at_one: f64,
@@ -87,7 +105,8 @@ pub struct Results {
 
 pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
     let programming = Netns::create(&unique_name("bench-nft"))?;
-    let (from_empty, (change, translate), resync) = programming.run(|| programming_times(&settings))?;
+    let ((from_empty, from_empty_netlink, from_empty_by_nft), (change, translate, writer, by_nft), resync) =
+        programming.run(|| programming_times(&settings))?;
     drop(programming);
     let (rate_at_one, rate_at_many) = connection_rates(&settings)?;
     meta.finish();
@@ -101,17 +120,26 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
                 scale(settings.services),
                 settings.endpoints
             ),
-            measured: format!("{:.0} ms (nft -f {:.0} ms)", ms(from_empty), from_empty.1 * 1e3),
+            measured: format!(
+                "{:.0} ms (writers {:.0} ms, of which netlink {:.0} ms); by nft -f alone {:.0} ms (nft -f {:.0} ms)",
+                ms(from_empty),
+                from_empty.1 * 1e3,
+                from_empty_netlink * 1e3,
+                ms(from_empty_by_nft),
+                from_empty_by_nft.1 * 1e3
+            ),
             target: "< 2 s".into(),
             met: ms(from_empty) < 2000.0,
         },
         Figure {
             what: format!("one endpoint change at {} services", scale(settings.services)),
             measured: format!(
-                "{:.1} ms (nft -f {:.1} ms); with the agent's re-translation {:.1} ms",
+                "{:.1} ms ({writer:?} {:.1} ms); with the agent's re-translation {:.1} ms; by nft -f {:.1} ms (nft -f {:.1} ms)",
                 ms(change),
                 change.1 * 1e3,
-                ms(change) + translate * 1e3
+                ms(change) + translate * 1e3,
+                ms(by_nft),
+                by_nft.1 * 1e3,
             ),
             target: "< 50 ms".into(),
             met: ms(change) < 50.0,
@@ -144,9 +172,15 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
         settings,
         from_empty_ms: ms(from_empty),
         from_empty_nft_ms: from_empty.1 * 1e3,
+        from_empty_netlink_ms: from_empty_netlink * 1e3,
+        from_empty_by_nft_ms: ms(from_empty_by_nft),
+        from_empty_by_nft_nft_ms: from_empty_by_nft.1 * 1e3,
         change_ms: ms(change),
         change_nft_ms: change.1 * 1e3,
         change_translate_ms: translate * 1e3,
+        change_writer: format!("{writer:?}"),
+        change_by_nft_ms: ms(by_nft),
+        change_by_nft_nft_ms: by_nft.1 * 1e3,
         resync_ms: ms(resync),
         resync_nft_ms: resync.1 * 1e3,
         rate_at_one,
@@ -196,22 +230,43 @@ impl Model {
     }
 }
 
-/// (from empty, (one endpoint change, its translation), full resync at the large size), each
-/// (the whole sync, `nft -f` alone) in seconds.
-fn programming_times(settings: &Settings) -> Result<(Seconds, (Seconds, f64), Seconds)> {
+/// One endpoint change: the sync, its translation, what wrote it, and the same kind of
+/// change written by `nft -f`.
+type Change = (Seconds, f64, Writer, Seconds);
+
+/// ((from empty, its netlink batch alone, the same by `nft -f` alone), one endpoint change,
+/// full resync at the large size), each (the whole sync, the writer alone) in seconds.
+fn programming_times(settings: &Settings) -> Result<((Seconds, f64, Seconds), Change, Seconds)> {
     let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
     let mut dataplane = NftablesDataplane::start(&options)?;
     let mut model = Model::new(node());
     let (services, slices) = objects(settings.services, settings.endpoints, None);
     let changes = model.list(&services, &slices);
+    // From empty by nft alone first (then removed), for the comparison.
+    let mut by_nft =
+        NftablesDataplane::start(&NftablesOptions { netlink_elements: false, ..options.clone() })?;
+    let from_empty_by_nft = timed(&mut by_nft, |dataplane| dataplane.sync(model.state()))?;
+    NftablesDataplane::cleanup()?;
     let from_empty = timed(&mut dataplane, |dataplane| dataplane.sync_changes(model.state(), &changes))?;
+    ensure!(
+        dataplane.last_sync().batches.iter().any(|applied| applied.writer == Writer::NftThenNetlink),
+        "the table was not created with its elements over netlink"
+    );
+    let netlink: f64 =
+        dataplane.last_sync().batches.iter().map(|applied| applied.netlink_took.as_secs_f64()).sum();
+    let from_empty = (from_empty, netlink, from_empty_by_nft);
 
     let started = Instant::now();
     let changes = model.apply(slice(settings.services / 2, settings.endpoints, 1, None));
     let translated = started.elapsed().as_secs_f64();
     let (sync, nft) = timed(&mut dataplane, |dataplane| dataplane.sync_changes(model.state(), &changes))?;
     ensure!(dataplane.last_sync().from_changes, "the endpoint change was not applied from the changes");
-    let change = ((sync, nft), translated);
+    let writer = dataplane.last_sync().batches.first().map_or(Writer::Nft, |applied| applied.writer);
+    dataplane.set_netlink_elements(false);
+    let changes = model.apply(slice(settings.services / 2 + 1, settings.endpoints, 1, None));
+    let by_nft = timed(&mut dataplane, |dataplane| dataplane.sync_changes(model.state(), &changes))?;
+    dataplane.set_netlink_elements(true);
+    let change = ((sync, nft), translated, writer, by_nft);
 
     let (services, slices) = objects(settings.resync_services, 2, None);
     let changes = model.list(&services, &slices);

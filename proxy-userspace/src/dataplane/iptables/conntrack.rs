@@ -1,5 +1,5 @@
 //! Deleting stale UDP conntrack entries over ctnetlink (`NETLINK_NETFILTER`, the interface the
-//! `conntrack` tool uses), without the tool.
+//! `conntrack` tool uses), without the tool, on vipr's netlink client (`crate::netlink`).
 //!
 //! A UDP "connection" lives in conntrack as long as datagrams keep coming, and its NAT was
 //! decided by its first packet: a client that keeps sending to a service keeps reaching an
@@ -10,22 +10,15 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io,
-    mem::size_of,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
 };
+
+use crate::netlink::{parse_attributes, Attributes};
 
 const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_GET: u16 = 1;
 const IPCTNL_MSG_CT_DELETE: u16 = 2;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
-const NLM_F_DUMP: u16 = 0x300;
-const NLA_F_NESTED: u16 = 0x8000;
-const NLA_TYPE_MASK: u16 = 0x3fff;
 
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_TUPLE_REPLY: u16 = 2;
@@ -107,7 +100,7 @@ pub fn count_stale_udp(keep: &Keep) -> io::Result<usize> {
 /// Every entry of the conntrack table, both families (`vipr inspect flows` in the iptables
 /// and ipvs modes).
 pub fn entries() -> io::Result<Vec<Entry>> {
-    let socket = Socket::open()?;
+    let mut socket = Socket::open()?;
     let mut entries = socket.dump(libc::AF_INET as u8)?;
     entries.extend(socket.dump(libc::AF_INET6 as u8)?);
     Ok(entries)
@@ -115,7 +108,7 @@ pub fn entries() -> io::Result<Vec<Entry>> {
 
 fn stale_entries(keep: &Keep, delete: bool) -> io::Result<usize> {
     let mut found = 0;
-    let socket = Socket::open()?;
+    let mut socket = Socket::open()?;
     for family in [libc::AF_INET, libc::AF_INET6] {
         if !keep.keys().any(|frontend| frontend.is_ipv4() == (family == libc::AF_INET)) {
             continue;
@@ -141,159 +134,40 @@ pub fn is_stale(entry: &Entry, keep: &Keep) -> bool {
         && keep.get(&entry.original.dst).is_some_and(|endpoints| !endpoints.contains(&entry.reply.src))
 }
 
-struct Socket {
-    fd: OwnedFd,
-    seq: std::cell::Cell<u32>,
+/// A ctnetlink socket: requests carry an `nfgenmsg` (family, version 0, resource id 0).
+struct Socket(crate::netlink::Socket);
+
+fn ctnetlink_payload(family: u8, attributes: &Attributes) -> Vec<u8> {
+    let mut payload = vec![family, 0, 0, 0];
+    payload.extend_from_slice(attributes.bytes());
+    payload
 }
 
 impl Socket {
     fn open() -> io::Result<Self> {
-        // SAFETY: plain system calls; the descriptor is owned from here on.
-        let fd =
-            unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: sockaddr_nl is plain data; zero is a valid value.
-        let mut address: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
-        address.nl_family = libc::AF_NETLINK as u16;
-        // SAFETY: the address is a valid sockaddr_nl of the given size.
-        let bound = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                std::ptr::from_ref(&address).cast(),
-                size_of::<libc::sockaddr_nl>() as libc::socklen_t,
-            )
-        };
-        if bound < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Self { fd, seq: std::cell::Cell::new(1) })
+        crate::netlink::Socket::open(NETLINK_NETFILTER).map(Self)
     }
 
-    fn send(&self, message_type: u16, flags: u16, family: u8, attributes: &[u8]) -> io::Result<u32> {
-        let seq = self.seq.get();
-        self.seq.set(seq.wrapping_add(1));
-        let length = 16 + 4 + attributes.len();
-        let mut message = Vec::with_capacity(length);
-        message.extend_from_slice(&(length as u32).to_ne_bytes());
-        message.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | message_type).to_ne_bytes());
-        message.extend_from_slice(&flags.to_ne_bytes());
-        message.extend_from_slice(&seq.to_ne_bytes());
-        message.extend_from_slice(&0u32.to_ne_bytes());
-        // nfgenmsg: family, version 0, resource id 0 (big endian).
-        message.extend_from_slice(&[family, 0, 0, 0]);
-        message.extend_from_slice(attributes);
-        // SAFETY: the buffer is valid for its length.
-        let sent = unsafe { libc::send(self.fd.as_raw_fd(), message.as_ptr().cast(), message.len(), 0) };
-        if sent < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(seq)
+    fn dump(&mut self, family: u8) -> io::Result<Vec<Entry>> {
+        let kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET;
+        let replies = self.0.dump(kind, &ctnetlink_payload(family, &Attributes::new()))?;
+        Ok(replies.iter().filter_map(|reply| parse_entry(reply.payload.get(4..)?)).collect())
     }
 
-    /// Reads messages of request `seq` until its end (DONE, or the ACK/error of a non-dump
-    /// request), handing each data message's payload (after the nfgenmsg) to `each`.
-    fn receive(&self, seq: u32, dump: bool, mut each: impl FnMut(&[u8])) -> io::Result<()> {
-        let mut buffer = vec![0u8; 1 << 16];
-        loop {
-            // SAFETY: the buffer is valid for its length.
-            let received =
-                unsafe { libc::recv(self.fd.as_raw_fd(), buffer.as_mut_ptr().cast(), buffer.len(), 0) };
-            if received < 0 {
-                let error = io::Error::last_os_error();
-                if error.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(error);
-            }
-            let mut data = &buffer[..received as usize];
-            while data.len() >= 16 {
-                let length = u32::from_ne_bytes(data[0..4].try_into().expect("4 bytes")) as usize;
-                let kind = u16::from_ne_bytes(data[4..6].try_into().expect("2 bytes"));
-                let message_seq = u32::from_ne_bytes(data[8..12].try_into().expect("4 bytes"));
-                if length < 16 || length > data.len() {
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, "truncated netlink message"));
-                }
-                let payload = &data[16..length];
-                data = &data[align(length).min(data.len())..];
-                if message_seq != seq {
-                    continue;
-                }
-                match kind {
-                    NLMSG_DONE => return Ok(()),
-                    NLMSG_ERROR => {
-                        let code = payload
-                            .get(0..4)
-                            .map(|bytes| i32::from_ne_bytes(bytes.try_into().expect("4 bytes")))
-                            .unwrap_or(0);
-                        if code != 0 {
-                            return Err(io::Error::from_raw_os_error(-code));
-                        }
-                        if !dump {
-                            return Ok(());
-                        }
-                    }
-                    _ => {
-                        if payload.len() >= 4 {
-                            each(&payload[4..]);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn dump(&self, family: u8) -> io::Result<Vec<Entry>> {
-        let seq = self.send(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, family, &[])?;
-        let mut entries = Vec::new();
-        self.receive(seq, true, |attributes| {
-            if let Some(entry) = parse_entry(attributes) {
-                entries.push(entry);
-            }
-        })?;
-        Ok(entries)
-    }
-
-    fn delete(&self, family: u8, entry: &Entry) -> io::Result<()> {
-        let mut attributes = Vec::new();
-        put_attribute(&mut attributes, CTA_TUPLE_ORIG | NLA_F_NESTED, &entry.original_raw);
+    fn delete(&mut self, family: u8, entry: &Entry) -> io::Result<()> {
+        let mut attributes = Attributes::new();
+        attributes.put_nested(CTA_TUPLE_ORIG, &Attributes::from_bytes(entry.original_raw.clone()));
         if let Some(zone) = entry.zone {
-            put_attribute(&mut attributes, CTA_ZONE, &zone);
+            attributes.put(CTA_ZONE, &zone);
         }
-        let seq = self.send(IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, family, &attributes)?;
-        self.receive(seq, false, |_| {})
+        let kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE;
+        self.0.request(kind, 0, &ctnetlink_payload(family, &attributes)).map(drop)
     }
-}
-
-fn align(length: usize) -> usize {
-    (length + 3) & !3
-}
-
-fn put_attribute(out: &mut Vec<u8>, kind: u16, payload: &[u8]) {
-    out.extend_from_slice(&((4 + payload.len()) as u16).to_ne_bytes());
-    out.extend_from_slice(&kind.to_ne_bytes());
-    out.extend_from_slice(payload);
-    out.resize(align(out.len()), 0);
 }
 
 /// Netlink attributes: (type without flags, payload).
-fn attributes(mut data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        if data.len() < 4 {
-            return None;
-        }
-        let length = u16::from_ne_bytes([data[0], data[1]]) as usize;
-        let kind = u16::from_ne_bytes([data[2], data[3]]) & NLA_TYPE_MASK;
-        if length < 4 || length > data.len() {
-            return None;
-        }
-        let payload = &data[4..length];
-        data = &data[align(length).min(data.len())..];
-        Some((kind, payload))
-    })
+fn attributes(data: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    parse_attributes(data).map(|attribute| (attribute.kind, attribute.payload))
 }
 
 pub fn parse_entry(data: &[u8]) -> Option<Entry> {
@@ -355,15 +229,11 @@ mod tests {
     use super::*;
 
     fn nested(kind: u16, parts: &[Vec<u8>]) -> Vec<u8> {
-        let mut out = Vec::new();
-        put_attribute(&mut out, kind | NLA_F_NESTED, &parts.concat());
-        out
+        Attributes::new().put_nested(kind, &Attributes::from_bytes(parts.concat())).bytes().to_vec()
     }
 
     fn attribute(kind: u16, payload: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
-        put_attribute(&mut out, kind, payload);
-        out
+        Attributes::new().put(kind, payload).bytes().to_vec()
     }
 
     fn tuple(kind: u16, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Vec<u8> {

@@ -6,8 +6,8 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
-use super::netlink::{genl_payload, parse_attributes, Attribute, Attributes, GenericFamily};
 use crate::model::Protocol;
+use crate::netlink::{genl_payload, parse_attributes, Attribute, Attributes, GenericFamily};
 
 pub const FAMILY_NAME: &str = "IPVS";
 pub const FAMILY_VERSION: u8 = 1;
@@ -425,7 +425,7 @@ fn backend(destination: &Destination) -> std::net::SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dataplane::ipvs::netlink::NLA_F_NESTED;
+    use crate::netlink::NLA_F_NESTED;
 
     fn key() -> ServiceKey {
         ServiceKey { ip: "10.96.0.10".parse().unwrap(), port: 80, protocol: Protocol::Tcp }

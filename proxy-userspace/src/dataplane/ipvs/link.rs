@@ -3,7 +3,7 @@
 //! path where IPVS picks them up; the interface itself never carries traffic.
 use std::{ffi::CString, io, net::IpAddr};
 
-use super::netlink::{Attributes, Socket, NLM_F_CREATE, NLM_F_EXCL};
+use crate::netlink::{Attributes, Socket, NLM_F_CREATE, NLM_F_EXCL};
 
 /// kube-proxy's name for it, kept so that tools and habits carry over.
 pub const DUMMY_INTERFACE: &str = "kube-ipvs0";
@@ -129,7 +129,7 @@ impl AddressBinder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dataplane::ipvs::netlink::parse_attributes;
+    use crate::netlink::parse_attributes;
 
     #[test]
     fn a_dummy_link_is_named_and_kinded() {

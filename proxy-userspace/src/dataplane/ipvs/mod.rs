@@ -42,7 +42,6 @@ use crate::model::{Backend, DesiredState, Protocol};
 pub mod client;
 pub mod ipset;
 pub mod link;
-pub mod netlink;
 pub mod plan;
 pub mod rules;
 

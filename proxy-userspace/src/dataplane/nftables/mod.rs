@@ -3,12 +3,15 @@
 //! `ip vipr` and `ip6 vipr`. Per-family tables, as kube-proxy's: every set and verdict map is
 //! keyed by one address type, and deleting one family's table leaves the other serving.
 //!
-//! Every sync is one `nft -f -` batch per family, which the kernel applies as one
-//! transaction (packets see the old table or the new). The text batch, as kube-proxy's
-//! knftables, rather than the `nftables` crate (nft's JSON through the same libnftables:
-//! the same kernel work plus a JSON encoding) or raw netlink (the whole nf_tables message
-//! set to write and keep): the time goes to the kernel, not to nft's parser
-//! (docs/benchmarks.md, "nftables"). The first sync, one after a failure and one every
+//! Every sync is one transaction per family (packets see the old table or the new): an
+//! `nft -f -` text batch, as kube-proxy's knftables, or, for a partial sync that changes set
+//! and map elements alone (an endpoint moved, a service added whose chains exist), one
+//! nf_tables netlink batch of those elements (`netlink`), with no `nft` process: `nft -f`
+//! spends ~65 ms at 10k services on its start and its cache of the table before the ~20 ms
+//! commit. Not the `nftables` crate: it drives the same libnftables with nft's JSON, the same
+//! cost plus a JSON encoding (docs/benchmarks.md, "nftables"). A refused netlink batch is
+//! logged, counted ([`NftablesDataplane::netlink_fallbacks`]) and followed by a full `nft`
+//! sync of its family. The first sync, one after a failure and one every
 //! [`NftablesOptions::full_sync_period`] are full: the table's chains and sets are listed
 //! (`nft -t list chains|sets|maps`), every chain flushed and refilled, every set and map flushed and
 //! refilled, what is not wanted deleted. Every other sync is partial: only the chains whose
@@ -35,6 +38,7 @@ use super::{
 use crate::model::{DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, StateChanges};
 use crate::tool;
 
+pub mod netlink;
 pub mod ruleset;
 
 /// The program vipr drives.
@@ -49,12 +53,28 @@ pub struct NftablesOptions {
     pub full_sync_period: Duration,
     /// Delete stale UDP conntrack entries after syncs.
     pub conntrack_cleanup: bool,
+    /// Write a partial sync that changes set and map elements alone as an nf_tables netlink
+    /// batch (`netlink`) rather than with `nft -f` (off: every batch is `nft`'s, for
+    /// comparisons).
+    pub netlink_elements: bool,
 }
 
 impl Default for NftablesOptions {
     fn default() -> Self {
-        Self { full_sync_period: iptables::FULL_SYNC_PERIOD, conntrack_cleanup: true }
+        Self { full_sync_period: iptables::FULL_SYNC_PERIOD, conntrack_cleanup: true, netlink_elements: true }
     }
+}
+
+/// What wrote a batch to the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Writer {
+    /// `nft -f -` with the batch's text.
+    Nft,
+    /// One nf_tables netlink transaction of the batch's element changes (`netlink`).
+    Netlink,
+    /// A table created from empty: `nft -f` for its chains and sets, then one netlink
+    /// transaction of its elements.
+    NftThenNetlink,
 }
 
 /// What one family's batch did in a sync.
@@ -63,6 +83,9 @@ pub struct Applied {
     pub family: Family,
     pub batch: Batch,
     pub took: Duration,
+    pub writer: Writer,
+    /// The netlink batch's part of `took`.
+    pub netlink_took: Duration,
 }
 
 /// What the last sync did, for tests, benchmarks and debugging.
@@ -76,6 +99,9 @@ pub struct SyncStats {
     /// One per family that had something to change.
     pub batches: Vec<Applied>,
     pub conntrack_deleted: usize,
+    /// Element batches the kernel refused over netlink, each followed by a full `nft` sync
+    /// of its family.
+    pub netlink_fallbacks: usize,
 }
 
 pub struct NftablesDataplane {
@@ -92,6 +118,8 @@ pub struct NftablesDataplane {
     applied: BTreeMap<Frontend, FrontendEntry>,
     warned_ipv6: bool,
     last: SyncStats,
+    /// Netlink element batches refused since the start (each fell back to a full sync).
+    netlink_fallbacks: u64,
 }
 
 /// `nft -f -` with `batch` (one transaction); returns how long it took.
@@ -230,12 +258,25 @@ impl NftablesDataplane {
             applied: BTreeMap::new(),
             warned_ipv6: false,
             last: SyncStats::default(),
+            netlink_fallbacks: 0,
         })
     }
 
     /// What the last call of [`Dataplane::sync`] did.
     pub fn last_sync(&self) -> &SyncStats {
         &self.last
+    }
+
+    /// How many netlink element batches the kernel refused since the start (each one logged
+    /// and followed by a full `nft` sync of its family).
+    pub fn netlink_fallbacks(&self) -> u64 {
+        self.netlink_fallbacks
+    }
+
+    /// Turns the netlink element writer on or off ([`NftablesOptions::netlink_elements`]),
+    /// for comparisons.
+    pub fn set_netlink_elements(&mut self, on: bool) {
+        self.options.netlink_elements = on;
     }
 
     /// Forces the next sync to be full.
@@ -262,12 +303,79 @@ impl NftablesDataplane {
         Ok(())
     }
 
+    /// Writes a batch: its element changes over netlink when that is all it holds (and
+    /// allowed), else its text with `nft -f` (and then, for a table created from empty, the
+    /// elements of `wanted`'s sets it left out, over netlink). `Ok(None)`: the netlink batch
+    /// was refused (logged and counted), nothing of it applied; the caller syncs the family
+    /// in full.
+    fn write(
+        &mut self,
+        family: Family,
+        batch: Batch,
+        wanted: Option<&Ruleset>,
+        stats: &mut SyncStats,
+    ) -> anyhow::Result<Option<Applied>> {
+        let started = Instant::now();
+        let elements_only = self.options.netlink_elements && !batch.structural && !batch.elements.is_empty();
+        let apart = match wanted {
+            Some(wanted) if !batch.elements_apart.is_empty() => batch
+                .elements_apart
+                .iter()
+                .filter_map(|name| Some((name, wanted.sets.get(name)?)))
+                .map(|(name, set)| netlink::Elements {
+                    set: name,
+                    spec: &set.spec,
+                    delete: false,
+                    elements: set
+                        .elements
+                        .iter()
+                        .map(|(key, value)| (key.as_str(), value.as_deref()))
+                        .collect(),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        if !elements_only && apart.is_empty() {
+            let took = apply(&batch.text)?;
+            return Ok(Some(Applied {
+                family,
+                batch,
+                took,
+                writer: Writer::Nft,
+                netlink_took: Duration::ZERO,
+            }));
+        }
+        let (writer, elements) = if apart.is_empty() {
+            (Writer::Netlink, batch.elements.iter().map(netlink::ElementChange::view).collect())
+        } else {
+            apply(&batch.text)?;
+            (Writer::NftThenNetlink, apart)
+        };
+        let netlink_started = Instant::now();
+        let result = netlink::apply(family, elements);
+        let netlink_took = netlink_started.elapsed();
+        match result {
+            Ok(()) => Ok(Some(Applied { family, batch, took: started.elapsed(), writer, netlink_took })),
+            Err(error) => {
+                self.netlink_fallbacks += 1;
+                stats.netlink_fallbacks += 1;
+                warn!(
+                    family = ruleset::family_name(family),
+                    fallbacks = self.netlink_fallbacks,
+                    "nftables element batch over netlink failed, syncing the table in full with nft: {error}"
+                );
+                Ok(None)
+            }
+        }
+    }
+
     fn sync_family(
         &mut self,
         state: &DesiredState,
         family: Family,
         full: bool,
         changes: Option<&StateChanges>,
+        stats: &mut SyncStats,
     ) -> anyhow::Result<Option<Applied>> {
         let programmed = if full || changes.is_none() { None } else { self.programmed.remove(&family) };
         if let (Some(changes), Some(mut programmed)) = (changes, programmed) {
@@ -282,24 +390,48 @@ impl NftablesDataplane {
                     self.programmed.insert(family, programmed);
                     return Ok(None);
                 }
-                let took = apply(&batch.text)?;
-                self.programmed.insert(family, programmed);
-                return Ok(Some(Applied { family, batch, took }));
+                if let Some(applied) = self.write(family, batch, None, stats)? {
+                    self.programmed.insert(family, programmed);
+                    return Ok(Some(applied));
+                }
+                return self.sync_family_in_full(state, family).map(Some);
             }
             self.programmed.insert(family, programmed);
         }
         let wanted = ruleset::generate(state, family);
         let batch = match self.programmed.get(&family) {
             Some(previous) if !full => ruleset::partial(previous, &wanted),
-            _ => ruleset::full(&list_table(family)?, &wanted),
+            _ => {
+                let existing = list_table(family)?;
+                if self.options.netlink_elements && existing == Existing::default() {
+                    ruleset::from_empty(&wanted)
+                } else {
+                    ruleset::full(&existing, &wanted)
+                }
+            }
         };
         if batch.is_empty() {
             return Ok(None);
         }
         self.programmed.remove(&family);
+        match self.write(family, batch, Some(&wanted), stats)? {
+            Some(applied) => {
+                self.programmed.insert(family, wanted);
+                Ok(Some(applied))
+            }
+            None => self.sync_family_in_full(state, family).map(Some),
+        }
+    }
+
+    /// A full `nft` sync of one family (after a refused netlink batch: what the kernel holds
+    /// is not assumed).
+    fn sync_family_in_full(&mut self, state: &DesiredState, family: Family) -> anyhow::Result<Applied> {
+        self.programmed.remove(&family);
+        let wanted = ruleset::generate(state, family);
+        let batch = ruleset::full(&list_table(family)?, &wanted);
         let took = apply(&batch.text)?;
         self.programmed.insert(family, wanted);
-        Ok(Some(Applied { family, batch, took }))
+        Ok(Applied { family, batch, took, writer: Writer::Nft, netlink_took: Duration::ZERO })
     }
 
     fn has_family(state: &DesiredState, family: Family) -> bool {
@@ -342,7 +474,7 @@ impl NftablesDataplane {
         let mut report = SyncReport::default();
         let mut errors = Vec::new();
         for family in self.families.clone() {
-            match self.sync_family(state, family, full, changes) {
+            match self.sync_family(state, family, full, changes, &mut stats) {
                 Ok(Some(applied)) => stats.batches.push(applied),
                 Ok(None) => {}
                 Err(error) if family == Family::Ipv6 && !Self::has_family(state, family) => {

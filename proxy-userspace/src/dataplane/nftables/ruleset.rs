@@ -35,6 +35,8 @@ use std::{
 
 use ipnet::IpNet;
 
+pub use super::netlink::ElementChange;
+
 use crate::dataplane::iptables::{
     names::{protocol_name, service_chain},
     ruleset::{
@@ -947,12 +949,21 @@ pub struct Batch {
     pub elements_deleted: usize,
     /// Sets and maps flushed and refilled whole (full syncs).
     pub sets_flushed: usize,
+    /// Tables, chains or sets created, refilled or deleted: a change `nft` must make. A
+    /// partial batch without any is element additions and deletions alone, in `elements`.
+    pub structural: bool,
+    /// A partial batch's element changes, in the order of the text (empty for full ones).
+    pub elements: Vec<ElementChange>,
+    /// A table created from empty (`from_empty`): the sets whose elements are not in the
+    /// text, to be added after it from the wanted ruleset.
+    pub elements_apart: Vec<String>,
 }
 
 impl Batch {
     /// Nothing to change (the table line alone).
     pub fn is_empty(&self) -> bool {
-        self.chains_written.is_empty()
+        !self.structural
+            && self.chains_written.is_empty()
             && self.chains_deleted.is_empty()
             && self.elements_added == 0
             && self.elements_deleted == 0
@@ -981,22 +992,55 @@ pub fn full(existing: &Existing, wanted: &Ruleset) -> Batch {
     plan(wanted, None, existing)
 }
 
+/// The batch that creates `wanted` where vipr has no table: the table, sets and chains as
+/// text, and the elements of every set `netlink` can write apart (`Batch::elements`), to be
+/// added after it as one netlink batch. Nothing was served before, so the two transactions
+/// need not be one; nft parses ~200k elements (10k services × 10 endpoints) for most of a
+/// second, the kernel's netlink parse is a fraction of that.
+pub fn from_empty(wanted: &Ruleset) -> Batch {
+    let apart: BTreeSet<&String> = wanted
+        .sets
+        .iter()
+        .filter(|(_, set)| {
+            !set.dynamic && !set.elements.is_empty() && super::netlink::Layout::of_spec(&set.spec).is_some()
+        })
+        .map(|(name, _)| name)
+        .collect();
+    let mut batch = plan_leaving_out(wanted, None, &Existing::default(), &apart);
+    batch.elements_added += apart.iter().map(|name| wanted.sets[*name].elements.len()).sum::<usize>();
+    batch.elements_apart = apart.into_iter().cloned().collect();
+    batch
+}
+
 fn plan(wanted: &Ruleset, previous: Option<&Ruleset>, existing: &Existing) -> Batch {
+    plan_leaving_out(wanted, previous, existing, &BTreeSet::new())
+}
+
+/// [`plan`], with the elements of the sets `apart` left out of the text.
+fn plan_leaving_out(
+    wanted: &Ruleset,
+    previous: Option<&Ruleset>,
+    existing: &Existing,
+    apart: &BTreeSet<&String>,
+) -> Batch {
     let family = family_name(wanted.family);
     let prefix = format!("{family} {TABLE}");
     let mut batch = Batch::default();
     let mut text = format!("add table {prefix}\n");
     let full = previous.is_none();
+    batch.structural = full;
 
     for (name, set) in &wanted.sets {
         if full || !existing.sets.contains_key(name) {
             let _ = writeln!(text, "add {} {prefix} {name} {{ {} }}", set.kind.keyword(), set.spec);
+            batch.structural = true;
         }
     }
     let changed =
         |name: &str, chain: &Chain| previous.is_none_or(|previous| previous.chains.get(name) != Some(chain));
     for (name, chain) in &wanted.chains {
         if full || !existing.chains.contains(name) {
+            batch.structural = true;
             match chain.hook {
                 Some(hook) => {
                     let _ = writeln!(text, "add chain {prefix} {name} {{ {hook} }}");
@@ -1013,6 +1057,7 @@ fn plan(wanted: &Ruleset, previous: Option<&Ruleset>, existing: &Existing) -> Ba
         let refill = wanted.chains.get(name).is_some_and(|chain| changed(name, chain));
         if refill || !wanted.chains.contains_key(name) {
             let _ = writeln!(text, "flush chain {prefix} {name}");
+            batch.structural = true;
         }
     }
     for (name, chain) in &wanted.chains {
@@ -1021,6 +1066,7 @@ fn plan(wanted: &Ruleset, previous: Option<&Ruleset>, existing: &Existing) -> Ba
                 let _ = writeln!(text, "add rule {prefix} {name} {rule}");
             }
             batch.chains_written.push(name.clone());
+            batch.structural = true;
         }
     }
 
@@ -1034,7 +1080,7 @@ fn plan(wanted: &Ruleset, previous: Option<&Ruleset>, existing: &Existing) -> Ba
         }
     };
     for (name, set) in &wanted.sets {
-        if set.dynamic {
+        if set.dynamic || apart.contains(name) {
             continue;
         }
         let (deleted, added): (Vec<String>, Vec<String>) = match previous {
@@ -1048,18 +1094,31 @@ fn plan(wanted: &Ruleset, previous: Option<&Ruleset>, existing: &Existing) -> Ba
             Some(previous) => {
                 let empty = BTreeMap::new();
                 let before = previous.sets.get(name).map_or(&empty, |set| &set.elements);
-                let deleted = before
+                let deleted: Vec<String> = before
                     .iter()
                     .filter(|(key, value)| set.elements.get(*key) != Some(value))
                     .map(|(key, _)| key.clone())
                     .collect();
-                let added = set
+                let added: Vec<(String, Option<String>)> = set
                     .elements
                     .iter()
                     .filter(|(key, value)| before.get(*key) != Some(value))
-                    .map(|(key, value)| render(key, value))
+                    .map(|(key, value)| (key.clone(), value.clone()))
                     .collect();
-                (deleted, added)
+                for (delete, elements) in [
+                    (true, deleted.iter().map(|key| (key.clone(), None)).collect::<Vec<_>>()),
+                    (false, added.clone()),
+                ] {
+                    if !elements.is_empty() {
+                        batch.elements.push(ElementChange {
+                            set: name.clone(),
+                            spec: set.spec.clone(),
+                            delete,
+                            elements,
+                        });
+                    }
+                }
+                (deleted, added.iter().map(|(key, value)| render(key, value)).collect())
             }
         };
         batch.elements_deleted += deleted.len();
@@ -1070,10 +1129,12 @@ fn plan(wanted: &Ruleset, previous: Option<&Ruleset>, existing: &Existing) -> Ba
     for name in stale_chains {
         let _ = writeln!(text, "delete chain {prefix} {name}");
         batch.chains_deleted.push(name.clone());
+        batch.structural = true;
     }
     for (name, kind) in &existing.sets {
         if !wanted.sets.contains_key(name) {
             let _ = writeln!(text, "delete {} {prefix} {name}", kind.keyword());
+            batch.structural = true;
         }
     }
     batch.text = text;

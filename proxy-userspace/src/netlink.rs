@@ -1,8 +1,9 @@
-//! A small netlink client over a raw `AF_NETLINK` socket: message framing, attribute
-//! encoding and parsing, request/acknowledge and dump exchanges, and resolving a generic
-//! netlink family by name. Just what the IPVS dataplane needs (generic netlink for IPVS,
-//! rtnetlink for the dummy interface and its addresses); the encoding is pure and
-//! unit-tested.
+//! vipr's netlink client over a raw `AF_NETLINK` socket: message framing, attribute
+//! encoding and parsing, request/acknowledge and dump exchanges, batches sent in one
+//! datagram with their (extended) acknowledgements, and resolving a generic netlink family by
+//! name. Its users: the IPVS dataplane (generic netlink for IPVS, rtnetlink for the dummy
+//! interface and its addresses), the nftables dataplane (nf_tables element batches,
+//! `dataplane/nftables/netlink.rs`), `host` (links). The encoding is pure and unit-tested.
 use std::{
     io,
     mem::size_of,
@@ -24,6 +25,18 @@ pub const NLM_F_DUMP: u16 = 0x300;
 
 pub const NLMSG_ERROR: u16 = 2;
 pub const NLMSG_DONE: u16 = 3;
+
+/// Flags of an `NLMSG_ERROR` reply: the request was not echoed back (`NETLINK_CAP_ACK`), and
+/// extended-acknowledgement attributes follow it (`NETLINK_EXT_ACK`).
+const NLM_F_CAPPED: u16 = 0x100;
+const NLM_F_ACK_TLVS: u16 = 0x200;
+/// The extended-acknowledgement attributes: the kernel's message and the offset, in the
+/// request, of the attribute the error is about.
+const NLMSGERR_ATTR_MSG: u16 = 1;
+const NLMSGERR_ATTR_OFFS: u16 = 2;
+const SOL_NETLINK: libc::c_int = 270;
+const NETLINK_CAP_ACK: libc::c_int = 10;
+const NETLINK_EXT_ACK: libc::c_int = 11;
 
 /// Set on an attribute whose payload is itself attributes.
 pub const NLA_F_NESTED: u16 = 0x8000;
@@ -60,6 +73,11 @@ impl Attributes {
 
     pub fn into_bytes(self) -> Vec<u8> {
         self.bytes
+    }
+
+    /// Attributes already encoded (one read back from the kernel, to send it again).
+    pub fn from_bytes(bytes: Vec<u8>) -> Self {
+        Self { bytes }
     }
 
     /// One attribute: a 4-byte header (length without padding, type), the payload, padding.
@@ -221,6 +239,48 @@ pub fn error_code(payload: &[u8]) -> io::Result<i32> {
     Ok(i32::from_ne_bytes(code.try_into().expect("4 bytes")))
 }
 
+/// An `NLMSG_ERROR` reply read whole: an acknowledgement (`code` 0) or an error, with what
+/// the kernel's extended acknowledgement says.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Acknowledgement {
+    pub sequence: u32,
+    /// 0, or a negated errno.
+    pub code: i32,
+    /// The kernel's explanation (`NLMSGERR_ATTR_MSG`).
+    pub text: Option<String>,
+    /// Where in the request (bytes from its netlink header) the attribute at fault starts
+    /// (`NLMSGERR_ATTR_OFFS`).
+    pub offset: Option<u32>,
+}
+
+impl Acknowledgement {
+    /// Reads an `NLMSG_ERROR` reply: the code, the request's header (or the whole request
+    /// when it was not capped), then the extended-acknowledgement attributes if flagged.
+    pub fn parse(reply: &Received) -> io::Result<Self> {
+        let code = error_code(&reply.payload)?;
+        let mut acknowledgement = Self { sequence: reply.sequence, code, ..Self::default() };
+        if reply.flags & NLM_F_ACK_TLVS == 0 {
+            return Ok(acknowledgement);
+        }
+        let echoed = if reply.flags & NLM_F_CAPPED != 0 {
+            HEADER_LEN
+        } else {
+            let header = reply.payload.get(4..8).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidData, "netlink error without the request's header")
+            })?;
+            align(u32::from_ne_bytes(header.try_into().expect("4 bytes")) as usize)
+        };
+        for attribute in parse_attributes(reply.payload.get(4 + echoed..).unwrap_or_default()) {
+            match attribute.kind {
+                NLMSGERR_ATTR_MSG => acknowledgement.text = attribute.str().map(str::to_owned),
+                NLMSGERR_ATTR_OFFS => acknowledgement.offset = attribute.u32(),
+                _ => {}
+            }
+        }
+        Ok(acknowledgement)
+    }
+}
+
 /// A netlink socket of one protocol (`NETLINK_GENERIC`, `NETLINK_ROUTE`), in the network
 /// namespace of the thread that opened it.
 #[derive(Debug)]
@@ -262,6 +322,92 @@ impl Socket {
             );
         }
         Ok(Self { fd, sequence: 0, buffer: vec![0; 64 * 1024] })
+    }
+
+    /// The next sequence number, for messages framed by the caller ([`Self::send_batch`]).
+    pub fn next_sequence(&mut self) -> u32 {
+        self.sequence = self.sequence.wrapping_add(1);
+        self.sequence
+    }
+
+    /// Asks for extended acknowledgements (the kernel's message and the offset of the
+    /// attribute at fault) without the request echoed back in an error.
+    pub fn extended_acknowledgements(&self) -> io::Result<()> {
+        for option in [NETLINK_EXT_ACK, NETLINK_CAP_ACK] {
+            self.set_option(SOL_NETLINK, option, 1)?;
+        }
+        Ok(())
+    }
+
+    fn set_option(&self, level: libc::c_int, option: libc::c_int, value: libc::c_int) -> io::Result<()> {
+        // SAFETY: an int option, passed by pointer with its size.
+        let result = unsafe {
+            libc::setsockopt(
+                self.fd.as_raw_fd(),
+                level,
+                option,
+                std::ptr::addr_of!(value).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if result < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Sends `messages` (framed by the caller, e.g. an nfnetlink batch, which the kernel
+    /// takes as one transaction only in one datagram) in one datagram, and returns every
+    /// `NLMSG_ERROR` reply: the kernel handles a netlink send before `sendto` returns, so
+    /// its answers are all queued by then and are read without waiting.
+    pub fn send_batch(&mut self, messages: &[u8]) -> io::Result<Vec<Acknowledgement>> {
+        // A datagram larger than the send buffer is refused: grow it (as root the limit
+        // does not apply; otherwise up to the system's maximum).
+        let needed = libc::c_int::try_from(messages.len() + 4096).unwrap_or(libc::c_int::MAX);
+        if needed > 200 * 1024 && self.set_option(libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, needed).is_err() {
+            self.set_option(libc::SOL_SOCKET, libc::SO_SNDBUF, needed)?;
+        }
+        // SAFETY: the buffer is valid for its length; the kernel address is all zeros.
+        let sent = unsafe {
+            let mut kernel: libc::sockaddr_nl = std::mem::zeroed();
+            kernel.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                messages.as_ptr().cast(),
+                messages.len(),
+                0,
+                std::ptr::addr_of!(kernel).cast(),
+                size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+            )
+        };
+        if sent < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut acknowledgements = Vec::new();
+        loop {
+            // SAFETY: the buffer is valid for its length.
+            let received = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    self.buffer.as_mut_ptr().cast(),
+                    self.buffer.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if received < 0 {
+                let error = io::Error::last_os_error();
+                match error.kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => return Ok(acknowledgements),
+                    _ => return Err(error),
+                }
+            }
+            for reply in split_messages(&self.buffer[..received as usize])? {
+                if reply.kind == NLMSG_ERROR {
+                    acknowledgements.push(Acknowledgement::parse(&reply)?);
+                }
+            }
+        }
     }
 
     /// Sends one request and waits for its acknowledgement (the kernel's answer to
@@ -436,6 +582,33 @@ mod tests {
     fn errors_are_negated_errnos() {
         assert_eq!(error_code(&(-libc::ENOENT).to_ne_bytes()).unwrap(), -libc::ENOENT);
         assert!(error_code(&[0, 0]).is_err());
+    }
+
+    #[test]
+    fn extended_acknowledgements_give_the_offset_and_the_text() {
+        // An error reply to a capped request: code, the request's header, then the attributes.
+        let mut payload = (-libc::EEXIST).to_ne_bytes().to_vec();
+        payload.extend_from_slice(&message(0x0a0c, NLM_F_REQUEST, 9, &[])[..HEADER_LEN]);
+        let mut attributes = Attributes::new();
+        attributes.put_str(NLMSGERR_ATTR_MSG, "exists").put_u32(NLMSGERR_ATTR_OFFS, 44);
+        payload.extend_from_slice(attributes.bytes());
+        let reply =
+            Received { kind: NLMSG_ERROR, flags: NLM_F_CAPPED | NLM_F_ACK_TLVS, sequence: 9, payload };
+        assert_eq!(
+            Acknowledgement::parse(&reply).unwrap(),
+            Acknowledgement {
+                sequence: 9,
+                code: -libc::EEXIST,
+                text: Some("exists".into()),
+                offset: Some(44)
+            }
+        );
+        let plain =
+            Received { kind: NLMSG_ERROR, flags: 0, sequence: 3, payload: 0i32.to_ne_bytes().to_vec() };
+        assert_eq!(
+            Acknowledgement::parse(&plain).unwrap(),
+            Acknowledgement { sequence: 3, ..Default::default() }
+        );
     }
 
     #[test]
