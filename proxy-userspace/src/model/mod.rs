@@ -21,6 +21,8 @@ use std::{
 use ipnet::IpNet;
 
 pub mod changes;
+#[cfg(test)]
+pub mod fixtures;
 pub mod kubernetes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

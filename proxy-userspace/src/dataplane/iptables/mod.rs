@@ -502,39 +502,18 @@ fn cleanup_family(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::model::{Backend, FrontendKind, ServicePortName, Treatment, WhenEmpty};
+    use crate::model::{
+        fixtures::{self, frontend},
+        FrontendKind,
+    };
 
     fn entry(backends: &[&str]) -> FrontendEntry {
-        let backends: Arc<[Backend]> = backends
-            .iter()
-            .map(|text| {
-                let address: SocketAddr = text.parse().unwrap();
-                Backend { ip: address.ip(), port: address.port() }
-            })
-            .collect();
-        let treatment = Treatment { backends, when_empty: WhenEmpty::Reject, masquerade: false };
-        FrontendEntry {
-            service: ServicePortName {
-                namespace: "ns".into(),
-                name: "dns".into(),
-                port: "dns".into(),
-                protocol: Protocol::Udp,
-            },
-            kind: FrontendKind::ClusterIp,
-            from_pod: treatment.clone(),
-            from_node: treatment.clone(),
-            from_outside: treatment,
-            allowed_sources: Vec::new(),
-            affinity: None,
-        }
-    }
-
-    fn frontend(text: &str, protocol: Protocol) -> Frontend {
-        let address: SocketAddr = text.parse().unwrap();
-        Frontend { ip: address.ip(), port: address.port(), protocol }
+        fixtures::entry(
+            fixtures::service_port("ns", "dns", "dns", Protocol::Udp),
+            FrontendKind::ClusterIp,
+            backends,
+        )
     }
 
     #[test]

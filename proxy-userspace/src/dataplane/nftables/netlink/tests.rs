@@ -1,12 +1,9 @@
-use std::{net::SocketAddr, process::Command, sync::Arc};
+use std::{net::SocketAddr, process::Command};
 
 use super::*;
 use crate::dataplane::nftables::{ruleset, NftablesDataplane, NftablesOptions, Writer};
 use crate::dataplane::Dataplane as _;
-use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, Protocol, ServicePortName, Treatment,
-    WhenEmpty,
-};
+use crate::model::{fixtures, DesiredState, Frontend, FrontendEntry, FrontendKind, Protocol};
 
 const VERDICT_MAP: &str = "type ipv4_addr . inet_proto . inet_service : verdict ;";
 const ENDPOINT_MAP: &str = "typeof ip daddr . tcp dport . numgen random mod 1 : ip daddr . tcp dport ;";
@@ -139,28 +136,7 @@ fn listing() -> String {
 }
 
 fn entry(name: &str, kind: FrontendKind, backends: &[&str]) -> FrontendEntry {
-    let backends: Arc<[Backend]> = backends
-        .iter()
-        .map(|text| {
-            let address: SocketAddr = text.parse().unwrap();
-            Backend { ip: address.ip(), port: address.port() }
-        })
-        .collect();
-    let treatment = Treatment { backends, when_empty: WhenEmpty::Reject, masquerade: false };
-    FrontendEntry {
-        service: ServicePortName {
-            namespace: "ns1".into(),
-            name: name.into(),
-            port: "p80".into(),
-            protocol: Protocol::Tcp,
-        },
-        kind,
-        from_pod: treatment.clone(),
-        from_node: treatment.clone(),
-        from_outside: treatment,
-        allowed_sources: Vec::new(),
-        affinity: None,
-    }
+    fixtures::entry(fixtures::service_port("ns1", name, "p80", Protocol::Tcp), kind, backends)
 }
 
 /// Service `a` (cluster IP) with `a_backends`; service `b` (cluster IP and NodePort) with two.

@@ -1,40 +1,18 @@
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use super::*;
-use crate::model::{Protocol, Treatment, WhenEmpty};
+use crate::model::{fixtures, Protocol, WhenEmpty};
 
 fn service(name: &str) -> ServicePortName {
-    ServicePortName {
-        namespace: "ns1".into(),
-        name: name.into(),
-        port: "p80".into(),
-        protocol: Protocol::Tcp,
-    }
+    fixtures::service_port("ns1", name, "p80", Protocol::Tcp)
 }
 
 fn entry(name: &str, kind: FrontendKind, backends: &[&str]) -> FrontendEntry {
-    let backends: Arc<[Backend]> = backends
-        .iter()
-        .map(|text| {
-            let address: SocketAddr = text.parse().unwrap();
-            Backend { ip: address.ip(), port: address.port() }
-        })
-        .collect();
-    let treatment = Treatment { backends, when_empty: WhenEmpty::Reject, masquerade: false };
-    FrontendEntry {
-        service: service(name),
-        kind,
-        from_pod: treatment.clone(),
-        from_node: treatment.clone(),
-        from_outside: treatment,
-        allowed_sources: Vec::new(),
-        affinity: None,
-    }
+    fixtures::entry(service(name), kind, backends)
 }
 
 fn frontend(text: &str) -> Frontend {
-    let address: SocketAddr = text.parse().unwrap();
-    Frontend { ip: address.ip(), port: address.port(), protocol: Protocol::Tcp }
+    fixtures::frontend(text, Protocol::Tcp)
 }
 
 fn state(frontends: Vec<(&str, FrontendEntry)>) -> DesiredState {
