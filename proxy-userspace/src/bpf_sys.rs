@@ -209,39 +209,58 @@ pub fn count_keys(map: BorrowedFd<'_>, layout: EntryLayout, limit: u64) -> io::R
 
 /// [`count_keys`] by batches; `None` where the kernel has no batch lookup for the map.
 fn count_batched(map: BorrowedFd<'_>, layout: EntryLayout, limit: u64) -> Option<u64> {
-    let mut keys = vec![0u8; layout.key_size as usize * COUNT_BATCH as usize];
-    let mut values = vec![0u8; layout.value_bytes * COUNT_BATCH as usize];
-    // The position between batches: a bucket index for hash maps.
-    let (mut cursor, mut next) = (0u64, 0u64);
     let mut count = 0;
+    lookup_batches::<u8, u8>(map, COUNT_BATCH, layout.key_size as usize, layout.value_bytes, |keys, _| {
+        count += keys.len() as u64 / u64::from(layout.key_size.max(1));
+        count < limit
+    })?;
+    Some(count.min(limit))
+}
+
+/// Reads a whole map with `BPF_MAP_LOOKUP_BATCH` (Linux 5.6), `batch` entries per call, handing
+/// each batch's keys and values to `each` (a key is `key_units` `K`s, a value `value_units`
+/// `V`s: a per-CPU value is one per possible CPU) until it returns false or the map ends.
+/// `None` when the kernel refuses a batch: no batch lookups for this map type, or the map
+/// changed under the walk (a hash bucket grew past the batch).
+pub fn lookup_batches<K: Copy + Default, V: Copy + Default>(
+    map: BorrowedFd<'_>,
+    batch: u32,
+    key_units: usize,
+    value_units: usize,
+    mut each: impl FnMut(&[K], &[V]) -> bool,
+) -> Option<()> {
+    let mut keys = vec![K::default(); key_units * batch as usize];
+    let mut values = vec![V::default(); value_units * batch as usize];
+    // The position between batches: a bucket index (4 bytes) for hash maps, a key for the
+    // others (the generic batch walk of arrays and LPM tries), so room for either.
+    let token = (key_units * size_of::<K>()).max(size_of::<u64>());
+    let (mut cursor, mut next) = (vec![0u8; token], vec![0u8; token]);
     let mut first = true;
-    while count < limit {
+    loop {
         let mut attr = MapBatchAttr {
-            in_batch: if first { 0 } else { std::ptr::from_ref(&cursor) as u64 },
-            out_batch: std::ptr::from_mut(&mut next) as u64,
+            in_batch: if first { 0 } else { cursor.as_ptr() as u64 },
+            out_batch: next.as_mut_ptr() as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
-            count: COUNT_BATCH,
+            count: batch,
             map_fd: map.as_raw_fd() as u32,
             ..MapBatchAttr::default()
         };
-        // SAFETY: the buffers hold `count` keys and values of the map's sizes and outlive the call.
+        // SAFETY: the buffers hold `batch` keys and values of the sizes the caller gives, and
+        // outlive the call.
         let last = match unsafe { bpf(cmd::MAP_LOOKUP_BATCH, &mut attr) } {
             Ok(_) => false,
-            // The last batch; what it holds counts.
+            // The last batch; what it holds is valid.
             Err(error) if error.raw_os_error() == Some(libc::ENOENT) => true,
-            // No batch lookups for this map, or (later) the map changed under the walk (a
-            // bucket grew past the batch): counted key by key instead.
             Err(_) => return None,
         };
-        count += u64::from(attr.count);
-        if last {
-            break;
+        let got = attr.count as usize;
+        if !each(&keys[..got * key_units], &values[..got * value_units]) || last {
+            return Some(());
         }
-        cursor = next;
+        std::mem::swap(&mut cursor, &mut next);
         first = false;
     }
-    Some(count.min(limit))
 }
 
 /// [`count_keys`] with one `BPF_MAP_GET_NEXT_KEY` per key (no values read).
@@ -359,5 +378,17 @@ mod tests {
         assert_eq!(count_keys(trie.as_fd(), layout, 64).unwrap(), 10);
         assert_eq!(count_walking(trie.as_fd(), 8, 64).unwrap(), 10);
         assert_eq!(count_walking(hash.as_fd(), 4, 5_000).unwrap(), u64::from(3 * COUNT_BATCH + 17));
+
+        // An IPv6 trie: the batch position is a whole 20-byte key, more than a bucket index.
+        let trie6 = map(BPF_MAP_TYPE_LPM_TRIE, 20, 1, 64, BPF_F_NO_PREALLOC);
+        for last in 0..3u8 {
+            let mut key = [0u8; 20];
+            key[0] = 128;
+            key[4] = 0xfd;
+            key[19] = last;
+            update(trie6.as_fd(), &key, &[1], 0).expect("trie insert");
+        }
+        let layout = EntryLayout { key_size: 20, value_bytes: 1 };
+        assert_eq!(count_keys(trie6.as_fd(), layout, 64).unwrap(), 3);
     }
 }

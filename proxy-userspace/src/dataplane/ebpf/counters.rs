@@ -18,7 +18,7 @@ use std::{
     collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
     mem::size_of,
     net::IpAddr,
-    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
+    os::fd::{AsFd as _, BorrowedFd},
     path::Path,
     sync::{Arc, Mutex, PoisonError},
 };
@@ -28,7 +28,7 @@ use proxy_common::{datapath_stat, Counters};
 use tracing::warn;
 
 use crate::{
-    bpf_sys::{bpf, cmd, update_batch, MapBatchAttr},
+    bpf_sys::{self, update_batch},
     metrics::{Collector, Counter, MetricFamily, MetricKind, Sample, SampleValue},
     model::{Backend, ServicePortName},
 };
@@ -300,43 +300,23 @@ fn read_batched(fd: BorrowedFd<'_>, highest: u32) -> Option<Vec<Counters>> {
     let cpus = aya::util::nr_cpus().ok()?;
     // The kernel lays out a per-CPU value as one 8-byte-aligned copy per possible CPU.
     const _: () = assert!(size_of::<Counters>().is_multiple_of(8));
-    let mut keys = vec![0u32; BATCH as usize];
-    let mut values = vec![Counters::default(); BATCH as usize * cpus];
     let mut sums = Vec::with_capacity(highest as usize + 1);
-    let (mut cursor, mut next) = (0u32, 0u32);
-    let mut first = true;
-    while sums.len() <= highest as usize {
-        let mut attr = MapBatchAttr {
-            in_batch: if first { 0 } else { std::ptr::from_ref(&cursor) as u64 },
-            out_batch: std::ptr::from_mut(&mut next) as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
-            count: BATCH,
-            map_fd: fd.as_raw_fd() as u32,
-            ..MapBatchAttr::default()
-        };
-        // SAFETY: the attribute points to buffers of `count` keys and `count × cpus` values,
-        // which the kernel fills.
-        let done = match unsafe { bpf(cmd::MAP_LOOKUP_BATCH, &mut attr) } {
-            Ok(_) => false,
-            // The last batch: what it holds is valid, and there is no more.
-            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => true,
-            Err(_) => return None,
-        };
-        for (slot, per_cpu) in values.chunks(cpus).take(attr.count as usize).enumerate() {
-            if keys[slot] as usize != sums.len() {
-                return None;
+    let mut in_order = true;
+    bpf_sys::lookup_batches::<u32, Counters>(fd, BATCH, 1, cpus, |keys, values| {
+        for (key, per_cpu) in keys.iter().zip(values.chunks(cpus)) {
+            if *key as usize != sums.len() {
+                in_order = false;
+                return false;
             }
             sums.push(per_cpu.iter().fold(Counters::default(), |sum, cpu| Counters {
                 packets: sum.packets + cpu.packets,
                 bytes: sum.bytes + cpu.bytes,
             }));
         }
-        if done {
-            break;
-        }
-        cursor = next;
-        first = false;
+        sums.len() <= highest as usize
+    })?;
+    if !in_order {
+        return None;
     }
     sums.truncate(highest as usize + 1);
     Some(sums)
@@ -600,7 +580,10 @@ impl Collector for DatapathCollector {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{bpf_sys::MapCreateAttr, model::Protocol};
+    use crate::{
+        bpf_sys::{bpf, cmd, MapCreateAttr},
+        model::Protocol,
+    };
 
     fn service(name: &str) -> Arc<ServicePortName> {
         Arc::new(ServicePortName {
