@@ -79,6 +79,9 @@ pub struct Translator {
     health_check_node_ports: HashMap<u16, usize>,
     /// The services with a [`ServiceRecord::on_node_addresses`].
     on_node_addresses: BTreeSet<Key>,
+    /// The services whose record has rejections: [`Self::rejected`] lists them after every
+    /// sync, and walking every record for the few that have some made each sync O(services).
+    with_rejections: BTreeSet<Key>,
     /// Holders of a cluster IP or listed endpoint beyond the first: the state's set holds
     /// it while it has one, and nearly every item has exactly one, so only the others are
     /// counted.
@@ -101,7 +104,12 @@ impl Translator {
     /// The objects the last [`Self::translate`] could not use, as [`super::Translation`]
     /// lists them (in another order).
     pub fn rejected(&self) -> Vec<Rejection> {
-        let mut rejected: Vec<Rejection> = self.services.values().flat_map(|s| s.rejected.clone()).collect();
+        let mut rejected: Vec<Rejection> = self
+            .with_rejections
+            .iter()
+            .filter_map(|key| self.services.get(key))
+            .flat_map(|record| record.rejected.iter().cloned())
+            .collect();
         rejected.extend(self.slice_rejections.values().flatten().cloned());
         for frontend in &self.contested {
             let Some((owner, others)) = self.claims.get(frontend).and_then(|c| c.split_first()) else {
@@ -154,11 +162,15 @@ impl Translator {
                 self.withdraw(&key, &record, &mut before);
             }
             self.on_node_addresses.remove(&key);
+            self.with_rejections.remove(&key);
             if let Some(service) = tracker.service(&key) {
                 let (record, entries) = self.service_record(&key, service, tracker, node);
                 self.contribute(&key, &record, entries, &mut before);
                 if record.on_node_addresses {
                     self.on_node_addresses.insert(key.clone());
+                }
+                if !record.rejected.is_empty() {
+                    self.with_rejections.insert(key.clone());
                 }
                 self.services.insert(key, record);
             }
