@@ -275,41 +275,65 @@ mod tests {
         Objects::held_by(tracker).services.iter().map(|s| s.meta().name().to_owned()).collect()
     }
 
+    /// A services file under a fresh directory with `content`, watched every `interval`
+    /// until dropped (which stops the watcher and removes the directory, also on failure).
+    struct Watched {
+        dir: PathBuf,
+        path: PathBuf,
+        received: std::sync::mpsc::Receiver<SourceEvent>,
+        stop: Option<std::sync::mpsc::Sender<()>>,
+        watcher: Option<std::thread::JoinHandle<()>>,
+    }
+
+    impl Watched {
+        fn new(test: &str, content: &str, interval: Duration) -> Self {
+            let dir = std::env::temp_dir().join(format!("vipr-file-{test}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("services.yaml");
+            std::fs::write(&path, content).unwrap();
+            let (events, received) = std::sync::mpsc::channel();
+            let (stop, stopped) = std::sync::mpsc::channel();
+            let watcher = {
+                let path = path.clone();
+                std::thread::spawn(move || watch(path, &Ownership::default(), interval, events, stopped))
+            };
+            Self { dir, path, received, stop: Some(stop), watcher: Some(watcher) }
+        }
+    }
+
+    impl Drop for Watched {
+        fn drop(&mut self) {
+            drop(self.stop.take());
+            if let Some(watcher) = self.watcher.take() {
+                let _ = watcher.join();
+            }
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
     #[test]
     fn a_file_caught_while_it_is_rewritten_in_place_withdraws_nothing() {
         const INTERVAL: Duration = Duration::from_millis(100);
-        let dir = std::env::temp_dir().join(format!("vipr-file-settle-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("services.yaml");
-        let both = service_named("a") + &service_named("b");
-        std::fs::write(&path, &both).unwrap();
-        let (events, received) = std::sync::mpsc::channel();
-        let (stop, stopped) = std::sync::mpsc::channel();
-        let watcher = {
-            let path = path.clone();
-            std::thread::spawn(move || watch(path, &Ownership::default(), INTERVAL, events, stopped))
-        };
+        let watched = Watched::new("settle", &(service_named("a") + &service_named("b")), INTERVAL);
+        let (path, received) = (&watched.path, &watched.received);
         let deadline = Duration::from_secs(10);
         let mut tracker = ChangeTracker::new(std::time::SystemTime::UNIX_EPOCH);
-        assert_eq!(services_after_read(&received, &mut tracker, deadline), ["a", "b"]);
+        assert_eq!(services_after_read(received, &mut tracker, deadline), ["a", "b"]);
         tracker.take_dirty();
 
         // A slow writer, as `>` in a shell gives: truncated, then written in two steps with a
         // complete first document in between. Each state lasts longer than a poll, so the
         // watcher reads it, and less than the settle time, so it must not be applied.
         for partial in ["", service_named("a").as_str()] {
-            std::fs::write(&path, partial).unwrap();
+            std::fs::write(path, partial).unwrap();
             std::thread::sleep(INTERVAL * 13 / 10);
         }
-        std::fs::write(&path, service_named("c")).unwrap();
+        std::fs::write(path, service_named("c")).unwrap();
         // The first change sent after the rewrites is to the last, settled content, and
         // only what differs is sent: a and b deleted, c added.
-        assert_eq!(services_after_read(&received, &mut tracker, deadline), ["c"]);
+        assert_eq!(services_after_read(received, &mut tracker, deadline), ["c"]);
         assert_eq!(tracker.take_dirty().services.len(), 3);
         assert_eq!(tracker.total().services, 5);
-        stop.send(()).unwrap();
-        watcher.join().unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A re-read that changes several objects is one event: the agent cannot sync between
@@ -317,21 +341,13 @@ mod tests {
     #[test]
     fn one_read_of_the_file_is_one_event() {
         const INTERVAL: Duration = Duration::from_millis(50);
-        let dir = std::env::temp_dir().join(format!("vipr-file-batch-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("services.yaml");
-        std::fs::write(&path, service_named("a") + &service_named("b")).unwrap();
-        let (events, received) = std::sync::mpsc::channel();
-        let (stop, stopped) = std::sync::mpsc::channel();
-        let watcher = {
-            let path = path.clone();
-            std::thread::spawn(move || watch(path, &Ownership::default(), INTERVAL, events, stopped))
-        };
+        let watched = Watched::new("batch", &(service_named("a") + &service_named("b")), INTERVAL);
+        let (path, received) = (&watched.path, &watched.received);
         let deadline = Duration::from_secs(10);
         let first = received.recv_timeout(deadline).unwrap();
         assert!(first.completes_the_view(), "the first read is complete in one event: {first:?}");
 
-        std::fs::write(&path, service_named("b") + &service_named("c")).unwrap();
+        std::fs::write(path, service_named("b") + &service_named("c")).unwrap();
         let second = received.recv_timeout(deadline).unwrap();
         let SourceEvent::Batch(changes) = &second else { panic!("one read, one batch: {second:?}") };
         let deleted = changes.iter().filter(|event| matches!(event, SourceEvent::Deleted(..))).count();
@@ -342,9 +358,6 @@ mod tests {
         assert!(second.apply_to(&mut tracker));
         assert_eq!(tracker.services_sorted().len(), 2);
         assert!(received.recv_timeout(INTERVAL * 4).is_err(), "nothing more was sent");
-        stop.send(()).unwrap();
-        watcher.join().unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
