@@ -40,6 +40,22 @@ const NETLINK_EXT_ACK: libc::c_int = 11;
 
 /// Set on an attribute whose payload is itself attributes.
 pub const NLA_F_NESTED: u16 = 0x8000;
+
+/// The netfilter protocol (nfnetlink), under which conntrack and nf_tables live.
+pub const NETLINK_NETFILTER: libc::c_int = 12;
+/// `struct nfgenmsg`, the header of every nfnetlink message's payload.
+pub const NFGENMSG_LEN: usize = 4;
+
+/// `struct nfgenmsg`: the family, `NFNETLINK_V0`, the resource id (big-endian).
+pub fn nfgenmsg(family: u8, resource: u16) -> [u8; NFGENMSG_LEN] {
+    let resource = resource.to_be_bytes();
+    [family, 0, resource[0], resource[1]]
+}
+
+/// An nfnetlink message type: the subsystem in the high byte, its message in the low one.
+pub const fn nfnl_type(subsystem: u16, message: u16) -> u16 {
+    (subsystem << 8) | message
+}
 const NLA_TYPE_MASK: u16 = !(NLA_F_NESTED | 0x4000);
 
 /// The generic netlink controller and what this client asks it.

@@ -13,9 +13,8 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use crate::netlink::{parse_attributes, Attributes};
+use crate::netlink::{nfgenmsg, nfnl_type, parse_attributes, Attributes, NETLINK_NETFILTER};
 
-const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_GET: u16 = 1;
 const IPCTNL_MSG_CT_DELETE: u16 = 2;
@@ -138,7 +137,7 @@ pub fn is_stale(entry: &Entry, keep: &Keep) -> bool {
 struct Socket(crate::netlink::Socket);
 
 fn ctnetlink_payload(family: u8, attributes: &Attributes) -> Vec<u8> {
-    let mut payload = vec![family, 0, 0, 0];
+    let mut payload = nfgenmsg(family, 0).to_vec();
     payload.extend_from_slice(attributes.bytes());
     payload
 }
@@ -149,7 +148,7 @@ impl Socket {
     }
 
     fn dump(&mut self, family: u8) -> io::Result<Vec<Entry>> {
-        let kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET;
+        let kind = nfnl_type(NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_GET);
         let replies = self.0.dump(kind, &ctnetlink_payload(family, &Attributes::new()))?;
         Ok(replies.iter().filter_map(|reply| parse_entry(reply.payload.get(4..)?)).collect())
     }
@@ -160,7 +159,7 @@ impl Socket {
         if let Some(zone) = entry.zone {
             attributes.put(CTA_ZONE, &zone);
         }
-        let kind = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE;
+        let kind = nfnl_type(NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_DELETE);
         self.0.request(kind, 0, &ctnetlink_payload(family, &attributes)).map(drop)
     }
 }

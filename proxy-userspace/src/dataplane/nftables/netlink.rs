@@ -17,19 +17,17 @@ use std::{fmt, io, net::IpAddr};
 
 use crate::dataplane::iptables::Family;
 use crate::netlink::{
-    align, message, Attributes, Socket, HEADER_LEN, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST,
+    align, message, nfgenmsg, nfnl_type, Attributes, Socket, HEADER_LEN, NETLINK_NETFILTER, NFGENMSG_LEN,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST,
 };
 
 use super::ruleset::TABLE;
 
-const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
 const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_DELSETELEM: u16 = 14;
-/// `struct nfgenmsg`: family, version (`NFNETLINK_V0`), resource id (big-endian).
-const NFGENMSG_LEN: usize = 4;
 
 const NFTA_SET_ELEM_LIST_TABLE: u16 = 1;
 const NFTA_SET_ELEM_LIST_SET: u16 = 2;
@@ -292,11 +290,6 @@ impl fmt::Display for BatchError {
 
 impl std::error::Error for BatchError {}
 
-fn nfgenmsg(family: u8, resource: u16) -> [u8; NFGENMSG_LEN] {
-    let resource = resource.to_be_bytes();
-    [family, 0, resource[0], resource[1]]
-}
-
 fn nfproto(family: Family) -> u8 {
     match family {
         Family::Ipv4 => libc::NFPROTO_IPV4 as u8,
@@ -359,7 +352,7 @@ impl<'a> ElementBatch<'a> {
                     (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE)
                 };
                 let sequence = next();
-                bytes.extend(message((NFNL_SUBSYS_NFTABLES << 8) | kind, flags, sequence, &payload));
+                bytes.extend(message(nfnl_type(NFNL_SUBSYS_NFTABLES, kind), flags, sequence, &payload));
                 sent.push(Sent {
                     sequence,
                     change: index,
