@@ -27,15 +27,8 @@ use tracing::{debug, error, info, warn};
 
 use self::runner::{Outcome, SyncRunner};
 use crate::{
-    cli::ProxyMode,
     config::{LocalDetection, Settings, SourceSettings},
-    dataplane::{
-        ebpf::{record as ebpf_record, EbpfDataplane, EbpfOptions, HostTrafficOptions},
-        iptables::{self, IptablesDataplane, IptablesOptions},
-        ipvs::{self as ipvs_dataplane, IpvsDataplane, IpvsOptions},
-        nftables::{NftablesDataplane, NftablesOptions},
-        Dataplane, SyncReport,
-    },
+    dataplane::{self, Dataplane, Mode, SyncReport},
     events::{reasons as event_reasons, ApiEvents, Event, EventSink, LogOnly, ObjectRef, Severity},
     health::{Moment, ProxyHealth, ServiceHealthServer},
     host,
@@ -106,73 +99,23 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         return Ok(());
     }
     if settings.cleanup {
-        // Every mode's state, so that switching modes (or from kube-proxy) leaves nothing behind.
-        // Without --devices, every interface: a clsact filter may be on any of them (the
-        // uninstall DaemonSet passes no --devices).
-        let devices = node::devices(&settings.devices).unwrap_or_else(|_| settings.devices.clone());
-        let ebpf = EbpfDataplane::cleanup(&settings.bpf_root, &devices);
-        // The record of what the removed maps should hold (`vipr inspect drift`).
-        let _ = std::fs::remove_file(ebpf_record::path(&settings.state_dir, &settings.bpf_root));
-        // An uninstall while kube-proxy is back leaves kube-proxy's rules serving.
-        let (iptables, ipvs) = if settings.cleanup_keep_kube_proxy {
-            (
-                IptablesDataplane::cleanup_leftovers(),
-                IpvsDataplane::cleanup_leftovers(&settings.ipvs.exclude_cidrs),
-            )
-        } else {
-            (IptablesDataplane::cleanup(), IpvsDataplane::cleanup(&settings.ipvs.exclude_cidrs))
-        };
-        let errors: Vec<String> = [ebpf, iptables, ipvs, NftablesDataplane::cleanup()]
-            .into_iter()
-            .filter_map(Result::err)
-            .map(|error| format!("{error:#}"))
-            .collect();
-        return if errors.is_empty() { Ok(()) } else { Err(anyhow::anyhow!(errors.join("; "))) };
+        return dataplane::cleanup(&settings.cleanup_options());
     }
     info!(version = env!("CARGO_PKG_VERSION"), "vipr {} starting", env!("CARGO_PKG_VERSION"));
     log_settings(settings);
     let (mode, mode_reason) = running_mode(settings)?;
     // kube-proxy's one-time initialisation; the kernel's conntrack matters to the modes that
     // use it (the eBPF datapath tracks its connections itself).
-    let netfilter = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs | ProxyMode::Nftables);
-    tuning::apply_at_start(settings.oom_score_adj, netfilter.then_some(&settings.netfilter_conntrack));
+    tuning::apply_at_start(
+        settings.oom_score_adj,
+        mode.uses_netfilter_conntrack().then_some(&settings.netfilter_conntrack),
+    );
     if settings.init_only {
         info!("--init-only: initialisation done");
         return Ok(());
     }
-    let mut dataplane: Box<dyn Dataplane> = match mode {
-        ProxyMode::Iptables => Box::new(IptablesDataplane::start(&IptablesOptions {
-            localhost_node_ports: iptables::localhost_node_ports(
-                settings.iptables_localhost_node_ports,
-                &node_port_addresses(settings, mode),
-            ),
-            ..IptablesOptions::default()
-        })?),
-        // `running_mode` never answers auto; the arm is shared only to satisfy the match.
-        ProxyMode::Ebpf | ProxyMode::Auto => {
-            let devices = node::devices(&settings.devices).context("cannot list network devices")?;
-            if devices.is_empty() {
-                bail!("no device to attach to: pass --devices=IF[,IF...]");
-            }
-            let mut ebpf = EbpfDataplane::start_with(
-                &EbpfOptions {
-                    bpf_root: settings.bpf_root.clone(),
-                    devices,
-                    map_sizes: settings.bpf_map_sizes,
-                    conntrack: settings.conntrack,
-                    balancing: settings.balancing,
-                    xdp: settings.xdp,
-                    forwarding: settings.bpf_forwarding,
-                },
-                &HostTrafficOptions { cgroup_root: settings.cgroup_root.clone() },
-            )?;
-            ebpf.record_desired_state(ebpf_record::path(&settings.state_dir, &settings.bpf_root));
-            Box::new(ebpf)
-        }
-        ProxyMode::Ipvs => Box::new(IpvsDataplane::start(ipvs_options(settings))?),
-        ProxyMode::Nftables => Box::new(NftablesDataplane::start(&NftablesOptions::default())?),
-    };
-    clean_other_modes(settings, dataplane.mode());
+    let mut dataplane = dataplane::start(mode, &settings.start_options(mode))?;
+    dataplane::clean_other_modes(mode, &settings.cleanup_options());
 
     let metrics = Arc::new(ProxyMetrics::default());
     // Dataplane counters (per service, per backend) join here as further collectors.
@@ -190,7 +133,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     registry.register(Arc::new(crate::metrics::process::ProcessMetrics));
     registry.register(Arc::new(crate::metrics::rest_client::RestClientCollector));
     let events = event_sink(settings, &registry);
-    record_start(events.as_ref(), settings, dataplane.mode(), &mode_reason);
+    record_start(events.as_ref(), settings, mode, &mode_reason);
     let health = Arc::new(ProxyHealth::new(2 * settings.sync_period, metrics.clone()));
     // Every HTTP server of the agent (health, metrics, health-check node ports) on its threads.
     let http = HttpRuntime::start().context("cannot start the HTTP servers")?;
@@ -199,7 +142,7 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         http.serve_forever(address, "healthz", Workload::Probes, health.clone().handler());
     }
     if let Some(address) = settings.metrics_bind_address {
-        let metrics_pages = registry.handler(dataplane.mode());
+        let metrics_pages = registry.handler(mode.name());
         let status_pages = StatusPages::new(settings, std::env::args());
         let handler: crate::http::Handler =
             Arc::new(move |path| status_pages.reply(path).unwrap_or_else(|| metrics_pages(path)));
@@ -215,18 +158,20 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
     let (wakeups_tx, wakeups) = mpsc::channel();
     let (stop_source, stop) = mpsc::channel();
     let source = spawn_source(settings, forward_to(wakeups_tx.clone())?, stop)?;
-    // The devices to serve change when links come and go; only the eBPF dataplane attaches
-    // to them.
     if let Some(path) = &settings.config_file {
         watch_config_file(path.clone(), wakeups_tx.clone())?;
     }
-    let _links = (mode == ProxyMode::Ebpf)
+    // The devices to serve change when links come and go; only a dataplane that attaches to
+    // them hears of it.
+    let _links = dataplane
+        .device_server()
+        .is_some()
         .then(|| links::watch(links::sender(wakeups_tx, || Wakeup::Links)))
         .flatten();
 
     info!(
         node = settings.node_name,
-        mode = dataplane.mode(),
+        mode = mode.name(),
         min_sync_period = %crate::config::format_go_duration(settings.min_sync_period_in(mode)),
         "vipr running"
     );
@@ -267,18 +212,20 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         if agent.runner.is_due(Instant::now()) {
             agent.sync(dataplane.as_mut());
         }
-        if links_changed || devices_checked.elapsed() >= DEVICE_POLL_INTERVAL {
-            // New pods bring new veths; their traffic must be balanced from their first packet.
-            // A listed device can be deleted and created again (a bond or VLAN re-configured),
-            // and must then be attached again.
-            devices_checked = Instant::now();
-            match node::devices(&settings.devices) {
-                Ok(devices) => {
-                    if let Err(error) = dataplane.serve_devices(&devices) {
-                        warn!("cannot follow the node's devices: {error:#}");
+        if let Some(device_server) = dataplane.device_server() {
+            if links_changed || devices_checked.elapsed() >= DEVICE_POLL_INTERVAL {
+                // New pods bring new veths; their traffic must be balanced from their first
+                // packet. A listed device can be deleted and created again (a bond or VLAN
+                // re-configured), and must then be attached again.
+                devices_checked = Instant::now();
+                match host::devices(&settings.devices) {
+                    Ok(devices) => {
+                        if let Err(error) = device_server.serve_devices(&devices) {
+                            warn!("cannot follow the node's devices: {error:#}");
+                        }
                     }
+                    Err(error) => warn!("cannot list network devices: {error}"),
                 }
-                Err(error) => warn!("cannot list network devices: {error}"),
             }
         }
     }
@@ -314,7 +261,7 @@ fn event_sink(settings: &Settings, registry: &Registry) -> Arc<dyn EventSink> {
 
 /// kube-proxy's "Starting" Event on this node, with vipr's version and mode, and the mode's
 /// reason (`--proxy-mode=auto`'s probes) in an Event of its own.
-fn record_start(events: &dyn EventSink, settings: &Settings, mode: &str, mode_reason: &str) {
+fn record_start(events: &dyn EventSink, settings: &Settings, mode: Mode, mode_reason: &str) {
     let version = env!("CARGO_PKG_VERSION");
     let node = ObjectRef::node(&settings.node_name);
     events.record(Event {
@@ -329,7 +276,7 @@ fn record_start(events: &dyn EventSink, settings: &Settings, mode: &str, mode_re
         severity: Severity::Normal,
         reason: event_reasons::PROXY_MODE,
         action: "ChooseProxyMode",
-        note: format!("--proxy-mode={}: {mode_reason}", probe::mode_name(settings.proxy_mode)),
+        note: format!("--proxy-mode={}: {mode_reason}", settings.proxy_mode.name()),
     });
 }
 
@@ -424,7 +371,7 @@ fn ownership(settings: &Settings) -> Ownership {
 struct Agent<'a> {
     settings: &'a Settings,
     /// The dataplane running (auto resolved).
-    mode: ProxyMode,
+    mode: Mode,
     health: Arc<ProxyHealth>,
     metrics: Arc<ProxyMetrics>,
     runner: SyncRunner,
@@ -459,7 +406,7 @@ struct Agent<'a> {
 impl<'a> Agent<'a> {
     fn new(
         settings: &'a Settings,
-        mode: ProxyMode,
+        mode: Mode,
         health: Arc<ProxyHealth>,
         metrics: Arc<ProxyMetrics>,
         http: HttpRuntime,
@@ -649,13 +596,13 @@ impl<'a> Agent<'a> {
 
     /// Lists the node's addresses anew; a failed listing keeps the last known ones.
     fn refresh_node_addresses(&mut self) {
-        // Service addresses that the IPVS dataplane binds to its dummy interface are not the
-        // node's (kube-proxy leaves them out too).
+        // Service addresses that a dataplane binds to an interface of its own (ipvs mode's
+        // dummy interface) are not the node's (kube-proxy leaves them out too).
         match host::interface_addresses() {
             Ok(addresses) => {
                 self.node_addresses = addresses
                     .into_iter()
-                    .filter(|address| address.interface != ipvs_dataplane::link::DUMMY_INTERFACE)
+                    .filter(|address| !dataplane::holds_service_addresses(&address.interface))
                     .map(|address| address.ip)
                     .collect();
             }
@@ -698,16 +645,12 @@ impl<'a> Agent<'a> {
             cluster_cidrs: local_cidrs,
             pod_interfaces: pod_interfaces(&self.settings.local_detection),
             masquerade_all: self.settings.masquerade_all,
-            node_port_cidrs: node::node_port_cidrs(&node_port_addresses(self.settings, self.mode), &facts),
+            node_port_cidrs: node::node_port_cidrs(&self.settings.node_port_addresses_in(self.mode), &facts),
             service_cidrs,
             // kube-proxy's iptables mode serves them; vipr's ebpf mode through its socket hooks.
             // The iptables dataplane programs its own loopback rules, ipvs has none.
-            localhost_node_ports: self.mode == ProxyMode::Ebpf
-                && iptables::localhost_node_ports(
-                    self.settings.iptables_localhost_node_ports,
-                    &node_port_addresses(self.settings, self.mode),
-                )
-                .is_some(),
+            localhost_node_ports: self.mode == Mode::Ebpf
+                && self.settings.localhost_node_ports_in(self.mode).is_some(),
             own_ports: [self.settings.healthz_bind_address, self.settings.metrics_bind_address]
                 .into_iter()
                 .flatten()
@@ -747,10 +690,10 @@ fn log_settings(settings: &Settings) {
     let used = format!(
         "mode={} node={} sync-period={} min-sync-period={} healthz={} metrics={} detect-local={} \
          masquerade-all={} oom-score-adj={} bind-address={}",
-        crate::probe::mode_name(settings.proxy_mode),
+        settings.proxy_mode.name(),
         settings.node_name,
         crate::config::format_go_duration(settings.sync_period),
-        if settings.min_sync_period_defaulted && settings.proxy_mode == ProxyMode::Auto {
+        if settings.min_sync_period_defaulted && settings.proxy_mode.fixed().is_none() {
             "the running mode's default".to_owned()
         } else {
             crate::config::format_go_duration(settings.min_sync_period)
@@ -777,79 +720,23 @@ fn log_settings(settings: &Settings) {
 
 /// Where service health checks listen, as kube-proxy: on every address when NodePorts are
 /// served on every address, else on the NodePort addresses.
-fn health_check_listen_ips(node: &NodeContext, settings: &Settings, mode: ProxyMode) -> Vec<IpAddr> {
-    if node::matches_all(&node_port_addresses(settings, mode)) {
+fn health_check_listen_ips(node: &NodeContext, settings: &Settings, mode: Mode) -> Vec<IpAddr> {
+    if node::matches_all(&settings.node_port_addresses_in(mode)) {
         vec![IpAddr::V4(Ipv4Addr::UNSPECIFIED)]
     } else {
         node.node_port_ips.iter().copied().collect()
     }
 }
 
-/// `--nodeport-addresses` as the running `mode` reads it: empty means the primary node IPs
-/// (kube-proxy's nftables default), except in iptables and ipvs modes, where it means every node
-/// address as in kube-proxy's iptables and ipvs modes (the iptables conformance cases expect
-/// NodePorts on secondary addresses). The running mode, not the requested one: auto that falls
-/// back to iptables serves as iptables mode does.
-fn node_port_addresses(settings: &Settings, mode: ProxyMode) -> Vec<crate::config::NodePortAddress> {
-    let every_address_by_default = matches!(mode, ProxyMode::Iptables | ProxyMode::Ipvs);
-    if every_address_by_default && settings.node_port_addresses.is_empty() {
-        vec![crate::config::NodePortAddress::All]
-    } else {
-        settings.node_port_addresses.clone()
-    }
-}
-
 /// The dataplane to start: the requested one, or for auto what [`probe::decide`] finds this
 /// kernel and node offer (logged with every reason that ruled a better mode out); and why, in
 /// words.
-fn running_mode(settings: &Settings) -> anyhow::Result<(ProxyMode, String)> {
-    if settings.proxy_mode != ProxyMode::Auto {
-        info!("proxy mode {} (requested)", probe::mode_name(settings.proxy_mode));
-        return Ok((settings.proxy_mode, "requested".to_owned()));
+fn running_mode(settings: &Settings) -> anyhow::Result<(Mode, String)> {
+    if let Some(mode) = settings.proxy_mode.fixed() {
+        info!("proxy mode {mode} (requested)");
+        return Ok((mode, "requested".to_owned()));
     }
     let decision = probe::decide(&settings.bpf_root, settings.cgroup_root.as_deref())?;
     info!("proxy mode auto: {}", decision.summary());
     Ok((decision.mode, decision.summary()))
-}
-
-/// Removes what vipr left behind in another `--proxy-mode` (a mode switch), before the first
-/// sync: the old mode would otherwise keep intercepting beside the new one (eBPF programs
-/// run before netfilter, IPVS services and iptables chains keep matching). Each mode's
-/// leftovers are recognised as vipr's own: kube-proxy's chains, sets and IPVS services stay
-/// (only `--cleanup` removes those). Failures are logged, not fatal: the new mode still runs.
-fn clean_other_modes(settings: &Settings, active: &str) {
-    let mut results = Vec::new();
-    if active != "ebpf" && settings.bpf_root.exists() {
-        results.push(("ebpf", EbpfDataplane::cleanup(&settings.bpf_root, &settings.devices)));
-    }
-    if active != "iptables" {
-        results.push(("iptables", IptablesDataplane::cleanup_leftovers()));
-    }
-    if active != "ipvs" {
-        results.push(("ipvs", IpvsDataplane::cleanup_leftovers(&settings.ipvs.exclude_cidrs)));
-    }
-    if active != "nftables" {
-        results.push(("nftables", NftablesDataplane::cleanup()));
-    }
-    for (mode, result) in results {
-        if let Err(error) = result {
-            warn!("cannot remove what {mode} mode left behind: {error:#}");
-        }
-    }
-}
-
-/// The IPVS dataplane's options from kube-proxy's `--ipvs-*` settings.
-fn ipvs_options(settings: &Settings) -> IpvsOptions {
-    let seconds = |duration: Duration| u32::try_from(duration.as_secs()).unwrap_or(u32::MAX);
-    IpvsOptions {
-        scheduler: settings.ipvs.scheduler.clone(),
-        timeouts: ipvs_dataplane::client::Timeouts {
-            tcp: seconds(settings.ipvs.tcp_timeout),
-            tcp_fin: seconds(settings.ipvs.tcp_fin_timeout),
-            udp: seconds(settings.ipvs.udp_timeout),
-        },
-        strict_arp: settings.ipvs.strict_arp,
-        exclude_cidrs: settings.ipvs.exclude_cidrs.clone(),
-        masquerade_all: settings.masquerade_all,
-    }
 }

@@ -14,6 +14,7 @@ use crate::config::{
     parse_feature_gates, parse_go_duration, BindAddress, CidrPair, FeatureGates, NodePortAddress,
     DEFAULT_HEALTHZ_BIND_ADDRESS, DEFAULT_METRICS_BIND_ADDRESS,
 };
+use crate::dataplane::Mode;
 
 /// `--lb-algorithm`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -99,6 +100,27 @@ pub enum ProxyMode {
     Nftables,
 }
 
+impl ProxyMode {
+    /// The `--proxy-mode` spelling (what `/proxyMode` answers for the running mode).
+    pub fn name(self) -> &'static str {
+        match self.fixed() {
+            Some(mode) => mode.name(),
+            None => "auto",
+        }
+    }
+
+    /// The mode asked for; `None` for auto, which is decided at start.
+    pub fn fixed(self) -> Option<Mode> {
+        match self {
+            ProxyMode::Auto => None,
+            ProxyMode::Ebpf => Some(Mode::Ebpf),
+            ProxyMode::Iptables => Some(Mode::Iptables),
+            ProxyMode::Ipvs => Some(Mode::Ipvs),
+            ProxyMode::Nftables => Some(Mode::Nftables),
+        }
+    }
+}
+
 /// Values that say so are kube-proxy's defaults; a flag left out keeps the `--config` file's
 /// value, or else that default.
 #[derive(Debug, Parser)]
@@ -110,7 +132,7 @@ pub enum ProxyMode {
 )]
 pub struct Args {
     /// Which dataplane programs the services; it wins over the --config file's `mode`, in
-    /// which "" means iptables as for kube-proxy [default: auto]. vipr has no nftables mode.
+    /// which "" means iptables as for kube-proxy [default: auto].
     #[arg(long, value_enum)]
     pub proxy_mode: Option<ProxyMode>,
 
@@ -604,6 +626,24 @@ mod tests {
 
     fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
         Args::try_parse_kube_proxy_style(std::iter::once("vipr").chain(argv.iter().copied()))
+    }
+
+    #[test]
+    fn each_fixed_proxy_mode_is_one_running_mode_of_the_same_name() {
+        let mut running = Vec::new();
+        for requested in ProxyMode::value_variants() {
+            let value = requested.to_possible_value().unwrap();
+            assert_eq!(requested.name(), value.get_name());
+            match requested.fixed() {
+                Some(mode) => {
+                    assert_eq!(mode.name(), value.get_name());
+                    running.push(mode);
+                }
+                None => assert_eq!(*requested, ProxyMode::Auto),
+            }
+        }
+        running.sort();
+        assert_eq!(running, Mode::ALL, "every running mode can be asked for by name");
     }
 
     #[test]

@@ -27,7 +27,13 @@ use ipnet::IpNet;
 use serde::Deserialize;
 
 use crate::cli::{Args, BpfForwarding, DetectLocalMode, LbAlgorithm, LoggingFormat, ProxyMode, XdpMode};
-use crate::dataplane::ebpf::{maglev, Balancing};
+use crate::dataplane::{
+    ebpf::{maglev, Balancing, EbpfOptions, HostTrafficOptions},
+    iptables::{self, IptablesOptions},
+    ipvs::{self, IpvsOptions},
+    nftables::NftablesOptions,
+    Cleanup, Mode, StartOptions,
+};
 
 /// kube-proxy's `--healthz-bind-address` default.
 pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr =
@@ -1500,11 +1506,76 @@ impl Settings {
     /// The minimum sync period when `mode` runs: the one given, else that mode's default
     /// (ebpf's is [`EBPF_DEFAULT_MIN_SYNC_PERIOD`]; `--proxy-mode=auto` resolves its mode at
     /// start).
-    pub fn min_sync_period_in(&self, mode: ProxyMode) -> Duration {
-        if self.min_sync_period_defaulted && mode == ProxyMode::Ebpf {
+    pub fn min_sync_period_in(&self, mode: Mode) -> Duration {
+        if self.min_sync_period_defaulted && mode == Mode::Ebpf {
             EBPF_DEFAULT_MIN_SYNC_PERIOD.min(self.sync_period)
         } else {
             self.min_sync_period
+        }
+    }
+
+    /// `--nodeport-addresses` as the running `mode` reads it: empty means the primary node IPs
+    /// (kube-proxy's nftables default), except in iptables and ipvs modes, where it means every
+    /// node address as in kube-proxy's iptables and ipvs modes (the iptables conformance cases
+    /// expect NodePorts on secondary addresses). The running mode, not the requested one: auto
+    /// that falls back to iptables serves as iptables mode does.
+    pub fn node_port_addresses_in(&self, mode: Mode) -> Vec<NodePortAddress> {
+        let every_address_by_default = matches!(mode, Mode::Iptables | Mode::Ipvs);
+        if every_address_by_default && self.node_port_addresses.is_empty() {
+            vec![NodePortAddress::All]
+        } else {
+            self.node_port_addresses.clone()
+        }
+    }
+
+    /// `--iptables-localhost-nodeports` as it applies in `mode`: the loopback addresses IPv4
+    /// NodePorts are also served on, or `None`.
+    pub fn localhost_node_ports_in(&self, mode: Mode) -> Option<ipnet::Ipv4Net> {
+        iptables::localhost_node_ports(self.iptables_localhost_node_ports, &self.node_port_addresses_in(mode))
+    }
+
+    /// The dataplanes' options for a start in `mode`.
+    pub fn start_options(&self, mode: Mode) -> StartOptions {
+        let seconds = |duration: Duration| u32::try_from(duration.as_secs()).unwrap_or(u32::MAX);
+        StartOptions {
+            ebpf: EbpfOptions {
+                bpf_root: self.bpf_root.clone(),
+                devices: self.devices.clone(),
+                map_sizes: self.bpf_map_sizes,
+                conntrack: self.conntrack,
+                balancing: self.balancing,
+                xdp: self.xdp,
+                forwarding: self.bpf_forwarding,
+            },
+            host_traffic: HostTrafficOptions { cgroup_root: self.cgroup_root.clone() },
+            state_dir: self.state_dir.clone(),
+            iptables: IptablesOptions {
+                localhost_node_ports: self.localhost_node_ports_in(mode),
+                ..IptablesOptions::default()
+            },
+            ipvs: IpvsOptions {
+                scheduler: self.ipvs.scheduler.clone(),
+                timeouts: ipvs::client::Timeouts {
+                    tcp: seconds(self.ipvs.tcp_timeout),
+                    tcp_fin: seconds(self.ipvs.tcp_fin_timeout),
+                    udp: seconds(self.ipvs.udp_timeout),
+                },
+                strict_arp: self.ipvs.strict_arp,
+                exclude_cidrs: self.ipvs.exclude_cidrs.clone(),
+                masquerade_all: self.masquerade_all,
+            },
+            nftables: NftablesOptions::default(),
+        }
+    }
+
+    /// What `--cleanup` and a mode switch remove.
+    pub fn cleanup_options(&self) -> Cleanup {
+        Cleanup {
+            bpf_root: self.bpf_root.clone(),
+            devices: self.devices.clone(),
+            state_dir: self.state_dir.clone(),
+            ipvs_exclude_cidrs: self.ipvs.exclude_cidrs.clone(),
+            keep_kube_proxy: self.cleanup_keep_kube_proxy,
         }
     }
 
@@ -1528,7 +1599,7 @@ impl Settings {
             "syncPeriod": duration(self.sync_period),
             "minSyncPeriod": duration(min_sync_period),
         });
-        let mode_name = crate::probe::mode_name(self.proxy_mode);
+        let mode_name = self.proxy_mode.name();
         let mut sections = serde_json::Map::new();
         let section = match self.proxy_mode {
             ProxyMode::Ipvs => "ipvs",
@@ -2235,34 +2306,31 @@ mod kube_proxy_fixtures {
 
     #[test]
     fn ebpf_mode_defaults_to_a_short_minimum_sync_period_and_honours_a_given_one() {
-        let running = |argv: &[&str], mode: ProxyMode| settings(argv).unwrap().min_sync_period_in(mode);
+        let running = |argv: &[&str], mode: Mode| settings(argv).unwrap().min_sync_period_in(mode);
         let kube_proxy_default = Duration::from_secs(1);
         // Nothing given: ebpf's own default; kube-proxy's in the netfilter modes, also when
         // auto falls back to one of them.
-        assert_eq!(running(&["--proxy-mode=ebpf"], ProxyMode::Ebpf), EBPF_DEFAULT_MIN_SYNC_PERIOD);
-        assert_eq!(running(&["--proxy-mode=auto"], ProxyMode::Ebpf), EBPF_DEFAULT_MIN_SYNC_PERIOD);
-        assert_eq!(running(&["--proxy-mode=auto"], ProxyMode::Nftables), kube_proxy_default);
-        assert_eq!(running(&["--proxy-mode=iptables"], ProxyMode::Iptables), kube_proxy_default);
-        assert_eq!(running(&["--proxy-mode=nftables"], ProxyMode::Nftables), kube_proxy_default);
-        assert_eq!(running(&["--proxy-mode=ipvs"], ProxyMode::Ipvs), Duration::ZERO);
+        assert_eq!(running(&["--proxy-mode=ebpf"], Mode::Ebpf), EBPF_DEFAULT_MIN_SYNC_PERIOD);
+        assert_eq!(running(&["--proxy-mode=auto"], Mode::Ebpf), EBPF_DEFAULT_MIN_SYNC_PERIOD);
+        assert_eq!(running(&["--proxy-mode=auto"], Mode::Nftables), kube_proxy_default);
+        assert_eq!(running(&["--proxy-mode=iptables"], Mode::Iptables), kube_proxy_default);
+        assert_eq!(running(&["--proxy-mode=nftables"], Mode::Nftables), kube_proxy_default);
+        assert_eq!(running(&["--proxy-mode=ipvs"], Mode::Ipvs), Duration::ZERO);
         // Anything given is honoured in ebpf mode too: each flag, the file's field, and 0.
         for given in ["--min-sync-period=1s", "--iptables-min-sync-period=1s"] {
             for mode in ["--proxy-mode=ebpf", "--proxy-mode=auto"] {
-                assert_eq!(running(&[mode, given], ProxyMode::Ebpf), kube_proxy_default, "{mode} {given}");
+                assert_eq!(running(&[mode, given], Mode::Ebpf), kube_proxy_default, "{mode} {given}");
             }
         }
-        assert_eq!(running(&["--proxy-mode=ebpf", "--min-sync-period=0s"], ProxyMode::Ebpf), Duration::ZERO);
+        assert_eq!(running(&["--proxy-mode=ebpf", "--min-sync-period=0s"], Mode::Ebpf), Duration::ZERO);
         let file = Written::new("mode: ebpf\niptables: {minSyncPeriod: 2s}\n");
-        assert_eq!(running(&[&file.arg()], ProxyMode::Ebpf), Duration::from_secs(2));
+        assert_eq!(running(&[&file.arg()], Mode::Ebpf), Duration::from_secs(2));
         // A zero in the file is kube-proxy's "the default".
         let file = Written::new("iptables: {minSyncPeriod: 0s}\n");
-        assert_eq!(
-            running(&[&file.arg(), "--proxy-mode=ebpf"], ProxyMode::Ebpf),
-            EBPF_DEFAULT_MIN_SYNC_PERIOD
-        );
+        assert_eq!(running(&[&file.arg(), "--proxy-mode=ebpf"], Mode::Ebpf), EBPF_DEFAULT_MIN_SYNC_PERIOD);
         // A short sync period given is not refused because of the default minimum.
         assert_eq!(
-            running(&["--proxy-mode=ebpf", "--sync-period=10ms"], ProxyMode::Ebpf),
+            running(&["--proxy-mode=ebpf", "--sync-period=10ms"], Mode::Ebpf),
             Duration::from_millis(10)
         );
         // The written configuration keeps the default a default: ebpf's value, or zero for auto.

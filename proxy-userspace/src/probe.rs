@@ -30,6 +30,7 @@ use crate::{
         ruleset::Family,
         tools::{Tools, Variant},
     },
+    dataplane::Mode,
     metrics::{Collector, MetricFamily, MetricKind, Sample, SampleValue},
 };
 
@@ -98,14 +99,14 @@ pub struct Features {
 /// will run (such as the cgroup hooks that are missing).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
-    pub mode: ProxyMode,
+    pub mode: Mode,
     pub reasons: Vec<String>,
 }
 
 impl Decision {
     /// "chose iptables: bpf(...): ...; IPVS: ...", the line auto mode logs.
     pub fn summary(&self) -> String {
-        let mut line = format!("chose {}", mode_name(self.mode));
+        let mut line = format!("chose {}", self.mode);
         if !self.reasons.is_empty() {
             line.push_str(": ");
             line.push_str(&self.reasons.join("; "));
@@ -119,17 +120,6 @@ impl Decision {
 #[error("proxy mode auto: no dataplane can run on this node: {}", .reasons.join("; "))]
 pub struct NoDataplane {
     pub reasons: Vec<String>,
-}
-
-/// `--proxy-mode` spelling of a mode (what `/proxyMode` answers).
-pub fn mode_name(mode: ProxyMode) -> &'static str {
-    match mode {
-        ProxyMode::Auto => "auto",
-        ProxyMode::Ebpf => "ebpf",
-        ProxyMode::Iptables => "iptables",
-        ProxyMode::Ipvs => "ipvs",
-        ProxyMode::Nftables => "nftables",
-    }
 }
 
 /// The dataplane for `features`, in the order of preference of the module documentation.
@@ -146,7 +136,7 @@ pub fn choose(features: &Features) -> Result<Decision, NoDataplane> {
         if let Err(reason) = &bpf.socket_hooks {
             notes.push(format!("the node's own connections to services are not balanced: {reason}"));
         }
-        return Ok(Decision { mode: ProxyMode::Ebpf, reasons: notes });
+        return Ok(Decision { mode: Mode::Ebpf, reasons: notes });
     }
     let mut reasons = missing_bpf;
     let Some(fallback) = &features.fallback else {
@@ -156,10 +146,10 @@ pub fn choose(features: &Features) -> Result<Decision, NoDataplane> {
     if let Err(reason) = &fallback.nftables {
         reasons.push(reason.clone());
     } else {
-        return Ok(Decision { mode: ProxyMode::Nftables, reasons });
+        return Ok(Decision { mode: Mode::Nftables, reasons });
     }
     match &fallback.iptables {
-        Ok(_) => Ok(Decision { mode: ProxyMode::Iptables, reasons }),
+        Ok(_) => Ok(Decision { mode: Mode::Iptables, reasons }),
         Err(reason) => {
             reasons.push(reason.clone());
             Err(NoDataplane { reasons })
@@ -276,7 +266,7 @@ fn first_line(bytes: &[u8]) -> String {
 /// for (`/proxyMode` answers only the former, as kube-proxy's does).
 #[derive(Clone, Copy, Debug)]
 pub struct ProxyModeInfo {
-    pub mode: ProxyMode,
+    pub mode: Mode,
     pub requested: ProxyMode,
 }
 
@@ -289,8 +279,8 @@ impl Collector for ProxyModeInfo {
             kind: MetricKind::Gauge,
             samples: vec![Sample {
                 labels: vec![
-                    ("mode".to_owned(), mode_name(self.mode).to_owned()),
-                    ("requested".to_owned(), mode_name(self.requested).to_owned()),
+                    ("mode".to_owned(), self.mode.name().to_owned()),
+                    ("requested".to_owned(), self.requested.name().to_owned()),
                 ],
                 value: SampleValue::Number(1.0),
             }],
@@ -445,7 +435,7 @@ mod tests {
     #[test]
     fn ebpf_when_its_essentials_work_even_without_tcx_or_socket_hooks() {
         let features = Features { bpf: bpf_ok(), fallback: None };
-        assert_eq!(choose(&features), Ok(Decision { mode: ProxyMode::Ebpf, reasons: vec![] }));
+        assert_eq!(choose(&features), Ok(Decision { mode: Mode::Ebpf, reasons: vec![] }));
 
         let bpf = BpfFeatures {
             tc_attach: Ok(TcAttach::Clsact),
@@ -453,7 +443,7 @@ mod tests {
             ..bpf_ok()
         };
         let decision = choose(&Features { bpf, fallback: None }).unwrap();
-        assert_eq!(decision.mode, ProxyMode::Ebpf);
+        assert_eq!(decision.mode, Mode::Ebpf);
         assert_eq!(
             decision.reasons,
             [
@@ -476,7 +466,7 @@ mod tests {
             breaker(&mut bpf);
             let features = Features { bpf: bpf.clone(), fallback: Some(fallbacks_ok()) };
             let decision = choose(&features).unwrap();
-            assert_eq!(decision.mode, ProxyMode::Nftables, "{bpf:?}");
+            assert_eq!(decision.mode, Mode::Nftables, "{bpf:?}");
             assert_eq!(decision.reasons, bpf.missing());
             assert_eq!(decision.reasons.len(), 1);
         }
@@ -486,7 +476,7 @@ mod tests {
     fn nftables_before_iptables_and_ipvs_only_when_asked() {
         let without_nftables = FallbackFeatures { nftables: Err(NO_NFTABLES.to_owned()), ..fallbacks_ok() };
         let decision = choose(&Features { bpf: bpf_denied(), fallback: Some(without_nftables) }).unwrap();
-        assert_eq!(decision.mode, ProxyMode::Iptables);
+        assert_eq!(decision.mode, Mode::Iptables);
         assert_eq!(
             decision.summary(),
             "chose iptables: bpf(BPF_PROG_LOAD SCHED_CLS): Operation not permitted; \
@@ -494,7 +484,7 @@ mod tests {
              nftables: kernel 5.10 is older than 5.13"
         );
         let decision = choose(&Features { bpf: bpf_denied(), fallback: Some(fallbacks_ok()) }).unwrap();
-        assert_eq!(decision.mode, ProxyMode::Nftables);
+        assert_eq!(decision.mode, Mode::Nftables);
         assert!(decision.summary().starts_with("chose nftables: bpf("), "{decision:?}");
     }
 
@@ -515,7 +505,7 @@ mod tests {
 
     #[test]
     fn the_mode_metric_names_both_modes() {
-        let info = ProxyModeInfo { mode: ProxyMode::Iptables, requested: ProxyMode::Auto };
+        let info = ProxyModeInfo { mode: Mode::Iptables, requested: ProxyMode::Auto };
         let registry = std::sync::Arc::new(crate::metrics::Registry::default());
         registry.register(std::sync::Arc::new(info));
         let text = registry.encode();

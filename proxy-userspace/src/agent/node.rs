@@ -1,6 +1,6 @@
-//! This node as the agent's settings, its interfaces and its Node object describe it: the
-//! devices to serve and the facts the model resolves into a `NodeContext`.
-use std::{ffi::CStr, io, net::IpAddr};
+//! This node as the agent's settings and its Node object describe it: the facts the model
+//! resolves into a `NodeContext`.
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
@@ -9,36 +9,6 @@ use crate::{
     config::NodePortAddress,
     model::kubernetes::{NodeContext, NodeFacts, ProxySettings},
 };
-
-/// The devices to serve: the listed ones, or every interface of this network namespace but
-/// loopback.
-pub fn devices(listed: &[String]) -> io::Result<Vec<String>> {
-    if !listed.is_empty() {
-        return Ok(listed.to_vec());
-    }
-    // if_nameindex asks the kernel about the current namespace; /sys/class/net would show
-    // the namespace sysfs was mounted in, which differs after setns().
-    // SAFETY: no preconditions; the list is freed below.
-    let list = unsafe { libc::if_nameindex() };
-    if list.is_null() {
-        return Err(io::Error::last_os_error());
-    }
-    let mut devices = Vec::new();
-    let mut entry = list;
-    // SAFETY: the list ends with an entry whose index is 0 and every name is a C string.
-    unsafe {
-        while (*entry).if_index != 0 {
-            let name = CStr::from_ptr((*entry).if_name).to_string_lossy().into_owned();
-            if name != "lo" {
-                devices.push(name);
-            }
-            entry = entry.add(1);
-        }
-        libc::if_freenameindex(list);
-    }
-    devices.sort();
-    Ok(devices)
-}
 
 /// The node's primary addresses from its Node object, as kube-proxy's `GetNodeHostIPs`: the
 /// first InternalIP (else ExternalIP), and the first of the other family. Empty without a

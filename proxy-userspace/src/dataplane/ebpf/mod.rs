@@ -22,7 +22,7 @@ use self::{
     family::{Family, V4, V6},
     family_maps::FamilyMaps,
 };
-use super::{Dataplane, SyncReport};
+use super::{Dataplane, Mode, ServesDevices, SyncReport};
 use crate::cli::{BpfForwarding, XdpMode};
 use crate::config::{BpfMapSizes, ConntrackTimeouts};
 use crate::metrics::Collector;
@@ -470,53 +470,12 @@ fn interface_index(device: &str) -> Option<u32> {
 }
 
 impl Dataplane for EbpfDataplane {
-    fn mode(&self) -> &'static str {
-        "ebpf"
+    fn mode(&self) -> Mode {
+        Mode::Ebpf
     }
 
-    fn serve_devices(&mut self, devices: &[String]) -> anyhow::Result<()> {
-        // Before a new pod's veth gets the program: its first packet must count as a pod's.
-        self.pod_interfaces.refresh();
-        if let Some(pending) = &mut self.switch {
-            // The earlier programs serve the devices they are attached to; the switch attaches
-            // to the devices of the latest listing.
-            pending.devices = devices.to_vec();
-            return Ok(());
-        }
-        let devices = with_indexes(devices);
-        if devices == self.devices {
-            return Ok(());
-        }
-        let mut served = Vec::with_capacity(devices.len());
-        for (device, index) in devices {
-            if self.devices.contains(&(device.clone(), index)) {
-                served.push((device, index));
-                continue;
-            }
-            // A device can vanish again before we get to it; a failed one is retried with the
-            // next listing. A device created again under a served name has lost its program
-            // with its old self: the pinned link is defunct and `attach` replaces it.
-            let attached = self.hooks.iter().try_for_each(|&hook| {
-                let program = tc_program(&mut self.ebpf, hook)?;
-                let attachment =
-                    attach::attach(program, &device, hook, &self.pin_dir.link(&hook.pin_name(&device)))?;
-                info!(device, index, ?attachment, ?hook, "attached to a new device");
-                anyhow::Ok(())
-            });
-            match attached {
-                Ok(()) => served.push((device, index)),
-                Err(error) => warn!(device, "cannot attach to a new device: {error:#}"),
-            }
-        }
-        let names: Vec<String> = served.iter().map(|(name, _)| name.clone()).collect();
-        attach::detach_stale_links(&self.pin_dir, &link_names(self.hooks, &names))?;
-        self.xdp.serve(&mut self.ebpf, &self.pin_dir, &names)?;
-        self.devices = served;
-        Ok(())
-    }
-
-    fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
-        self.sync_changes(state, &StateChanges::default())
+    fn device_server(&mut self) -> Option<&mut dyn ServesDevices> {
+        Some(self)
     }
 
     fn sync_changes(&mut self, state: &DesiredState, changes: &StateChanges) -> anyhow::Result<SyncReport> {
@@ -640,6 +599,49 @@ impl Dataplane for EbpfDataplane {
 
     fn collectors(&self) -> Vec<Arc<dyn Collector>> {
         self.collector.iter().map(|collector| collector.clone() as Arc<dyn Collector>).collect()
+    }
+}
+
+impl ServesDevices for EbpfDataplane {
+    fn serve_devices(&mut self, devices: &[String]) -> anyhow::Result<()> {
+        // Before a new pod's veth gets the program: its first packet must count as a pod's.
+        self.pod_interfaces.refresh();
+        if let Some(pending) = &mut self.switch {
+            // The earlier programs serve the devices they are attached to; the switch attaches
+            // to the devices of the latest listing.
+            pending.devices = devices.to_vec();
+            return Ok(());
+        }
+        let devices = with_indexes(devices);
+        if devices == self.devices {
+            return Ok(());
+        }
+        let mut served = Vec::with_capacity(devices.len());
+        for (device, index) in devices {
+            if self.devices.contains(&(device.clone(), index)) {
+                served.push((device, index));
+                continue;
+            }
+            // A device can vanish again before we get to it; a failed one is retried with the
+            // next listing. A device created again under a served name has lost its program
+            // with its old self: the pinned link is defunct and `attach` replaces it.
+            let attached = self.hooks.iter().try_for_each(|&hook| {
+                let program = tc_program(&mut self.ebpf, hook)?;
+                let attachment =
+                    attach::attach(program, &device, hook, &self.pin_dir.link(&hook.pin_name(&device)))?;
+                info!(device, index, ?attachment, ?hook, "attached to a new device");
+                anyhow::Ok(())
+            });
+            match attached {
+                Ok(()) => served.push((device, index)),
+                Err(error) => warn!(device, "cannot attach to a new device: {error:#}"),
+            }
+        }
+        let names: Vec<String> = served.iter().map(|(name, _)| name.clone()).collect();
+        attach::detach_stale_links(&self.pin_dir, &link_names(self.hooks, &names))?;
+        self.xdp.serve(&mut self.ebpf, &self.pin_dir, &names)?;
+        self.devices = served;
+        Ok(())
     }
 }
 

@@ -34,9 +34,10 @@ pub use self::{
     ruleset::{Family, RuleOptions, Ruleset, TableName},
     tools::{Tools, Variant},
 };
-use super::{Dataplane, SyncReport};
+use super::{Dataplane, Mode, ServesDevices, SyncReport};
 use crate::config::NodePortAddress;
-use crate::model::{DesiredState, Frontend, FrontendEntry, Protocol};
+use crate::metrics::Collector;
+use crate::model::{DesiredState, Frontend, FrontendEntry, Protocol, StateChanges};
 
 pub mod conntrack;
 pub mod names;
@@ -341,11 +342,21 @@ impl IptablesDataplane {
 }
 
 impl Dataplane for IptablesDataplane {
-    fn mode(&self) -> &'static str {
-        "iptables"
+    fn mode(&self) -> Mode {
+        Mode::Iptables
     }
 
-    fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
+    fn collectors(&self) -> Vec<std::sync::Arc<dyn Collector>> {
+        Vec::new()
+    }
+
+    fn device_server(&mut self) -> Option<&mut dyn ServesDevices> {
+        None
+    }
+
+    /// Compares the whole state each time: iptables-restore rewrites whole chains, and the
+    /// chains of a service that did not change are left out by comparing their text.
+    fn sync_changes(&mut self, state: &DesiredState, _changes: &StateChanges) -> anyhow::Result<SyncReport> {
         let started = Instant::now();
         let full = self.need_full_sync
             || self.last_full_sync.is_none_or(|last| last.elapsed() >= self.options.full_sync_period);

@@ -35,9 +35,12 @@ use super::{
         conntrack::{self, UdpFrontends},
         tools::Tools,
     },
-    Dataplane, SyncReport,
+    Dataplane, Mode, ServesDevices, SyncReport,
 };
-use crate::model::{Backend, DesiredState, Protocol};
+use crate::{
+    metrics::Collector,
+    model::{Backend, DesiredState, Protocol, StateChanges},
+};
 
 pub mod client;
 pub mod ipset;
@@ -479,11 +482,21 @@ fn set_sysctls(strict_arp: bool) -> anyhow::Result<()> {
 }
 
 impl Dataplane for IpvsDataplane {
-    fn mode(&self) -> &'static str {
-        "ipvs"
+    fn mode(&self) -> Mode {
+        Mode::Ipvs
     }
 
-    fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
+    fn collectors(&self) -> Vec<std::sync::Arc<dyn Collector>> {
+        Vec::new()
+    }
+
+    fn device_server(&mut self) -> Option<&mut dyn ServesDevices> {
+        None
+    }
+
+    /// Compares the whole state each time: the plan diffs it against the kernel's virtual
+    /// servers, which it lists anyway.
+    fn sync_changes(&mut self, state: &DesiredState, _changes: &StateChanges) -> anyhow::Result<SyncReport> {
         let plan = plan::plan(
             state,
             &PlanSettings {

@@ -33,8 +33,9 @@ use tracing::{debug, info, warn};
 pub use self::ruleset::{Batch, Existing, Ruleset};
 use super::{
     iptables::{self, conntrack, Family},
-    Dataplane, SyncReport,
+    Dataplane, Mode, ServesDevices, SyncReport,
 };
+use crate::metrics::Collector;
 use crate::model::{DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, StateChanges};
 use crate::tool;
 
@@ -441,16 +442,25 @@ impl NftablesDataplane {
 }
 
 impl Dataplane for NftablesDataplane {
-    fn mode(&self) -> &'static str {
-        "nftables"
-    }
-
-    fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
-        self.sync_with(state, None)
+    fn mode(&self) -> Mode {
+        Mode::Nftables
     }
 
     fn sync_changes(&mut self, state: &DesiredState, changes: &StateChanges) -> anyhow::Result<SyncReport> {
         self.sync_with(state, Some(changes))
+    }
+
+    /// A sync that records no generation, so that the next sync given changes compares all.
+    fn sync(&mut self, state: &DesiredState) -> anyhow::Result<SyncReport> {
+        self.sync_with(state, None)
+    }
+
+    fn collectors(&self) -> Vec<std::sync::Arc<dyn Collector>> {
+        Vec::new()
+    }
+
+    fn device_server(&mut self) -> Option<&mut dyn ServesDevices> {
+        None
     }
 }
 
