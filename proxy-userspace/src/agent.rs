@@ -27,7 +27,6 @@ use tracing::{debug, error, info, warn};
 
 use self::runner::{Outcome, SyncRunner};
 use crate::{
-    config::{LocalDetection, Settings, SourceSettings},
     dataplane::{self, Dataplane, Mode, SyncReport},
     events::{reasons as event_reasons, ApiEvents, Event, EventSink, LogOnly, ObjectRef, Severity},
     health::{Moment, ProxyHealth, ServiceHealthServer},
@@ -43,12 +42,13 @@ use crate::{
         PodInterfaces,
     },
     probe::{self, ProxyModeInfo},
+    settings::{LocalDetection, Settings, SourceSettings},
     source::{
         file,
         kubernetes::{self, KubeSourceConfig},
         Ownership, SourceEvent,
     },
-    status::StatusPages,
+    status::{self, StatusPages},
     tuning,
 };
 
@@ -142,10 +142,8 @@ pub fn run(settings: &Settings) -> anyhow::Result<()> {
         http.serve_forever(address, "healthz", Workload::Probes, health.clone().handler());
     }
     if let Some(address) = settings.metrics_bind_address {
-        let metrics_pages = registry.handler(mode.name());
-        let status_pages = StatusPages::new(settings, std::env::args());
-        let handler: crate::http::Handler =
-            Arc::new(move |path| status_pages.reply(path).unwrap_or_else(|| metrics_pages(path)));
+        let pages = StatusPages::new(settings, std::env::args());
+        let handler = status::metrics_server(registry.clone(), pages, mode.name());
         http.serve_forever(address, "metrics", Workload::Scrapes, handler);
     }
     // As kube-proxy's sync loop: healthy from the start, even if no sync ever succeeds.

@@ -3,123 +3,19 @@
 //! kube-proxy 1.35 flag is accepted: those that mean something to vipr are implemented, the
 //! others ([`IGNORED_KUBE_PROXY_FLAGS`]) are accepted, named with the reason in the start-up
 //! log line, and change nothing. As with pflag, a flag given twice takes its last value.
-//! [`crate::config::Settings::resolve`] turns the flags, over a `--config` file, into the
+//! [`crate::settings::Settings::resolve`] turns the flags, over a `--config` file, into the
 //! settings the agent runs with.
 use std::{path::PathBuf, time::Duration};
 
-use clap::{Arg, ArgAction, CommandFactory as _, FromArgMatches as _, Parser, ValueEnum};
+use clap::{Arg, ArgAction, CommandFactory as _, FromArgMatches as _, Parser};
 use ipnet::IpNet;
 
 use crate::config::{
-    parse_feature_gates, parse_go_duration, BindAddress, CidrPair, FeatureGates, NodePortAddress,
-    DEFAULT_HEALTHZ_BIND_ADDRESS, DEFAULT_METRICS_BIND_ADDRESS,
+    parse_feature_gates, parse_go_duration, BindAddress, CidrPair, DetectLocalMode, FeatureGates,
+    LbAlgorithm, LoggingFormat, NodePortAddress, ProxyMode, DEFAULT_HEALTHZ_BIND_ADDRESS,
+    DEFAULT_METRICS_BIND_ADDRESS,
 };
-use crate::dataplane::Mode;
-
-/// `--lb-algorithm`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
-pub enum LbAlgorithm {
-    #[default]
-    Random,
-    Maglev,
-}
-
-/// `--xdp`: where the XDP fast path for traffic from outside the node runs.
-///
-/// `Default` is `Off`, for the library's embedders (benchmarks and tests that start the
-/// dataplane themselves): they opt in. The agent without `--xdp` runs `Auto`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
-pub enum XdpMode {
-    /// No `--xdp` given: native, on the devices backed by hardware whose driver supports it;
-    /// none elsewhere, and no generic fallback. Not a value of the flag: it names no mode of
-    /// its own, and leaving the flag out says it.
-    #[value(skip)]
-    Auto,
-    /// On every served device, in the driver; falls back to generic, then off, where the
-    /// driver refuses.
-    Native,
-    /// On every served device, in the kernel's generic (skb) XDP path.
-    Generic,
-    /// No XDP: the TC program does everything.
-    #[default]
-    Off,
-}
-
-/// `--bpf-forwarding`: how the eBPF datapath hands on a packet it rewrote for another host.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
-pub enum BpfForwarding {
-    /// Back into the kernel's stack, which routes it and runs netfilter's FORWARD and
-    /// POSTROUTING chains on it, as behind kube-proxy: iptables-enforced NetworkPolicy applies.
-    #[default]
-    Stack,
-    /// Straight to the next hop (`bpf_redirect_neigh`), and XDP where `--xdp` allows: faster,
-    /// but bypasses netfilter's FORWARD and POSTROUTING chains, and so any NetworkPolicy
-    /// enforced there (Calico's iptables dataplane, kube-router, ...).
-    Redirect,
-}
-
-/// `--detect-local-mode` (the file's `detectLocalMode`): how traffic from this node's pods is
-/// told from other traffic. The names are kube-proxy's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum DetectLocalMode {
-    /// Sources inside `--cluster-cidr` are pods (kube-proxy's default).
-    #[value(name = "ClusterCIDR")]
-    ClusterCidr,
-    /// Sources inside the Node object's `spec.podCIDRs` are pods.
-    #[value(name = "NodeCIDR")]
-    NodeCidr,
-    /// Packets arriving from `--pod-bridge-interface` are from pods.
-    #[value(name = "BridgeInterface")]
-    BridgeInterface,
-    /// Packets arriving from interfaces named `--pod-interface-name-prefix`* are from pods.
-    #[value(name = "InterfaceNamePrefix")]
-    InterfaceNamePrefix,
-}
-
-/// `--logging-format` (the file's `logging.format`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
-pub enum LoggingFormat {
-    /// Human-readable lines (kube-proxy's default).
-    #[default]
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ProxyMode {
-    /// Pick the best dataplane the kernel supports.
-    Auto,
-    /// BPF maps and TC programs (vipr's own datapath).
-    Ebpf,
-    /// iptables rules, as kube-proxy's iptables mode.
-    Iptables,
-    /// IPVS virtual servers, as kube-proxy's ipvs mode.
-    Ipvs,
-    /// An nftables table of vipr's own, as kube-proxy's nftables mode.
-    Nftables,
-}
-
-impl ProxyMode {
-    /// The `--proxy-mode` spelling (what `/proxyMode` answers for the running mode).
-    pub fn name(self) -> &'static str {
-        match self.fixed() {
-            Some(mode) => mode.name(),
-            None => "auto",
-        }
-    }
-
-    /// The mode asked for; `None` for auto, which is decided at start.
-    pub fn fixed(self) -> Option<Mode> {
-        match self {
-            ProxyMode::Auto => None,
-            ProxyMode::Ebpf => Some(Mode::Ebpf),
-            ProxyMode::Iptables => Some(Mode::Iptables),
-            ProxyMode::Ipvs => Some(Mode::Ipvs),
-            ProxyMode::Nftables => Some(Mode::Nftables),
-        }
-    }
-}
+use crate::dataplane::ebpf::{BpfForwarding, XdpMode};
 
 /// Values that say so are kube-proxy's defaults; a flag left out keeps the `--config` file's
 /// value, or else that default.
@@ -626,24 +522,6 @@ mod tests {
 
     fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
         Args::try_parse_kube_proxy_style(std::iter::once("vipr").chain(argv.iter().copied()))
-    }
-
-    #[test]
-    fn each_fixed_proxy_mode_is_one_running_mode_of_the_same_name() {
-        let mut running = Vec::new();
-        for requested in ProxyMode::value_variants() {
-            let value = requested.to_possible_value().unwrap();
-            assert_eq!(requested.name(), value.get_name());
-            match requested.fixed() {
-                Some(mode) => {
-                    assert_eq!(mode.name(), value.get_name());
-                    running.push(mode);
-                }
-                None => assert_eq!(*requested, ProxyMode::Auto),
-            }
-        }
-        running.sort();
-        assert_eq!(running, Mode::ALL, "every running mode can be asked for by name");
     }
 
     #[test]

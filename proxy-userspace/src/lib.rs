@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod model;
 pub mod netlink;
 pub mod probe;
+pub mod settings;
 pub mod source;
 pub mod status;
 pub mod tool;

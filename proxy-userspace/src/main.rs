@@ -1,10 +1,7 @@
 use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
-use vipr::{
-    cli::{Args, LoggingFormat},
-    config::Settings,
-};
+use vipr::{cli::Args, config::LoggingFormat, settings::Settings};
 
 fn main() -> std::process::ExitCode {
     // `vipr inspect ...` reads the pinned datapath and exits; everything else is the agent,

@@ -16,8 +16,6 @@ use std::{
     time::Duration,
 };
 
-use crate::http::{Handler, Reply};
-
 pub mod kube_proxy;
 #[cfg(test)]
 mod parity;
@@ -150,18 +148,6 @@ impl Registry {
             encode_family(&family, &mut text);
         }
         text
-    }
-
-    /// The metrics server's routes: `/metrics`, `/proxyMode` (the running dataplane's mode,
-    /// as kube-proxy answers it) and `/healthz` (a plain liveness ping, as kube-proxy's
-    /// metrics server has one).
-    pub fn handler(self: Arc<Self>, proxy_mode: &'static str) -> Handler {
-        Arc::new(move |path| match path {
-            "/metrics" => Reply::new(200, TEXT_FORMAT, self.encode()),
-            "/proxyMode" => Reply::new(200, Reply::TEXT, proxy_mode),
-            "/healthz" => Reply::new(200, Reply::TEXT, "ok"),
-            _ => Reply::not_found(),
-        })
     }
 }
 
@@ -704,9 +690,7 @@ mod tests {
         metrics.last_sync_timestamp.set(1_700_000_000.5);
         registry.register(metrics);
         registry.register(Arc::new(Extra));
-        let handler = registry.handler("ebpf");
-        let reply = handler("/metrics");
-        assert_eq!((reply.status, reply.content_type), (200, TEXT_FORMAT));
+        let text = registry.encode();
         for line in [
             "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
             "kubeproxy_sync_proxy_rules_duration_seconds_bucket{ip_family=\"IPv4\",le=\"0.001\"} 0",
@@ -714,9 +698,7 @@ mod tests {
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 1700000000.5",
             "vipr_backend_packets_total 7",
         ] {
-            assert!(reply.body.lines().any(|l| l == line), "no {line:?} in\n{}", reply.body);
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }
-        assert_eq!(handler("/proxyMode").body, "ebpf");
-        assert_eq!(handler("/nope").status, 404);
     }
 }

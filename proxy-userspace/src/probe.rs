@@ -25,7 +25,7 @@ use std::{
 
 use crate::tool;
 use crate::{
-    cli::ProxyMode,
+    config::ProxyMode,
     dataplane::iptables::{
         ruleset::Family,
         tools::{Tools, Variant},

@@ -2,9 +2,28 @@
 //! process started, its version), `/flagz` (the flags it was started with) and `/configz` (the
 //! effective configuration, as a KubeProxyConfiguration under its group name). Like kube-proxy's,
 //! the text pages are for people, not for parsing.
-use std::{collections::BTreeMap, time::SystemTime};
+use std::{collections::BTreeMap, sync::Arc, time::SystemTime};
 
-use crate::{config::Settings, health::process_start, http::Reply};
+use crate::{
+    health::process_start,
+    http::{Handler, Reply},
+    metrics::{Registry, TEXT_FORMAT},
+    settings::Settings,
+};
+
+/// The metrics server's routes: `/metrics`, `/proxyMode` (the running dataplane's mode, as
+/// kube-proxy answers it), `/healthz` (a plain liveness ping, as kube-proxy's metrics server
+/// has one) and the status `pages`.
+pub fn metrics_server(registry: Arc<Registry>, pages: StatusPages, proxy_mode: &'static str) -> Handler {
+    Arc::new(move |path| {
+        pages.reply(path).unwrap_or_else(|| match path {
+            "/metrics" => Reply::new(200, TEXT_FORMAT, registry.encode()),
+            "/proxyMode" => Reply::new(200, Reply::TEXT, proxy_mode),
+            "/healthz" => Reply::new(200, Reply::TEXT, "ok"),
+            _ => Reply::not_found(),
+        })
+    })
+}
 
 /// The warning kube-proxy's text z-pages start with.
 const NOT_FOR_MACHINES: &str =
@@ -85,6 +104,20 @@ fn flags_given(args: impl IntoIterator<Item = String>) -> BTreeMap<String, Strin
 mod tests {
     use super::*;
     use crate::cli::Args;
+
+    #[test]
+    fn the_metrics_server_answers_metrics_the_mode_and_the_pages() {
+        let registry = Arc::new(Registry::default());
+        registry.register(Arc::new(crate::metrics::ProxyMetrics::default()));
+        let handler = metrics_server(registry, pages(&["--proxy-mode=ebpf"]), "ebpf");
+        let metrics = handler("/metrics");
+        assert_eq!((metrics.status, metrics.content_type), (200, TEXT_FORMAT));
+        assert!(metrics.body.contains("# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram"));
+        assert_eq!(handler("/proxyMode").body, "ebpf");
+        assert_eq!(handler("/healthz").body, "ok");
+        assert_eq!(handler("/statusz").status, 200);
+        assert_eq!(handler("/nope").status, 404);
+    }
 
     fn pages(argv: &[&str]) -> StatusPages {
         let argv: Vec<String> =

@@ -13,7 +13,7 @@ use std::{
 use anyhow::Context as _;
 use tracing::{info, warn};
 
-use crate::config::NetfilterConntrack;
+use crate::settings::NetfilterConntrack;
 
 /// Where the settings live.
 #[derive(Clone, Debug)]

@@ -28,7 +28,8 @@ use testbed::{
 use vipr::{
     agent::{ApiAccess, RECORDED_EVENTS, WATCHED_RESOURCES},
     cli::Args,
-    config::{KubeProxyConfiguration, Settings, SourceSettings},
+    config::{KubeProxyConfiguration, ProxyMode},
+    settings::{Settings, SourceSettings},
 };
 
 fn deploy_dir() -> PathBuf {
@@ -219,10 +220,10 @@ fn the_daemon_set_runs_as_the_service_account_with_the_config_map() {
     assert!(parsed.config.is_some(), "the DaemonSet passes --config");
     assert_eq!(
         parsed.proxy_mode,
-        Some(vipr::cli::ProxyMode::Ebpf),
+        Some(ProxyMode::Ebpf),
         "the DaemonSet passes --proxy-mode, so that a reused kube-proxy ConfigMap's mode does not apply"
     );
-    assert_eq!(settings.proxy_mode, vipr::cli::ProxyMode::Ebpf);
+    assert_eq!(settings.proxy_mode, ProxyMode::Ebpf);
     assert_eq!(settings.node_name, "node-a");
     assert!(
         settings.ignored_config.is_empty(),

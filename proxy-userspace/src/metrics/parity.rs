@@ -128,8 +128,8 @@ fn kube_proxy_parity() {
     registry.register(Arc::new(ProcessMetrics));
     REST_CLIENT.record("GET", "10.96.0.1:443", "200", std::time::Duration::from_millis(5));
     registry.register(Arc::new(RestClientCollector));
-    let reply = registry.handler("ebpf")("/metrics");
-    let scraped = scrape(&reply.body);
+    let text = registry.encode();
+    let scraped = scrape(&text);
 
     let expected = fixture();
     assert!(expected.iter().any(|family| family.missing.is_none()));
@@ -157,7 +157,7 @@ fn kube_proxy_parity() {
             }
         }
     }
-    assert!(problems.is_empty(), "{}\n\n{}", problems.join("\n"), reply.body);
+    assert!(problems.is_empty(), "{}\n\n{}", problems.join("\n"), text);
 }
 
 #[test]

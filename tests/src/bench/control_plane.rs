@@ -27,9 +27,8 @@ use aya::maps::{HashMap, Map, MapData};
 use proxy_common::{pins, source_class, Backend4, BackendSlot, Service, ServiceKey4};
 use serde::{Deserialize, Serialize};
 use vipr::{
-    config::BpfMapSizes,
     dataplane::{
-        ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions, PinDir},
+        ebpf::{BpfMapSizes, EbpfDataplane, EbpfOptions, HostTrafficOptions, PinDir},
         Dataplane as _,
     },
     model::{

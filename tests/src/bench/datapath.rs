@@ -39,12 +39,9 @@ use proxy_common::{
     ServiceKey4,
 };
 use serde::{Deserialize, Serialize};
-use vipr::{
-    config::BpfMapSizes,
-    dataplane::{
-        ebpf::{EbpfDataplane, EbpfOptions, HostTrafficOptions, PinDir},
-        Dataplane as _,
-    },
+use vipr::dataplane::{
+    ebpf::{BpfMapSizes, EbpfDataplane, EbpfOptions, HostTrafficOptions, PinDir},
+    Dataplane as _,
 };
 
 use super::{

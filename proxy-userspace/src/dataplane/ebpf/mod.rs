@@ -23,8 +23,6 @@ use self::{
     family_maps::FamilyMaps,
 };
 use super::{Dataplane, Mode, ServesDevices, SyncReport};
-use crate::cli::{BpfForwarding, XdpMode};
-use crate::config::{BpfMapSizes, ConntrackTimeouts};
 use crate::metrics::Collector;
 use crate::model::{DesiredState, StateChanges};
 
@@ -37,6 +35,7 @@ mod family;
 mod family_maps;
 pub mod maglev;
 mod mirror;
+mod options;
 mod pin_dir;
 pub mod plan;
 mod pod_interfaces;
@@ -47,6 +46,7 @@ mod xdp_attach;
 
 pub use attach::{Attachment, Hook};
 pub use encode::Balancing;
+pub use options::{BpfForwarding, BpfMapSizes, ConntrackTimeouts, FlowPressure, XdpMode};
 pub use pin_dir::PinDir;
 
 #[derive(Clone, Debug)]
@@ -58,7 +58,7 @@ pub struct EbpfOptions {
     pub conntrack: ConntrackTimeouts,
     pub balancing: Balancing,
     /// `--xdp`: the XDP fast path for traffic from outside the node.
-    pub xdp: crate::cli::XdpMode,
+    pub xdp: XdpMode,
     /// `--bpf-forwarding`: forwarded packets through the stack (netfilter filters them), or
     /// redirected past it.
     pub forwarding: BpfForwarding,

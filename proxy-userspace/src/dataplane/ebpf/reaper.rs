@@ -20,7 +20,7 @@
 //!
 //! The flows map is a plain hash map: besides these deletions only the datapath's early drop
 //! removes entries (a new connection that finds the map full replaces one that never
-//! completed its handshake). Above the high-water mark ([`crate::config::FlowPressure`]) the
+//! completed its handshake). Above the high-water mark ([`crate::dataplane::ebpf::FlowPressure`]) the
 //! passes run every second and such connections expire after the short pressure timeout, so
 //! a flood of spoofed SYNs or one-datagram UDP flows drains within seconds; established
 //! connections keep their timeouts. The same pass logs, at most once a minute, new
@@ -54,7 +54,8 @@ use tracing::{debug, info, warn};
 use std::os::fd::AsFd as _;
 
 use super::counters::{FlowMetrics, MapFill, StatsMap, INSERT_FAILURES};
-use crate::{config::ConntrackTimeouts, model::Backend};
+use super::ConntrackTimeouts;
+use crate::model::Backend;
 
 /// Where the reaper finds the maps, and how long connections live.
 #[derive(Clone, Debug)]
@@ -866,7 +867,10 @@ mod tests {
             tcp_syn_recv: Duration::from_secs(10),
             udp: Duration::from_secs(3),
             udp_stream: Duration::from_secs(20),
-            pressure: crate::config::FlowPressure { threshold_percent: 100, timeout: Duration::from_secs(1) },
+            pressure: crate::dataplane::ebpf::FlowPressure {
+                threshold_percent: 100,
+                timeout: Duration::from_secs(1),
+            },
         };
         let now = 1_000 * S;
         let (fin, rst) = (flow_state::FIN, flow_state::RST);

@@ -40,7 +40,7 @@ use aya::{
 use tracing::{info, warn};
 
 use super::PinDir;
-use crate::cli::XdpMode;
+use super::XdpMode;
 
 /// The XDP program's name in the object.
 pub const PROGRAM: &str = proxy_common::pins::XDP_PROGRAM;

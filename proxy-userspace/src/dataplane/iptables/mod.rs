@@ -21,7 +21,7 @@
 //! `KUBE-FIREWALL` ([`localhost_node_ports`], [`ruleset::LOCALNET_GUARD`]).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, SocketAddr},
+    net::SocketAddr,
     path::Path,
     time::{Duration, Instant},
 };
@@ -35,7 +35,6 @@ pub use self::{
     tools::{Tools, Variant},
 };
 use super::{Dataplane, Mode, ServesDevices, SyncReport};
-use crate::config::NodePortAddress;
 use crate::metrics::Collector;
 use crate::model::{DesiredState, Frontend, FrontendEntry, Protocol, StateChanges};
 
@@ -73,36 +72,6 @@ impl Default for IptablesOptions {
             localhost_node_ports: None,
         }
     }
-}
-
-/// kube-proxy's `--iptables-localhost-nodeports` as it applies to the NodePort addresses
-/// (`--nodeport-addresses` as the running mode reads it; empty is taken as every address):
-/// the loopback addresses IPv4 NodePorts are also served on, or `None`. As kube-proxy, only
-/// when `enabled` and the IPv4 NodePort addresses cover loopback: every address (kube-proxy's
-/// `--dst-type LOCAL`, which all of 127.0.0.0/8 is) gives 127.0.0.0/8; a CIDR or the
-/// `localhost` keyword that contains 127.0.0.1 gives loopback's address, 127.0.0.1.
-pub fn localhost_node_ports(enabled: bool, addresses: &[NodePortAddress]) -> Option<Ipv4Net> {
-    if !enabled {
-        return None;
-    }
-    let every = Ipv4Net::new(Ipv4Addr::new(127, 0, 0, 0), 8).expect("a valid prefix");
-    let lo = Ipv4Net::from(Ipv4Addr::LOCALHOST);
-    if addresses.is_empty() {
-        return Some(every);
-    }
-    let mut found = None;
-    for address in addresses {
-        match address {
-            NodePortAddress::All => return Some(every),
-            NodePortAddress::Cidr(ipnet::IpNet::V4(cidr)) if cidr.prefix_len() == 0 => return Some(every),
-            NodePortAddress::Cidr(ipnet::IpNet::V4(cidr)) if cidr.contains(&Ipv4Addr::LOCALHOST) => {
-                found = Some(lo)
-            }
-            NodePortAddress::Localhost => found = Some(lo),
-            NodePortAddress::Cidr(_) | NodePortAddress::Primary => {}
-        }
-    }
-    found
 }
 
 /// `sysctl -w net.ipv4.conf.all.route_localnet=1` in the calling thread's network namespace,
@@ -562,24 +531,6 @@ mod tests {
         assert!(stale_udp(&after, &after, &all).is_empty());
         // A family that failed to program is left for later.
         assert!(stale_udp(&before, &after, &|_| false).is_empty());
-    }
-
-    /// kube-proxy's `ContainsIPv4Loopback`: on when the IPv4 NodePort addresses cover
-    /// loopback; every address means all of 127.0.0.0/8 (`--dst-type LOCAL`).
-    #[test]
-    fn localhost_node_ports_apply_where_the_node_port_addresses_cover_loopback() {
-        let cidr = |text: &str| NodePortAddress::Cidr(text.parse().unwrap());
-        let every = Some("127.0.0.0/8".parse().unwrap());
-        let lo = Some("127.0.0.1/32".parse().unwrap());
-        assert_eq!(localhost_node_ports(true, &[]), every);
-        assert_eq!(localhost_node_ports(true, &[NodePortAddress::All]), every);
-        assert_eq!(localhost_node_ports(true, &[cidr("0.0.0.0/0")]), every);
-        assert_eq!(localhost_node_ports(true, &[cidr("192.168.0.0/24"), cidr("127.0.0.1/32")]), lo);
-        assert_eq!(localhost_node_ports(true, &[NodePortAddress::Localhost]), lo);
-        assert_eq!(localhost_node_ports(true, &[cidr("192.168.0.0/24"), cidr("::/0")]), None);
-        assert_eq!(localhost_node_ports(true, &[NodePortAddress::Primary]), None);
-        assert_eq!(localhost_node_ports(false, &[]), None);
-        assert_eq!(localhost_node_ports(false, &[cidr("127.0.0.1/32")]), None);
     }
 
     #[test]

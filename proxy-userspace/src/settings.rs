@@ -1,5 +1,5 @@
 //! vipr's resolved settings: kube-proxy's defaults, then a KubeProxyConfiguration file
-//! (`--config`), then the command line.
+//! (`--config`, read by [`crate::config::file`]), then the command line ([`crate::cli`]).
 //!
 //! The file is kube-proxy's own `kubeproxy.config.k8s.io/v1alpha1` KubeProxyConfiguration
 //! (YAML or JSON), so the ConfigMap a cluster already has for kube-proxy can be reused. It is
@@ -12,61 +12,31 @@
 //! flags when `--config` is given (only `--hostname-override` and the logging flags win over
 //! the file); vipr lets every flag given on the command line override the file, so nothing an
 //! operator typed is silently dropped.
+//!
+//! Layers: `cli` and `config` know nothing of this module; it turns both into [`Settings`],
+//! and the dataplanes' options out of those ([`Settings::start_options`]).
 use std::{
-    collections::BTreeSet,
-    fmt,
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    path::{Path, PathBuf},
-    str::FromStr,
+    path::PathBuf,
     time::Duration,
 };
 
-use anyhow::{bail, Context as _};
+use anyhow::bail;
 use clap::ValueEnum as _;
-use ipnet::IpNet;
-use serde::Deserialize;
+use ipnet::{IpNet, Ipv4Net};
 
-use crate::cli::{Args, BpfForwarding, DetectLocalMode, LbAlgorithm, LoggingFormat, ProxyMode, XdpMode};
+use crate::cli::Args;
+use crate::config::{file::ModeSection, *};
 use crate::dataplane::{
-    ebpf::{maglev, Balancing, EbpfOptions, HostTrafficOptions},
-    iptables::{self, IptablesOptions},
+    ebpf::{
+        maglev, Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts, EbpfOptions, FlowPressure,
+        HostTrafficOptions, XdpMode,
+    },
+    iptables::IptablesOptions,
     ipvs::{self, IpvsOptions},
     nftables::NftablesOptions,
     Cleanup, Mode, StartOptions,
 };
-
-/// kube-proxy's `--healthz-bind-address` default.
-pub const DEFAULT_HEALTHZ_BIND_ADDRESS: SocketAddr =
-    SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 10256);
-/// kube-proxy's `--metrics-bind-address` default.
-pub const DEFAULT_METRICS_BIND_ADDRESS: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
-/// kube-proxy's health server default when `bindAddress` is IPv6.
-pub const DEFAULT_HEALTHZ_BIND_ADDRESS_V6: SocketAddr =
-    SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), 10256);
-/// kube-proxy's metrics server default when `bindAddress` is IPv6.
-pub const DEFAULT_METRICS_BIND_ADDRESS_V6: SocketAddr =
-    SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::LOCALHOST), 10249);
-/// kube-proxy's sync period default, in every mode.
-pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
-/// kube-proxy's minimum sync period default in iptables and nftables modes (ipvs mode's is 0).
-pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
-/// vipr's minimum sync period default in ebpf mode, a mode kube-proxy does not have. kube-proxy's
-/// 1 s bounds the cost of rewriting whole rulesets; an eBPF sync costs what changed (about a
-/// millisecond for an EndpointSlice at 10k services), so a short period keeps the programming
-/// latency of a busy cluster in milliseconds and still batches a burst of changes into a
-/// few syncs (docs/benchmarks.md, issue 13). An explicit period is honoured as given.
-pub const EBPF_DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_millis(EBPF_DEFAULT_MIN_SYNC_MS);
-const EBPF_DEFAULT_MIN_SYNC_MS: u64 = 20;
-/// kube-proxy's `--oom-score-adj` default (the kubelet's `KubeProxyOOMScoreAdj`).
-pub const DEFAULT_OOM_SCORE_ADJ: i32 = -999;
-/// kube-proxy's `--kube-api-qps`, `--kube-api-burst` and `--kube-api-content-type` defaults.
-pub const DEFAULT_API_QPS: f32 = 5.0;
-pub const DEFAULT_API_BURST: i32 = 10;
-pub const DEFAULT_API_CONTENT_TYPE: &str = "application/vnd.kubernetes.protobuf";
-
-/// The only KubeProxyConfiguration version vipr reads.
-pub const CONFIG_API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
-pub const CONFIG_KIND: &str = "KubeProxyConfiguration";
 
 /// Where Services and EndpointSlices come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,73 +45,6 @@ pub enum SourceSettings {
     File(PathBuf),
     /// The API server, through `kubeconfig` or, when `None`, the in-cluster service account.
     Kubernetes { kubeconfig: Option<PathBuf> },
-}
-
-/// One entry of `--nodeport-addresses`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NodePortAddress {
-    /// Node addresses inside this range.
-    Cidr(IpNet),
-    /// `primary`: the Node object's primary address of each family.
-    Primary,
-    /// `localhost`: 127.0.0.0/8 and ::1.
-    Localhost,
-    /// `all`: every node address.
-    All,
-}
-
-impl FromStr for NodePortAddress {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        match text.trim() {
-            "primary" => Ok(Self::Primary),
-            "localhost" => Ok(Self::Localhost),
-            "all" => Ok(Self::All),
-            cidr => cidr.parse().map(Self::Cidr).map_err(|_| {
-                format!("{cidr:?} is neither a CIDR (such as 10.0.0.0/8) nor one of primary, localhost, all")
-            }),
-        }
-    }
-}
-
-/// How much vipr logs. kube-proxy's klog verbosity (`--v=N`) and vipr's `-v`/`-vv` map onto
-/// it; `RUST_LOG` overrides it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum LogLevel {
-    Info,
-    Debug,
-    Trace,
-}
-
-impl LogLevel {
-    /// klog levels 0-2 are what kube-proxy logs in steady state (vipr's info), 3-4 its
-    /// per-change detail (debug), 5 and more its per-object detail (trace).
-    pub fn from_klog_verbosity(verbosity: u32) -> Self {
-        match verbosity {
-            0..=2 => Self::Info,
-            3..=4 => Self::Debug,
-            _ => Self::Trace,
-        }
-    }
-
-    /// vipr's own `-v` count.
-    pub fn from_verbose_count(count: u8) -> Self {
-        match count {
-            0 => Self::Info,
-            1 => Self::Debug,
-            _ => Self::Trace,
-        }
-    }
-
-    /// The `tracing` filter directive.
-    pub fn directive(self) -> &'static str {
-        match self {
-            Self::Info => "info",
-            Self::Debug => "debug",
-            Self::Trace => "trace",
-        }
-    }
 }
 
 /// Everything the agent needs, resolved and validated.
@@ -300,46 +203,6 @@ impl Default for ApiClientSettings {
             burst: DEFAULT_API_BURST,
             content_type: DEFAULT_API_CONTENT_TYPE.to_owned(),
         }
-    }
-}
-
-/// `--feature-gates` / `featureGates`: gate name → enabled.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct FeatureGates(pub std::collections::BTreeMap<String, bool>);
-
-/// kube-proxy feature gates whose setting changes what vipr does. None yet: vipr behaves as
-/// kube-proxy 1.35 with its default gates, and no gate switches that behaviour.
-pub const HONOURED_FEATURE_GATES: &[&str] = &[];
-
-impl FeatureGates {
-    /// The gates given that vipr does not follow.
-    pub fn ignored(&self) -> impl Iterator<Item = (&str, bool)> {
-        self.0
-            .iter()
-            .filter(|(name, _)| !HONOURED_FEATURE_GATES.contains(&name.as_str()))
-            .map(|(name, enabled)| (name.as_str(), *enabled))
-    }
-}
-
-/// Parses `--feature-gates`: comma-separated `Name=true|false` pairs, as kube-proxy's.
-pub fn parse_feature_gates(text: &str) -> Result<FeatureGates, String> {
-    let mut gates = std::collections::BTreeMap::new();
-    for pair in text.split(',').map(str::trim).filter(|pair| !pair.is_empty()) {
-        let (name, value) =
-            pair.split_once('=').ok_or_else(|| format!("missing bool value for {pair:?} (use Name=true)"))?;
-        let enabled = parse_go_bool(value.trim())
-            .ok_or_else(|| format!("invalid value of {}: {value:?}, it must be a bool", name.trim()))?;
-        gates.insert(name.trim().to_owned(), enabled);
-    }
-    Ok(FeatureGates(gates))
-}
-
-/// Go's `strconv.ParseBool`.
-fn parse_go_bool(text: &str) -> Option<bool> {
-    match text {
-        "1" | "t" | "T" | "true" | "TRUE" | "True" => Some(true),
-        "0" | "f" | "F" | "false" | "FALSE" | "False" => Some(false),
-        _ => None,
     }
 }
 
@@ -729,37 +592,6 @@ fn balancing(args: &Args) -> anyhow::Result<Balancing> {
     })
 }
 
-/// Capacities of the eBPF dataplane's largest maps (`--bpf-*-max`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BpfMapSizes {
-    pub services: u32,
-    pub backends: u32,
-    pub flows: u32,
-    /// The per-CPU counters map: (service port, backend) pairs.
-    pub counters: u32,
-    /// Each family's session-affinity map: remembered clients.
-    pub affinity: u32,
-    /// Each family's source-ranges trie.
-    pub source_ranges: u32,
-    /// Each family's unmatched-destinations trie.
-    pub unmatched: u32,
-}
-
-impl Default for BpfMapSizes {
-    fn default() -> Self {
-        use proxy_common::capacity;
-        Self {
-            services: capacity::SERVICES,
-            backends: capacity::BACKENDS,
-            flows: capacity::FLOWS,
-            counters: capacity::BACKEND_COUNTERS,
-            affinity: capacity::AFFINITY,
-            source_ranges: capacity::SOURCE_RANGES,
-            unmatched: capacity::UNMATCHED,
-        }
-    }
-}
-
 impl BpfMapSizes {
     fn resolve(args: &Args) -> anyhow::Result<Self> {
         let defaults = Self::default();
@@ -777,69 +609,6 @@ impl BpfMapSizes {
             source_ranges: size("bpf-source-ranges-max", args.bpf_source_ranges_max, defaults.source_ranges)?,
             unmatched: size("bpf-unmatched-max", args.bpf_unmatched_max, defaults.unmatched)?,
         })
-    }
-}
-
-/// When the eBPF datapath's connections expire, under kube-proxy's `--conntrack-*` names and
-/// defaults (the file's `conntrack` section). kube-proxy sets the kernel's conntrack sysctls
-/// with them; vipr's own connection tracking applies them to its flow entries, with the
-/// kernel's defaults where kube-proxy's 0 means "leave the kernel's".
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConntrackTimeouts {
-    /// Established TCP connections, idle.
-    pub tcp_established: Duration,
-    /// TCP connections with a FIN in one direction only (CLOSE_WAIT), idle.
-    pub tcp_close_wait: Duration,
-    /// TCP connections with a FIN both ways or an RST, idle: the kernel's CLOSE state (10 s)
-    /// rather than TIME_WAIT (120 s), since the backend keeps its own TIME_WAIT. No flag.
-    pub tcp_closed: Duration,
-    /// TCP connections the backend never answered, idle: the kernel's SYN_SENT (120 s). Without
-    /// it a SYN flood's entries would hold the flows map for a day: the map is not LRU, so as
-    /// not to evict live connections.
-    pub tcp_syn_sent: Duration,
-    /// TCP connections the backend answered (SYN-ACK) whose client never completed the
-    /// handshake, idle: the kernel's SYN_RECV (60 s). A spoofed SYN flood's entries end here.
-    pub tcp_syn_recv: Duration,
-    /// UDP flows never answered, or answered once (a DNS query and its answer): conntrack's
-    /// UDP entries that are not ASSURED.
-    pub udp: Duration,
-    /// UDP streams: the client sent again after an answer.
-    pub udp_stream: Duration,
-    /// What changes when the flows map fills up.
-    pub pressure: FlowPressure,
-}
-
-/// The flows map under pressure (a flood of new connections): above `threshold_percent` of its
-/// capacity, the reaper runs more often and expires connections that are not established (TCP
-/// without the client's ACK after the SYN-ACK, UDP that is no stream) after `timeout` idle
-/// instead of their usual timeout, as Cilium's connection-tracking garbage collection does when
-/// its table fills up.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FlowPressure {
-    /// `--conntrack-pressure-threshold`, 1 to 100.
-    pub threshold_percent: u8,
-    /// `--conntrack-pressure-timeout`.
-    pub timeout: Duration,
-}
-
-impl Default for FlowPressure {
-    fn default() -> Self {
-        Self { threshold_percent: 75, timeout: Duration::from_secs(5) }
-    }
-}
-
-impl Default for ConntrackTimeouts {
-    fn default() -> Self {
-        Self {
-            tcp_established: Duration::from_secs(24 * 3600),
-            tcp_close_wait: Duration::from_secs(3600),
-            tcp_closed: Duration::from_secs(10),
-            tcp_syn_sent: Duration::from_secs(120),
-            tcp_syn_recv: Duration::from_secs(60),
-            udp: Duration::from_secs(30),
-            udp_stream: Duration::from_secs(120),
-            pressure: FlowPressure::default(),
-        }
     }
 }
 
@@ -1051,457 +820,6 @@ fn host_name() -> String {
         .unwrap_or_default()
 }
 
-/// The settings vipr reads from a KubeProxyConfiguration, as kube-proxy's v1alpha1 spells
-/// them. Everything is optional: an absent field keeps kube-proxy's default.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct KubeProxyConfiguration {
-    #[serde(default)]
-    pub client_connection: ClientConnection,
-    pub bind_address: Option<String>,
-    pub hostname_override: Option<String>,
-    pub oom_score_adj: Option<i32>,
-    pub detect_local_mode: Option<String>,
-    #[serde(default)]
-    pub detect_local: DetectLocal,
-    pub feature_gates: Option<std::collections::BTreeMap<String, bool>>,
-    pub healthz_bind_address: Option<String>,
-    pub metrics_bind_address: Option<String>,
-    pub mode: Option<String>,
-    #[serde(default)]
-    pub iptables: ModeSettings,
-    #[serde(default)]
-    pub ipvs: IpvsSection,
-    #[serde(default)]
-    pub nftables: ModeSettings,
-    #[serde(rename = "clusterCIDR")]
-    pub cluster_cidr: Option<String>,
-    pub node_port_addresses: Option<Vec<String>>,
-    #[serde(default)]
-    pub logging: Logging,
-    #[serde(default)]
-    pub conntrack: ConntrackSection,
-    /// The file it came from, for error messages.
-    #[serde(skip)]
-    pub path: Option<PathBuf>,
-    /// Non-zero settings of the file that vipr does not use, as dotted paths.
-    #[serde(skip)]
-    pub ignored: Vec<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ClientConnection {
-    pub kubeconfig: Option<String>,
-}
-
-/// The `detectLocal` section: the interface detectors' parameters.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DetectLocal {
-    pub bridge_interface: Option<String>,
-    pub interface_name_prefix: Option<String>,
-}
-
-/// v1alpha1 keeps the sync periods and masquerading under the section of each proxy mode.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ModeSettings {
-    pub sync_period: Option<String>,
-    pub min_sync_period: Option<String>,
-    pub masquerade_all: Option<bool>,
-    /// `iptables.localhostNodePorts` (read from the `iptables` section only).
-    pub localhost_node_ports: Option<bool>,
-}
-
-/// The `ipvs` section: the mode's periods, and kube-proxy's IPVS settings.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct IpvsSection {
-    #[serde(flatten)]
-    pub mode: ModeSettings,
-    pub scheduler: Option<String>,
-    #[serde(rename = "excludeCIDRs")]
-    pub exclude_cidrs: Option<Vec<String>>,
-    #[serde(rename = "strictARP")]
-    pub strict_arp: Option<bool>,
-    pub tcp_timeout: Option<String>,
-    pub tcp_fin_timeout: Option<String>,
-    pub udp_timeout: Option<String>,
-}
-
-/// The `conntrack` section: the timeouts vipr's connection tracking applies, and the
-/// kernel's conntrack settings of the iptables and ipvs modes.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ConntrackSection {
-    pub max_per_core: Option<i32>,
-    pub min: Option<i32>,
-    pub tcp_be_liberal: Option<bool>,
-    pub tcp_established_timeout: Option<String>,
-    pub tcp_close_wait_timeout: Option<String>,
-    pub udp_timeout: Option<String>,
-    pub udp_stream_timeout: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct Logging {
-    pub verbosity: Option<u32>,
-    pub format: Option<String>,
-}
-
-/// A mode section and its field name in the file.
-struct ModeSection<'a> {
-    name: &'static str,
-    sync_period: &'a Option<String>,
-    min_sync_period: &'a Option<String>,
-    masquerade_all: Option<bool>,
-}
-
-impl KubeProxyConfiguration {
-    /// Reads and parses a KubeProxyConfiguration file.
-    pub fn load(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("--config: cannot read {}", path.display()))?;
-        let mut config = Self::parse(&text).with_context(|| format!("--config: {}", path.display()))?;
-        config.path = Some(path.to_owned());
-        Ok(config)
-    }
-
-    /// Parses a KubeProxyConfiguration document (YAML or JSON).
-    pub fn parse(text: &str) -> anyhow::Result<Self> {
-        let value: serde_yaml::Value = serde_yaml::from_str(text)?;
-        let field = |name: &str| value.get(name).and_then(serde_yaml::Value::as_str).unwrap_or_default();
-        if field("apiVersion") != CONFIG_API_VERSION || field("kind") != CONFIG_KIND {
-            bail!(
-                "not a {CONFIG_KIND} of {CONFIG_API_VERSION} (apiVersion {:?}, kind {:?})",
-                field("apiVersion"),
-                field("kind")
-            );
-        }
-        let config: Self = serde_yaml::from_value(value.clone())?;
-        let mut config = config;
-        let used = config.used_fields();
-        let mut ignored = Vec::new();
-        non_zero_leaves(&value, "", &mut ignored);
-        // Feature gates are named with the flags' (`Settings::ignored_flags`), and a field
-        // holding kube-proxy's default asks for nothing vipr would have to do.
-        ignored.retain(|path| {
-            !used.contains(path.as_str())
-                && !path.starts_with("featureGates.")
-                && !holds_kube_proxy_default(&value, path)
-        });
-        config.ignored = ignored;
-        Ok(config)
-    }
-
-    /// An error in the value of `field`, naming the file.
-    fn invalid(&self, field: &str, error: impl fmt::Display) -> anyhow::Error {
-        match &self.path {
-            Some(path) => anyhow::anyhow!("--config {}: {field}: {error}", path.display()),
-            None => anyhow::anyhow!("--config: {field}: {error}"),
-        }
-    }
-
-    /// The file's `mode`, meaning what it means to kube-proxy where vipr has the mode: empty
-    /// or absent is kube-proxy's default on Linux, iptables; vipr's own `ebpf` and `auto`
-    /// are accepted too (`--proxy-mode` wins over the file, so the DaemonSet's flag decides
-    /// when a kube-proxy ConfigMap is reused).
-    pub fn proxy_mode(&self) -> anyhow::Result<ProxyMode> {
-        match self.mode.as_deref().map(str::trim) {
-            None | Some("") => Ok(ProxyMode::Iptables),
-            Some(name) => ProxyMode::from_str(name, true).map_err(|_| {
-                let known: Vec<_> = ProxyMode::value_variants()
-                    .iter()
-                    .filter_map(|mode| mode.to_possible_value())
-                    .map(|value| value.get_name().to_owned())
-                    .collect();
-                self.invalid(
-                    "mode",
-                    format!("{name:?} is not a vipr proxy mode (vipr has {})", known.join(", ")),
-                )
-            }),
-        }
-    }
-
-    /// The section whose periods and masquerading apply in `mode`, as kube-proxy's v1alpha1
-    /// conversion picks it: ipvs and nftables have their own, every other mode reads
-    /// `iptables` (ipvs mode masquerades by `iptables.masqueradeAll` too).
-    fn mode_section(&self, mode: ProxyMode) -> ModeSection<'_> {
-        match mode {
-            ProxyMode::Ipvs => ModeSection {
-                name: "ipvs",
-                sync_period: &self.ipvs.mode.sync_period,
-                min_sync_period: &self.ipvs.mode.min_sync_period,
-                masquerade_all: self.iptables.masquerade_all,
-            },
-            ProxyMode::Nftables => ModeSection {
-                name: "nftables",
-                sync_period: &self.nftables.sync_period,
-                min_sync_period: &self.nftables.min_sync_period,
-                masquerade_all: self.nftables.masquerade_all,
-            },
-            ProxyMode::Auto | ProxyMode::Ebpf | ProxyMode::Iptables => ModeSection {
-                name: "iptables",
-                sync_period: &self.iptables.sync_period,
-                min_sync_period: &self.iptables.min_sync_period,
-                masquerade_all: self.iptables.masquerade_all,
-            },
-        }
-    }
-
-    /// The dotted paths of the fields vipr reads, given the file's mode.
-    fn used_fields(&self) -> BTreeSet<String> {
-        let mut used: BTreeSet<String> = [
-            "apiVersion",
-            "kind",
-            "bindAddress",
-            "clientConnection.kubeconfig",
-            "hostnameOverride",
-            "oomScoreAdj",
-            "detectLocalMode",
-            "detectLocal.bridgeInterface",
-            "detectLocal.interfaceNamePrefix",
-            "logging.format",
-            "conntrack.maxPerCore",
-            "conntrack.min",
-            "conntrack.tcpBeLiberal",
-            "healthzBindAddress",
-            "metricsBindAddress",
-            "mode",
-            "clusterCIDR",
-            "nodePortAddresses",
-            "logging.verbosity",
-            "conntrack.tcpEstablishedTimeout",
-            "conntrack.tcpCloseWaitTimeout",
-            "conntrack.udpTimeout",
-            "conntrack.udpStreamTimeout",
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect();
-        let mode = self.proxy_mode().unwrap_or(ProxyMode::Iptables);
-        let section = self.mode_section(mode).name;
-        used.extend(["syncPeriod", "minSyncPeriod"].map(|field| format!("{section}.{field}")));
-        if mode == ProxyMode::Ipvs {
-            used.extend(
-                ["scheduler", "excludeCIDRs", "strictARP", "tcpTimeout", "tcpFinTimeout", "udpTimeout"]
-                    .map(|field| format!("ipvs.{field}")),
-            );
-        }
-        used.insert("iptables.masqueradeAll".to_owned());
-        used.insert("iptables.localhostNodePorts".to_owned());
-        if mode == ProxyMode::Nftables {
-            used.insert("nftables.masqueradeAll".to_owned());
-        }
-        used
-    }
-}
-
-/// Whether the field at the dotted `path` of `value` holds kube-proxy's v1alpha1 default,
-/// for the fields vipr does not use whose default is not a zero value (kube-proxy's own
-/// `--write-config-to` writes them so).
-fn holds_kube_proxy_default(value: &serde_yaml::Value, path: &str) -> bool {
-    let leaf = path.split('.').try_fold(value, |value, key| value.get(key));
-    let Some(leaf) = leaf else { return false };
-    let number = leaf.as_f64();
-    let text = leaf.as_str();
-    match path {
-        "clientConnection.qps" => number == Some(f64::from(DEFAULT_API_QPS)),
-        "clientConnection.burst" => number == Some(f64::from(DEFAULT_API_BURST)),
-        "clientConnection.contentType" => text == Some(DEFAULT_API_CONTENT_TYPE),
-        "iptables.masqueradeBit" | "nftables.masqueradeBit" => number == Some(14.0),
-        "configSyncPeriod" => {
-            text.and_then(|text| parse_go_duration(text).ok()) == Some(Duration::from_secs(900))
-        }
-        _ => false,
-    }
-}
-
-/// Collects the dotted paths of the leaves of `value` that are not zero values (null, false,
-/// 0, "", "0s", empty lists and maps): the settings a file actually sets.
-fn non_zero_leaves(value: &serde_yaml::Value, path: &str, out: &mut Vec<String>) {
-    use serde_yaml::Value;
-    match value {
-        Value::Mapping(mapping) => {
-            for (key, child) in mapping {
-                let key = key.as_str().map(str::to_owned).unwrap_or_else(|| format!("{key:?}"));
-                let child_path = if path.is_empty() { key } else { format!("{path}.{key}") };
-                non_zero_leaves(child, &child_path, out);
-            }
-        }
-        Value::Null => {}
-        Value::Bool(set) => {
-            if *set {
-                out.push(path.to_owned());
-            }
-        }
-        Value::Number(number) => {
-            if number.as_f64() != Some(0.0) {
-                out.push(path.to_owned());
-            }
-        }
-        Value::String(text) => {
-            if !text.is_empty() && parse_go_duration(text) != Ok(Duration::ZERO) {
-                out.push(path.to_owned());
-            }
-        }
-        Value::Sequence(items) => {
-            if !items.is_empty() {
-                out.push(path.to_owned());
-            }
-        }
-        Value::Tagged(tagged) => non_zero_leaves(&tagged.value, path, out),
-    }
-}
-
-/// `--cluster-cidr`, `--service-cluster-ip-range`: one CIDR, or a comma-separated dual-stack
-/// pair.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CidrPair(pub Vec<IpNet>);
-
-impl FromStr for CidrPair {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let cidrs = text
-            .split(',')
-            .map(str::trim)
-            .filter(|cidr| !cidr.is_empty())
-            .map(|cidr| {
-                cidr.parse::<IpNet>().map_err(|_| format!("{cidr:?} is not a CIDR (such as 10.244.0.0/16)"))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let dual_stack_pair = |a: &IpNet, b: &IpNet| {
-            matches!((a, b), (IpNet::V4(_), IpNet::V6(_)) | (IpNet::V6(_), IpNet::V4(_)))
-        };
-        match cidrs.as_slice() {
-            [] | [_] => Ok(Self(cidrs)),
-            [a, b] if dual_stack_pair(a, b) => Ok(Self(cidrs)),
-            _ => Err("only one CIDR, or one IPv4 and one IPv6 CIDR, is allowed".to_owned()),
-        }
-    }
-}
-
-/// `--healthz-bind-address` / `--metrics-bind-address`: `IP:port`, a bare IP (default port),
-/// or empty to disable the server.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BindAddress(pub Option<SocketAddr>);
-
-impl BindAddress {
-    pub fn parser(
-        default_port: u16,
-    ) -> impl Fn(&str) -> Result<Self, String> + Clone + Send + Sync + 'static {
-        move |text| parse_bind_address(text, default_port).map(Self)
-    }
-}
-
-fn parse_bind_address(text: &str, default_port: u16) -> Result<Option<SocketAddr>, String> {
-    let text = text.trim();
-    if text.is_empty() {
-        return Ok(None);
-    }
-    if let Ok(address) = text.parse::<SocketAddr>() {
-        return Ok(Some(address));
-    }
-    let bare = text.strip_prefix('[').and_then(|rest| rest.strip_suffix(']')).unwrap_or(text);
-    bare.parse::<IpAddr>()
-        .map(|ip| Some(SocketAddr::new(ip, default_port)))
-        .map_err(|_| format!("{text:?} is not IP:port (such as 0.0.0.0:{default_port}), an IP, or empty"))
-}
-
-/// An error in a Go duration string, worded as Go's `time.ParseDuration`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DurationError(String);
-
-impl fmt::Display for DurationError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid duration {:?} (use a Go duration such as 1s, 500ms, 1m30s or 2h)", self.0)
-    }
-}
-
-impl std::error::Error for DurationError {}
-
-/// Parses a Go duration string (`time.ParseDuration`): a sequence of decimal numbers with
-/// units ns, us (µs), ms, s, m, h, such as "300ms", "1.5h" or "2h45m"; "0" alone needs no
-/// unit. Negative durations are refused: no period vipr takes can be negative.
-pub fn parse_go_duration(text: &str) -> Result<Duration, DurationError> {
-    let error = || DurationError(text.to_owned());
-    let mut rest = text.strip_prefix('+').unwrap_or(text);
-    if rest == "0" {
-        return Ok(Duration::ZERO);
-    }
-    if rest.is_empty() {
-        return Err(error());
-    }
-    let mut nanos: u128 = 0;
-    while !rest.is_empty() {
-        let number_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(error)?;
-        let (number, after) = rest.split_at(number_len);
-        let unit_len = after.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(after.len());
-        let (unit, after) = after.split_at(unit_len);
-        let unit_nanos: u128 = match unit {
-            "ns" => 1,
-            "us" | "µs" | "μs" => 1_000,
-            "ms" => 1_000_000,
-            "s" => 1_000_000_000,
-            "m" => 60_000_000_000,
-            "h" => 3_600_000_000_000,
-            _ => return Err(error()),
-        };
-        let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
-        if whole.is_empty() && fraction.is_empty() {
-            return Err(error());
-        }
-        let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| error())? };
-        let mut value = whole.checked_mul(unit_nanos).ok_or_else(error)?;
-        // Digits beyond nanosecond precision cannot matter; Go drops them too.
-        let mut scale = unit_nanos;
-        for digit in fraction.chars().take(30) {
-            scale /= 10;
-            value += u128::from(digit.to_digit(10).ok_or_else(error)?) * scale;
-        }
-        nanos = nanos.checked_add(value).ok_or_else(error)?;
-        rest = after;
-    }
-    let nanos = u64::try_from(nanos).map_err(|_| error())?;
-    Ok(Duration::from_nanos(nanos))
-}
-
-/// Formats a duration as Go's `time.Duration.String()` does ("30s", "1m30s", "24h0m0s",
-/// "500ms", "0s"), the way kube-proxy writes durations in a KubeProxyConfiguration.
-pub fn format_go_duration(duration: Duration) -> String {
-    let nanos = duration.as_nanos();
-    let decimal = |value: u128, unit: u128| {
-        let whole = value / unit;
-        let fraction = value % unit;
-        if fraction == 0 {
-            whole.to_string()
-        } else {
-            let digits = unit.ilog10() as usize;
-            let fraction = format!("{fraction:0digits$}");
-            format!("{whole}.{}", fraction.trim_end_matches('0'))
-        }
-    };
-    const SECOND: u128 = 1_000_000_000;
-    match nanos {
-        0 => "0s".to_owned(),
-        1..1_000 => format!("{nanos}ns"),
-        1_000..1_000_000 => format!("{}µs", decimal(nanos, 1_000)),
-        1_000_000..SECOND => format!("{}ms", decimal(nanos, 1_000_000)),
-        _ => {
-            let hours = nanos / (3600 * SECOND);
-            let minutes = nanos % (3600 * SECOND) / (60 * SECOND);
-            let seconds = decimal(nanos % (60 * SECOND), SECOND);
-            match (hours, minutes) {
-                (0, 0) => format!("{seconds}s"),
-                (0, _) => format!("{minutes}m{seconds}s"),
-                _ => format!("{hours}h{minutes}m{seconds}s"),
-            }
-        }
-    }
-}
-
 impl Settings {
     /// The minimum sync period when `mode` runs: the one given, else that mode's default
     /// (ebpf's is [`EBPF_DEFAULT_MIN_SYNC_PERIOD`]; `--proxy-mode=auto` resolves its mode at
@@ -1531,7 +849,7 @@ impl Settings {
     /// `--iptables-localhost-nodeports` as it applies in `mode`: the loopback addresses IPv4
     /// NodePorts are also served on, or `None`.
     pub fn localhost_node_ports_in(&self, mode: Mode) -> Option<ipnet::Ipv4Net> {
-        iptables::localhost_node_ports(self.iptables_localhost_node_ports, &self.node_port_addresses_in(mode))
+        localhost_node_ports(self.iptables_localhost_node_ports, &self.node_port_addresses_in(mode))
     }
 
     /// The dataplanes' options for a start in `mode`.
@@ -1694,15 +1012,34 @@ impl Settings {
     }
 }
 
-impl fmt::Display for NodePortAddress {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Cidr(cidr) => write!(f, "{cidr}"),
-            Self::Primary => f.write_str("primary"),
-            Self::Localhost => f.write_str("localhost"),
-            Self::All => f.write_str("all"),
+/// kube-proxy's `--iptables-localhost-nodeports` as it applies to the NodePort addresses
+/// (`--nodeport-addresses` as the running mode reads it; empty is taken as every address):
+/// the loopback addresses IPv4 NodePorts are also served on, or `None`. As kube-proxy, only
+/// when `enabled` and the IPv4 NodePort addresses cover loopback: every address (kube-proxy's
+/// `--dst-type LOCAL`, which all of 127.0.0.0/8 is) gives 127.0.0.0/8; a CIDR or the
+/// `localhost` keyword that contains 127.0.0.1 gives loopback's address, 127.0.0.1.
+pub fn localhost_node_ports(enabled: bool, addresses: &[NodePortAddress]) -> Option<Ipv4Net> {
+    if !enabled {
+        return None;
+    }
+    let every = Ipv4Net::new(Ipv4Addr::new(127, 0, 0, 0), 8).expect("a valid prefix");
+    let lo = Ipv4Net::from(Ipv4Addr::LOCALHOST);
+    if addresses.is_empty() {
+        return Some(every);
+    }
+    let mut found = None;
+    for address in addresses {
+        match address {
+            NodePortAddress::All => return Some(every),
+            NodePortAddress::Cidr(ipnet::IpNet::V4(cidr)) if cidr.prefix_len() == 0 => return Some(every),
+            NodePortAddress::Cidr(ipnet::IpNet::V4(cidr)) if cidr.contains(&Ipv4Addr::LOCALHOST) => {
+                found = Some(lo)
+            }
+            NodePortAddress::Localhost => found = Some(lo),
+            NodePortAddress::Cidr(_) | NodePortAddress::Primary => {}
         }
     }
+    found
 }
 
 #[cfg(test)]
@@ -1710,6 +1047,24 @@ mod tests {
     use clap::Parser as _;
 
     use super::*;
+
+    /// kube-proxy's `ContainsIPv4Loopback`: on when the IPv4 NodePort addresses cover
+    /// loopback; every address means all of 127.0.0.0/8 (`--dst-type LOCAL`).
+    #[test]
+    fn localhost_node_ports_apply_where_the_node_port_addresses_cover_loopback() {
+        let cidr = |text: &str| NodePortAddress::Cidr(text.parse().unwrap());
+        let every = Some("127.0.0.0/8".parse().unwrap());
+        let lo = Some("127.0.0.1/32".parse().unwrap());
+        assert_eq!(localhost_node_ports(true, &[]), every);
+        assert_eq!(localhost_node_ports(true, &[NodePortAddress::All]), every);
+        assert_eq!(localhost_node_ports(true, &[cidr("0.0.0.0/0")]), every);
+        assert_eq!(localhost_node_ports(true, &[cidr("192.168.0.0/24"), cidr("127.0.0.1/32")]), lo);
+        assert_eq!(localhost_node_ports(true, &[NodePortAddress::Localhost]), lo);
+        assert_eq!(localhost_node_ports(true, &[cidr("192.168.0.0/24"), cidr("::/0")]), None);
+        assert_eq!(localhost_node_ports(true, &[NodePortAddress::Primary]), None);
+        assert_eq!(localhost_node_ports(false, &[]), None);
+        assert_eq!(localhost_node_ports(false, &[cidr("127.0.0.1/32")]), None);
+    }
 
     #[test]
     fn bpf_map_sizes_default_to_the_compiled_capacities_and_refuse_zero() {

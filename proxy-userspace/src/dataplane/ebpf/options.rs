@@ -1,0 +1,133 @@
+//! The eBPF dataplane's options, which the agent's settings fill from flags and the
+//! configuration file.
+use std::time::Duration;
+
+use clap::ValueEnum;
+
+/// `--xdp`: where the XDP fast path for traffic from outside the node runs.
+///
+/// `Default` is `Off`: a dataplane started without a word about XDP runs none (benchmarks
+/// and tests opt in); the agent's settings give `Auto` when no `--xdp` is given.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum XdpMode {
+    /// No `--xdp` given: native, on the devices backed by hardware whose driver supports it;
+    /// none elsewhere, and no generic fallback. Not a value of the flag: it names no mode of
+    /// its own, and leaving the flag out says it.
+    #[value(skip)]
+    Auto,
+    /// On every served device, in the driver; falls back to generic, then off, where the
+    /// driver refuses.
+    Native,
+    /// On every served device, in the kernel's generic (skb) XDP path.
+    Generic,
+    /// No XDP: the TC program does everything.
+    #[default]
+    Off,
+}
+
+/// `--bpf-forwarding`: how the eBPF datapath hands on a packet it rewrote for another host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum BpfForwarding {
+    /// Back into the kernel's stack, which routes it and runs netfilter's FORWARD and
+    /// POSTROUTING chains on it, as behind kube-proxy: iptables-enforced NetworkPolicy applies.
+    #[default]
+    Stack,
+    /// Straight to the next hop (`bpf_redirect_neigh`), and XDP where `--xdp` allows: faster,
+    /// but bypasses netfilter's FORWARD and POSTROUTING chains, and so any NetworkPolicy
+    /// enforced there (Calico's iptables dataplane, kube-router, ...).
+    Redirect,
+}
+
+/// Capacities of the eBPF dataplane's largest maps (`--bpf-*-max`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BpfMapSizes {
+    pub services: u32,
+    pub backends: u32,
+    pub flows: u32,
+    /// The per-CPU counters map: (service port, backend) pairs.
+    pub counters: u32,
+    /// Each family's session-affinity map: remembered clients.
+    pub affinity: u32,
+    /// Each family's source-ranges trie.
+    pub source_ranges: u32,
+    /// Each family's unmatched-destinations trie.
+    pub unmatched: u32,
+}
+
+impl Default for BpfMapSizes {
+    fn default() -> Self {
+        use proxy_common::capacity;
+        Self {
+            services: capacity::SERVICES,
+            backends: capacity::BACKENDS,
+            flows: capacity::FLOWS,
+            counters: capacity::BACKEND_COUNTERS,
+            affinity: capacity::AFFINITY,
+            source_ranges: capacity::SOURCE_RANGES,
+            unmatched: capacity::UNMATCHED,
+        }
+    }
+}
+
+/// When the eBPF datapath's connections expire, under kube-proxy's `--conntrack-*` names and
+/// defaults (the file's `conntrack` section). kube-proxy sets the kernel's conntrack sysctls
+/// with them; vipr's own connection tracking applies them to its flow entries, with the
+/// kernel's defaults where kube-proxy's 0 means "leave the kernel's".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackTimeouts {
+    /// Established TCP connections, idle.
+    pub tcp_established: Duration,
+    /// TCP connections with a FIN in one direction only (CLOSE_WAIT), idle.
+    pub tcp_close_wait: Duration,
+    /// TCP connections with a FIN both ways or an RST, idle: the kernel's CLOSE state (10 s)
+    /// rather than TIME_WAIT (120 s), since the backend keeps its own TIME_WAIT. No flag.
+    pub tcp_closed: Duration,
+    /// TCP connections the backend never answered, idle: the kernel's SYN_SENT (120 s). Without
+    /// it a SYN flood's entries would hold the flows map for a day: the map is not LRU, so as
+    /// not to evict live connections.
+    pub tcp_syn_sent: Duration,
+    /// TCP connections the backend answered (SYN-ACK) whose client never completed the
+    /// handshake, idle: the kernel's SYN_RECV (60 s). A spoofed SYN flood's entries end here.
+    pub tcp_syn_recv: Duration,
+    /// UDP flows never answered, or answered once (a DNS query and its answer): conntrack's
+    /// UDP entries that are not ASSURED.
+    pub udp: Duration,
+    /// UDP streams: the client sent again after an answer.
+    pub udp_stream: Duration,
+    /// What changes when the flows map fills up.
+    pub pressure: FlowPressure,
+}
+
+/// The flows map under pressure (a flood of new connections): above `threshold_percent` of its
+/// capacity, the reaper runs more often and expires connections that are not established (TCP
+/// without the client's ACK after the SYN-ACK, UDP that is no stream) after `timeout` idle
+/// instead of their usual timeout, as Cilium's connection-tracking garbage collection does when
+/// its table fills up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowPressure {
+    /// `--conntrack-pressure-threshold`, 1 to 100.
+    pub threshold_percent: u8,
+    /// `--conntrack-pressure-timeout`.
+    pub timeout: Duration,
+}
+
+impl Default for FlowPressure {
+    fn default() -> Self {
+        Self { threshold_percent: 75, timeout: Duration::from_secs(5) }
+    }
+}
+
+impl Default for ConntrackTimeouts {
+    fn default() -> Self {
+        Self {
+            tcp_established: Duration::from_secs(24 * 3600),
+            tcp_close_wait: Duration::from_secs(3600),
+            tcp_closed: Duration::from_secs(10),
+            tcp_syn_sent: Duration::from_secs(120),
+            tcp_syn_recv: Duration::from_secs(60),
+            udp: Duration::from_secs(30),
+            udp_stream: Duration::from_secs(120),
+            pressure: FlowPressure::default(),
+        }
+    }
+}
