@@ -33,6 +33,45 @@ pub enum Protocol {
 }
 
 impl Protocol {
+    pub const ALL: [Self; 3] = [Self::Tcp, Self::Udp, Self::Sctp];
+
+    /// The IP protocol number (IANA's, as in the IP header and `IPPROTO_*`).
+    pub fn number(self) -> u8 {
+        match self {
+            Self::Tcp => 6,
+            Self::Udp => 17,
+            Self::Sctp => 132,
+        }
+    }
+
+    /// The protocol of an IP protocol number, if it is one a Service can use.
+    pub fn from_number(number: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|protocol| protocol.number() == number)
+    }
+
+    /// The lower-case name the kernel's tools use (iptables `-p`, ipset, nft).
+    pub fn lower_case(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Udp => "udp",
+            Self::Sctp => "sctp",
+        }
+    }
+
+    /// The protocol of a lower-case name ([`Self::lower_case`]).
+    pub fn from_lower_case(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|protocol| protocol.lower_case() == name)
+    }
+
+    /// The name Kubernetes gives it (`TCP`, `UDP`, `SCTP`).
+    pub fn kubernetes_name(self) -> &'static str {
+        match self {
+            Self::Tcp => "TCP",
+            Self::Udp => "UDP",
+            Self::Sctp => "SCTP",
+        }
+    }
+
     /// Parses a Kubernetes protocol name; an absent protocol means TCP, as in the API.
     pub fn from_kubernetes(name: Option<&str>) -> Option<Self> {
         match name {
@@ -46,11 +85,7 @@ impl Protocol {
 
 impl fmt::Display for Protocol {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Tcp => "TCP",
-            Self::Udp => "UDP",
-            Self::Sctp => "SCTP",
-        })
+        f.write_str(self.kubernetes_name())
     }
 }
 

@@ -12,7 +12,7 @@ use std::{
     sync::Arc,
 };
 
-use proxy_common::{proto, service_flags, source_class, unmatched};
+use proxy_common::{service_flags, source_class, unmatched};
 
 use super::{
     capacity::Refused,
@@ -22,8 +22,8 @@ use super::{
     plan::WantedService,
 };
 use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, Protocol, ServicePortName, SourceClass, StateChanges,
-    Treatment, WhenEmpty,
+    Backend, DesiredState, Frontend, FrontendEntry, ServicePortName, SourceClass, StateChanges, Treatment,
+    WhenEmpty,
 };
 
 /// A key of an LPM trie: prefix length in bits and the data it applies to.
@@ -152,7 +152,7 @@ pub fn encode_changes(
             .iter()
             .filter(|(_, entry)| !entry.allowed_sources.is_empty() && !refused.contains(&entry.service))
         {
-            let protocol = ip_protocol(frontend.protocol);
+            let protocol = frontend.protocol.number();
             let service_id = service_ids.id_for(&entry.service, (frontend.ip, frontend.port, protocol));
             wanted.v4.add_source_ranges(service_id, entry);
             wanted.v6.add_source_ranges(service_id, entry);
@@ -176,7 +176,7 @@ impl Wanted {
         service_ids: &mut ServiceIds,
         counters: &mut CounterIds,
     ) {
-        let protocol = ip_protocol(frontend.protocol);
+        let protocol = frontend.protocol.number();
         let (service_id, name) =
             service_ids.named_id_for(&entry.service, (frontend.ip, frontend.port, protocol));
         let service = ServiceRef { id: service_id, name: &name };
@@ -194,7 +194,7 @@ impl<F: Family> FamilyWanted<F> {
         let Some(addr) = F::addr(frontend.ip) else {
             return false;
         };
-        let protocol = ip_protocol(frontend.protocol);
+        let protocol = frontend.protocol.number();
         let mut ranged = false;
         for (_, class_code) in CLASSES {
             let key = F::service_key(addr, frontend.port, protocol, class_code);
@@ -349,14 +349,6 @@ fn maglev_table<F: Family>(backends: &[F::Backend], size: u32) -> Vec<F::Backend
     maglev::table(&identities, size).into_iter().map(|owner| backends[owner]).collect()
 }
 
-pub fn ip_protocol(protocol: Protocol) -> u8 {
-    match protocol {
-        Protocol::Tcp => proto::TCP,
-        Protocol::Udp => proto::UDP,
-        Protocol::Sctp => proto::SCTP,
-    }
-}
-
 /// Stable small integers for service ports. After a restart the ids found in the maps are
 /// kept ([`ServiceIds::adopt`]), so adopted entries are not rewritten just to renumber them.
 #[derive(Debug, Default)]
@@ -428,10 +420,25 @@ mod tests {
 
     use ipnet::IpNet;
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-    use proxy_common::{Backend4, Backend6, ServiceKey4, ServiceKey6};
+    use proxy_common::{proto, Backend4, Backend6, ServiceKey4, ServiceKey6};
     use serde_json::json;
 
     use super::*;
+    use crate::model::Protocol;
+
+    /// The maps key services by the IP protocol number the kernel programs compare with the
+    /// packet's: the model's numbers must be proxy-common's.
+    #[test]
+    fn the_models_protocol_numbers_are_the_datapaths() {
+        let datapath =
+            [(Protocol::Tcp, proto::TCP), (Protocol::Udp, proto::UDP), (Protocol::Sctp, proto::SCTP)];
+        for (protocol, number) in datapath {
+            assert_eq!(protocol.number(), number, "{protocol}");
+            assert_eq!(Protocol::from_number(number), Some(protocol));
+            assert_eq!(Protocol::from_lower_case(protocol.lower_case()), Some(protocol));
+        }
+        assert_eq!(Protocol::from_number(1), None);
+    }
     use crate::model::kubernetes::{desired_state, NodeContext, SERVICE_NAME_LABEL};
 
     fn octets6(ip: &str) -> [u8; 16] {

@@ -383,7 +383,7 @@ impl EbpfDataplane {
                 .frontends
                 .iter()
                 .filter(|(frontend, _)| {
-                    programmed.contains(&(frontend.ip, frontend.port, encode::ip_protocol(frontend.protocol)))
+                    programmed.contains(&(frontend.ip, frontend.port, frontend.protocol.number()))
                 })
                 .map(|(_, entry)| capacity::service_name(&entry.service))
                 .collect()

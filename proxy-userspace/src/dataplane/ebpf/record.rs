@@ -19,7 +19,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::maps::{HashMap, LpmTrie, Map, MapData};
-use proxy_common::{pins, proto, service_flags, source_class, unmatched, BackendSlot, Service};
+use proxy_common::{pins, service_flags, source_class, unmatched, BackendSlot, Service};
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -234,13 +234,9 @@ impl fmt::Display for ServiceEntry {
     }
 }
 
+/// The Kubernetes name of an IP protocol number, "?" for one no Service uses.
 pub fn protocol_name(number: u8) -> &'static str {
-    match number {
-        proto::TCP => "TCP",
-        proto::UDP => "UDP",
-        proto::SCTP => "SCTP",
-        _ => "?",
-    }
+    crate::model::Protocol::from_number(number).map_or("?", crate::model::Protocol::kubernetes_name)
 }
 
 pub fn source_name(class: u8) -> &'static str {

@@ -35,23 +35,15 @@ pub fn service_port_string(name: &ServicePortName) -> String {
     name.to_string()
 }
 
-pub fn protocol_name(protocol: Protocol) -> &'static str {
-    match protocol {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-        Protocol::Sctp => "sctp",
-    }
-}
-
 /// `prefix` + the hash of `service` (a service port string) and `protocol`.
 pub fn service_chain(prefix: &str, service: &str, protocol: Protocol) -> String {
-    format!("{prefix}{}", hash16(&[service, protocol_name(protocol)]))
+    format!("{prefix}{}", hash16(&[service, protocol.lower_case()]))
 }
 
 /// The `KUBE-SEP-` chain of `endpoint` (written `ip:port`, `[ip]:port` for IPv6, as Go's
 /// `net.JoinHostPort`).
 pub fn endpoint_chain(service: &str, protocol: Protocol, endpoint: &Backend) -> String {
-    format!("{ENDPOINT_PREFIX}{}", hash16(&[service, protocol_name(protocol), &endpoint.to_string()]))
+    format!("{ENDPOINT_PREFIX}{}", hash16(&[service, protocol.lower_case(), &endpoint.to_string()]))
 }
 
 fn hash16(parts: &[&str]) -> String {

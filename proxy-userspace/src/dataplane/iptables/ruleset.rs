@@ -31,7 +31,7 @@ use std::{
 
 use ipnet::{IpNet, Ipv4Net};
 
-use super::names::{self, endpoint_chain, protocol_name, service_chain};
+use super::names::{self, endpoint_chain, service_chain};
 use crate::model::{
     Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, PodInterfaces, ServicePortName, WhenEmpty,
 };
@@ -443,7 +443,7 @@ impl Classes {
 
 /// A rule's `-p proto -m proto -d ip --dport port` for a frontend.
 fn destination(frontend: &Frontend) -> String {
-    let protocol = protocol_name(frontend.protocol);
+    let protocol = frontend.protocol.lower_case();
     format!("-p {protocol} -m {protocol} -d {} --dport {}", host(frontend.ip), frontend.port)
 }
 
@@ -699,7 +699,7 @@ impl Builder {
             }
             self.nat.chains.insert(chain, rules);
         }
-        let protocol_text = protocol_name(protocol);
+        let protocol_text = protocol.lower_case();
         for backend in endpoints {
             let sep = endpoint_chain(&name, protocol, &backend);
             let recent = if chains.affinity.is_some() {
@@ -831,7 +831,7 @@ impl Builder {
         // The nat table's entry point.
         match entry.kind {
             FrontendKind::NodePort => {
-                let key = (frontend.port, protocol_name(frontend.protocol));
+                let key = (frontend.port, frontend.protocol.lower_case());
                 if let (Some(localhost), false) =
                     (self.localhost, self.localhost_nodeports.contains_key(&key))
                 {

@@ -64,21 +64,13 @@ const SERVICE_HASHED: u32 = 0x2;
 const AF_INET: u16 = libc::AF_INET as u16;
 const AF_INET6: u16 = libc::AF_INET6 as u16;
 
+/// IPVS carries the protocol number in 16 bits.
 fn protocol_number(protocol: Protocol) -> u16 {
-    match protocol {
-        Protocol::Tcp => libc::IPPROTO_TCP as u16,
-        Protocol::Udp => libc::IPPROTO_UDP as u16,
-        Protocol::Sctp => libc::IPPROTO_SCTP as u16,
-    }
+    u16::from(protocol.number())
 }
 
 fn protocol_of(number: u16) -> Option<Protocol> {
-    match i32::from(number) {
-        libc::IPPROTO_TCP => Some(Protocol::Tcp),
-        libc::IPPROTO_UDP => Some(Protocol::Udp),
-        libc::IPPROTO_SCTP => Some(Protocol::Sctp),
-        _ => None,
-    }
+    Protocol::from_number(u8::try_from(number).ok()?)
 }
 
 fn family_of(ip: IpAddr) -> u16 {

@@ -187,23 +187,6 @@ impl SetSpec {
     }
 }
 
-fn protocol_name(protocol: Protocol) -> &'static str {
-    match protocol {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-        Protocol::Sctp => "sctp",
-    }
-}
-
-fn parse_protocol(name: &str) -> Option<Protocol> {
-    match name {
-        "tcp" => Some(Protocol::Tcp),
-        "udp" => Some(Protocol::Udp),
-        "sctp" => Some(Protocol::Sctp),
-        _ => None,
-    }
-}
-
 /// One member of a set, typed so that what ipset prints and what vipr wants compare equal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Entry {
@@ -218,12 +201,12 @@ impl fmt::Display for Entry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Ip(ip) => write!(f, "{ip}"),
-            Self::IpPort(ip, protocol, port) => write!(f, "{ip},{}:{port}", protocol_name(*protocol)),
+            Self::IpPort(ip, protocol, port) => write!(f, "{ip},{}:{port}", Protocol::lower_case(*protocol)),
             Self::IpPortIp(ip, protocol, port, other) => {
-                write!(f, "{ip},{}:{port},{other}", protocol_name(*protocol))
+                write!(f, "{ip},{}:{port},{other}", Protocol::lower_case(*protocol))
             }
             Self::IpPortNet(ip, protocol, port, net) => {
-                write!(f, "{ip},{}:{port},{net}", protocol_name(*protocol))
+                write!(f, "{ip},{}:{port},{net}", Protocol::lower_case(*protocol))
             }
             Self::Port(port) => write!(f, "{port}"),
         }
@@ -237,7 +220,7 @@ impl Entry {
         let ip = |text: &str| text.parse::<IpAddr>().ok();
         let protocol_port = |text: &str| {
             let (protocol, port) = text.split_once(':')?;
-            Some((parse_protocol(protocol)?, port.parse::<u16>().ok()?))
+            Some((Protocol::from_lower_case(protocol)?, port.parse::<u16>().ok()?))
         };
         match (set_type, parts.as_slice()) {
             (SetType::HashIp, [address]) => Some(Self::Ip(ip(address)?)),

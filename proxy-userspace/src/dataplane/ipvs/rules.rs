@@ -115,14 +115,6 @@ fn loopback(family: Family) -> &'static str {
     }
 }
 
-fn protocol_name(protocol: Protocol) -> &'static str {
-    match protocol {
-        Protocol::Tcp => "tcp",
-        Protocol::Udp => "udp",
-        Protocol::Sctp => "sctp",
-    }
-}
-
 /// `-m comment --comment "..." -m set --match-set NAME FLAGS`.
 fn match_set(spec: &SetSpec, family: Family, flags: &str) -> String {
     format!("-m comment --comment \"{}\" -m set --match-set {} {flags}", spec.comment, spec.name(family))
@@ -244,7 +236,7 @@ pub fn restore_input(inputs: &RuleInputs) -> String {
         let virtual_match = format!(
             "-m ipvs --vdir ORIGINAL --vaddr {}/{host} --vproto {} --vport {}",
             balancer.ip,
-            protocol_name(balancer.protocol),
+            balancer.protocol.lower_case(),
             balancer.port
         );
         for range in &balancer.allowed {

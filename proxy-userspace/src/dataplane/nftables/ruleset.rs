@@ -38,7 +38,7 @@ use ipnet::IpNet;
 pub use super::netlink::ElementChange;
 
 use crate::dataplane::iptables::{
-    names::{protocol_name, service_chain},
+    names::service_chain,
     ruleset::{
         class_matches, lists_in_naming_order, treatments, ClassMatch, ClassTreatment, Family, Treatments,
         Verdict, MASQUERADE_MARK, NODE, OUTSIDE, POD,
@@ -179,13 +179,8 @@ impl Ruleset {
 /// read as part of a name replaced (names are the API server's, but a name is one token of
 /// the batch, whatever a caller passes).
 fn readable(service: &ServicePortName) -> String {
-    let text = format!(
-        "{}/{}/{}/{}",
-        service.namespace,
-        service.name,
-        protocol_name(service.protocol),
-        service.port
-    );
+    let text =
+        format!("{}/{}/{}/{}", service.namespace, service.name, service.protocol.lower_case(), service.port);
     text.chars()
         .map(|c| if c.is_ascii_alphanumeric() || "/-_.".contains(c) { c } else { '_' })
         .take(180)
@@ -656,7 +651,7 @@ impl Builder {
             self.frontend(&mut chains, frontend, entry, treatments);
         }
 
-        let protocol = protocol_name(service.protocol);
+        let protocol = service.protocol.lower_case();
         let mut endpoints = BTreeSet::new();
         for (index, list) in chains.lists.iter().enumerate() {
             let mut rules = chains.list_prefix_rules[index].clone();
@@ -743,7 +738,7 @@ impl Builder {
         treatments: &Treatments,
     ) {
         let addr = self.addr;
-        let protocol = protocol_name(frontend.protocol);
+        let protocol = frontend.protocol.lower_case();
         let all_empty = treatments.iter().all(|t| t.backends.is_empty());
         let uniform_list = treatments.iter().all(|t| t.backends == treatments[NODE].backends);
 
