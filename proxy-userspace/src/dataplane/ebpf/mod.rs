@@ -33,6 +33,8 @@ pub(crate) mod counters;
 mod encode;
 mod family;
 mod family_maps;
+#[cfg(test)]
+mod golden;
 pub mod maglev;
 mod mirror;
 mod options;
