@@ -12,8 +12,8 @@ use std::{
 };
 
 use super::{
-    encode::Balancing,
     family::{Family, V4, V6},
+    options::Balancing,
 };
 use crate::model::{
     kubernetes::Rejection, Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName,

@@ -19,6 +19,7 @@ use super::{
     counters::CounterIds,
     family::{Family, V4, V6},
     maglev,
+    options::Balancing,
     plan::WantedService,
 };
 use crate::model::{
@@ -63,17 +64,6 @@ const CLASSES: [(SourceClass, u8); 3] = [
     (SourceClass::Pod, source_class::POD),
     (SourceClass::Node, source_class::NODE),
 ];
-
-/// How a new connection's backend is chosen among a frontend's (`--lb-algorithm`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Balancing {
-    /// Uniformly at random, as kube-proxy.
-    #[default]
-    Random,
-    /// By the flow's hash in a Maglev table of this many slots (a prime, see
-    /// [`super::maglev`]), so that every node picks the same backend for a flow.
-    Maglev { table_size: u32 },
-}
 
 /// [`encode_admitted`] with every Service admitted.
 #[cfg(test)]

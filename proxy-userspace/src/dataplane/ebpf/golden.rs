@@ -9,8 +9,9 @@ use std::{fmt::Write as _, path::PathBuf};
 
 use super::{
     counters::CounterIds,
-    encode::{encode, Balancing, ServiceIds},
+    encode::{encode, ServiceIds},
     record::Entries,
+    Balancing,
 };
 use crate::{
     model::kubernetes::{desired_state, NodeContext, NodeFacts, ProxySettings},

@@ -47,8 +47,7 @@ mod snat;
 mod xdp_attach;
 
 pub use attach::{Attachment, Hook};
-pub use encode::Balancing;
-pub use options::{BpfForwarding, BpfMapSizes, ConntrackTimeouts, FlowPressure, XdpMode};
+pub use options::{Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts, FlowPressure, XdpMode};
 pub use pin_dir::PinDir;
 
 #[derive(Clone, Debug)]

@@ -131,3 +131,14 @@ impl Default for ConntrackTimeouts {
         }
     }
 }
+
+/// How a new connection's backend is chosen among a frontend's (`--lb-algorithm`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Balancing {
+    /// Uniformly at random, as kube-proxy.
+    #[default]
+    Random,
+    /// By the flow's hash in a Maglev table of this many slots (a prime, see
+    /// [`super::maglev`]), so that every node picks the same backend for a flow.
+    Maglev { table_size: u32 },
+}
