@@ -283,6 +283,13 @@ impl FakeApiServer {
         Ok(server)
     }
 
+    /// Starts serving on `address` (in the calling thread's network namespace), with no objects.
+    pub fn start_on(address: SocketAddr) -> Result<Self> {
+        let mut server = Self { shared: Arc::default(), address, acceptor: None };
+        server.listen()?;
+        Ok(server)
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}", self.address)
     }

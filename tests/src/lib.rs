@@ -18,6 +18,7 @@
 pub mod apiserver;
 mod bpffs;
 mod client;
+pub mod cluster;
 mod cmd;
 pub mod conformance;
 pub mod container;

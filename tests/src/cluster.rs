@@ -1,0 +1,261 @@
+//! A cluster of vipr nodes in network namespaces: several nodes, each running vipr against one
+//! in-suite API server, pods behind each node in a routed pod CIDR of its own (as a host-gateway
+//! CNI sets them up), a router between the nodes and an external client.
+//!
+//! ```text
+//!  client 203.0.113.2 ── router (203.0.113.1, bridge 192.168.100.254, API server :6443)
+//!                            │ 192.168.100.0/24
+//!        ┌───────────────────┼───────────────────┐
+//!   node n1 .1          node n2 .2          node n3 .3      (eth0; routes to the other
+//!   pods 10.244.1.0/24  pods 10.244.2.0/24  ...              nodes' pod CIDRs via them)
+//!     └ pod 10.244.1.10 (veth p0, node side 10.244.1.1) ...
+//! ```
+//!
+//! Every namespace, mount and process is the lab's own and goes with it (drop guards), also
+//! when a test fails.
+use std::{
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result};
+use serde_json::{json, Value};
+
+use crate::{unique_name, BpfFs, EchoServer, FakeApiServer, Netns, Vipr, WorkDir};
+
+/// The router's address on the node network, where the API server listens too.
+pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 254);
+/// The external client's address.
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+const CLIENT_GATEWAY: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+const API_PORT: u16 = 6443;
+/// Every pod CIDR is inside it (`--cluster-cidr`).
+pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+
+/// Node `index` (from 1)'s address on the node network.
+pub fn node_ip(index: usize) -> Ipv4Addr {
+    Ipv4Addr::new(192, 168, 100, index as u8)
+}
+
+/// The address of pod `pod` (from 0) on node `index` (from 1).
+pub fn pod_ip(index: usize, pod: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, index as u8, 10 + pod as u8)
+}
+
+fn pod_gateway(index: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, index as u8, 1)
+}
+
+/// One pod: its namespace and the echo servers answering as `name`.
+pub struct Pod {
+    // The servers stop before their namespace goes.
+    _servers: EchoServer,
+    pub name: String,
+    pub ip: Ipv4Addr,
+    pub netns: Netns,
+}
+
+/// One node: its namespace, pods, bpffs and vipr.
+pub struct Node {
+    // Dropped in this order: vipr before the pods' namespaces, its bpffs and its namespace.
+    vipr: Option<Vipr>,
+    pub name: String,
+    pub ip: Ipv4Addr,
+    pub pods: Vec<Pod>,
+    bpffs: BpfFs,
+    pub netns: Netns,
+}
+
+impl Node {
+    pub fn vipr_mut(&mut self) -> Option<&mut Vipr> {
+        self.vipr.as_mut()
+    }
+}
+
+pub struct ClusterLab {
+    pub nodes: Vec<Node>,
+    pub client: Netns,
+    api: FakeApiServer,
+    kubeconfig: PathBuf,
+    binary: PathBuf,
+    // The router goes last: the nodes' uplinks hang off its bridge.
+    pub router: Netns,
+    workdir: WorkDir,
+}
+
+impl ClusterLab {
+    /// `nodes` nodes with `pods` pods each, the router, the client and the API server (with a
+    /// Node object per node); no vipr yet ([`Self::start_vipr`]). Each pod serves the echo
+    /// protocol as `<node>-pod<k>` on TCP and UDP `ports`.
+    pub fn new(label: &str, nodes: usize, pods: usize, ports: &[u16]) -> Result<Self> {
+        crate::require_root()?;
+        let workdir = WorkDir::create(label)?;
+        let name = |suffix: &str| unique_name(&format!("{label}-{suffix}"));
+        let router = Netns::create(&name("r"))?;
+        router.set_sysctl("net.ipv4.ip_forward", "1")?;
+        router.ip(&["link", "add", "br0", "type", "bridge"])?;
+        router.ip(&["addr", "add", &format!("{ROUTER_IP}/24"), "dev", "br0"])?;
+        router.ip(&["link", "set", "br0", "up"])?;
+
+        let client = Netns::create(&name("c"))?;
+        link(&router, "ext", &client)?;
+        router.ip(&["addr", "add", &format!("{CLIENT_GATEWAY}/24"), "dev", "ext"])?;
+        router.ip(&["link", "set", "ext", "up"])?;
+        client.ip(&["addr", "add", &format!("{CLIENT_IP}/24"), "dev", "eth0"])?;
+        client.ip(&["link", "set", "eth0", "up"])?;
+        client.ip(&["route", "add", "default", "via", &CLIENT_GATEWAY.to_string()])?;
+
+        let api = router.run(|| FakeApiServer::start_on(SocketAddr::from((ROUTER_IP, API_PORT))))?;
+        let kubeconfig = workdir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig)?;
+
+        let mut built = Vec::new();
+        for index in 1..=nodes {
+            let node_name = format!("n{index}");
+            let netns = Netns::create(&name(&node_name))?;
+            let uplink = format!("up{index}");
+            link(&router, &uplink, &netns)?;
+            router.ip(&["link", "set", &uplink, "master", "br0", "up"])?;
+            netns.set_sysctl("net.ipv4.ip_forward", "1")?;
+            netns.ip(&["addr", "add", &format!("{}/24", node_ip(index)), "dev", "eth0"])?;
+            netns.ip(&["link", "set", "eth0", "up"])?;
+            netns.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()])?;
+            // Host-gateway routing: every other node's pods through that node.
+            for other in (1..=nodes).filter(|&other| other != index) {
+                netns.ip(&[
+                    "route",
+                    "add",
+                    &format!("10.244.{other}.0/24"),
+                    "via",
+                    &node_ip(other).to_string(),
+                ])?;
+            }
+            router.ip(&[
+                "route",
+                "add",
+                &format!("10.244.{index}.0/24"),
+                "via",
+                &node_ip(index).to_string(),
+            ])?;
+            let mut node_pods = Vec::new();
+            for pod in 0..pods {
+                let pod_name = format!("{node_name}-pod{pod}");
+                let pod_netns = Netns::create(&name(&pod_name))?;
+                let device = format!("p{pod}");
+                link(&netns, &device, &pod_netns)?;
+                netns.ip(&["addr", "add", &format!("{}/32", pod_gateway(index)), "dev", &device])?;
+                netns.ip(&["link", "set", &device, "up"])?;
+                netns.ip(&["route", "add", &format!("{}/32", pod_ip(index, pod)), "dev", &device])?;
+                pod_netns.ip(&["addr", "add", &format!("{}/24", pod_ip(index, pod)), "dev", "eth0"])?;
+                pod_netns.ip(&["link", "set", "eth0", "up"])?;
+                pod_netns.ip(&["route", "add", "default", "via", &pod_gateway(index).to_string()])?;
+                let listen: Vec<SocketAddr> =
+                    ports.iter().map(|&port| SocketAddr::from((pod_ip(index, pod), port))).collect();
+                let servers = EchoServer::start(&pod_netns, &pod_name, &listen, &listen)?;
+                node_pods.push(Pod {
+                    _servers: servers,
+                    name: pod_name,
+                    ip: pod_ip(index, pod),
+                    netns: pod_netns,
+                });
+            }
+            api.apply_json(json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": node_name},
+                "spec": {"podCIDR": format!("10.244.{index}.0/24"), "podCIDRs": [format!("10.244.{index}.0/24")]},
+                "status": {"addresses": [{"type": "InternalIP", "address": node_ip(index).to_string()}]},
+            }))?;
+            let bpffs = BpfFs::mount(&format!("{label}-{node_name}"))?;
+            built.push(Node {
+                name: node_name,
+                ip: node_ip(index),
+                pods: node_pods,
+                vipr: None,
+                bpffs,
+                netns,
+            });
+        }
+        Ok(Self { nodes: built, client, api, kubeconfig, binary: crate::locate_vipr()?, router, workdir })
+    }
+
+    pub fn api(&self) -> &FakeApiServer {
+        &self.api
+    }
+
+    pub fn workdir(&self) -> &Path {
+        self.workdir.path()
+    }
+
+    /// Starts vipr in ebpf mode on every node, against the API server, with `extra_args`.
+    pub fn start_vipr(&mut self, extra_args: &[&str]) -> Result<()> {
+        for node in &mut self.nodes {
+            let log = self.workdir.path().join(format!("vipr-{}.log", node.name));
+            let mut args = vec![
+                "--proxy-mode=ebpf".to_owned(),
+                format!("--kubeconfig={}", self.kubeconfig.display()),
+                format!("--node-name={}", node.name),
+                format!("--bpf-root={}", node.bpffs.path().display()),
+                format!("--cluster-cidr={CLUSTER_CIDR}"),
+                "--min-sync-period=0s".to_owned(),
+                "-v".to_owned(),
+            ];
+            args.extend(extra_args.iter().map(|arg| (*arg).to_owned()));
+            let vipr = Vipr::start_with_args(&self.binary, &node.netns, &args, &log)
+                .with_context(|| format!("cannot start vipr on {}", node.name))?;
+            node.vipr = Some(vipr);
+        }
+        Ok(())
+    }
+
+    /// Stores a Service and its EndpointSlice (one, IPv4) in the API server. `endpoints` are
+    /// (node index from 1, pod index from 0), all ready.
+    pub fn apply_service(
+        &self,
+        service: Value,
+        target_ports: &[(&str, u16, &str)],
+        endpoints: &[(usize, usize)],
+    ) -> Result<()> {
+        let name = service["metadata"]["name"].as_str().context("the Service has no name")?.to_owned();
+        let namespace = service["metadata"]["namespace"].as_str().unwrap_or("default").to_owned();
+        self.api.apply_json(service)?;
+        let ports: Vec<Value> = target_ports
+            .iter()
+            .map(|(port_name, port, protocol)| json!({"name": port_name, "port": port, "protocol": protocol}))
+            .collect();
+        let endpoints: Vec<Value> = endpoints
+            .iter()
+            .map(|&(node, pod)| {
+                json!({
+                    "addresses": [pod_ip(node, pod).to_string()],
+                    "conditions": {"ready": true, "serving": true, "terminating": false},
+                    "nodeName": format!("n{node}"),
+                })
+            })
+            .collect();
+        self.api.apply_json(json!({
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": format!("{name}-1"),
+                "namespace": namespace,
+                "labels": {"kubernetes.io/service-name": name},
+            },
+            "addressType": "IPv4",
+            "ports": ports,
+            "endpoints": endpoints,
+        }))?;
+        Ok(())
+    }
+
+    /// `node`'s (from 1) address and `port`.
+    pub fn node_address(index: usize, port: u16) -> SocketAddr {
+        SocketAddr::V4(SocketAddrV4::new(node_ip(index), port))
+    }
+}
+
+/// A veth pair: `name` in `a`, `eth0`-or-`peer` in `b` (named `eth0`).
+fn link(a: &Netns, name: &str, b: &Netns) -> Result<()> {
+    a.ip(&["link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", b.name()])?;
+    Ok(())
+}
