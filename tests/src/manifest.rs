@@ -27,41 +27,15 @@ mod k8s {
     };
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Protocol {
-    Tcp,
-    Udp,
-}
+/// The model's protocol: the testbed's services are TCP or UDP.
+pub use vipr::model::Protocol;
 
-impl Protocol {
-    /// The IP protocol number, as in vipr's map keys.
-    pub fn number(self) -> u8 {
-        match self {
-            Self::Tcp => proxy_common::proto::TCP,
-            Self::Udp => proxy_common::proto::UDP,
-        }
-    }
-
-    pub fn from_number(number: u8) -> Option<Self> {
-        [Self::Tcp, Self::Udp].into_iter().find(|protocol| protocol.number() == number)
-    }
-
-    /// The protocol of a Service or EndpointSlice port; Kubernetes reads an absent one as TCP.
-    fn of_port(protocol: Option<&str>) -> Result<Self> {
-        match protocol.unwrap_or("TCP") {
-            "TCP" => Ok(Self::Tcp),
-            "UDP" => Ok(Self::Udp),
-            other => bail!("protocol {other} is not supported"),
-        }
-    }
-}
-
-impl fmt::Display for Protocol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Tcp => "TCP",
-            Self::Udp => "UDP",
-        })
+/// The protocol of a Service or EndpointSlice port; Kubernetes reads an absent one as TCP. The
+/// testbed's services are TCP or UDP.
+fn protocol_of_port(protocol: Option<&str>) -> Result<Protocol> {
+    match Protocol::from_kubernetes(protocol) {
+        Some(protocol @ (Protocol::Tcp | Protocol::Udp)) => Ok(protocol),
+        _ => bail!("protocol {} is not supported", protocol.unwrap_or_default()),
     }
 }
 
@@ -296,11 +270,11 @@ fn join(service: &k8s::Service, cluster_ip: &str, slices: &[k8s::EndpointSlice])
         .flat_map(|spec| spec.ports.iter().flatten())
         .map(|port| {
             let port_name = port.name.clone().unwrap_or_default();
-            let protocol = Protocol::of_port(port.protocol.as_deref())?;
+            let protocol = protocol_of_port(port.protocol.as_deref())?;
             let mut target_ports = BTreeSet::new();
             for slice_port in slices.iter().flat_map(|slice| slice.ports.iter().flatten()) {
                 if slice_port.name.as_deref().unwrap_or_default() == port_name
-                    && Protocol::of_port(slice_port.protocol.as_deref()).ok() == Some(protocol)
+                    && protocol_of_port(slice_port.protocol.as_deref()).ok() == Some(protocol)
                 {
                     let number = slice_port.port.with_context(|| {
                         format!("service {name}: EndpointSlice port {port_name:?} has no number")

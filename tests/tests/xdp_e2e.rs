@@ -111,6 +111,7 @@ impl NodePort {
         match self.protocol {
             Protocol::Tcp => TCP_TARGET,
             Protocol::Udp => UDP_TARGET,
+            Protocol::Sctp => unreachable!("this test has no SCTP ports"),
         }
     }
 }
@@ -339,6 +340,7 @@ fn sent(netns: &Netns, protocol: Protocol) -> Result<u64> {
     let (section, field) = match protocol {
         Protocol::Tcp => ("Tcp", "OutSegs"),
         Protocol::Udp => ("Udp", "OutDatagrams"),
+        Protocol::Sctp => anyhow::bail!("/proc/net/snmp has no SCTP counters"),
     };
     // /proc/thread-self, not /proc/net (the process's main thread): the calling thread is the
     // one in the namespace.

@@ -89,7 +89,7 @@ fn main() -> Result<()> {
         for port in &service.ports {
             check_interrupt()?;
             let count = match port.protocol {
-                Protocol::Tcp => args.connections,
+                Protocol::Tcp | Protocol::Sctp => args.connections,
                 Protocol::Udp => args.datagrams,
             };
             problems += report_port(&lab, service, port, count)?;
@@ -175,6 +175,7 @@ fn print_lab(lab: &Lab, services_file: &Path) {
         let socat_protocol = match frontend.protocol {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         };
         println!("  ip netns exec {client} socat - {socat_protocol}:{}", frontend.addr);
     }
@@ -199,6 +200,7 @@ fn report_port(lab: &Lab, service: &ClusterIpService, port: &ServicePort, count:
     let what = match port.protocol {
         Protocol::Tcp => "TCP connections",
         Protocol::Udp => "UDP datagrams, each from a new socket",
+        Protocol::Sctp => "SCTP associations",
     };
     println!("{frontend}  ({}/{} port {}): {count} {what}", service.namespace, service.name, port.name);
     println!("  {:<16} {:<22} {:>7} {:>6}", "endpoint", "address", "answers", "share");
