@@ -136,10 +136,16 @@ pub fn apply(batch: &str) -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
-/// The chains and sets of `FAMILY vipr` (empty when there is none). Listed by kind (`nft -t
-/// list chains|sets|maps FAMILY`) rather than `nft list table`: names alone, not the rules of
-/// tens of thousands of chains, which nft takes seconds to fetch and print.
+/// The chains and sets of `FAMILY vipr` (empty when there is none: asked over netlink, no
+/// `nft`). Listed by kind (`nft -t list chains|sets|maps FAMILY`) rather than `nft list
+/// table`: names alone, not the rules of tens of thousands of chains, which nft takes seconds
+/// to fetch and print.
 pub fn list_table(family: Family) -> anyhow::Result<Existing> {
+    match netlink::families_with_table(ruleset::TABLE) {
+        Ok(families) if !families.contains(&family) => return Ok(Existing::default()),
+        Ok(_) => {}
+        Err(error) => debug!("cannot list the nf_tables tables over netlink, asking nft: {error}"),
+    }
     let mut listing = String::new();
     for kind in ["chains", "sets", "maps"] {
         let output = tool::run(
@@ -159,17 +165,10 @@ pub fn list_table(family: Family) -> anyhow::Result<Existing> {
     Ok(Existing::parse(&listing))
 }
 
-/// The families that have a `vipr` table (`nft list tables`).
+/// The families that have a `vipr` table: one netlink dump of the tables, not `nft list
+/// tables`, which fetches the whole ruleset first (seconds with a big table).
 pub fn tables() -> anyhow::Result<Vec<Family>> {
-    let listing = tool::run(Command::new(NFT).args(["list", "tables"]), None, tool::QUERY_TIMEOUT)?
-        .stdout_if_success("nft list tables")?;
-    Ok(Family::ALL
-        .into_iter()
-        .filter(|family| {
-            let line = format!("table {} {}", ruleset::family_name(*family), ruleset::TABLE);
-            listing.lines().any(|text| text.trim() == line)
-        })
-        .collect())
+    netlink::families_with_table(ruleset::TABLE).context("cannot list the nf_tables tables")
 }
 
 /// Whether nftables mode can run here, for `--proxy-mode=auto`: the kernel is at least
