@@ -10,7 +10,8 @@
 //! spends ~65 ms at 10k services on its start and its cache of the table before the ~20 ms
 //! commit. Not the `nftables` crate: it drives the same libnftables with nft's JSON, the same
 //! cost plus a JSON encoding (docs/benchmarks.md, "nftables"). A refused netlink batch is
-//! logged, counted ([`NftablesDataplane::netlink_fallbacks`]) and followed by a full `nft`
+//! logged, counted ([`NftablesDataplane::netlink_fallbacks`], `/metrics`'
+//! `vipr_nftables_netlink_fallbacks_total`) and followed by a full `nft`
 //! sync of its family. The first sync, one after a failure and one every
 //! [`NftablesOptions::full_sync_period`] are full: the table's chains and sets are listed
 //! (`nft -t list chains|sets|maps`), every chain flushed and refilled, every set and map flushed and
@@ -24,6 +25,10 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     path::Path,
     process::Command,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -35,6 +40,7 @@ use super::{
     iptables::{self, conntrack, Family},
     Dataplane, SyncReport,
 };
+use crate::metrics::{Collector, MetricFamily, MetricKind};
 use crate::model::{DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, StateChanges};
 use crate::tool;
 
@@ -118,8 +124,27 @@ pub struct NftablesDataplane {
     applied: BTreeMap<Frontend, FrontendEntry>,
     warned_ipv6: bool,
     last: SyncStats,
-    /// Netlink element batches refused since the start (each fell back to a full sync).
-    netlink_fallbacks: u64,
+    /// Netlink element batches refused since the start (each fell back to a full sync);
+    /// shared with the collector `/metrics` reads.
+    netlink_fallbacks: Arc<NetlinkFallbacks>,
+}
+
+/// `vipr_nftables_netlink_fallbacks_total`: netlink element batches the kernel refused.
+#[derive(Debug, Default)]
+pub struct NetlinkFallbacks(AtomicU64);
+
+/// The metric family of [`NetlinkFallbacks`].
+pub const NETLINK_FALLBACKS_METRIC: &str = "vipr_nftables_netlink_fallbacks_total";
+
+impl Collector for NetlinkFallbacks {
+    fn collect(&self) -> Vec<MetricFamily> {
+        vec![MetricFamily::single(
+            NETLINK_FALLBACKS_METRIC,
+            "nf_tables element batches the kernel refused over netlink, each followed by a full nft sync of its table.",
+            MetricKind::Counter,
+            self.0.load(Ordering::Relaxed) as f64,
+        )]
+    }
 }
 
 /// `nft -f -` with `batch` (one transaction); returns how long it took.
@@ -257,7 +282,7 @@ impl NftablesDataplane {
             applied: BTreeMap::new(),
             warned_ipv6: false,
             last: SyncStats::default(),
-            netlink_fallbacks: 0,
+            netlink_fallbacks: Arc::default(),
         })
     }
 
@@ -269,7 +294,7 @@ impl NftablesDataplane {
     /// How many netlink element batches the kernel refused since the start (each one logged
     /// and followed by a full `nft` sync of its family).
     pub fn netlink_fallbacks(&self) -> u64 {
-        self.netlink_fallbacks
+        self.netlink_fallbacks.0.load(Ordering::Relaxed)
     }
 
     /// Turns the netlink element writer on or off ([`NftablesOptions::netlink_elements`]),
@@ -356,11 +381,11 @@ impl NftablesDataplane {
         match result {
             Ok(()) => Ok(Some(Applied { family, batch, took: started.elapsed(), writer, netlink_took })),
             Err(error) => {
-                self.netlink_fallbacks += 1;
+                let fallbacks = self.netlink_fallbacks.0.fetch_add(1, Ordering::Relaxed) + 1;
                 stats.netlink_fallbacks += 1;
                 warn!(
                     family = ruleset::family_name(family),
-                    fallbacks = self.netlink_fallbacks,
+                    fallbacks,
                     "nftables element batch over netlink failed, syncing the table in full with nft: {error}"
                 );
                 Ok(None)
@@ -450,6 +475,10 @@ impl Dataplane for NftablesDataplane {
 
     fn sync_changes(&mut self, state: &DesiredState, changes: &StateChanges) -> anyhow::Result<SyncReport> {
         self.sync_with(state, Some(changes))
+    }
+
+    fn collectors(&self) -> Vec<Arc<dyn Collector>> {
+        vec![self.netlink_fallbacks.clone()]
     }
 }
 

@@ -223,9 +223,18 @@ fn a_refused_netlink_batch_falls_back_to_a_full_nft_sync() {
         // Someone else removes an element vipr will delete: the kernel refuses the batch.
         nft(&["delete", "element", "ip", ruleset::TABLE, "hairpin-endpoints", "{ 10.1.0.2 . 10.1.0.2 }"]);
         assert!(dataplane.sync(&after).unwrap().is_complete());
-        (listing(), dataplane.last_sync().clone(), dataplane.netlink_fallbacks())
+        let metrics: Vec<_> =
+            dataplane.collectors().iter().flat_map(|collector| collector.collect()).collect();
+        (listing(), dataplane.last_sync().clone(), metrics)
     });
-    assert_eq!((stats.netlink_fallbacks, fallbacks), (1, 1));
+    assert_eq!(stats.netlink_fallbacks, 1);
+    // Counted on /metrics.
+    let fallbacks = fallbacks.iter().find(|family| family.name == "vipr_nftables_netlink_fallbacks_total");
+    assert_eq!(
+        fallbacks.map(|family| family.samples[0].value.clone()),
+        Some(crate::metrics::SampleValue::Number(1.0)),
+        "{fallbacks:?}"
+    );
     assert!(stats.batches.iter().all(|applied| applied.writer == Writer::Nft && applied.batch.structural));
     assert_eq!(changed, expected);
 }
