@@ -284,13 +284,16 @@ impl Model {
     }
 }
 
+/// From empty: the sync, its netlink batch alone, the same by `nft -f` alone, its CPU.
+type FromEmpty = (Seconds, f64, Seconds, Cpu);
+
 /// One endpoint change: the sync, its translation, what wrote it, and the same kind of
 /// change written by `nft -f`.
 type Change = (Seconds, f64, Writer, Seconds);
 
 /// ((from empty, its netlink batch alone, the same by `nft -f` alone), one endpoint change,
 /// full resync at the large size), each (the whole sync, the writer alone) in seconds.
-fn programming_times(settings: &Settings) -> Result<((Seconds, f64, Seconds, Cpu), Change, (Seconds, Cpu))> {
+fn programming_times(settings: &Settings) -> Result<(FromEmpty, Change, (Seconds, Cpu))> {
     let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
     let mut dataplane = NftablesDataplane::start(&options)?;
     let mut model = Model::new(node());
