@@ -38,8 +38,14 @@ pub struct Settings {
     pub resync_services: usize,
     /// Services of the connection rate's many-service measurement.
     pub rate_services: usize,
-    /// Connections per round (three rounds, the best counts).
+    /// Connections per round, and rounds at each size (interleaved; the medians count).
     pub connections: usize,
+    #[serde(default = "default_rounds")]
+    pub rounds: usize,
+}
+
+fn default_rounds() -> usize {
+    3
 }
 
 impl Settings {
@@ -49,12 +55,20 @@ impl Settings {
             endpoints: 10,
             resync_services: 44_000,
             rate_services: 30_000,
-            connections: 400,
+            connections: 150,
+            rounds: 21,
         }
     }
 
     pub fn quick() -> Self {
-        Self { services: 500, endpoints: 10, resync_services: 1_000, rate_services: 1_000, connections: 50 }
+        Self {
+            services: 500,
+            endpoints: 10,
+            resync_services: 1_000,
+            rate_services: 1_000,
+            connections: 50,
+            rounds: 3,
+        }
     }
 }
 
@@ -98,20 +112,32 @@ pub struct Results {
     pub change_by_nft_nft_ms: f64,
     pub resync_ms: f64,
     pub resync_nft_ms: f64,
+    /// CPU of the from-empty sync and of the resync, in ms: this process's user and system
+    /// time (generation, the netlink batches' kernel work), then `nft`'s (its parse and
+    /// evaluation, then the kernel's work in its system calls: the commit).
+    #[serde(default)]
+    pub from_empty_cpu_ms: Cpu,
+    #[serde(default)]
+    pub resync_cpu_ms: Cpu,
     pub rate_at_one: f64,
     pub rate_at_many: f64,
+    /// The median of the rounds' ratios (many / one, each pair measured back to back), in %.
+    #[serde(default)]
+    pub rate_ratio: f64,
     pub figures: Vec<Figure>,
 }
 
 pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
     let programming = Netns::create(&unique_name("bench-nft"))?;
-    let ((from_empty, from_empty_netlink, from_empty_by_nft), (change, translate, writer, by_nft), resync) =
-        programming.run(|| programming_times(&settings))?;
+    let (
+        (from_empty, from_empty_netlink, from_empty_by_nft, from_empty_cpu),
+        (change, translate, writer, by_nft),
+        (resync, resync_cpu),
+    ) = programming.run(|| programming_times(&settings))?;
     drop(programming);
-    let (rate_at_one, rate_at_many) = connection_rates(&settings)?;
+    let (rate_at_one, rate_at_many, rate) = connection_rates(&settings)?;
     meta.finish();
     let ms = |(total, _): (f64, f64)| total * 1e3;
-    let rate = 100.0 * rate_at_many / rate_at_one;
     let scale = |n: usize| if n >= 1000 { format!("{}k", n / 1000) } else { n.to_string() };
     let figures = vec![
         Figure {
@@ -121,10 +147,11 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
                 settings.endpoints
             ),
             measured: format!(
-                "{:.0} ms (writers {:.0} ms, of which netlink {:.0} ms); by nft -f alone {:.0} ms (nft -f {:.0} ms)",
+                "{:.0} ms (writers {:.0} ms, of which netlink {:.0} ms; {}); by nft -f alone {:.0} ms (nft -f {:.0} ms)",
                 ms(from_empty),
                 from_empty.1 * 1e3,
                 from_empty_netlink * 1e3,
+                cpu_text(from_empty_cpu),
                 ms(from_empty_by_nft),
                 from_empty_by_nft.1 * 1e3
             ),
@@ -146,13 +173,16 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
         },
         Figure {
             what: format!("{} services × 2 endpoints, full resync", scale(settings.resync_services)),
-            measured: format!("{:.0} ms (nft -f {:.0} ms)", ms(resync), resync.1 * 1e3),
+            measured: format!("{:.0} ms (nft -f {:.0} ms; {})", ms(resync), resync.1 * 1e3, cpu_text(resync_cpu)),
             target: "< 10 s".into(),
             met: ms(resync) < 10_000.0,
         },
         Figure {
             what: format!("new connections/s at {} services vs 1", scale(settings.rate_services)),
-            measured: format!("{rate_at_many:.0} vs {rate_at_one:.0}/s ({rate:.1}%)"),
+            measured: format!(
+                "{rate:.1}% (median of {} rounds' ratios, each round {} connections at each size back to back; median rates {rate_at_many:.0} vs {rate_at_one:.0}/s)",
+                settings.rounds, settings.connections
+            ),
             target: "within 10%".into(),
             met: rate >= 90.0,
         },
@@ -183,13 +213,37 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
         change_by_nft_nft_ms: by_nft.1 * 1e3,
         resync_ms: ms(resync),
         resync_nft_ms: resync.1 * 1e3,
+        from_empty_cpu_ms: from_empty_cpu,
+        resync_cpu_ms: resync_cpu,
         rate_at_one,
         rate_at_many,
+        rate_ratio: rate,
         figures,
     })
 }
 
 type Seconds = (f64, f64);
+
+/// CPU time in ms: (own user, own system, `nft` user, `nft` system).
+pub type Cpu = (f64, f64, f64, f64);
+
+fn cpu_now() -> Cpu {
+    let (user, system) = super::sys::cpu_ms();
+    let (nft_user, nft_system) = super::sys::children_cpu_ms();
+    (user, system, nft_user, nft_system)
+}
+
+/// The CPU `body` took.
+fn cpu_of<T>(body: impl FnOnce() -> T) -> (T, Cpu) {
+    let before = cpu_now();
+    let value = body();
+    let after = cpu_now();
+    (value, (after.0 - before.0, after.1 - before.1, after.2 - before.2, after.3 - before.3))
+}
+
+fn cpu_text(cpu: Cpu) -> String {
+    format!("CPU: vipr user {:.0} / sys {:.0} ms, nft user {:.0} / sys {:.0} ms", cpu.0, cpu.1, cpu.2, cpu.3)
+}
 
 /// The agent's change tracker and translator, given whole lists (as a source's relist) or one
 /// changed EndpointSlice.
@@ -230,13 +284,16 @@ impl Model {
     }
 }
 
+/// From empty: the sync, its netlink batch alone, the same by `nft -f` alone, its CPU.
+type FromEmpty = (Seconds, f64, Seconds, Cpu);
+
 /// One endpoint change: the sync, its translation, what wrote it, and the same kind of
 /// change written by `nft -f`.
 type Change = (Seconds, f64, Writer, Seconds);
 
 /// ((from empty, its netlink batch alone, the same by `nft -f` alone), one endpoint change,
 /// full resync at the large size), each (the whole sync, the writer alone) in seconds.
-fn programming_times(settings: &Settings) -> Result<((Seconds, f64, Seconds), Change, Seconds)> {
+fn programming_times(settings: &Settings) -> Result<(FromEmpty, Change, (Seconds, Cpu))> {
     let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
     let mut dataplane = NftablesDataplane::start(&options)?;
     let mut model = Model::new(node());
@@ -247,14 +304,16 @@ fn programming_times(settings: &Settings) -> Result<((Seconds, f64, Seconds), Ch
         NftablesDataplane::start(&NftablesOptions { netlink_elements: false, ..options.clone() })?;
     let from_empty_by_nft = timed(&mut by_nft, |dataplane| dataplane.sync(model.state()))?;
     NftablesDataplane::cleanup()?;
-    let from_empty = timed(&mut dataplane, |dataplane| dataplane.sync_changes(model.state(), &changes))?;
+    let (from_empty, from_empty_cpu) =
+        cpu_of(|| timed(&mut dataplane, |dataplane| dataplane.sync_changes(model.state(), &changes)));
+    let from_empty = from_empty?;
     ensure!(
         dataplane.last_sync().batches.iter().any(|applied| applied.writer == Writer::NftThenNetlink),
         "the table was not created with its elements over netlink"
     );
     let netlink: f64 =
         dataplane.last_sync().batches.iter().map(|applied| applied.netlink_took.as_secs_f64()).sum();
-    let from_empty = (from_empty, netlink, from_empty_by_nft);
+    let from_empty = (from_empty, netlink, from_empty_by_nft, from_empty_cpu);
 
     let started = Instant::now();
     let changes = model.apply(slice(settings.services / 2, settings.endpoints, 1, None));
@@ -272,9 +331,10 @@ fn programming_times(settings: &Settings) -> Result<((Seconds, f64, Seconds), Ch
     let changes = model.list(&services, &slices);
     dataplane.sync_changes(model.state(), &changes)?;
     dataplane.request_full_sync();
-    let resync = timed(&mut dataplane, |dataplane| dataplane.sync(model.state()))?;
+    let (resync, resync_cpu) = cpu_of(|| timed(&mut dataplane, |dataplane| dataplane.sync(model.state())));
+    let resync = resync?;
     ensure!(dataplane.last_sync().full, "the resync was not full");
-    Ok((from_empty, change, resync))
+    Ok((from_empty, change, (resync, resync_cpu)))
 }
 
 fn timed(
@@ -292,46 +352,79 @@ fn timed(
 const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 10, 0, 2);
 const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 20, 1, 2);
 
-/// New connections/s through service 0 at 1 service and at `rate_services` (the 1-service
-/// figure the best of one before and one after: the machine drifts).
-fn connection_rates(settings: &Settings) -> Result<(f64, f64)> {
-    let leaves =
-        vec![LeafSpec::in_own_slash24("client", CLIENT)?, LeafSpec::in_own_slash24("backend", BACKEND)?];
-    let topology = Topology::build("bench-nft-cps", leaves)?;
-    let backend = &topology.leaf("backend").context("backend leaf")?.netns;
-    let _server = EchoServer::start(backend, "backend", &[SocketAddr::from((BACKEND, 8080))], &[])?;
-    let (one, one_slices) = objects(1, 1, Some(BACKEND));
-    let (many, many_slices) = objects(settings.rate_services, 2, Some(BACKEND));
-    topology.node().run(|| {
-        let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
-        let mut dataplane = NftablesDataplane::start(&options)?;
-        let mut model = Model::new(node());
-        model.list(&one, &one_slices);
-        dataplane.sync(model.state())?;
-        let at_one = rate(&topology, settings.connections)?;
-        model.list(&many, &many_slices);
-        dataplane.sync(model.state())?;
-        let at_many = rate(&topology, settings.connections)?;
-        model.list(&one, &one_slices);
-        dataplane.sync(model.state())?;
-        let again = rate(&topology, settings.connections)?;
-        Ok((at_one.max(again), at_many))
-    })
+/// One node with a client and a backend, its table programmed with `services` services
+/// (service 0's one endpoint the backend).
+struct RateLab {
+    topology: Topology,
+    _server: EchoServer,
+    _dataplane: NftablesDataplane,
+}
+
+impl RateLab {
+    fn build(label: &str, services: usize) -> Result<Self> {
+        let leaves =
+            vec![LeafSpec::in_own_slash24("client", CLIENT)?, LeafSpec::in_own_slash24("backend", BACKEND)?];
+        let topology = Topology::build(label, leaves)?;
+        let backend = &topology.leaf("backend").context("backend leaf")?.netns;
+        let server = EchoServer::start(backend, "backend", &[SocketAddr::from((BACKEND, 8080))], &[])?;
+        let (objects, slices) = objects(services, 2, Some(BACKEND));
+        let dataplane = topology.node().run(|| {
+            let options = NftablesOptions { conntrack_cleanup: false, ..NftablesOptions::default() };
+            let mut dataplane = NftablesDataplane::start(&options)?;
+            let mut model = Model::new(node());
+            model.list(&objects, &slices);
+            ensure!(dataplane.sync(model.state())?.is_complete(), "{services} services not programmed");
+            Ok(dataplane)
+        })?;
+        Ok(Self { topology, _server: server, _dataplane: dataplane })
+    }
+}
+
+/// New connections/s through service 0 of a node with 1 service and of one with
+/// `rate_services`: both nodes programmed first, then `rounds` rounds of each, interleaved
+/// (the order swapped every round) after one uncounted round of each, so that the machine's
+/// slow and fast phases fall on both alike: the medians of the rates, and the median of the
+/// rounds' ratios (many / one, in %), which cancels the drift between rounds too.
+fn connection_rates(settings: &Settings) -> Result<(f64, f64, f64)> {
+    let one = RateLab::build("bench-nft-cps1", 1)?;
+    let many = RateLab::build("bench-nft-cpsn", settings.rate_services)?;
+    let (mut at_one, mut at_many) = (Vec::new(), Vec::new());
+    for round in 0..=settings.rounds {
+        let labs =
+            if round % 2 == 0 { [(&one, true), (&many, false)] } else { [(&many, false), (&one, true)] };
+        for (lab, is_one) in labs {
+            let rate = rate(&lab.topology, settings.connections)?;
+            if round > 0 {
+                if is_one {
+                    at_one.push(rate)
+                } else {
+                    at_many.push(rate)
+                }
+            }
+        }
+    }
+    let mut ratios: Vec<f64> = at_many.iter().zip(&at_one).map(|(many, one)| 100.0 * many / one).collect();
+    Ok((median(&mut at_one), median(&mut at_many), median(&mut ratios)))
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 /// Connections/s (connect, one request and its answer, close) from the client to service 0,
-/// best of three rounds.
+/// in one round of `connections`.
 fn rate(topology: &Topology, connections: usize) -> Result<f64> {
     let client = &topology.leaf("client").context("client leaf")?.netns;
     let frontend = Frontend { addr: SocketAddrV4::new(cluster_ip(0), 80), protocol: Protocol::Tcp };
-    let mut best: f64 = 0.0;
-    for _ in 0..3 {
-        let started = Instant::now();
-        let answers = client.run(|| exchanges(frontend, connections, Duration::from_secs(2)))?;
-        ensure!(answers.len() == connections, "{} of {connections} answered", answers.len());
-        best = best.max(connections as f64 / started.elapsed().as_secs_f64());
-    }
-    Ok(best)
+    let started = Instant::now();
+    let answers = client.run(|| exchanges(frontend, connections, Duration::from_secs(2)))?;
+    ensure!(answers.len() == connections, "{} of {connections} answered", answers.len());
+    Ok(connections as f64 / started.elapsed().as_secs_f64())
 }
 
 fn node() -> NodeContext {

@@ -10,7 +10,8 @@
 //! spends ~65 ms at 10k services on its start and its cache of the table before the ~20 ms
 //! commit. Not the `nftables` crate: it drives the same libnftables with nft's JSON, the same
 //! cost plus a JSON encoding (docs/benchmarks.md, "nftables"). A refused netlink batch is
-//! logged, counted ([`NftablesDataplane::netlink_fallbacks`]) and followed by a full `nft`
+//! logged, counted ([`NftablesDataplane::netlink_fallbacks`], `/metrics`'
+//! `vipr_nftables_netlink_fallbacks_total`) and followed by a full `nft`
 //! sync of its family. The first sync, one after a failure and one every
 //! [`NftablesOptions::full_sync_period`] are full: the table's chains and sets are listed
 //! (`nft -t list chains|sets|maps`), every chain flushed and refilled, every set and map flushed and
@@ -24,6 +25,10 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     path::Path,
     process::Command,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -35,7 +40,7 @@ use super::{
     iptables::{self, conntrack, Family},
     Dataplane, Mode, ServesDevices, SyncReport,
 };
-use crate::metrics::Collector;
+use crate::metrics::{Collector, MetricFamily, MetricKind};
 use crate::model::{DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, StateChanges};
 use crate::tool;
 
@@ -119,8 +124,27 @@ pub struct NftablesDataplane {
     applied: BTreeMap<Frontend, FrontendEntry>,
     warned_ipv6: bool,
     last: SyncStats,
-    /// Netlink element batches refused since the start (each fell back to a full sync).
-    netlink_fallbacks: u64,
+    /// Netlink element batches refused since the start (each fell back to a full sync);
+    /// shared with the collector `/metrics` reads.
+    netlink_fallbacks: Arc<NetlinkFallbacks>,
+}
+
+/// `vipr_nftables_netlink_fallbacks_total`: netlink element batches the kernel refused.
+#[derive(Debug, Default)]
+pub struct NetlinkFallbacks(AtomicU64);
+
+/// The metric family of [`NetlinkFallbacks`].
+pub const NETLINK_FALLBACKS_METRIC: &str = "vipr_nftables_netlink_fallbacks_total";
+
+impl Collector for NetlinkFallbacks {
+    fn collect(&self) -> Vec<MetricFamily> {
+        vec![MetricFamily::single(
+            NETLINK_FALLBACKS_METRIC,
+            "nf_tables element batches the kernel refused over netlink, each followed by a full nft sync of its table.",
+            MetricKind::Counter,
+            self.0.load(Ordering::Relaxed) as f64,
+        )]
+    }
 }
 
 /// `nft -f -` with `batch` (one transaction); returns how long it took.
@@ -137,10 +161,16 @@ pub fn apply(batch: &str) -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
-/// The chains and sets of `FAMILY vipr` (empty when there is none). Listed by kind (`nft -t
-/// list chains|sets|maps FAMILY`) rather than `nft list table`: names alone, not the rules of
-/// tens of thousands of chains, which nft takes seconds to fetch and print.
+/// The chains and sets of `FAMILY vipr` (empty when there is none: asked over netlink, no
+/// `nft`). Listed by kind (`nft -t list chains|sets|maps FAMILY`) rather than `nft list
+/// table`: names alone, not the rules of tens of thousands of chains, which nft takes seconds
+/// to fetch and print.
 pub fn list_table(family: Family) -> anyhow::Result<Existing> {
+    match netlink::families_with_table(ruleset::TABLE) {
+        Ok(families) if !families.contains(&family) => return Ok(Existing::default()),
+        Ok(_) => {}
+        Err(error) => debug!("cannot list the nf_tables tables over netlink, asking nft: {error}"),
+    }
     let mut listing = String::new();
     for kind in ["chains", "sets", "maps"] {
         let output = tool::run(
@@ -160,17 +190,10 @@ pub fn list_table(family: Family) -> anyhow::Result<Existing> {
     Ok(Existing::parse(&listing))
 }
 
-/// The families that have a `vipr` table (`nft list tables`).
+/// The families that have a `vipr` table: one netlink dump of the tables, not `nft list
+/// tables`, which fetches the whole ruleset first (seconds with a big table).
 pub fn tables() -> anyhow::Result<Vec<Family>> {
-    let listing = tool::run(Command::new(NFT).args(["list", "tables"]), None, tool::QUERY_TIMEOUT)?
-        .stdout_if_success("nft list tables")?;
-    Ok(Family::ALL
-        .into_iter()
-        .filter(|family| {
-            let line = format!("table {} {}", ruleset::family_name(*family), ruleset::TABLE);
-            listing.lines().any(|text| text.trim() == line)
-        })
-        .collect())
+    netlink::families_with_table(ruleset::TABLE).context("cannot list the nf_tables tables")
 }
 
 /// Whether nftables mode can run here, for `--proxy-mode=auto`: the kernel is at least
@@ -259,7 +282,7 @@ impl NftablesDataplane {
             applied: BTreeMap::new(),
             warned_ipv6: false,
             last: SyncStats::default(),
-            netlink_fallbacks: 0,
+            netlink_fallbacks: Arc::default(),
         })
     }
 
@@ -271,7 +294,7 @@ impl NftablesDataplane {
     /// How many netlink element batches the kernel refused since the start (each one logged
     /// and followed by a full `nft` sync of its family).
     pub fn netlink_fallbacks(&self) -> u64 {
-        self.netlink_fallbacks
+        self.netlink_fallbacks.0.load(Ordering::Relaxed)
     }
 
     /// Turns the netlink element writer on or off ([`NftablesOptions::netlink_elements`]),
@@ -358,11 +381,11 @@ impl NftablesDataplane {
         match result {
             Ok(()) => Ok(Some(Applied { family, batch, took: started.elapsed(), writer, netlink_took })),
             Err(error) => {
-                self.netlink_fallbacks += 1;
+                let fallbacks = self.netlink_fallbacks.0.fetch_add(1, Ordering::Relaxed) + 1;
                 stats.netlink_fallbacks += 1;
                 warn!(
                     family = ruleset::family_name(family),
-                    fallbacks = self.netlink_fallbacks,
+                    fallbacks,
                     "nftables element batch over netlink failed, syncing the table in full with nft: {error}"
                 );
                 Ok(None)
@@ -455,8 +478,8 @@ impl Dataplane for NftablesDataplane {
         self.sync_with(state, None)
     }
 
-    fn collectors(&self) -> Vec<std::sync::Arc<dyn Collector>> {
-        Vec::new()
+    fn collectors(&self) -> Vec<Arc<dyn Collector>> {
+        vec![self.netlink_fallbacks.clone()]
     }
 
     fn device_server(&mut self) -> Option<&mut dyn ServesDevices> {

@@ -6,9 +6,13 @@
 //! ```text
 //! nat-prerouting, nat-output ─► services ─ daddr . proto . port vmap @service-ips ─► goto
 //!                                        └ @nodeport-ips: proto . port vmap @service-nodeports
-//!     service-* / local-*   (an endpoint list; cluster IPs: masquerade rules first)
-//!                           ClientIP affinity: saddr in @affinity-* ─► that endpoint
-//!                           numgen random mod n 0 ─► dnat to endpoint (1/n, 1/(n-1) … 1)
+//!     pick-<proto>-<list>-<n> (shared): dnat to from @endpoints-<proto>-<list>, keyed by
+//!                           daddr . dport . numgen random mod n; what the verdicts of a
+//!                           list with nothing to do first go to, without a chain of its own
+//!     service-* / local-*   (an endpoint list with rules of its own) cluster IPs' masquerade
+//!                           rules, then goto pick-…; ClientIP affinity: saddr in
+//!                           @affinity-* ─► that endpoint, then numgen random mod n 0 ─►
+//!                           dnat to endpoint (1/n, 1/(n-1) … 1)
 //!     external-*            the source class (node: fib saddr type local, pods, the rest):
 //!                           [jump mark-for-masquerade] goto service-* / local-*, or return
 //! nat-postrouting ─► masquerading: hairpin (saddr . daddr in @hairpin-endpoints) and marked
@@ -20,12 +24,16 @@
 //!        serves); daddr in a service CIDR ─► drop (no service's cluster IP)
 //! ```
 //!
-//! Endpoints are chosen by a cascade of `numgen` rules in the list chain (as iptables'
-//! `statistic` rules), not by kube-proxy's per-service anonymous verdict maps: the kernel
+//! Endpoints are elements of a few shared endpoint maps, picked by a few shared `pick-` chains
+//! (a cascade of `numgen` rules in the list chain, as iptables' `statistic` rules, only with
+//! ClientIP affinity), not by kube-proxy's per-service anonymous verdict maps: the kernel
 //! names each anonymous set by walking all sets of the table, so creating 10,000 of them is
 //! quadratic (24 s here for 10k services, against under 1 s without), and a shared named map
 //! that many rules reference costs each of its bindings a walk of all its elements
-//! (docs/benchmarks.md, "nftables"). For the same reason hairpin masquerading is one set
+//! (docs/benchmarks.md, "nftables"). A service whose list needs no rule before the pick (no
+//! masquerade mark, no affinity) has no chain: its verdicts go to the `pick-` chain, so that
+//! 10k such services are 10k fewer chains for `nft -f` and the kernel, and a change of their
+//! endpoint count is elements alone. For the same reason hairpin masquerading is one set
 //! lookup in `masquerading` rather than a rule in a per-endpoint chain.
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -572,6 +580,34 @@ struct ServiceChains<'a> {
     list_frontends: Vec<BTreeSet<(IpAddr, u16)>>,
     /// Chains by content (external-, firewall-, no-endpoints-).
     others: Vec<(String, Vec<String>)>,
+    /// `service-ips` elements (key, nat verdict) and NodePort frontends, held until the
+    /// lists' targets are known ([`list_reference`]).
+    nat_elements: Vec<(String, String)>,
+    nodeports: Vec<((&'static str, u16), NodePortFrontend)>,
+}
+
+/// Marks a reference to an endpoint list's target in a verdict or rule while a service is
+/// built: whether a list needs a chain of its own (masquerade rules before its endpoint pick)
+/// or is reached by its shared `pick-` chain directly is known only after all its frontends
+/// were seen. Never in a name (`readable` keeps names to `[A-Za-z0-9/_.-]`).
+const LIST_MARK: char = '\u{1}';
+
+fn list_reference(index: usize) -> String {
+    format!("{LIST_MARK}{index}{LIST_MARK}")
+}
+
+/// `text` with every [`list_reference`] replaced by that list's target.
+fn resolve_lists(text: String, targets: &[String]) -> String {
+    if !text.contains(LIST_MARK) {
+        return text;
+    }
+    text.split(LIST_MARK)
+        .enumerate()
+        .map(|(i, part)| match i % 2 {
+            0 => part,
+            _ => part.parse::<usize>().ok().and_then(|index| targets.get(index)).map_or(part, String::as_str),
+        })
+        .collect()
 }
 
 impl ServiceChains<'_> {
@@ -635,6 +671,8 @@ impl Builder {
             list_prefix_rules: Vec::new(),
             list_frontends: Vec::new(),
             others: Vec::new(),
+            nat_elements: Vec::new(),
+            nodeports: Vec::new(),
         };
         let family = self.ruleset.family;
         let treated: Vec<(&Frontend, &FrontendEntry, Treatments)> = frontends
@@ -653,6 +691,8 @@ impl Builder {
 
         let protocol = service.protocol.lower_case();
         let mut endpoints = BTreeSet::new();
+        // What each list's references lead to: its own chain, or its `pick-` chain.
+        let mut targets = Vec::with_capacity(chains.lists.len());
         for (index, list) in chains.lists.iter().enumerate() {
             let mut rules = chains.list_prefix_rules[index].clone();
             if let Some(seconds) = chains.affinity {
@@ -669,7 +709,6 @@ impl Builder {
                 // so that an endpoint change is a change of map elements alone.
                 let map = endpoint_map(protocol, index);
                 let pick = format!("{PICK_PREFIX}{protocol}-{index}-{}", list.len());
-                rules.push(format!("goto {pick}"));
                 self.ruleset.chain(
                     &pick,
                     None,
@@ -679,7 +718,7 @@ impl Builder {
                         n = list.len()
                     )],
                 );
-                *self.ruleset.pick_users.entry(pick).or_default() += 1;
+                *self.ruleset.pick_users.entry(pick.clone()).or_default() += 1;
                 for (ip, port) in &chains.list_frontends[index] {
                     for (slot, backend) in list.iter().enumerate() {
                         self.ruleset.element(
@@ -690,8 +729,17 @@ impl Builder {
                     }
                 }
                 endpoints.extend(list.iter().copied());
-                let name = chains.list_chain(index);
-                self.ruleset.chain(&name, None, rules);
+                if rules.is_empty() {
+                    // Nothing to do before the pick (no masquerade mark): the verdicts go to
+                    // the pick chain itself, and the service has no chain of its own; an
+                    // endpoint count change is then a change of elements alone.
+                    targets.push(pick);
+                } else {
+                    rules.push(format!("goto {pick}"));
+                    let name = chains.list_chain(index);
+                    self.ruleset.chain(&name, None, rules);
+                    targets.push(name);
+                }
                 continue;
             }
             for (i, backend) in list.iter().enumerate() {
@@ -713,6 +761,7 @@ impl Builder {
             }
             let name = chains.list_chain(index);
             self.ruleset.chain(&name, None, rules);
+            targets.push(name);
         }
         for backend in endpoints {
             let key = format!("{ip} . {ip}", ip = backend.ip);
@@ -726,7 +775,15 @@ impl Builder {
             }
         }
         for (name, rules) in chains.others {
+            let rules = rules.into_iter().map(|rule| resolve_lists(rule, &targets)).collect();
             self.ruleset.chain(&name, None, rules);
+        }
+        for (key, nat) in chains.nat_elements {
+            self.ruleset.element(SERVICE_IPS, key, Some(resolve_lists(nat, &targets)));
+        }
+        for (port, (ip, nat, no_endpoints)) in chains.nodeports {
+            let nat = nat.map(|nat| resolve_lists(nat, &targets));
+            self.nodeports.entry(port).or_default().push((ip, nat, no_endpoints));
         }
     }
 
@@ -753,7 +810,7 @@ impl Builder {
                         &format!("jump {MARK_FOR_MASQUERADE}"),
                     ]));
                 }
-                target = Some(chains.list_chain(index));
+                target = Some(list_reference(index));
             } else {
                 let rules = self.dispatch(chains, frontend, treatments);
                 target = Some(chains.named(EXTERNAL_PREFIX, rules));
@@ -776,14 +833,10 @@ impl Builder {
         let no_endpoints = self.no_endpoints(chains, treatments);
         let nat = target.map(|target| format!("goto {target}"));
         if entry.kind == FrontendKind::NodePort {
-            self.nodeports.entry((protocol, frontend.port)).or_default().push((
-                frontend.ip,
-                nat,
-                no_endpoints,
-            ));
+            chains.nodeports.push(((protocol, frontend.port), (frontend.ip, nat, no_endpoints)));
         } else {
             if let Some(nat) = nat {
-                self.ruleset.element(SERVICE_IPS, key.clone(), Some(nat));
+                chains.nat_elements.push((key.clone(), nat));
             }
             if let Some(verdict) = no_endpoints {
                 self.ruleset.element(NO_ENDPOINT_SERVICES, key, Some(verdict));
@@ -811,8 +864,7 @@ impl Builder {
                 rules.push(join(&[matches, "jump", MARK_FOR_MASQUERADE]));
             }
             let index = chains.use_list(&treatment.backends, frontend);
-            let target = chains.list_chain(index);
-            rules.push(join(&[matches, "goto", &target]));
+            rules.push(join(&[matches, "goto", &list_reference(index)]));
         };
         if emit_node {
             class_rules(LOCAL, node, &mut rules);

@@ -223,9 +223,18 @@ fn a_refused_netlink_batch_falls_back_to_a_full_nft_sync() {
         // Someone else removes an element vipr will delete: the kernel refuses the batch.
         nft(&["delete", "element", "ip", ruleset::TABLE, "hairpin-endpoints", "{ 10.1.0.2 . 10.1.0.2 }"]);
         assert!(dataplane.sync(&after).unwrap().is_complete());
-        (listing(), dataplane.last_sync().clone(), dataplane.netlink_fallbacks())
+        let metrics: Vec<_> =
+            dataplane.collectors().iter().flat_map(|collector| collector.collect()).collect();
+        (listing(), dataplane.last_sync().clone(), metrics)
     });
-    assert_eq!((stats.netlink_fallbacks, fallbacks), (1, 1));
+    assert_eq!(stats.netlink_fallbacks, 1);
+    // Counted on /metrics.
+    let fallbacks = fallbacks.iter().find(|family| family.name == "vipr_nftables_netlink_fallbacks_total");
+    assert_eq!(
+        fallbacks.map(|family| family.samples[0].value.clone()),
+        Some(crate::metrics::SampleValue::Number(1.0)),
+        "{fallbacks:?}"
+    );
     assert!(stats.batches.iter().all(|applied| applied.writer == Writer::Nft && applied.batch.structural));
     assert_eq!(changed, expected);
 }
@@ -243,4 +252,34 @@ fn a_refused_element_is_named_in_the_error() {
     let BatchError::Kernel { error, element, .. } = &error else { panic!("{error}") };
     assert_eq!(error.raw_os_error(), Some(libc::ENOENT), "{error}");
     assert_eq!(element.as_deref(), Some("delete element ip vipr v { 10.0.0.9 . udp . 53 }"));
+}
+
+/// A dump's `NFT_MSG_NEWTABLE` messages name the family (nfgenmsg) and the table
+/// (`NFTA_TABLE_NAME`); other messages are skipped.
+#[test]
+fn a_table_dump_is_read_as_family_and_name() {
+    let table = |family: u8, name: &str| {
+        let mut payload = nfgenmsg(family, 0).to_vec();
+        payload.extend_from_slice(Attributes::new().put_str(NFTA_TABLE_NAME, name).put_u32(2, 0).bytes());
+        Received { kind: nfnl_type(NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWTABLE), flags: 2, sequence: 1, payload }
+    };
+    let mut other = table(2, "ignored");
+    other.kind = nfnl_type(NFNL_SUBSYS_NFTABLES, 3);
+    let replies = [table(2, "vipr"), other, table(10, "kube-proxy")];
+    assert_eq!(tables_of(&replies), [(2, "vipr".to_owned()), (10, "kube-proxy".to_owned())]);
+}
+
+/// Against the kernel: the families of the tables named `vipr`, whatever else is there.
+#[test]
+fn the_families_with_vipr_tables_are_read_from_the_kernel() {
+    in_new_netns(|| {
+        assert_eq!(families_with_table(ruleset::TABLE).unwrap(), []);
+        nft(&["add", "table", "ip6", ruleset::TABLE]);
+        nft(&["add", "table", "ip", "other"]);
+        nft(&["add", "table", "inet", ruleset::TABLE]);
+        assert_eq!(families_with_table(ruleset::TABLE).unwrap(), [Family::Ipv6]);
+        nft(&["add", "table", "ip", ruleset::TABLE]);
+        assert_eq!(families_with_table(ruleset::TABLE).unwrap(), [Family::Ipv4, Family::Ipv6]);
+        assert_eq!(crate::dataplane::nftables::tables().unwrap(), [Family::Ipv4, Family::Ipv6]);
+    });
 }

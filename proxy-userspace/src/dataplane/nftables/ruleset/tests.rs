@@ -40,10 +40,13 @@ fn a_cluster_ip_is_one_verdict_map_element_and_its_endpoints_elements_of_an_endp
         entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080", "10.180.0.2:8080"]),
     )]);
     let ruleset = generate(&state, Family::Ipv4);
-    let (name, service) = chain(&ruleset, SERVICE_PREFIX);
-    assert!(name.ends_with("-ns1/svc1/tcp/p80"), "{name}");
-    assert_eq!(ruleset.sets[SERVICE_IPS].elements["172.30.0.41 . tcp . 80"], Some(format!("goto {name}")),);
-    assert_eq!(service.rules, ["goto pick-tcp-0-2"]);
+    // Nothing to do before the pick: the element goes to the shared pick chain, and the
+    // service has no chain of its own.
+    assert!(!ruleset.chains.keys().any(|name| name.contains("svc1")), "{:?}", ruleset.chains.keys());
+    assert_eq!(
+        ruleset.sets[SERVICE_IPS].elements["172.30.0.41 . tcp . 80"].as_deref(),
+        Some("goto pick-tcp-0-2")
+    );
     assert_eq!(
         ruleset.chains["pick-tcp-0-2"].rules,
         ["meta l4proto tcp dnat ip addr . port to ip daddr . tcp dport . numgen random mod 2 map @endpoints-tcp-0"]
@@ -67,10 +70,73 @@ fn masquerading_cluster_ips_mark_non_pod_sources_at_the_top_of_the_service_chain
     svc.from_outside.masquerade = true;
     svc.from_node.masquerade = true;
     let ruleset = generate(&state(vec![("172.30.0.41:80", svc)]), Family::Ipv4);
-    let (_, service) = chain(&ruleset, SERVICE_PREFIX);
+    let (name, service) = chain(&ruleset, SERVICE_PREFIX);
     assert_eq!(
-        service.rules[0],
-        "ip daddr 172.30.0.41 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade"
+        service.rules,
+        [
+            "ip daddr 172.30.0.41 tcp dport 80 ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
+            "goto pick-tcp-0-1"
+        ]
+    );
+    // The mark needs a chain of the service's own before the pick.
+    assert_eq!(ruleset.sets[SERVICE_IPS].elements["172.30.0.41 . tcp . 80"], Some(format!("goto {name}")));
+}
+
+/// The batch of a service without masquerading or affinity, as `nft -f` is given it: its
+/// `service-ips` element goes straight to the shared chain that picks one of its endpoints
+/// from the endpoint map; no chain of the service's own.
+#[test]
+fn a_service_without_rules_of_its_own_is_an_element_that_goes_to_the_pick_chain() {
+    let state = state(vec![(
+        "172.30.0.41:80",
+        entry("svc1", FrontendKind::ClusterIp, &["10.180.0.1:8080", "10.180.0.2:8080"]),
+    )]);
+    let text = full(&Existing::default(), &generate(&state, Family::Ipv4)).text;
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|line| {
+            line.contains("svc1")
+                || line.contains(PICK_PREFIX)
+                || line.starts_with("add element ip vipr service-ips")
+                || line.starts_with("add element ip vipr endpoints-")
+        })
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "add chain ip vipr pick-tcp-0-2",
+            "add rule ip vipr pick-tcp-0-2 meta l4proto tcp dnat ip addr . port to ip daddr . tcp dport . numgen random mod 2 map @endpoints-tcp-0",
+            "add element ip vipr endpoints-tcp-0 { 172.30.0.41 . 80 . 0 : 10.180.0.1 . 8080, 172.30.0.41 . 80 . 1 : 10.180.0.2 . 8080 }",
+            "add element ip vipr service-ips { 172.30.0.41 . tcp . 80 : goto pick-tcp-0-2 }",
+        ],
+        "{text}"
+    );
+
+    // One endpoint more where other services already pick one of two and of three: elements
+    // alone.
+    let others = [
+        (
+            "172.30.0.42:80",
+            entry("svc2", FrontendKind::ClusterIp, &["10.1.0.1:80", "10.1.0.2:80", "10.1.0.3:80"]),
+        ),
+        ("172.30.0.43:80", entry("svc3", FrontendKind::ClusterIp, &["10.1.0.1:80", "10.1.0.2:80"])),
+    ];
+    let with_svc1 = |endpoints: &[&str]| {
+        let mut frontends = vec![("172.30.0.41:80", entry("svc1", FrontendKind::ClusterIp, endpoints))];
+        frontends.extend(others.iter().cloned());
+        self::state(frontends)
+    };
+    let before = with_svc1(&["10.180.0.1:8080", "10.180.0.2:8080"]);
+    let after = with_svc1(&["10.180.0.1:8080", "10.180.0.2:8080", "10.180.0.3:8080"]);
+    let batch = partial(&generate(&before, Family::Ipv4), &generate(&after, Family::Ipv4));
+    assert!(!batch.structural, "{}", batch.text);
+    assert!(
+        batch.elements.iter().any(|change| change.set == SERVICE_IPS
+            && !change.delete
+            && change.elements
+                == [("172.30.0.41 . tcp . 80".to_owned(), Some("goto pick-tcp-0-3".to_owned()))]),
+        "{:?}",
+        batch.elements
     );
 }
 
@@ -90,8 +156,10 @@ fn a_service_without_endpoints_rejects_and_a_local_policy_drops() {
     // returns to meet the drop.
     let (_, external) = chain(&ruleset, EXTERNAL_PREFIX);
     assert_eq!(external.rules.len(), 2, "{:?}", external.rules);
-    assert!(external.rules[0].starts_with("fib saddr type local goto service-"), "{:?}", external.rules);
-    assert!(external.rules[1].starts_with("ip saddr 10.0.0.0/8 goto service-"), "{:?}", external.rules);
+    assert_eq!(
+        external.rules,
+        ["fib saddr type local goto pick-tcp-0-1", "ip saddr 10.0.0.0/8 goto pick-tcp-0-1"],
+    );
     assert!(!ruleset.sets[SERVICE_IPS].elements.contains_key("172.30.0.42 . tcp . 80"));
 }
 
@@ -149,24 +217,22 @@ fn a_partial_batch_sends_only_the_changed_chain_and_elements() {
     let (old, new) = (generate(&before, Family::Ipv4), generate(&after, Family::Ipv4));
     let batch = partial(&old, &new);
     // svc1 goes to the shared chain that picks one of two, created now.
-    assert_eq!(batch.chains_written.len(), 2, "{}", batch.text);
-    assert_eq!(batch.chains_written[0], "pick-tcp-0-2");
-    assert!(batch.chains_written[1].ends_with("ns1/svc1/tcp/p80"));
+    assert_eq!(batch.chains_written, ["pick-tcp-0-2"], "{}", batch.text);
     assert!(batch.chains_deleted.is_empty());
-    // The new endpoint's map element and hairpin element.
-    assert_eq!((batch.elements_added, batch.elements_deleted), (2, 0), "{}", batch.text);
-    assert!(!batch.text.contains("svc2"), "{}", batch.text);
-    assert!(batch.text.contains("flush chain ip vipr service-"), "{}", batch.text);
+    // The new endpoint's map element and hairpin element, and svc1's element replaced.
+    assert_eq!((batch.elements_added, batch.elements_deleted), (3, 1), "{}", batch.text);
+    assert!(!batch.text.contains("172.30.0.42"), "{}", batch.text);
+    assert!(!batch.text.contains("flush chain"), "{}", batch.text);
     assert!(partial(&new, &new).is_empty());
 
     // A service gone: its element deleted, then its chain.
     let mut gone = after.clone();
     gone.frontends.remove(&frontend("172.30.0.42:80"));
     let batch = partial(&new, &generate(&gone, Family::Ipv4));
-    // Its chain and the pick chain no other service goes to.
-    assert_eq!(batch.chains_deleted.len(), 2, "{}", batch.text);
+    // The pick chain no other service goes to.
+    assert_eq!(batch.chains_deleted, ["pick-tcp-0-1"], "{}", batch.text);
     let element = batch.text.find("delete element ip vipr service-ips").unwrap();
-    let chain = batch.text.find("delete chain ip vipr service-").unwrap();
+    let chain = batch.text.find("delete chain ip vipr pick-").unwrap();
     assert!(element < chain, "{}", batch.text);
 }
 
@@ -226,8 +292,7 @@ fn replacing_the_changed_services_alone_leads_to_the_whole_generation() {
     let batch = replaced(&mut programmed, &before, &after, &["svc1", "svc3", "svc4", "svc5"]);
     // Cluster IPs are classifiers, compared by full generations only.
     assert_eq!(programmed, generate(&after_without_cluster_ips, Family::Ipv4));
-    let svc2 = programmed.chains.keys().find(|name| name.ends_with("/svc2/tcp/p80")).unwrap().clone();
-    assert!(!batch.text.contains("svc2"), "{}", batch.text);
+    assert!(!batch.text.contains("172.30.0.2 ."), "{}", batch.text);
     assert!(!batch.text.contains("10.180.0.2 . 10.180.0.2"), "svc2 still needs it: {}", batch.text);
     assert!(
         batch.text.lines().any(|line| line.starts_with("add element ip vipr hairpin-endpoints")
@@ -235,11 +300,15 @@ fn replacing_the_changed_services_alone_leads_to_the_whole_generation() {
         "{}",
         batch.text
     );
-    assert!(batch.chains_deleted.iter().any(|name| name.ends_with("/svc4/tcp/p80")), "{batch:?}");
-    assert!(!batch.chains_written.contains(&svc2));
-    // svc1's endpoint replaced is a change of map elements alone; svc3 now picks one of two.
-    assert_eq!(batch.chains_written.len(), 2, "svc3 and svc5: {:?}", batch.chains_written);
-    assert!(batch.chains_written.iter().all(|name| !name.contains("/svc1/")), "{batch:?}");
+    assert!(
+        batch.text.contains("delete element ip vipr service-ips { 172.30.0.4 . tcp . 80 }"),
+        "{}",
+        batch.text
+    );
+    // svc1's endpoint replaced is a change of map elements alone; svc3 now picks one of two
+    // (its external chain goes to the pick chain svc1 goes to); svc5 is elements alone.
+    assert_eq!(batch.chains_written.len(), 1, "svc3: {:?}", batch.chains_written);
+    assert!(batch.chains_written[0].contains("/svc3/"), "{batch:?}");
     assert!(batch.text.contains("10.180.0.9 . 8080"), "{}", batch.text);
     // svc2 still goes to the pick chain svc3 and svc4 went to.
     assert!(!batch.chains_deleted.iter().any(|name| name.starts_with(PICK_PREFIX)), "{batch:?}");
