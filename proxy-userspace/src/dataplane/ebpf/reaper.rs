@@ -519,9 +519,8 @@ fn reap<F: TrackedFlow>(flows_pin: &Path, listed: &Listed) -> anyhow::Result<usi
     let mut reaped = 0;
     for key in &gone {
         // Re-checked: the sync may have listed the backend again meanwhile.
-        let still_gone = flows
-            .get(key, 0)
-            .is_ok_and(|flow| !lock(listed).endpoints.contains(&F::backend(key, &flow)));
+        let still_gone =
+            flows.get(key, 0).is_ok_and(|flow| !lock(listed).endpoints.contains(&F::backend(key, &flow)));
         if still_gone && flows.remove(key).is_ok() {
             reaped += 1;
         }
