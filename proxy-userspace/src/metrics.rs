@@ -151,45 +151,65 @@ impl Registry {
     }
 }
 
+/// Writes one family in the text format straight into `out`: a scrape renders every
+/// (service port, endpoint) pair's counters, 145k series at 10k services × 10 endpoints, so
+/// nothing is allocated per label.
 fn encode_family(family: &MetricFamily, out: &mut String) {
     let help = family.help.replace('\\', r"\\").replace('\n', r"\n");
     let _ = writeln!(out, "# HELP {} {help}", family.name);
     let _ = writeln!(out, "# TYPE {} {}", family.name, family.kind.name());
+    let name = family.name.as_str();
     for sample in &family.samples {
         match &sample.value {
             SampleValue::Number(value) => {
-                let _ = writeln!(out, "{}{} {}", family.name, labels(&sample.labels, None), number(*value));
+                series(out, name, "", &sample.labels, None);
+                let _ = writeln!(out, " {}", number(*value));
             }
             SampleValue::Histogram { buckets, sum, count } => {
                 for (bound, cumulative) in buckets {
-                    let le = Some(number(*bound));
-                    let _ =
-                        writeln!(out, "{}_bucket{} {cumulative}", family.name, labels(&sample.labels, le));
+                    series(out, name, "_bucket", &sample.labels, Some(&number(*bound)));
+                    let _ = writeln!(out, " {cumulative}");
                 }
-                let inf = Some("+Inf".to_owned());
-                let _ = writeln!(out, "{}_bucket{} {count}", family.name, labels(&sample.labels, inf));
-                let _ = writeln!(out, "{}_sum{} {}", family.name, labels(&sample.labels, None), number(*sum));
-                let _ = writeln!(out, "{}_count{} {count}", family.name, labels(&sample.labels, None));
+                series(out, name, "_bucket", &sample.labels, Some("+Inf"));
+                let _ = writeln!(out, " {count}");
+                series(out, name, "_sum", &sample.labels, None);
+                let _ = writeln!(out, " {}", number(*sum));
+                series(out, name, "_count", &sample.labels, None);
+                let _ = writeln!(out, " {count}");
             }
         }
     }
 }
 
-fn labels(labels: &[(String, String)], le: Option<String>) -> String {
-    let pairs: Vec<String> = labels
-        .iter()
-        .map(|(name, value)| (name.as_str(), value.clone()))
-        .chain(le.map(|le| ("le", le)))
-        .map(|(name, value)| {
-            let value = value.replace('\\', r"\\").replace('"', "\\\"").replace('\n', r"\n");
-            format!("{name}=\"{value}\"")
-        })
-        .collect();
-    if pairs.is_empty() {
-        String::new()
-    } else {
-        format!("{{{}}}", pairs.join(","))
+/// A series' name with its `suffix` and labels (and `le`, for a histogram's bucket).
+fn series(out: &mut String, name: &str, suffix: &str, labels: &[(String, String)], le: Option<&str>) {
+    out.push_str(name);
+    out.push_str(suffix);
+    let mut pairs =
+        labels.iter().map(|(name, value)| (name.as_str(), value.as_str())).chain(le.map(|le| ("le", le)));
+    let Some((first_name, first_value)) = pairs.next() else { return };
+    out.push('{');
+    label(out, first_name, first_value);
+    for (name, value) in pairs {
+        out.push(',');
+        label(out, name, value);
     }
+    out.push('}');
+}
+
+/// `name="value"`, the value escaped as the text format requires.
+fn label(out: &mut String, name: &str, value: &str) {
+    out.push_str(name);
+    out.push_str("=\"");
+    for character in value.chars() {
+        match character {
+            '\\' => out.push_str(r"\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str(r"\n"),
+            character => out.push(character),
+        }
+    }
+    out.push('"');
 }
 
 fn number(value: f64) -> String {

@@ -6,7 +6,8 @@
 //!
 //! - `GET /api/v1/services`, `/apis/discovery.k8s.io/v1/endpointslices`, `/api/v1/nodes`,
 //!   `/apis/networking.k8s.io/v1/servicecidrs`: a List of the current objects at the current
-//!   `metadata.resourceVersion` (`limit` is ignored: one page), narrowed as the real server
+//!   `metadata.resourceVersion`, in pages of `limit` objects with a `continue` token (see
+//!   [`Page`]), narrowed as the real server
 //!   narrows it by a `labelSelector` (`key`, `!key`, `key=value`, `key==value`, `key!=value`,
 //!   `key in (a,b)`, `key notin (a,b)`; `!=` and `notin` also match objects without the key)
 //!   and a `fieldSelector` (`field=value`, `field==value`, `field!=value` on
@@ -573,7 +574,52 @@ fn serve(mut stream: TcpStream, shared: &Shared) -> io::Result<()> {
             request.query.get("resourceVersion").and_then(|version| version.parse().ok()).filter(|v| *v != 0);
         watch(&mut stream, shared, collection, &selector, from)
     } else {
-        list(&mut stream, shared, collection, &selector)
+        let page = match Page::parse(collection, query("limit"), query("continue")) {
+            Ok(page) => page,
+            Err(message) => return write_status(&mut stream, 400, "BadRequest", &message),
+        };
+        list(&mut stream, shared, collection, &selector, &page)
+    }
+}
+
+/// The part of a list a request asks for, as the real server pages a list: at most `limit`
+/// objects (kube-rs's watcher asks for 500), after the key a `continue` token names, at the
+/// first page's resourceVersion. Unlike the real server's, later pages show the objects as
+/// they are now rather than a snapshot: what changed meanwhile comes again from the watch that
+/// follows, from that version.
+#[derive(Debug, Default, PartialEq)]
+struct Page {
+    limit: Option<usize>,
+    /// From the `continue` token: the first page's resourceVersion and the last key it sent.
+    after: Option<(u64, ObjectKey)>,
+}
+
+impl Page {
+    fn parse(collection: Collection, limit: &str, token: &str) -> Result<Self, String> {
+        let limit = match limit {
+            "" | "0" => None,
+            limit => Some(limit.parse().map_err(|_| format!("invalid limit {limit:?}"))?),
+        };
+        let after = match token {
+            "" => None,
+            token => {
+                let invalid = || format!("invalid continue token {token:?}");
+                let mut parts = token.splitn(3, '|');
+                let (Some(version), Some(namespace), Some(name)) = (parts.next(), parts.next(), parts.next())
+                else {
+                    return Err(invalid());
+                };
+                let version = version.parse().map_err(|_| invalid())?;
+                let namespace = (!namespace.is_empty()).then(|| namespace.to_owned());
+                Some((version, (collection, namespace, name.to_owned())))
+            }
+        };
+        Ok(Self { limit, after })
+    }
+
+    /// The token that continues after `key`, at `version`.
+    fn token(version: u64, (_, namespace, name): &ObjectKey) -> String {
+        format!("{version}|{}|{name}", namespace.as_deref().unwrap_or_default())
     }
 }
 
@@ -938,20 +984,34 @@ fn list(
     shared: &Shared,
     collection: Collection,
     selector: &Selector,
+    page: &Page,
 ) -> io::Result<()> {
+    use std::ops::Bound;
     let body = {
         let mut state = shared.state();
-        *state.lists_served.entry(collection).or_default() += 1;
-        let items: Vec<&Value> = state
+        if page.after.is_none() {
+            *state.lists_served.entry(collection).or_default() += 1;
+        }
+        let (version, start) = match &page.after {
+            Some((version, key)) => (*version, Bound::Excluded(key.clone())),
+            None => (state.resource_version, Bound::Included((collection, None, String::new()))),
+        };
+        let limit = page.limit.unwrap_or(usize::MAX);
+        let mut matching = state
             .objects
-            .iter()
-            .filter(|((stored, _, _), object)| *stored == collection && selector.matches(object))
-            .map(|(_, object)| object)
-            .collect();
+            .range((start, Bound::Unbounded))
+            .take_while(|((stored, _, _), _)| *stored == collection)
+            .filter(|(_, object)| selector.matches(object));
+        let items: Vec<(&ObjectKey, &Value)> = matching.by_ref().take(limit).collect();
+        let mut metadata = json!({"resourceVersion": version.to_string()});
+        if let (Some((last, _)), Some(_)) = (items.last(), matching.next()) {
+            metadata["continue"] = Page::token(version, last).into();
+        }
+        let items: Vec<&Value> = items.into_iter().map(|(_, object)| object).collect();
         json!({
             "kind": format!("{}List", collection.kind()),
             "apiVersion": collection.api_version(),
-            "metadata": {"resourceVersion": state.resource_version.to_string()},
+            "metadata": metadata,
             "items": items,
         })
     };
@@ -1039,10 +1099,24 @@ impl Drop for OpenWatch<'_> {
 
 fn write_events(stream: &mut TcpStream, events: &[Value]) -> io::Result<()> {
     for event in events {
-        let line = format!("{event}\n");
+        let line = event_line(event);
         write!(stream, "{:x}\r\n{line}\r\n", line.len())?;
     }
     stream.flush()
+}
+
+/// A watch event on one line, `type` before `object` as the API server writes it (Go's field
+/// order; `json!`'s map would sort `object` first). A client that decodes the event in one
+/// pass then reads the object straight into its type; with `object` first, serde must buffer
+/// the whole object before it knows which variant it is, a cost the real API server does not
+/// cause.
+fn event_line(event: &Value) -> String {
+    match (event.get("type"), event.get("object")) {
+        (Some(kind), Some(object)) if event.as_object().is_some_and(|fields| fields.len() == 2) => {
+            format!("{{\"type\":{kind},\"object\":{object}}}\n")
+        }
+        _ => format!("{event}\n"),
+    }
 }
 
 /// Sends the API server's 410 Gone ERROR event and ends the stream.
@@ -1097,6 +1171,17 @@ fn write_json(stream: &mut TcpStream, code: u16, body: &Value) -> io::Result<()>
 mod tests {
     use super::*;
 
+    /// Watch events are written as the API server writes them, `type` first.
+    #[test]
+    fn watch_events_name_their_type_first() {
+        let event = json!({"type": "ADDED", "object": {"kind": "Service", "metadata": {"name": "web"}}});
+        let line = event_line(&event);
+        assert!(line.starts_with(r#"{"type":"ADDED","object":{"#), "{line}");
+        assert_eq!(serde_json::from_str::<Value>(&line).unwrap(), event);
+        let other = json!({"kind": "Status"});
+        assert_eq!(event_line(&other), format!("{other}\n"));
+    }
+
     /// One request to `server`: the status code and the JSON body.
     fn request(
         server: &FakeApiServer,
@@ -1119,6 +1204,55 @@ mod tests {
         let code = response.split_whitespace().nth(1).unwrap().parse().unwrap();
         let (_, body) = response.split_once("\r\n\r\n").unwrap();
         (code, serde_json::from_str(body).unwrap())
+    }
+
+    /// A list is paged as the real server pages it: `limit` objects a page, a `continue`
+    /// token while more follow, every page at the first one's resourceVersion.
+    #[test]
+    fn lists_are_paged_with_continue_tokens() {
+        let server = FakeApiServer::start().unwrap();
+        for name in ["a", "b", "c"] {
+            server
+                .apply_json(json!({
+                    "apiVersion": "v1", "kind": "Service",
+                    "metadata": {"name": name, "namespace": "default"},
+                    "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]},
+                }))
+                .unwrap();
+        }
+        let json = "application/json";
+        let names = |list: &Value| -> Vec<String> {
+            list["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|item| item["metadata"]["name"].to_string())
+                .collect()
+        };
+        let (code, first) = request(&server, "GET", "/api/v1/services?limit=2", json, &Value::Null);
+        assert_eq!(code, 200, "{first}");
+        assert_eq!(names(&first), [r#""a""#, r#""b""#]);
+        let token = first["metadata"]["continue"].as_str().unwrap().to_owned();
+        let version = first["metadata"]["resourceVersion"].clone();
+        server
+            .apply_json(json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "d", "namespace": "default"},
+                "spec": {"clusterIP": "10.96.0.2", "ports": [{"port": 80}]},
+            }))
+            .unwrap();
+        let next = format!("/api/v1/services?limit=2&continue={}", token.replace('|', "%7C"));
+        let (code, second) = request(&server, "GET", &next, json, &Value::Null);
+        assert_eq!(code, 200, "{second}");
+        assert_eq!(names(&second), [r#""c""#, r#""d""#]);
+        assert_eq!(second["metadata"]["resourceVersion"], version, "the first page's version");
+        assert!(second["metadata"].get("continue").is_none(), "{second}");
+        let (_, whole) = request(&server, "GET", "/api/v1/services", json, &Value::Null);
+        assert_eq!(names(&whole).len(), 4);
+        assert!(whole["metadata"].get("continue").is_none());
+        assert_eq!(server.lists_served(Collection::Services), 2, "pages after the first are one list");
+        let bad = request(&server, "GET", "/api/v1/services?continue=x", json, &Value::Null);
+        assert_eq!(bad.0, 400);
     }
 
     #[test]

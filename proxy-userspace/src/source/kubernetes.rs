@@ -430,47 +430,43 @@ where
     }
 }
 
-/// A kind the source watches, and how its objects become [`Object`]s: Services and
-/// EndpointSlices are decoded into vipr's own form right here, and the API object dropped.
+/// A kind the source watches; its objects become [`Object`]s (Services and EndpointSlices
+/// decoded into vipr's own form right here, and the API object dropped).
 trait Watched:
-    Resource + Metadata<Ty = ObjectMeta> + DeserializeOwned + Slim + Clone + Debug + Send + Sync + 'static
+    Resource
+    + Metadata<Ty = ObjectMeta>
+    + DeserializeOwned
+    + Slim
+    + Into<Object>
+    + Clone
+    + Debug
+    + Send
+    + Sync
+    + 'static
 {
     const WATCHED: Kind;
-    fn object(self) -> Object;
 }
 
 impl Watched for Service {
     const WATCHED: Kind = Kind::Service;
-    fn object(self) -> Object {
-        Object::from(self)
-    }
 }
 
 impl Watched for EndpointSlice {
     const WATCHED: Kind = Kind::EndpointSlice;
-    fn object(self) -> Object {
-        Object::from(self)
-    }
 }
 
 impl Watched for Node {
     const WATCHED: Kind = Kind::Node;
-    fn object(self) -> Object {
-        Object::from(self)
-    }
 }
 
 impl Watched for ServiceCIDR {
     const WATCHED: Kind = Kind::ServiceCidr;
-    fn object(self) -> Object {
-        Object::from(self)
-    }
 }
 
 /// An object as the API server sent it, decoded or not ([`Decoded`]).
 fn object<K: Watched>(decoded: Decoded<K>) -> Object {
     match decoded {
-        Decoded::Valid(object) => object.object(),
+        Decoded::Valid(object) => object.into(),
         Decoded::Invalid { metadata, reason } => {
             let key = if K::WATCHED == Kind::Service || K::WATCHED == Kind::EndpointSlice {
                 key(&metadata)

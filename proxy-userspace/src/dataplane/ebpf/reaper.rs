@@ -43,7 +43,7 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap, Map, MapData},
+    maps::{HashMap, IterableMap as _, Map, MapData},
     Pod,
 };
 use proxy_common::{
@@ -103,10 +103,40 @@ const FILL_INTERVAL: Duration = Duration::from_secs(10);
 /// The insert-failure log's rate limit.
 const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
-/// Endpoints whose connections must be kept. The sync widens it before it programs new
-/// backends and narrows it afterwards, so a scan never sees a connection to a backend that
-/// is not in it yet.
-pub type Listed = Arc<Mutex<BTreeSet<Backend>>>;
+/// Endpoints whose connections must be kept, shared with the scanning thread.
+type Listed = Arc<Mutex<Kept>>;
+
+/// What the scans for gone endpoints read.
+#[derive(Debug, Default)]
+struct Kept {
+    /// Endpoints whose connections must be kept. The sync widens it before it programs new
+    /// backends and narrows it afterwards, so a scan never sees a connection to a backend that
+    /// is not in it yet.
+    endpoints: BTreeSet<Backend>,
+    /// The address families that lost endpoints since their flows map was last scanned: a
+    /// scan reads only their maps (a flows map of the default capacity is 512k buckets to
+    /// walk, even when empty, and an IPv4 endpoint has no connections in the IPv6 map).
+    dropped: Families,
+}
+
+/// A flag per address family.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Families {
+    v4: bool,
+    v6: bool,
+}
+
+impl Families {
+    const BOTH: Self = Self { v4: true, v6: true };
+
+    /// Sets the flag of `endpoint`'s family.
+    fn mark(&mut self, endpoint: &Backend) {
+        match endpoint.ip {
+            IpAddr::V4(_) => self.v4 = true,
+            IpAddr::V6(_) => self.v6 = true,
+        }
+    }
+}
 
 pub struct Reaper {
     listed: Listed,
@@ -133,19 +163,26 @@ impl Reaper {
 
     /// Call before programming `endpoints`: from now on their connections are kept.
     pub fn keep(&self, endpoints: &BTreeSet<Backend>) {
-        lock(&self.listed).extend(endpoints.iter().copied());
+        lock(&self.listed).endpoints.extend(endpoints.iter().copied());
     }
 
     /// Call after programming: connections of endpoints not in `endpoints` are broken off.
     pub fn keep_only(&self, endpoints: &BTreeSet<Backend>) {
-        let dropped = {
-            let mut listed = lock(&self.listed);
-            let before = listed.len();
-            listed.retain(|endpoint| endpoints.contains(endpoint));
-            before != listed.len()
-        };
-        if dropped {
-            self.request_scan();
+        let mut removed = false;
+        {
+            let mut kept = lock(&self.listed);
+            let Kept { endpoints: listed, dropped } = &mut *kept;
+            listed.retain(|endpoint| {
+                let keep = endpoints.contains(endpoint);
+                if !keep {
+                    dropped.mark(endpoint);
+                    removed = true;
+                }
+                keep
+            });
+        }
+        if removed {
+            self.wake();
         }
     }
 
@@ -153,17 +190,30 @@ impl Reaper {
     /// ([`Self::keep_only`] for a sync that knows what it dropped).
     pub fn forget(&self, endpoints: &BTreeSet<Backend>) {
         let dropped = {
-            let mut listed = lock(&self.listed);
-            endpoints.iter().fold(false, |dropped, endpoint| listed.remove(endpoint) | dropped)
+            let mut kept = lock(&self.listed);
+            let mut dropped = false;
+            for endpoint in endpoints {
+                if kept.endpoints.remove(endpoint) {
+                    kept.dropped.mark(endpoint);
+                    dropped = true;
+                }
+            }
+            dropped
         };
         if dropped {
-            self.request_scan();
+            self.wake();
         }
     }
 
-    /// Scans once whatever changed, e.g. after adopting maps whose connections may lead to
-    /// endpoints that went away while the agent was down.
+    /// Scans both families' flows maps once whatever changed, e.g. after adopting maps whose
+    /// connections may lead to endpoints that went away while the agent was down.
     pub fn request_scan(&self) {
+        lock(&self.listed).dropped = Families::BOTH;
+        self.wake();
+    }
+
+    /// Asks the thread for a scan of the families [`Kept::dropped`] names.
+    fn wake(&self) {
         if let Some(scan) = &self.scan {
             let _ = scan.send(());
         }
@@ -179,7 +229,7 @@ impl Drop for Reaper {
     }
 }
 
-fn lock(listed: &Listed) -> std::sync::MutexGuard<'_, BTreeSet<Backend>> {
+fn lock(listed: &Listed) -> std::sync::MutexGuard<'_, Kept> {
     listed.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
@@ -282,12 +332,16 @@ impl ScanPacing {
     }
 }
 
+/// Scans the flows maps of the families that lost endpoints since their last scan.
 fn reap_gone(options: &ReaperOptions, listed: &Listed, metrics: &FlowMetrics) {
-    for (family, reaped) in [
-        ("IPv4", reap::<Flow4>(&options.flows4_pin, listed)),
-        ("IPv6", reap::<Flow6>(&options.flows6_pin, listed)),
-    ] {
-        match reaped {
+    // Taken before the scan: an endpoint dropped during it asks for the next one.
+    let dropped = std::mem::take(&mut lock(listed).dropped);
+    let scans = [
+        (dropped.v4, "IPv4", &options.flows4_pin, reap::<Flow4> as fn(&Path, &Listed) -> _),
+        (dropped.v6, "IPv6", &options.flows6_pin, reap::<Flow6>),
+    ];
+    for (_, family, pin, reap) in scans.into_iter().filter(|(dropped, ..)| *dropped) {
+        match reap(pin, listed) {
             Ok(0) => debug!(family, "no connection to a gone endpoint"),
             Ok(reaped) => {
                 metrics.reaped_gone_endpoint.add(reaped as u64);
@@ -307,8 +361,8 @@ pub(crate) fn monotonic_coarse_ns() -> u64 {
 }
 
 /// A flows-map value of one family, with its key type.
-pub(crate) trait TrackedFlow: Pod {
-    type Key: Pod + Eq + Hash;
+pub(crate) trait TrackedFlow: Pod + Default {
+    type Key: Pod + Eq + Hash + Default;
 
     /// The key's source and destination and the entry's rewrite targets (source,
     /// destination), as socket addresses, for tools that show connections.
@@ -413,21 +467,61 @@ macro_rules! from_parts {
 from_parts!(FlowKey4, [u8; 4]);
 from_parts!(FlowKey6, [u8; 16]);
 
+/// Entries per `BPF_MAP_LOOKUP_BATCH` call of [`walk_flows`].
+const FLOW_BATCH: u32 = 1024;
+
+/// Hands every entry of a flows map to `visit`, a batch at a time: read with
+/// `BPF_MAP_LOOKUP_BATCH`, one system call per [`FLOW_BATCH`] entries (the kernel walks its
+/// buckets itself), or, where the kernel refuses batch lookups, with one `BPF_MAP_GET_NEXT_KEY`
+/// and one lookup per entry. Entries deleted or added meanwhile may be missed or seen.
+fn walk_flows<F: TrackedFlow>(
+    flows: &HashMap<MapData, F::Key, F>,
+    mut visit: impl FnMut(&[F::Key], &[F]),
+) -> anyhow::Result<()> {
+    let mut delivered = false;
+    let batched = crate::bpf_sys::lookup_batches::<F::Key, F>(
+        flows.map().fd().as_fd(),
+        FLOW_BATCH,
+        1,
+        1,
+        |keys, values| {
+            delivered = true;
+            visit(keys, values);
+            true
+        },
+    );
+    match batched {
+        Some(()) => Ok(()),
+        // Part of the map was handed over already: a walk from the start would show it twice.
+        None if delivered => Err(anyhow::anyhow!("the batched walk of the flows map failed midway")),
+        None => {
+            for (key, flow) in flows.iter().filter_map(Result::ok) {
+                visit(&[key], &[flow]);
+            }
+            Ok(())
+        }
+    }
+}
+
 fn reap<F: TrackedFlow>(flows_pin: &Path, listed: &Listed) -> anyhow::Result<usize> {
     let map = MapData::from_pin(flows_pin)?;
     let mut flows: HashMap<MapData, F::Key, F> = HashMap::try_from(Map::HashMap(map))?;
-    let is_gone = |key: &F::Key, flow: &F| !lock(listed).contains(&F::backend(key, flow));
-    // Collected first: deleting while iterating would restart the kernel's key walk.
-    let gone: Vec<F::Key> = flows
-        .iter()
-        .filter_map(Result::ok)
-        .filter(|(key, flow)| is_gone(key, flow))
-        .map(|(key, _)| key)
-        .collect();
+    // Collected first: deleting while walking would disturb the walk.
+    let mut gone: Vec<F::Key> = Vec::new();
+    walk_flows(&flows, |keys, values| {
+        let kept = lock(listed);
+        gone.extend(
+            keys.iter()
+                .zip(values)
+                .filter(|(key, flow)| !kept.endpoints.contains(&F::backend(key, flow)))
+                .map(|(key, _)| *key),
+        );
+    })?;
     let mut reaped = 0;
     for key in &gone {
         // Re-checked: the sync may have listed the backend again meanwhile.
-        let still_gone = flows.get(key, 0).is_ok_and(|flow| is_gone(key, &flow));
+        let still_gone =
+            flows.get(key, 0).is_ok_and(|flow| !lock(listed).endpoints.contains(&F::backend(key, &flow)));
         if still_gone && flows.remove(key).is_ok() {
             reaped += 1;
         }
@@ -591,13 +685,15 @@ impl<K: Pod + Eq + Hash> Expiry<K> {
         // turns out to be under pressure) can have expired.
         let mut entries = 0u64;
         let mut old: Vec<(K, Duration)> = Vec::new();
-        for (key, flow) in flows.iter().filter_map(Result::ok) {
-            entries += 1;
-            let age = age(&flow.track());
-            if age > shortest(F::proto(&key), timeouts, true) {
-                old.push((key, age));
+        walk_flows(&flows, |keys, values| {
+            entries += keys.len() as u64;
+            for (key, flow) in keys.iter().zip(values) {
+                let age = age(&flow.track());
+                if age > shortest(F::proto(key), timeouts, true) {
+                    old.push((*key, age));
+                }
             }
-        }
+        })?;
         let under_pressure =
             self.ports_short || entries * 100 >= capacity * u64::from(timeouts.pressure.threshold_percent);
         let mut unstamped = HashSet::new();
@@ -1016,5 +1112,74 @@ mod tests {
         let pass = expiry.pass::<Flow4>(&pin, &timeouts, now, &metrics).unwrap();
         assert_eq!(pass, Pass { deleted: 2, under_pressure: true });
         assert_eq!(flows.keys().count(), 4);
+    }
+
+    /// A reaper without its thread, to watch its bookkeeping.
+    fn idle_reaper() -> Reaper {
+        Reaper { listed: Listed::default(), scan: None, thread: None }
+    }
+
+    /// A scan for gone endpoints reads only the flows maps of the families that lost some: an
+    /// IPv4 endpoint has no connection in the IPv6 map, whose walk (512k buckets by default,
+    /// even empty) would be wasted.
+    #[test]
+    fn scans_read_only_the_families_that_lost_endpoints() {
+        let v4 = Backend { ip: "10.1.0.2".parse().unwrap(), port: 8080 };
+        let v6 = Backend { ip: "fd00::2".parse().unwrap(), port: 8080 };
+        let reaper = idle_reaper();
+        let dropped = |reaper: &Reaper| std::mem::take(&mut lock(&reaper.listed).dropped);
+        reaper.keep(&BTreeSet::from([v4, v6]));
+        assert_eq!(dropped(&reaper), Families::default(), "nothing dropped yet");
+        reaper.forget(&BTreeSet::from([v4]));
+        assert_eq!(dropped(&reaper), Families { v4: true, v6: false });
+        reaper.forget(&BTreeSet::from([v4]));
+        assert_eq!(dropped(&reaper), Families::default(), "already gone");
+        reaper.keep(&BTreeSet::from([v4]));
+        reaper.keep_only(&BTreeSet::from([v4]));
+        assert_eq!(dropped(&reaper), Families { v4: false, v6: true });
+        assert_eq!(lock(&reaper.listed).endpoints, BTreeSet::from([v4]));
+        reaper.request_scan();
+        assert_eq!(dropped(&reaper), Families::BOTH, "a requested scan reads both");
+    }
+
+    /// The scan deletes both entries of connections to endpoints no longer kept, read in
+    /// batches, and leaves the others.
+    #[test]
+    fn connections_to_gone_endpoints_are_reaped() {
+        let maps = Maps::new();
+        let pin = maps.flows4_pin();
+        let mut flows: HashMap<MapData, FlowKey4, Flow4> =
+            HashMap::try_from(Map::HashMap(MapData::from_pin(&pin).unwrap())).unwrap();
+        let live = Backend { ip: "10.1.0.2".parse().unwrap(), port: 8080 };
+        let gone = Backend { ip: "10.1.0.3".parse().unwrap(), port: 8080 };
+        // 200 connections, every other one to the endpoint that goes.
+        for client_port in 1..=200u16 {
+            for (key, mut flow) in connection(proto::TCP, client_port, (0, 1), (0, 1)) {
+                let mut key = key;
+                if client_port % 2 == 0 {
+                    if flow.is_reply() {
+                        key.src_addr = [10, 1, 0, 3];
+                    } else {
+                        flow.dst_addr = [10, 1, 0, 3];
+                    }
+                }
+                flows.insert(key, flow, 0).unwrap();
+            }
+        }
+        let mut walked = 0;
+        walk_flows(&flows, |keys, values| {
+            assert_eq!(keys.len(), values.len());
+            walked += keys.len();
+        })
+        .unwrap();
+        assert_eq!(walked, 400);
+        let reaper = idle_reaper();
+        reaper.keep(&BTreeSet::from([live, gone]));
+        reaper.forget(&BTreeSet::from([gone]));
+        assert_eq!(reap::<Flow4>(&pin, &reaper.listed).unwrap(), 200);
+        let left: Vec<(FlowKey4, Flow4)> = flows.iter().map(Result::unwrap).collect();
+        assert_eq!(left.len(), 200);
+        assert!(left.iter().all(|(key, flow)| Flow4::backend(key, flow) == live));
+        assert_eq!(reap::<Flow4>(&pin, &reaper.listed).unwrap(), 0);
     }
 }

@@ -95,17 +95,19 @@ where
         // Only a value that is not JSON at all fails here; that is a broken response, not a
         // broken object.
         let value = Value::deserialize(deserializer)?;
-        let decoded = match serde_path_to_error::deserialize::<_, K>(&value) {
+        // The identity first: decoding consumes the value, moving its strings into `K` instead
+        // of copying each of them.
+        let metadata = identity(&value);
+        let decoded = match serde_path_to_error::deserialize::<_, K>(value) {
             // kube-rs keys its stores by name and panics on an object without one.
-            Ok(object) if object.metadata().name.as_deref().is_none_or(str::is_empty) => Self::Invalid {
-                metadata: Box::new(identity(&value)),
-                reason: "metadata.name is missing".into(),
-            },
+            Ok(object) if object.metadata().name.as_deref().is_none_or(str::is_empty) => {
+                Self::Invalid { metadata: Box::new(metadata), reason: "metadata.name is missing".into() }
+            }
             Ok(mut object) => {
                 object.slim();
                 Self::Valid(object)
             }
-            Err(error) => Self::Invalid { metadata: Box::new(identity(&value)), reason: error.to_string() },
+            Err(error) => Self::Invalid { metadata: Box::new(metadata), reason: error.to_string() },
         };
         Ok(decoded)
     }
