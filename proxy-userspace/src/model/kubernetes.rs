@@ -887,5 +887,6 @@ fn service_ports(service: &Service) -> Result<Vec<ServicePortSpec>, String> {
 #[cfg(test)]
 mod tests;
 
+pub mod changes;
 pub mod incremental;
 pub mod objects;

@@ -20,7 +20,9 @@ use std::{
 
 use ipnet::IpNet;
 
-pub mod changes;
+/// The change tracker lives with the Kubernetes objects it holds; `model::changes` is its
+/// short name.
+pub use kubernetes::changes;
 #[cfg(test)]
 pub mod fixtures;
 pub mod kubernetes;

@@ -370,7 +370,7 @@ impl NftablesDataplane {
             }));
         }
         let (writer, elements) = if apart.is_empty() {
-            (Writer::Netlink, batch.elements.iter().map(netlink::ElementChange::view).collect())
+            (Writer::Netlink, batch.elements.iter().map(ruleset::ElementChange::view).collect())
         } else {
             apply(&batch.text)?;
             (Writer::NftThenNetlink, apart)
@@ -428,7 +428,7 @@ impl NftablesDataplane {
             _ => {
                 let existing = list_table(family)?;
                 if self.options.netlink_elements && existing == Existing::default() {
-                    ruleset::from_empty(&wanted)
+                    ruleset::from_empty(&wanted, |set| netlink::Layout::of_spec(&set.spec).is_some())
                 } else {
                     ruleset::full(&existing, &wanted)
                 }

@@ -22,7 +22,7 @@ use crate::netlink::{
     NETLINK_NETFILTER, NFGENMSG_LEN, NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST,
 };
 
-use super::ruleset::TABLE;
+use super::ruleset::{ElementChange, TABLE};
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -211,18 +211,6 @@ fn encode_element(layout: &Layout, key: &str, value: Option<&str>, delete: bool)
         _ => return None,
     }
     Some(element)
-}
-
-/// Elements of one set to add or delete (`ruleset::Batch::elements`, in the order `nft -f`
-/// would be given them).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ElementChange {
-    pub set: String,
-    /// The set's declaration, which says how its elements are encoded.
-    pub spec: String,
-    pub delete: bool,
-    /// Keys, and a map's values (`None` when deleting).
-    pub elements: Vec<(String, Option<String>)>,
 }
 
 impl ElementChange {

@@ -43,8 +43,6 @@ use std::{
 
 use ipnet::IpNet;
 
-pub use super::netlink::ElementChange;
-
 use crate::dataplane::iptables::{
     names::service_chain,
     ruleset::{
@@ -1039,18 +1037,28 @@ pub fn full(existing: &Existing, wanted: &Ruleset) -> Batch {
     plan(wanted, None, existing)
 }
 
+/// Elements of one set to add or delete ([`Batch::elements`], in the order `nft -f`
+/// would be given them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ElementChange {
+    pub set: String,
+    /// The set's declaration, which says how its elements are encoded.
+    pub spec: String,
+    pub delete: bool,
+    /// Keys, and a map's values (`None` when deleting).
+    pub elements: Vec<(String, Option<String>)>,
+}
+
 /// The batch that creates `wanted` where vipr has no table: the table, sets and chains as
-/// text, and the elements of every set `netlink` can write apart (`Batch::elements`), to be
-/// added after it as one netlink batch. Nothing was served before, so the two transactions
+/// text, and the elements of every set the element writer can write (`writable`) apart
+/// (`Batch::elements`), to be added after it as one netlink batch. Nothing was served before, so the two transactions
 /// need not be one; nft parses ~200k elements (10k services × 10 endpoints) for most of a
 /// second, the kernel's netlink parse is a fraction of that.
-pub fn from_empty(wanted: &Ruleset) -> Batch {
+pub fn from_empty(wanted: &Ruleset, writable: impl Fn(&Set) -> bool) -> Batch {
     let apart: BTreeSet<&String> = wanted
         .sets
         .iter()
-        .filter(|(_, set)| {
-            !set.dynamic && !set.elements.is_empty() && super::netlink::Layout::of_spec(&set.spec).is_some()
-        })
+        .filter(|(_, set)| !set.dynamic && !set.elements.is_empty() && writable(set))
         .map(|(name, _)| name)
         .collect();
     let mut batch = plan_leaving_out(wanted, None, &Existing::default(), &apart);

@@ -1,7 +1,7 @@
 //! Incremental translation, as kube-proxy's proxiers consume their change trackers: the
 //! [`Translator`] keeps each service's translation (its frontends, cluster IPs, listed
 //! endpoints and health check) and re-translates only the services the
-//! [`ChangeTracker`](crate::model::changes::ChangeTracker) marked dirty, or every service when
+//! [`ChangeTracker`](super::changes::ChangeTracker) marked dirty, or every service when
 //! the node context changed. The result is always what [`desired_state`](super::desired_state)
 //! gives for the objects the tracker holds (a randomized test over event sequences holds the
 //! two together), plus the [`StateChanges`] since the previous translation.
@@ -11,11 +11,12 @@ use std::{
 };
 
 use super::{
-    claimant, frontends, local_ready_addresses, lost_claim, objects::ServiceObject, reserved_for_vipr,
-    ClaimRank, EndpointSpec, NodeContext, Rejection,
+    changes::{ChangeTracker, Dirty, Key},
+    claimant, frontends, local_ready_addresses, lost_claim,
+    objects::ServiceObject,
+    reserved_for_vipr, ClaimRank, EndpointSpec, NodeContext, Rejection,
 };
 use crate::model::{
-    changes::{ChangeTracker, Dirty, Key},
     Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, HealthCheck, ServiceName, ServicePortName,
     StateChanges,
 };

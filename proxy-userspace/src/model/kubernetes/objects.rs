@@ -29,7 +29,11 @@ use super::{
     health_check_node_port, kubernetes_name, port_name, port_number, protocol, service_ports, EndpointSpec,
     ServicePortSpec, SERVICE_NAME_LABEL,
 };
-use crate::model::{changes::LAST_CHANGE_TRIGGER_TIME, Backend, Protocol, ServicePortName};
+use crate::model::{Backend, Protocol, ServicePortName};
+
+/// The annotation in which the EndpointSlice controller records when the change that
+/// triggered this version of the slice happened (a pod became ready, ...).
+pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// What identifies an object and its version.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! EndpointsChangeTracker: the sources hand it events (an object applied or deleted, a complete
 //! list of one kind), it keeps the last object of every key, counts the changes as kube-proxy
 //! counts them, records the EndpointSlices' change trigger times and marks the services whose
-//! translation a change makes stale. The translator ([`super::kubernetes::incremental`])
+//! translation a change makes stale. The translator ([`super::incremental`])
 //! consumes that dirty set; nothing else works the delta out again.
 //!
 //! One identity rule for every object: its namespace (absent: "default"; cluster-scoped
@@ -28,15 +28,11 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-pub use super::kubernetes::objects::{ServiceObject, SliceObject};
-use super::kubernetes::{objects::Meta, Rejection};
+pub use super::objects::{ServiceObject, SliceObject, LAST_CHANGE_TRIGGER_TIME};
+use super::{objects::Meta, Rejection};
 
 /// Namespace and name: the one identity of every object ([`key`]).
 pub type Key = (String, String);
-
-/// The annotation in which the EndpointSlice controller records when the change that
-/// triggered this version of the slice happened (a pod became ready, ...).
-pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// The key of an object: its namespace ("default" when absent, as the API server defaults it
 /// for namespaced kinds) and name.
