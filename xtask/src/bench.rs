@@ -70,7 +70,7 @@ impl Suite {
 
 pub fn run(workspace: &Workspace, args: &BenchArgs) -> Result<ExitCode> {
     setup::all(setup::Mode::Install)?;
-    let mut build = vec!["build", "--release", "-p", "vipr-tests", "--bin", "vipr-bench"];
+    let mut build = vec!["build", "--release", "-p", "vipr-bench"];
     if matches!(args.suite, Suite::E2e | Suite::ControlPlane | Suite::All) {
         // The agent the e2e suite and the control plane's watch path run: found next to
         // vipr-bench (target/release/vipr).

@@ -491,7 +491,7 @@ fn render(
     let _ = writeln!(w, "# Benchmarks\n");
     let _ = writeln!(
         w,
-        "<!-- Written by `cargo xtask bench` (tests/src/bench/report.rs) from the results in {plot_dir}*.json; \
+        "<!-- Written by `cargo xtask bench` (bench/src/report.rs) from the results in {plot_dir}*.json; \
          only the notes block is kept from one run to the next. -->\n"
     );
     let _ = writeln!(

@@ -1,4 +1,4 @@
-//! vipr's benchmark suites (`cargo xtask bench`, issue 6): the datapath's cost per packet with
+//! `vipr-bench`: vipr's benchmark suites (`cargo xtask bench`, issue 6; docs/benchmarks.md): the datapath's cost per packet with
 //! BPF_PROG_TEST_RUN, the control plane's programming time and memory, and end-to-end traffic
 //! through the real agent by proxy mode (`e2e`). Results go to
 //! `<out-dir>/<suite>.json`, plots to `<out-dir>/*.png`, and the report (docs/benchmarks.md)
@@ -114,7 +114,7 @@ impl Output {
     }
 }
 
-pub fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
