@@ -72,6 +72,26 @@ pub struct IcmpError<A> {
     inner_l4_csum: Option<usize>,
 }
 
+/// A family's ICMP errors about TCP/UDP packets.
+pub trait IcmpErrors: Family {
+    /// Parses an ICMP error of this family about a TCP/UDP packet.
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>>;
+}
+
+impl IcmpErrors for Ipv4 {
+    #[inline(always)]
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>> {
+        parse_ipv4_error(ctx)
+    }
+}
+
+impl IcmpErrors for Ipv6 {
+    #[inline(always)]
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>> {
+        parse_ipv6_error(ctx)
+    }
+}
+
 /// Parses an IPv4 ICMP error (destination unreachable, time exceeded, parameter problem)
 /// quoting a TCP/UDP packet that is whole or a first fragment.
 #[inline(always)]

@@ -26,20 +26,16 @@ use aya_ebpf::{
 use proxy_common::{proto, sctp};
 
 use crate::{
-    family::Family,
+    family::{Family, Ipv4, Ipv6},
     wire::{
-        ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_HLEN, IP_MF, IP_OFFSET, TCP_CSUM_AT, TCP_FLAGS_AT,
-        UDP_CSUM_AT,
+        ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_DADDR_OFF, IPV6_HLEN, IPV6_SADDR_OFF, IP_MF, IP_OFFSET,
+        TCP_CSUM_AT, TCP_FLAGS_AT, UDP_CSUM_AT,
     },
 };
 
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
 const IPV4_CSUM_OFF: usize = ETH_HLEN + IPV4_CSUM_AT;
-pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
-pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
-pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
-pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_SYN: u8 = 0x02;
@@ -95,6 +91,57 @@ pub fn bytes_at<const N: usize>(ctx: &TcContext, offset: usize) -> Option<*mut [
 #[inline(always)]
 pub fn ethertype(ctx: &TcContext) -> Option<u16> {
     Some(u16::from_be_bytes(unsafe { *bytes_at::<2>(ctx, 12)? }))
+}
+
+/// A family's IP header: how a TCP/UDP/SCTP packet of it is parsed, and the checksum side of
+/// rewriting one of its addresses.
+pub trait IpHeader: Family {
+    /// Parses a TCP/UDP/SCTP packet of this family (the ethertype already checked).
+    fn parse(ctx: &TcContext) -> Option<Packet<Self>>;
+    /// See [`ipv4_address_checksums`] and [`ipv6_address_checksums`].
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: Option<usize>,
+        old: Self,
+        new: Self,
+        mangled: u64,
+    ) -> Result<(), i64>;
+}
+
+impl IpHeader for Ipv4 {
+    #[inline(always)]
+    fn parse(ctx: &TcContext) -> Option<Packet<Self>> {
+        parse_ipv4(ctx)
+    }
+
+    #[inline(always)]
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: Option<usize>,
+        old: Self,
+        new: Self,
+        mangled: u64,
+    ) -> Result<(), i64> {
+        ipv4_address_checksums(ctx, l4_csum, old, new, mangled)
+    }
+}
+
+impl IpHeader for Ipv6 {
+    #[inline(always)]
+    fn parse(ctx: &TcContext) -> Option<Packet<Self>> {
+        parse_ipv6(ctx)
+    }
+
+    #[inline(always)]
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: Option<usize>,
+        old: Self,
+        new: Self,
+        mangled: u64,
+    ) -> Result<(), i64> {
+        ipv6_address_checksums(ctx, l4_csum, old, new, mangled)
+    }
 }
 
 /// Parses an IPv4 TCP or UDP packet, whole or the first fragment of a datagram, whose
@@ -261,7 +308,7 @@ pub fn ipv6_address_checksums(
 /// Rewrites the source or destination address and port of a parsed packet, keeping the IP and
 /// TCP/UDP/SCTP checksums right.
 #[inline(always)]
-pub fn rewrite<A: Family>(
+pub fn rewrite<A: IpHeader>(
     ctx: &TcContext,
     packet: &Packet<A>,
     side: Side,
@@ -357,26 +404,6 @@ impl Change {
         let sum = Self(u32::from(!csum)).add(self.0);
         !(((sum.0 & 0xffff) + (sum.0 >> 16)) as u16)
     }
-}
-
-/// The folded ones' complement sum of an address's big-endian 16-bit words, read as 32-bit
-/// words for the reason [`copy_address`] gives. The ones' complement sum does not depend on
-/// byte order (RFC 1071), so the sum of the native halves is the big-endian sum swapped.
-#[inline(always)]
-pub fn word_sum<T>(address: &T) -> u16 {
-    const { assert!(size_of::<T>().is_multiple_of(4)) };
-    let words = core::ptr::from_ref(address).cast::<u32>();
-    let mut sum = 0u64;
-    let mut i = 0;
-    while i < size_of::<T>() / 4 {
-        // SAFETY: inside the address.
-        let word = unsafe { *words.add(i) };
-        sum += u64::from(word & 0xffff) + u64::from(word >> 16);
-        i += 1;
-    }
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    u16::from_be(sum as u16)
 }
 
 /// Copies an address (4 or 16 bytes) as 32-bit words. A plain copy of a byte array is
