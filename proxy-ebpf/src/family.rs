@@ -2,8 +2,10 @@
 //! the kernel crate, above only the wire constants (wire.rs).
 //!
 //! An address type is its family: [`Ipv4`] is `[u8; 4]`, [`Ipv6`] is `[u8; 16]`, the network
-//! order bytes the maps store. [`Family`] holds what an address is (its offsets in the IP
-//! header, its checksum words, how a FIB lookup carries it). What each layer above does
+//! order bytes the maps store, and `proxy_common::Family` describes it for the kernel, the
+//! agent and the tests alike (its maps' names and types). [`Address`] adds what only the
+//! datapath needs of an address (its offsets in the IP header, its checksum words, how a FIB
+//! lookup carries it). What each layer above does
 //! differently per family is a trait of that layer, implemented there for both: parsing and
 //! the checksum side of a rewrite ([`crate::packet::IpHeader`]), the family's maps
 //! ([`crate::family_maps::Maps`]), ICMP errors built ([`crate::reject::Reject`]) and
@@ -12,12 +14,12 @@
 use core::ptr::NonNull;
 
 use aya_ebpf::bindings::bpf_fib_lookup;
-use proxy_common::FlowTrack;
+use proxy_common::{Family, FlowTrack, V4, V6};
 
 use crate::wire::{IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF};
 
-pub type Ipv4 = [u8; 4];
-pub type Ipv6 = [u8; 16];
+pub type Ipv4 = V4;
+pub type Ipv6 = V6;
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -54,10 +56,8 @@ pub struct Tracked<A> {
     pub track: NonNull<FlowTrack>,
 }
 
-/// An address family, implemented by its address type.
-pub trait Family: Copy {
-    /// The all-zero address, for the unused fields of flow entries.
-    const UNSPECIFIED: Self;
+/// What the datapath needs of an address beyond [`Family`].
+pub trait Address: Family {
     /// Offsets of the source and destination address from the start of the frame.
     const SADDR_OFF: usize;
     const DADDR_OFF: usize;
@@ -76,8 +76,7 @@ pub trait Family: Copy {
     fn fib_source(params: &bpf_fib_lookup) -> Self;
 }
 
-impl Family for Ipv4 {
-    const UNSPECIFIED: Self = [0; 4];
+impl Address for Ipv4 {
     const SADDR_OFF: usize = IPV4_SADDR_OFF;
     const DADDR_OFF: usize = IPV4_DADDR_OFF;
     const IP_HEADER_CHECKSUM: bool = true;
@@ -110,8 +109,7 @@ impl Family for Ipv4 {
     }
 }
 
-impl Family for Ipv6 {
-    const UNSPECIFIED: Self = [0; 16];
+impl Address for Ipv6 {
     const SADDR_OFF: usize = IPV6_SADDR_OFF;
     const DADDR_OFF: usize = IPV6_DADDR_OFF;
     const IP_HEADER_CHECKSUM: bool = false;

@@ -11,7 +11,7 @@ use proxy_common::{
 };
 
 use crate::{
-    family::{Endpoint, Family, Ipv4, Ipv6, Nat, Tracked},
+    family::{Address, Endpoint, Ipv4, Ipv6, Nat, Tracked},
     maps::{
         AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, EARLY_DROP4, EARLY_DROP6, FLOWS4, FLOWS6, MEMBERS4,
         MEMBERS6, NODE_IPS4, NODE_IPS6, POD_CIDRS4, POD_CIDRS6, SERVICES4, SERVICES6, SOURCE_RANGES4,
@@ -25,7 +25,7 @@ const EARLY_DROP_MASK: u32 = proxy_common::capacity::EARLY_DROP_RING - 1;
 const _: () = assert!(proxy_common::capacity::EARLY_DROP_RING.is_power_of_two());
 
 /// The maps of one family (`vipr_*4_v1` or `vipr_*6_v1`), in the datapath's terms.
-pub trait Maps: Family {
+pub trait Maps: Address {
     fn flow(key: &Tuple<Self>) -> Option<Tracked<Self>>;
     /// Stores a flow entry; a failure only costs a fresh balancing decision later.
     fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;

@@ -26,7 +26,7 @@ use aya_ebpf::{
 use proxy_common::{proto, sctp};
 
 use crate::{
-    family::{Family, Ipv4, Ipv6},
+    family::{Address, Ipv4, Ipv6},
     wire::{
         ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_DADDR_OFF, IPV6_HLEN, IPV6_SADDR_OFF, IP_MF, IP_OFFSET,
         TCP_CSUM_AT, TCP_FLAGS_AT, UDP_CSUM_AT,
@@ -95,7 +95,7 @@ pub fn ethertype(ctx: &TcContext) -> Option<u16> {
 
 /// A family's IP header: how a TCP/UDP/SCTP packet of it is parsed, and the checksum side of
 /// rewriting one of its addresses.
-pub trait IpHeader: Family {
+pub trait IpHeader: Address {
     /// Parses a TCP/UDP/SCTP packet of this family (the ethertype already checked).
     fn parse(ctx: &TcContext) -> Option<Packet<Self>>;
     /// See [`ipv4_address_checksums`] and [`ipv6_address_checksums`].

@@ -60,14 +60,14 @@ use proxy_common::{datapath_stat, proto};
 
 use crate::{
     counters::stat,
-    family::{Family, Ipv4, Ipv6},
+    family::{Address, Ipv4, Ipv6},
     wire::{
         ETH_HLEN, ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_MIN_HLEN, IPV6_HLEN, TCP_CSUM_AT, UDP_CSUM_AT,
     },
 };
 
 /// A family's port unreachable.
-pub trait Reject: Family {
+pub trait Reject: Address {
     /// Answers the TCP/UDP/SCTP packet whose L4 header starts at `l4_offset` with this
     /// family's ICMP port unreachable; the program's verdict.
     fn reject(ctx: &TcContext, l4_offset: usize) -> i32;

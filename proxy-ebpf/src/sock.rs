@@ -27,12 +27,12 @@ use aya_ebpf::{
     EbpfContext as _,
 };
 use proxy_common::{
-    proto, service_flags, source_class, unmatched, SockConfig, SockFrontend4, SockFrontend6, SockRevKey4,
-    SockRevKey6,
+    proto, service_flags, source_class, unmatched, Family, SockConfig, SockFrontend4, SockFrontend6,
+    SockRevKey4, SockRevKey6,
 };
 
 use crate::{
-    family::{Family, Ipv4, Ipv6},
+    family::{Address, Ipv4, Ipv6},
     family_maps::Maps,
     lb::{decide, Decision, Pick},
     maps::{SOCK_CONFIG, SOCK_REVERSE4, SOCK_REVERSE6},

@@ -37,7 +37,7 @@ use proxy_common::{flow_flags, proto, service_flags, source_class};
 use crate::{
     conntrack::{observe, track, track_masqueraded, Refusal},
     counters,
-    family::{Family, Ipv4, Nat},
+    family::{Address, Ipv4, Nat},
     family_maps::Maps,
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{Change, Packet, Tuple, ETH_P_IP},
