@@ -1,12 +1,12 @@
 //! Each family's pinned maps (maps.rs) in the datapath's terms: flow entries, the early-drop
-//! ring, services, backends, the classification tries, session affinity. One macro implements
-//! [`Maps`] for both families, because proxy-common's IPv4 and IPv6 map types have the same
-//! fields.
+//! ring, services, backends, the classification tries, session affinity. The map types are
+//! proxy-common's, generic over the family; one macro implements [`Maps`] for both families,
+//! which differ only in which map statics (maps.rs) they use.
 use core::ptr::NonNull;
 
 use proxy_common::{
-    Affinity4, Affinity6, AffinityKey4, AffinityKey6, BackendMember4, BackendMember6, BackendSlot, Flow4,
-    Flow6, FlowKey4, FlowKey6, FlowTrack, NextHop, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6,
+    Affinity4, Affinity6, AffinityKey4, AffinityKey6, BackendMember4, BackendMember6, BackendSlot, Family,
+    Flow, Flow4, Flow6, FlowKey, FlowTrack, NextHop, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6,
     SourceRange4, SourceRange6,
 };
 
@@ -61,12 +61,43 @@ pub trait Maps: Address {
     fn slot_of(backend_set: u32, backend: &Endpoint<Self>) -> Option<u32>;
 }
 
+impl<A: Family> From<&Tuple<A>> for FlowKey<A> {
+    #[inline(always)]
+    fn from(key: &Tuple<A>) -> Self {
+        Self {
+            src_addr: key.src,
+            dst_addr: key.dst,
+            src_port: key.src_port,
+            dst_port: key.dst_port,
+            proto: key.proto,
+            pad8: 0,
+            pad16: 0,
+        }
+    }
+}
+
+impl<A: Family> From<&Nat<A>> for Flow<A> {
+    #[inline(always)]
+    fn from(nat: &Nat<A>) -> Self {
+        Self {
+            src_addr: nat.src,
+            dst_addr: nat.dst,
+            src_port: nat.src_port,
+            dst_port: nat.dst_port,
+            flags: nat.flags,
+            track: FlowTrack { counter: nat.counter, state: nat.state, last_seen: nat.last_seen },
+            // Not cached: the packets of the flow are routed by the stack or a FIB lookup.
+            next_hop: NextHop { ifindex: 0, dst_mac: [0; 6], src_mac: [0; 6] },
+        }
+    }
+}
+
 /// Implements [`Maps`] for one family: its address type and bit count, and its maps and their
 /// key and value types, which have the same fields in both families.
 macro_rules! family_maps {
     (
         $addr:ty, $bits:literal,
-        flows: $flows:ident($flow_key:ident -> $flow:ident),
+        flows: $flows:ident($flow:ident),
         early_drop: $early_drop:ident,
         services: $services:ident($service_key:ident),
         backends: $backends:ident,
@@ -77,37 +108,6 @@ macro_rules! family_maps {
         affinity: $affinity:ident($affinity_key:ident -> $affinity_value:ident),
         members: $members:ident($member:ident),
     ) => {
-        impl From<&Tuple<$addr>> for $flow_key {
-            #[inline(always)]
-            fn from(key: &Tuple<$addr>) -> Self {
-                Self {
-                    src_addr: key.src,
-                    dst_addr: key.dst,
-                    src_port: key.src_port,
-                    dst_port: key.dst_port,
-                    proto: key.proto,
-                    pad8: 0,
-                    pad16: 0,
-                }
-            }
-        }
-
-        impl From<&Nat<$addr>> for $flow {
-            #[inline(always)]
-            fn from(nat: &Nat<$addr>) -> Self {
-                Self {
-                    src_addr: nat.src,
-                    dst_addr: nat.dst,
-                    src_port: nat.src_port,
-                    dst_port: nat.dst_port,
-                    flags: nat.flags,
-                    track: FlowTrack { counter: nat.counter, state: nat.state, last_seen: nat.last_seen },
-                    // Not cached: the packets of the flow are routed by the stack or a FIB lookup.
-                    next_hop: NextHop { ifindex: 0, dst_mac: [0; 6], src_mac: [0; 6] },
-                }
-            }
-        }
-
         impl Maps for $addr {
             #[inline(always)]
             fn flow(key: &Tuple<Self>) -> Option<Tracked<Self>> {
@@ -273,7 +273,7 @@ macro_rules! family_maps {
 
 family_maps!(
     Ipv4, 32,
-    flows: FLOWS4(FlowKey4 -> Flow4),
+    flows: FLOWS4(Flow4),
     early_drop: EARLY_DROP4,
     services: SERVICES4(ServiceKey4),
     backends: BACKENDS4,
@@ -287,7 +287,7 @@ family_maps!(
 
 family_maps!(
     Ipv6, 128,
-    flows: FLOWS6(FlowKey6 -> Flow6),
+    flows: FLOWS6(Flow6),
     early_drop: EARLY_DROP6,
     services: SERVICES6(ServiceKey6),
     backends: BACKENDS6,

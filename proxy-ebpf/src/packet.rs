@@ -21,7 +21,7 @@
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     helpers::bpf_csum_diff,
-    programs::TcContext,
+    programs::{TcContext, XdpContext},
 };
 use proxy_common::{proto, sctp};
 
@@ -74,8 +74,41 @@ pub struct Packet<A> {
     pub first_fragment: Option<u16>,
 }
 
+/// A program context with direct packet access, TC's (`__sk_buff`) or XDP's (`xdp_md`): what
+/// the parser needs of it, so one parser serves both.
+pub trait Frame {
+    /// Where the packet's bytes start and end.
+    fn data(&self) -> usize;
+    fn data_end(&self) -> usize;
+}
+
+impl Frame for TcContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        TcContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        TcContext::data_end(self)
+    }
+}
+
+impl Frame for XdpContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        XdpContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        XdpContext::data_end(self)
+    }
+}
+
+/// A pointer to a `T` at `offset` in the packet, if the packet is long enough.
 #[inline(always)]
-pub fn field<T>(ctx: &TcContext, offset: usize) -> Option<*mut T> {
+pub fn field<T>(ctx: &impl Frame, offset: usize) -> Option<*mut T> {
     let start = ctx.data();
     if start + offset + size_of::<T>() > ctx.data_end() {
         return None;
@@ -84,20 +117,21 @@ pub fn field<T>(ctx: &TcContext, offset: usize) -> Option<*mut T> {
 }
 
 #[inline(always)]
-pub fn bytes_at<const N: usize>(ctx: &TcContext, offset: usize) -> Option<*mut [u8; N]> {
+pub fn bytes_at<const N: usize>(ctx: &impl Frame, offset: usize) -> Option<*mut [u8; N]> {
     field::<[u8; N]>(ctx, offset)
 }
 
 #[inline(always)]
-pub fn ethertype(ctx: &TcContext) -> Option<u16> {
+pub fn ethertype(ctx: &impl Frame) -> Option<u16> {
     Some(u16::from_be_bytes(unsafe { *bytes_at::<2>(ctx, 12)? }))
 }
 
 /// A family's IP header: how a TCP/UDP/SCTP packet of it is parsed, and the checksum side of
 /// rewriting one of its addresses.
 pub trait IpHeader: Address {
-    /// Parses a TCP/UDP/SCTP packet of this family (the ethertype already checked).
-    fn parse(ctx: &TcContext) -> Option<Packet<Self>>;
+    /// Parses a TCP/UDP/SCTP packet of this family (the ethertype already checked), at TC or
+    /// at XDP.
+    fn parse(ctx: &impl Frame) -> Option<Packet<Self>>;
     /// See [`ipv4_address_checksums`] and [`ipv6_address_checksums`].
     fn address_checksums(
         ctx: &TcContext,
@@ -110,7 +144,7 @@ pub trait IpHeader: Address {
 
 impl IpHeader for Ipv4 {
     #[inline(always)]
-    fn parse(ctx: &TcContext) -> Option<Packet<Self>> {
+    fn parse(ctx: &impl Frame) -> Option<Packet<Self>> {
         parse_ipv4(ctx)
     }
 
@@ -128,7 +162,7 @@ impl IpHeader for Ipv4 {
 
 impl IpHeader for Ipv6 {
     #[inline(always)]
-    fn parse(ctx: &TcContext) -> Option<Packet<Self>> {
+    fn parse(ctx: &impl Frame) -> Option<Packet<Self>> {
         parse_ipv6(ctx)
     }
 
@@ -147,7 +181,7 @@ impl IpHeader for Ipv6 {
 /// Parses an IPv4 TCP or UDP packet, whole or the first fragment of a datagram, whose
 /// ethertype the caller has checked.
 #[inline(always)]
-pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
+pub fn parse_ipv4(ctx: &impl Frame) -> Option<Packet<[u8; 4]>> {
     let ip = unsafe { *bytes_at::<IPV4_MIN_HLEN>(ctx, ETH_HLEN)? };
     if ip[0] >> 4 != 4 {
         return None;
@@ -178,7 +212,7 @@ pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
 
 /// Parses an IPv6 packet whose next header is TCP or UDP, the ethertype checked by the caller.
 #[inline(always)]
-pub fn parse_ipv6(ctx: &TcContext) -> Option<Packet<[u8; 16]>> {
+pub fn parse_ipv6(ctx: &impl Frame) -> Option<Packet<[u8; 16]>> {
     let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
     let (version, next_header, payload_len) = unsafe {
         let ip = &*ip;
@@ -203,7 +237,7 @@ pub fn parse_ipv6(ctx: &TcContext) -> Option<Packet<[u8; 16]>> {
 /// present too, or the rewrite could not fix it.
 #[inline(always)]
 fn transport<A>(
-    ctx: &TcContext,
+    ctx: &impl Frame,
     l4_offset: usize,
     l4_len: u32,
     protocol: u8,
