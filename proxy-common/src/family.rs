@@ -32,6 +32,10 @@ pub struct MapNames {
     pub early_drop: &'static str,
 }
 
+/// Plain bytes the agent can copy, compare, order and hash: addresses, pads, key data.
+pub trait Plain: Copy + Default + Debug + Eq + Ord + Hash + Send + Sync + 'static {}
+impl<T: Copy + Default + Debug + Eq + Ord + Hash + Send + Sync + 'static> Plain for T {}
+
 /// What a map key or value must be for the agent to store it: `aya::Pod` with feature `user`,
 /// nothing more in the kernel.
 #[cfg(feature = "user")]
@@ -51,21 +55,7 @@ mod sealed {
 
 /// An address family, implemented by its address type ([`V4`], [`V6`]) and by nothing else:
 /// the map types' `aya::Pod` impls rely on the size checks of exactly these two.
-pub trait Family:
-    Copy
-    + Default
-    + Debug
-    + PartialEq
-    + Eq
-    + PartialOrd
-    + Ord
-    + Hash
-    + Send
-    + Sync
-    + Storable
-    + 'static
-    + sealed::Sealed
-{
+pub trait Family: Plain + Storable + sealed::Sealed {
     /// "IPv4" or "IPv6", for logs and errors.
     const NAME: &'static str;
     /// Bits in an address: the prefix length of a single address in a trie.
@@ -76,22 +66,11 @@ pub trait Family:
     const MAPS: MapNames;
     /// Padding after an address and a port that brings a following `u64` to its alignment
     /// (`u16` for IPv4, 6 bytes for IPv6).
-    type PortPad: Copy + Default + Debug + PartialEq + Eq + PartialOrd + Ord + Hash + Send + Sync + 'static;
+    type PortPad: Plain;
     /// The data of a source-ranges trie key as the agent writes it with aya's `lpm_trie::Key`:
     /// the service id (big-endian), then the address ([`crate::SourceRange`] without its
     /// prefix length).
-    type RangeData: Copy
-        + Default
-        + Debug
-        + PartialEq
-        + Eq
-        + PartialOrd
-        + Ord
-        + Hash
-        + Send
-        + Sync
-        + Storable
-        + 'static;
+    type RangeData: Plain + Storable;
 
     /// Never equal to a programmed backend (port 0 is never programmed): marks the slots of an
     /// incomplete set the agent read back from the maps.
@@ -293,5 +272,20 @@ mod tests {
         assert_eq!(V6::source_range_parts(&data), (0x0102_0304, v6));
         assert_eq!(V4::range_data(7, &[10, 0, 0, 0]), [0, 0, 0, 7, 10, 0, 0, 0]);
         assert_eq!(V4::source_range_parts(&[0, 0, 0, 7, 10, 96, 0, 10]), (7, v4));
+    }
+
+    #[cfg(feature = "user")]
+    #[test]
+    fn trie_keys_of_networks() {
+        let range: ipnet::IpNet = "2001:db8::/32".parse().unwrap();
+        let (bits, data) = V6::source_range(0x0102_0304, &range).unwrap();
+        assert_eq!(bits, 64);
+        assert_eq!(data[..6], [1, 2, 3, 4, 0x20, 0x01]);
+        assert_eq!(V4::source_range(7, &range), None);
+        assert_eq!(
+            V4::source_range(7, &"10.0.0.0/8".parse().unwrap()),
+            Some((40, [0, 0, 0, 7, 10, 0, 0, 0]))
+        );
+        assert_eq!(V6::prefix(&"fd00:10::/64".parse().unwrap()).map(|(bits, _)| bits), Some(64));
     }
 }
