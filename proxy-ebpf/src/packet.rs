@@ -132,7 +132,8 @@ pub trait IpHeader: Address {
     /// Parses a TCP/UDP/SCTP packet of this family (the ethertype already checked), at TC or
     /// at XDP.
     fn parse(ctx: &impl Frame) -> Option<Packet<Self>>;
-    /// See [`ipv4_address_checksums`] and [`ipv6_address_checksums`].
+    /// The checksum side of an address change `old` -> `new` (the implementations say how
+    /// each family does it).
     fn address_checksums(
         ctx: &TcContext,
         l4_csum: Option<usize>,
@@ -143,94 +144,112 @@ pub trait IpHeader: Address {
 }
 
 impl IpHeader for Ipv4 {
+    /// Parses an IPv4 TCP or UDP packet, whole or the first fragment of a datagram, whose
+    /// ethertype the caller has checked.
     #[inline(always)]
     fn parse(ctx: &impl Frame) -> Option<Packet<Self>> {
-        parse_ipv4(ctx)
+        let ip = unsafe { *bytes_at::<IPV4_MIN_HLEN>(ctx, ETH_HLEN)? };
+        if ip[0] >> 4 != 4 {
+            return None;
+        }
+        let header_len = usize::from(ip[0] & 0x0f) * 4;
+        if header_len < IPV4_MIN_HLEN {
+            return None;
+        }
+        // Later fragments carry no ports (fragment.rs finds them from the first one).
+        let fragment = u16::from_be_bytes([ip[6], ip[7]]);
+        if fragment & IP_OFFSET != 0 {
+            return None;
+        }
+        let src = [ip[12], ip[13], ip[14], ip[15]];
+        let dst = [ip[16], ip[17], ip[18], ip[19]];
+        // Saturating: a BIG TCP packet over 64 KiB says 0; only SCTP, which has none, reads it.
+        let total_len = u16::from_be_bytes([ip[IPV4_TOTAL_LEN_OFF], ip[IPV4_TOTAL_LEN_OFF + 1]]);
+        let l4_len = u32::from(total_len).saturating_sub(header_len as u32);
+        let mut packet = transport(ctx, ETH_HLEN + header_len, l4_len, ip[9], src, dst)?;
+        if fragment & IP_MF != 0 {
+            if packet.flow.proto == proto::SCTP {
+                return None;
+            }
+            packet.first_fragment = Some(u16::from_be_bytes([ip[4], ip[5]]));
+        }
+        Some(packet)
     }
 
+    /// The checksum side of an IPv4 address change `old` -> `new`: the header checksum, and the L4
+    /// checksum at `l4_csum` (the address is part of the pseudo header; SCTP's checksum has none,
+    /// `None`). `mangled` is `BPF_F_MARK_MANGLED_0` for UDP, else 0.
     #[inline(always)]
     fn address_checksums(
         ctx: &TcContext,
         l4_csum: Option<usize>,
-        old: Self,
-        new: Self,
+        old: [u8; 4],
+        new: [u8; 4],
         mangled: u64,
     ) -> Result<(), i64> {
-        ipv4_address_checksums(ctx, l4_csum, old, new, mangled)
+        // Checksum helpers take the changed words exactly as they lie in the packet.
+        let (old, new) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
+        ctx.l3_csum_replace(IPV4_CSUM_OFF, old, new, 4)?;
+        match l4_csum {
+            Some(l4_csum) => ctx.l4_csum_replace(l4_csum, old, new, BPF_F_PSEUDO_HDR as u64 | mangled | 4),
+            None => Ok(()),
+        }
     }
 }
 
 impl IpHeader for Ipv6 {
+    /// Parses an IPv6 packet whose next header is TCP or UDP, the ethertype checked by the caller.
     #[inline(always)]
     fn parse(ctx: &impl Frame) -> Option<Packet<Self>> {
-        parse_ipv6(ctx)
+        let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
+        let (version, next_header, payload_len) = unsafe {
+            let ip = &*ip;
+            (ip[0] >> 4, ip[6], u16::from_be_bytes([ip[IPV6_PAYLOAD_LEN_OFF], ip[IPV6_PAYLOAD_LEN_OFF + 1]]))
+        };
+        if version != 6 {
+            return None;
+        }
+        let src = unsafe { *bytes_at::<16>(ctx, IPV6_SADDR_OFF)? };
+        let dst = unsafe { *bytes_at::<16>(ctx, IPV6_DADDR_OFF)? };
+        let packet = transport(ctx, ETH_HLEN + IPV6_HLEN, u32::from(payload_len), next_header, src, dst)?;
+        if packet.flow.proto == proto::UDP {
+            let csum = unsafe { *bytes_at::<2>(ctx, l4_csum_offset(packet.l4_offset, proto::UDP))? };
+            if csum == [0, 0] {
+                return None;
+            }
+        }
+        Some(packet)
     }
 
+    /// The checksum side of an IPv6 address change: IPv6 has no header checksum, and the 16-byte
+    /// change reaches the L4 checksum as one ones' complement difference from `bpf_csum_diff`,
+    /// applied by `bpf_l4_csum_replace` in its by-difference form (size 0), which updates a
+    /// CHECKSUM_PARTIAL seed as the 4-byte form does for IPv4.
     #[inline(always)]
     fn address_checksums(
         ctx: &TcContext,
         l4_csum: Option<usize>,
-        old: Self,
-        new: Self,
+        old: [u8; 16],
+        new: [u8; 16],
         mangled: u64,
     ) -> Result<(), i64> {
-        ipv6_address_checksums(ctx, l4_csum, old, new, mangled)
-    }
-}
-
-/// Parses an IPv4 TCP or UDP packet, whole or the first fragment of a datagram, whose
-/// ethertype the caller has checked.
-#[inline(always)]
-pub fn parse_ipv4(ctx: &impl Frame) -> Option<Packet<[u8; 4]>> {
-    let ip = unsafe { *bytes_at::<IPV4_MIN_HLEN>(ctx, ETH_HLEN)? };
-    if ip[0] >> 4 != 4 {
-        return None;
-    }
-    let header_len = usize::from(ip[0] & 0x0f) * 4;
-    if header_len < IPV4_MIN_HLEN {
-        return None;
-    }
-    // Later fragments carry no ports (fragment.rs finds them from the first one).
-    let fragment = u16::from_be_bytes([ip[6], ip[7]]);
-    if fragment & IP_OFFSET != 0 {
-        return None;
-    }
-    let src = [ip[12], ip[13], ip[14], ip[15]];
-    let dst = [ip[16], ip[17], ip[18], ip[19]];
-    // Saturating: a BIG TCP packet over 64 KiB says 0; only SCTP, which has none, reads it.
-    let total_len = u16::from_be_bytes([ip[IPV4_TOTAL_LEN_OFF], ip[IPV4_TOTAL_LEN_OFF + 1]]);
-    let l4_len = u32::from(total_len).saturating_sub(header_len as u32);
-    let mut packet = transport(ctx, ETH_HLEN + header_len, l4_len, ip[9], src, dst)?;
-    if fragment & IP_MF != 0 {
-        if packet.flow.proto == proto::SCTP {
-            return None;
+        let Some(l4_csum) = l4_csum else {
+            return Ok(());
+        };
+        let mut old: [u32; 4] = unsafe { core::mem::transmute(old) };
+        let mut new: [u32; 4] = unsafe { core::mem::transmute(new) };
+        let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
+        if diff < 0 {
+            return Err(diff);
         }
-        packet.first_fragment = Some(u16::from_be_bytes([ip[4], ip[5]]));
-    }
-    Some(packet)
-}
-
-/// Parses an IPv6 packet whose next header is TCP or UDP, the ethertype checked by the caller.
-#[inline(always)]
-pub fn parse_ipv6(ctx: &impl Frame) -> Option<Packet<[u8; 16]>> {
-    let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
-    let (version, next_header, payload_len) = unsafe {
-        let ip = &*ip;
-        (ip[0] >> 4, ip[6], u16::from_be_bytes([ip[IPV6_PAYLOAD_LEN_OFF], ip[IPV6_PAYLOAD_LEN_OFF + 1]]))
-    };
-    if version != 6 {
-        return None;
-    }
-    let src = unsafe { *bytes_at::<16>(ctx, IPV6_SADDR_OFF)? };
-    let dst = unsafe { *bytes_at::<16>(ctx, IPV6_DADDR_OFF)? };
-    let packet = transport(ctx, ETH_HLEN + IPV6_HLEN, u32::from(payload_len), next_header, src, dst)?;
-    if packet.flow.proto == proto::UDP {
-        let csum = unsafe { *bytes_at::<2>(ctx, l4_csum_offset(packet.l4_offset, proto::UDP))? };
-        if csum == [0, 0] {
-            return None;
+        // The helper's sum is 32 bits wide.
+        let diff = diff as u32 as u64;
+        let flags = BPF_F_PSEUDO_HDR as u64 | mangled;
+        match ctx.l4_csum_replace(l4_csum, 0, diff, flags | BPF_F_IPV6) {
+            Err(EINVAL) => ctx.l4_csum_replace(l4_csum, 0, diff, flags),
+            done => done,
         }
     }
-    Some(packet)
 }
 
 /// The L4 part of parsing, shared by both families: the ports, and the checksum field
@@ -287,56 +306,6 @@ fn l4_csum_offset(l4_offset: usize, protocol: u8) -> usize {
 pub enum Side {
     Source,
     Destination,
-}
-
-/// The checksum side of an IPv4 address change `old` -> `new`: the header checksum, and the L4
-/// checksum at `l4_csum` (the address is part of the pseudo header; SCTP's checksum has none,
-/// `None`). `mangled` is `BPF_F_MARK_MANGLED_0` for UDP, else 0.
-#[inline(always)]
-pub fn ipv4_address_checksums(
-    ctx: &TcContext,
-    l4_csum: Option<usize>,
-    old: [u8; 4],
-    new: [u8; 4],
-    mangled: u64,
-) -> Result<(), i64> {
-    // Checksum helpers take the changed words exactly as they lie in the packet.
-    let (old, new) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
-    ctx.l3_csum_replace(IPV4_CSUM_OFF, old, new, 4)?;
-    match l4_csum {
-        Some(l4_csum) => ctx.l4_csum_replace(l4_csum, old, new, BPF_F_PSEUDO_HDR as u64 | mangled | 4),
-        None => Ok(()),
-    }
-}
-
-/// The checksum side of an IPv6 address change: IPv6 has no header checksum, and the 16-byte
-/// change reaches the L4 checksum as one ones' complement difference from `bpf_csum_diff`,
-/// applied by `bpf_l4_csum_replace` in its by-difference form (size 0), which updates a
-/// CHECKSUM_PARTIAL seed as the 4-byte form does for IPv4.
-#[inline(always)]
-pub fn ipv6_address_checksums(
-    ctx: &TcContext,
-    l4_csum: Option<usize>,
-    old: [u8; 16],
-    new: [u8; 16],
-    mangled: u64,
-) -> Result<(), i64> {
-    let Some(l4_csum) = l4_csum else {
-        return Ok(());
-    };
-    let mut old: [u32; 4] = unsafe { core::mem::transmute(old) };
-    let mut new: [u32; 4] = unsafe { core::mem::transmute(new) };
-    let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
-    if diff < 0 {
-        return Err(diff);
-    }
-    // The helper's sum is 32 bits wide.
-    let diff = diff as u32 as u64;
-    let flags = BPF_F_PSEUDO_HDR as u64 | mangled;
-    match ctx.l4_csum_replace(l4_csum, 0, diff, flags | BPF_F_IPV6) {
-        Err(EINVAL) => ctx.l4_csum_replace(l4_csum, 0, diff, flags),
-        done => done,
-    }
 }
 
 /// Rewrites the source or destination address and port of a parsed packet, keeping the IP and
