@@ -7,7 +7,7 @@
 //! A layout whose maps only the agent writes (services, backends) needs no conversion: the
 //! agent's first sync writes the new maps from the desired state.
 
-use crate::{Flow4, Flow6, FlowTrack, NextHop};
+use crate::{family::map_types, Flow, FlowTrack, NextHop};
 
 /// Retired flows layouts whose entries are converted, with the current map they go to.
 pub const CONVERTED: [Converted; 4] = [
@@ -33,56 +33,32 @@ pub const FLOWS4_V3: &str = "vipr_flow4_v3";
 pub const FLOWS6_V2: &str = "vipr_flow6_v2";
 pub const FLOWS6_V3: &str = "vipr_flow6_v3";
 
-/// The value of `vipr_flow4_v2` and `vipr_flow4_v3`: [`Flow4`] without the cached next hop.
-/// (The keys, [`crate::FlowKey4`], did not change.)
+/// The value of `vipr_flow4_v2`, `vipr_flow4_v3` and their IPv6 namesakes: [`Flow`] without
+/// the cached next hop. (The keys, [`crate::FlowKey`], did not change.)
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Flow4V3 {
-    pub src_addr: [u8; 4],
-    pub dst_addr: [u8; 4],
+pub struct FlowV3<A> {
+    pub src_addr: A,
+    pub dst_addr: A,
     pub src_port: u16,
     pub dst_port: u16,
     pub flags: u32,
     pub track: FlowTrack,
 }
 
-/// The value of `vipr_flow6_v2` and `vipr_flow6_v3`, as [`Flow4V3`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Flow6V3 {
-    pub src_addr: [u8; 16],
-    pub dst_addr: [u8; 16],
-    pub src_port: u16,
-    pub dst_port: u16,
-    pub flags: u32,
-    pub track: FlowTrack,
-}
+pub type Flow4V3 = FlowV3<crate::V4>;
+pub type Flow6V3 = FlowV3<crate::V6>;
 
-const _: () = {
-    assert!(core::mem::size_of::<Flow4V3>() == 32);
-    assert!(core::mem::size_of::<Flow6V3>() == 56);
-};
-
-#[cfg(feature = "user")]
-mod user {
-    // SAFETY: repr(C), Copy, no implicit padding (size asserts above).
-    unsafe impl aya::Pod for super::Flow4V3 {}
-    unsafe impl aya::Pod for super::Flow6V3 {}
+map_types! {
+    FlowV3<A>: 32, 56;
 }
 
 /// The same rewrites and tracking state; no next hop cached (the datapath routes the packet as
 /// any uncached one). An `_v2` entry lacks [`crate::flow_state::HANDSHAKE_TRACKED`] as it did
 /// under `_v3`, and is judged the same way.
-impl From<Flow4V3> for Flow4 {
-    fn from(old: Flow4V3) -> Self {
-        let Flow4V3 { src_addr, dst_addr, src_port, dst_port, flags, track } = old;
-        Self { src_addr, dst_addr, src_port, dst_port, flags, track, next_hop: NextHop::default() }
-    }
-}
-
-impl From<Flow6V3> for Flow6 {
-    fn from(old: Flow6V3) -> Self {
-        let Flow6V3 { src_addr, dst_addr, src_port, dst_port, flags, track } = old;
+impl<A> From<FlowV3<A>> for Flow<A> {
+    fn from(old: FlowV3<A>) -> Self {
+        let FlowV3 { src_addr, dst_addr, src_port, dst_port, flags, track } = old;
         Self { src_addr, dst_addr, src_port, dst_port, flags, track, next_hop: NextHop::default() }
     }
 }
@@ -90,7 +66,7 @@ impl From<Flow6V3> for Flow6 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{flow_flags, flow_state, pins};
+    use crate::{flow_flags, flow_state, pins, Flow4, Flow6};
 
     #[test]
     fn a_v3_flow_keeps_its_rewrites_and_state_and_caches_no_next_hop() {

@@ -4,13 +4,13 @@
 //! backend (the membership map answers, whatever backend set the service uses now).
 use proxy_common::Service;
 
-use crate::family::{Endpoint, Family};
+use crate::{family::Endpoint, family_maps::Maps};
 
 const NS_PER_SEC: u64 = 1_000_000_000;
 
 /// The slot of `service`'s current backend set that holds `client`'s remembered backend.
 #[inline(always)]
-pub fn remembered_slot<A: Family>(service: &Service, client: &A, now: u64) -> Option<u32> {
+pub fn remembered_slot<A: Maps>(service: &Service, client: &A, now: u64) -> Option<u32> {
     if service.affinity_timeout == 0 {
         return None;
     }
@@ -24,7 +24,7 @@ pub fn remembered_slot<A: Family>(service: &Service, client: &A, now: u64) -> Op
 /// Remembers the backend of `client`'s new connection, as kube-proxy's `recent --set` does on
 /// every new connection: the timeout runs from the latest one.
 #[inline(always)]
-pub fn remember<A: Family>(service: &Service, client: &A, backend: &Endpoint<A>, now: u64) {
+pub fn remember<A: Maps>(service: &Service, client: &A, backend: &Endpoint<A>, now: u64) {
     if service.affinity_timeout != 0 {
         A::remember(service.service_id, client, backend, now);
     }

@@ -10,7 +10,8 @@ use proxy_common::{capacity, datapath_stat, flow_flags, flow_state, proto, snat,
 
 use crate::{
     counters::stat,
-    family::{Endpoint, Family, Nat, Tracked},
+    family::{Endpoint, Nat, Tracked},
+    family_maps::Maps,
     maps::SNAT_PORTS,
     packet::{Packet, Tuple, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
@@ -58,7 +59,7 @@ pub(crate) fn touch(track: NonNull<FlowTrack>, tcp_flags: u8) {
 /// of the other entry is paid once, not per packet. Entries of an earlier vipr, which do not
 /// track the handshake, are left as they are.
 #[inline(always)]
-pub(crate) fn observe<A: Family>(key: &Tuple<A>, tracked: &Tracked<A>, tcp_flags: u8) {
+pub(crate) fn observe<A: Maps>(key: &Tuple<A>, tracked: &Tracked<A>, tcp_flags: u8) {
     touch(tracked.track, tcp_flags);
     let nat = &tracked.nat;
     let state = nat.state;
@@ -86,7 +87,7 @@ pub(crate) fn observe<A: Family>(key: &Tuple<A>, tracked: &Tracked<A>, tcp_flags
 /// Sets `progress` in an entry and in its partner. A function of its own (a BPF-to-BPF call):
 /// the partner's key inlined into the packet path's frame took it past BPF's 512 bytes.
 #[inline(never)]
-fn advance<A: Family>(key: &Tuple<A>, nat: &Nat<A>, track: NonNull<FlowTrack>, progress: u32) {
+fn advance<A: Maps>(key: &Tuple<A>, nat: &Nat<A>, track: NonNull<FlowTrack>, progress: u32) {
     // SAFETY: the entry's tracking fields, in place; other writers only set bits too.
     unsafe { (*track.as_ptr()).state |= progress };
     A::mark(&partner(key, nat), progress);
@@ -95,7 +96,7 @@ fn advance<A: Family>(key: &Tuple<A>, nat: &Nat<A>, track: NonNull<FlowTrack>, p
 /// The key of the other direction's entry of a connection, from one entry's key and rewrites:
 /// its packets leave rewritten, and the other direction travels that tuple backwards.
 #[inline(always)]
-pub(crate) fn partner<A: Family>(key: &Tuple<A>, nat: &Nat<A>) -> Tuple<A> {
+pub(crate) fn partner<A: Maps>(key: &Tuple<A>, nat: &Nat<A>) -> Tuple<A> {
     let (src, src_port) = if nat.flags & flow_flags::REWRITE_SOURCE != 0 {
         (nat.src, nat.src_port)
     } else {
@@ -140,7 +141,7 @@ const ENOMEM: i64 = 12;
 /// deletion the client's ACK may establish the candidate on another CPU: a window of a few
 /// instructions, which conntrack closes with a lock.)
 #[inline(never)]
-pub(crate) fn make_room<A: Family>() -> bool {
+pub(crate) fn make_room<A: Maps>() -> bool {
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let mut looked = 0;
     while looked < EARLY_DROP_CANDIDATES {
@@ -182,7 +183,7 @@ const EARLY_DROP_CANDIDATES: u32 = 8;
 /// tries again. `now` is the clock reading the caller took for the whole decision (affinity,
 /// `last_seen`).
 #[inline(always)]
-pub(crate) fn track<A: Family>(
+pub(crate) fn track<A: Maps>(
     packet: &Packet<A>,
     backend: &Endpoint<A>,
     counter: u32,
@@ -256,7 +257,7 @@ fn refuse(error: i64, last_try: bool, stat_index: u32) -> Refusal {
 /// tells this connection's replies apart from every other one. An error when no port could be
 /// claimed (counted) or the flows map is full (as [`track`]): the caller drops the packet.
 #[inline(always)]
-pub(crate) fn track_masqueraded<A: Family>(
+pub(crate) fn track_masqueraded<A: Maps>(
     packet: &Packet<A>,
     backend: &Endpoint<A>,
     counter: u32,
@@ -322,7 +323,7 @@ const SNAT_PORT_ATTEMPTS: u32 = 8;
 /// share the reply tuple, and one connection would receive the other's replies. Claiming with
 /// `BPF_NOEXIST` only keeps masqueraded connections apart from each other.
 #[inline(always)]
-fn claim_reply<A: Family>(
+fn claim_reply<A: Maps>(
     backend: &Endpoint<A>,
     node_addr: A,
     client: &Tuple<A>,

@@ -1,43 +1,27 @@
-//! IPv4 and IPv6 behind one trait, so that the datapath (tc.rs, route.rs) is written once.
+//! IPv4 and IPv6 behind one trait, so that the datapath is written once: the bottom layer of
+//! the kernel crate, above only the wire constants (wire.rs).
 //!
 //! An address type is its family: [`Ipv4`] is `[u8; 4]`, [`Ipv6`] is `[u8; 16]`, the network
-//! order bytes the maps store. What differs between the families is gathered here: header
-//! parsing and the checksum side of a rewrite (packet.rs), the FIB lookup's address fields, the
-//! ICMP errors built (reject.rs) and reverse-NATed (icmp_error.rs), fragments (fragment.rs,
-//! IPv4 only), and which maps hold the family's state. The map glue is one macro
-//! for both families, because proxy-common's IPv4 and IPv6 map types have the same fields.
+//! order bytes the maps store, and `proxy_common::Family` describes it for the kernel, the
+//! agent and the tests alike (its maps' names and types). [`Address`] adds what only the
+//! datapath needs of an address (its offsets in the IP header, its checksum words, how a FIB
+//! lookup carries it). What each layer above does
+//! differently per family is a trait of that layer, implemented there for both: parsing and
+//! the checksum side of a rewrite ([`crate::packet::IpHeader`]), the family's maps
+//! ([`crate::family_maps::Maps`]), ICMP errors built ([`crate::reject::Reject`]) and
+//! reverse-NATed ([`crate::icmp_error::IcmpErrors`]), fragments
+//! ([`crate::fragment::Fragments`], IPv4 only). So every module imports downward only.
 use core::ptr::NonNull;
 
-use aya_ebpf::{bindings::bpf_fib_lookup, programs::TcContext};
-use proxy_common::{
-    Affinity4, Affinity6, AffinityKey4, AffinityKey6, BackendMember4, BackendMember6, BackendSlot, Flow4,
-    Flow6, FlowKey4, FlowKey6, FlowTrack, NextHop, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6,
-    SourceRange4, SourceRange6,
-};
+use aya_ebpf::bindings::bpf_fib_lookup;
+use proxy_common::{Family, FlowTrack, V4, V6};
 
-use crate::{
-    fragment::{self, LaterFragment},
-    icmp_error::{parse_ipv4_error, parse_ipv6_error, IcmpError},
-    maps::{
-        AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, EARLY_DROP4, EARLY_DROP6, FLOWS4, FLOWS6, MEMBERS4,
-        MEMBERS6, NODE_IPS4, NODE_IPS6, POD_CIDRS4, POD_CIDRS6, SERVICES4, SERVICES6, SOURCE_RANGES4,
-        SOURCE_RANGES6, UNMATCHED4, UNMATCHED6,
-    },
-    packet::word_sum,
-    packet::{
-        ipv4_address_checksums, ipv6_address_checksums, parse_ipv4, parse_ipv6, Packet, Tuple,
-        IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF,
-    },
-    reject::{reject_ipv4, reject_ipv6},
-};
+use crate::wire::{IPV4_DADDR_OFF, IPV4_SADDR_OFF, IPV6_DADDR_OFF, IPV6_SADDR_OFF};
 
-pub type Ipv4 = [u8; 4];
-pub type Ipv6 = [u8; 16];
+pub type Ipv4 = V4;
+pub type Ipv6 = V6;
 
 const AF_INET: u8 = 2;
-/// Indexes the early-drop ring (its size is a power of two).
-const EARLY_DROP_MASK: u32 = proxy_common::capacity::EARLY_DROP_RING - 1;
-const _: () = assert!(proxy_common::capacity::EARLY_DROP_RING.is_power_of_two());
 const AF_INET6: u8 = 10;
 
 /// How to rewrite one direction of a tracked connection: proxy-common's `Flow4`/`Flow6`.
@@ -72,10 +56,8 @@ pub struct Tracked<A> {
     pub track: NonNull<FlowTrack>,
 }
 
-/// An address family, implemented by its address type.
-pub trait Family: Maps + Copy {
-    /// The all-zero address, for the unused fields of flow entries.
-    const UNSPECIFIED: Self;
+/// What the datapath needs of an address beyond [`Family`].
+pub trait Address: Family {
     /// Offsets of the source and destination address from the start of the frame.
     const SADDR_OFF: usize;
     const DADDR_OFF: usize;
@@ -88,69 +70,13 @@ pub trait Family: Maps + Copy {
     fn fold(&self) -> u32;
     /// The ones' complement sum of the address's 16-bit words, for checksum updates.
     fn word_sum(&self) -> u16;
-    /// Parses a TCP/UDP packet of this family (the ethertype already checked).
-    fn parse(ctx: &TcContext) -> Option<Packet<Self>>;
-    /// See [`ipv4_address_checksums`] and [`ipv6_address_checksums`].
-    fn address_checksums(
-        ctx: &TcContext,
-        l4_csum: Option<usize>,
-        old: Self,
-        new: Self,
-        mangled: u64,
-    ) -> Result<(), i64>;
-    /// Answers the packet with this family's ICMP port unreachable; the program's verdict.
-    fn reject(ctx: &TcContext, packet: &Packet<Self>) -> i32;
     /// Sets the family and destination of a FIB lookup.
     fn fib_destination(params: &mut bpf_fib_lookup, destination: Self);
     /// The source address a successful `BPF_FIB_LOOKUP_SRC` lookup chose.
     fn fib_source(params: &bpf_fib_lookup) -> Self;
-    /// Parses an ICMP error about a TCP/UDP packet (icmp_error.rs).
-    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>>;
-    /// Parses a fragment without L4 header (fragment.rs); IPv6 fragments are not parsed.
-    fn later_fragment(ctx: &TcContext) -> Option<LaterFragment<Self>>;
-    /// Remembers the ports of a rewritten first fragment with IP identification `id`.
-    fn remember_fragment(flow: &Tuple<Self>, id: u16);
 }
 
-/// The maps of one family (`vipr_*4_v1` or `vipr_*6_v1`), in the datapath's terms.
-pub trait Maps: Sized {
-    fn flow(key: &Tuple<Self>) -> Option<Tracked<Self>>;
-    /// Stores a flow entry; a failure only costs a fresh balancing decision later.
-    fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
-    /// Stores a flow entry only if `key` is absent: claims it against concurrent flows.
-    fn claim(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
-    /// Deletes a flow entry this packet stored, when its partner could not be stored, or one
-    /// evicted to make room.
-    fn forget(key: &Tuple<Self>);
-    /// Sets `bits` of `flow_state` in the entry of `key`, if there is one.
-    fn mark(key: &Tuple<Self>, bits: u32);
-    /// Remembers a new connection's forward key on the early-drop ring.
-    fn remember_new(key: &Tuple<Self>);
-    /// The oldest key on the early-drop queue not looked at yet, if any.
-    fn early_drop_head() -> Option<Tuple<Self>>;
-    /// Takes the oldest key off the early-drop queue.
-    fn early_drop_pop();
-    /// The services entry of the packet's destination, for one source class.
-    fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service>;
-    /// The backend in a slot, with its (service port, backend) counter index.
-    fn counted_backend(slot: &BackendSlot) -> Option<(Endpoint<Self>, u32)>;
-    fn is_node(addr: &Self) -> bool;
-    fn in_pod_cidr(addr: &Self) -> bool;
-    /// What the unmatched-destination trie says of `addr` (`proxy_common::unmatched`).
-    fn unmatched(addr: &Self) -> Option<u8>;
-    fn in_source_ranges(service_id: u32, source: &Self) -> bool;
-    /// The backend `client`'s latest new connection to service `service_id` went to, and when
-    /// (`bpf_ktime_get_coarse_ns`).
-    fn affinity(service_id: u32, client: &Self) -> Option<(Endpoint<Self>, u64)>;
-    /// Remembers `backend` for `client`'s next connections to `service_id`; a failure only
-    /// costs the next connection a fresh choice.
-    fn remember(service_id: u32, client: &Self, backend: &Endpoint<Self>, now: u64);
-    /// A slot of `backend_set` that holds `backend`, if the set has it.
-    fn slot_of(backend_set: u32, backend: &Endpoint<Self>) -> Option<u32>;
-}
-
-impl Family for Ipv4 {
-    const UNSPECIFIED: Self = [0; 4];
+impl Address for Ipv4 {
     const SADDR_OFF: usize = IPV4_SADDR_OFF;
     const DADDR_OFF: usize = IPV4_DADDR_OFF;
     const IP_HEADER_CHECKSUM: bool = true;
@@ -171,27 +97,6 @@ impl Family for Ipv4 {
     }
 
     #[inline(always)]
-    fn parse(ctx: &TcContext) -> Option<Packet<Self>> {
-        parse_ipv4(ctx)
-    }
-
-    #[inline(always)]
-    fn address_checksums(
-        ctx: &TcContext,
-        l4_csum: Option<usize>,
-        old: Self,
-        new: Self,
-        mangled: u64,
-    ) -> Result<(), i64> {
-        ipv4_address_checksums(ctx, l4_csum, old, new, mangled)
-    }
-
-    #[inline(always)]
-    fn reject(ctx: &TcContext, packet: &Packet<Self>) -> i32 {
-        reject_ipv4(ctx, packet.l4_offset)
-    }
-
-    #[inline(always)]
     fn fib_destination(params: &mut bpf_fib_lookup, destination: Self) {
         params.family = AF_INET;
         params.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(destination);
@@ -202,25 +107,9 @@ impl Family for Ipv4 {
         // SAFETY: with BPF_FIB_LOOKUP_SRC a successful lookup fills ipv4_src.
         unsafe { params.__bindgen_anon_3.ipv4_src }.to_ne_bytes()
     }
-
-    #[inline(always)]
-    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>> {
-        parse_ipv4_error(ctx)
-    }
-
-    #[inline(always)]
-    fn later_fragment(ctx: &TcContext) -> Option<LaterFragment<Self>> {
-        fragment::parse_later_ipv4(ctx)
-    }
-
-    #[inline(always)]
-    fn remember_fragment(flow: &Tuple<Self>, id: u16) {
-        fragment::remember(flow, id);
-    }
 }
 
-impl Family for Ipv6 {
-    const UNSPECIFIED: Self = [0; 16];
+impl Address for Ipv6 {
     const SADDR_OFF: usize = IPV6_SADDR_OFF;
     const DADDR_OFF: usize = IPV6_DADDR_OFF;
     const IP_HEADER_CHECKSUM: bool = false;
@@ -242,27 +131,6 @@ impl Family for Ipv6 {
     }
 
     #[inline(always)]
-    fn parse(ctx: &TcContext) -> Option<Packet<Self>> {
-        parse_ipv6(ctx)
-    }
-
-    #[inline(always)]
-    fn address_checksums(
-        ctx: &TcContext,
-        l4_csum: Option<usize>,
-        old: Self,
-        new: Self,
-        mangled: u64,
-    ) -> Result<(), i64> {
-        ipv6_address_checksums(ctx, l4_csum, old, new, mangled)
-    }
-
-    #[inline(always)]
-    fn reject(ctx: &TcContext, packet: &Packet<Self>) -> i32 {
-        reject_ipv6(ctx, packet.l4_offset)
-    }
-
-    #[inline(always)]
     fn fib_destination(params: &mut bpf_fib_lookup, destination: Self) {
         params.family = AF_INET6;
         // SAFETY: [u8; 16] and [u32; 4] have the same size; the words keep the byte order.
@@ -274,255 +142,24 @@ impl Family for Ipv6 {
         // SAFETY: with BPF_FIB_LOOKUP_SRC a successful lookup fills ipv6_src.
         unsafe { core::mem::transmute::<[u32; 4], Self>(params.__bindgen_anon_3.ipv6_src) }
     }
-
-    #[inline(always)]
-    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>> {
-        parse_ipv6_error(ctx)
-    }
-
-    #[inline(always)]
-    fn later_fragment(_: &TcContext) -> Option<LaterFragment<Self>> {
-        None
-    }
-
-    #[inline(always)]
-    fn remember_fragment(_: &Tuple<Self>, _: u16) {}
 }
 
-/// Implements [`Maps`] for one family: its address type and bit count, and its maps and their
-/// key and value types, which have the same fields in both families.
-macro_rules! family_maps {
-    (
-        $addr:ty, $bits:literal,
-        flows: $flows:ident($flow_key:ident -> $flow:ident),
-        early_drop: $early_drop:ident,
-        services: $services:ident($service_key:ident),
-        backends: $backends:ident,
-        node_ips: $node_ips:ident,
-        pod_cidrs: $pod_cidrs:ident($prefix:ident),
-        unmatched: $unmatched:ident,
-        source_ranges: $source_ranges:ident($source_range:ident),
-        affinity: $affinity:ident($affinity_key:ident -> $affinity_value:ident),
-        members: $members:ident($member:ident),
-    ) => {
-        impl From<&Tuple<$addr>> for $flow_key {
-            #[inline(always)]
-            fn from(key: &Tuple<$addr>) -> Self {
-                Self {
-                    src_addr: key.src,
-                    dst_addr: key.dst,
-                    src_port: key.src_port,
-                    dst_port: key.dst_port,
-                    proto: key.proto,
-                    pad8: 0,
-                    pad16: 0,
-                }
-            }
-        }
-
-        impl From<&Nat<$addr>> for $flow {
-            #[inline(always)]
-            fn from(nat: &Nat<$addr>) -> Self {
-                Self {
-                    src_addr: nat.src,
-                    dst_addr: nat.dst,
-                    src_port: nat.src_port,
-                    dst_port: nat.dst_port,
-                    flags: nat.flags,
-                    track: FlowTrack { counter: nat.counter, state: nat.state, last_seen: nat.last_seen },
-                    // Not cached: the packets of the flow are routed by the stack or a FIB lookup.
-                    next_hop: NextHop { ifindex: 0, dst_mac: [0; 6], src_mac: [0; 6] },
-                }
-            }
-        }
-
-        impl Maps for $addr {
-            #[inline(always)]
-            fn flow(key: &Tuple<Self>) -> Option<Tracked<Self>> {
-                let entry = $flows.get_ptr(&key.into())?;
-                // SAFETY: a live entry of the flows map; the rewrite fields are written only
-                // when the entry is created, so the copy is consistent.
-                let flow: &$flow = unsafe { entry.as_ref() };
-                Some(Tracked {
-                    nat: Nat {
-                        src: flow.src_addr,
-                        src_port: flow.src_port,
-                        dst: flow.dst_addr,
-                        dst_port: flow.dst_port,
-                        flags: flow.flags,
-                        counter: flow.track.counter,
-                        last_seen: 0,
-                        state: flow.track.state,
-                    },
-                    // SAFETY: a field of the entry above.
-                    track: unsafe {
-                        NonNull::new_unchecked(core::ptr::addr_of_mut!((*entry.as_ptr()).track))
-                    },
-                })
-            }
-
-            #[inline(always)]
-            fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64> {
-                $flows.insert(&key.into(), &nat.into())
-            }
-
-            #[inline(always)]
-            fn claim(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64> {
-                $flows.insert_new(&key.into(), &nat.into())
-            }
-
-            #[inline(always)]
-            fn forget(key: &Tuple<Self>) {
-                let _ = $flows.remove(&key.into());
-            }
-
-            #[inline(always)]
-            fn mark(key: &Tuple<Self>, bits: u32) {
-                if let Some(entry) = $flows.get_ptr(&key.into()) {
-                    // SAFETY: a live entry; a racing writer only sets bits too.
-                    unsafe { (*entry.as_ptr()).track.state |= bits };
-                }
-            }
-
-            #[inline(always)]
-            fn remember_new(key: &Tuple<Self>) {
-                if let Some(ring) = $early_drop.get_ptr(&0) {
-                    let ring = ring.as_ptr();
-                    // SAFETY: the one element; another CPU writing at once can lose or tear a
-                    // key, which only costs a candidate (see maps.rs). The mask keeps the index
-                    // inside the ring.
-                    unsafe {
-                        let next = (*ring).next;
-                        (*ring).keys[(next & EARLY_DROP_MASK) as usize] = key.into();
-                        (*ring).next = next.wrapping_add(1);
-                    }
-                }
-            }
-
-            #[inline(always)]
-            fn early_drop_head() -> Option<Tuple<Self>> {
-                let ring = $early_drop.get_ptr(&0)?.as_ptr();
-                // SAFETY: as in remember_new.
-                unsafe {
-                    let next = (*ring).next;
-                    // A writer that lapped the head overwrote the oldest keys.
-                    if next.wrapping_sub((*ring).head) > EARLY_DROP_MASK + 1 {
-                        (*ring).head = next.wrapping_sub(EARLY_DROP_MASK + 1);
-                    }
-                    let head = (*ring).head;
-                    if head == next {
-                        return None;
-                    }
-                    let key = (*ring).keys[(head & EARLY_DROP_MASK) as usize];
-                    Some(Tuple {
-                        src: key.src_addr,
-                        dst: key.dst_addr,
-                        src_port: key.src_port,
-                        dst_port: key.dst_port,
-                        proto: key.proto,
-                    })
-                }
-            }
-
-            #[inline(always)]
-            fn early_drop_pop() {
-                if let Some(ring) = $early_drop.get_ptr(&0) {
-                    // SAFETY: as in remember_new.
-                    unsafe { (*ring.as_ptr()).head = (*ring.as_ptr()).head.wrapping_add(1) };
-                }
-            }
-
-            #[inline(always)]
-            fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service> {
-                $services.get(&$service_key {
-                    addr: packet.dst,
-                    port: packet.dst_port,
-                    proto: packet.proto,
-                    source_class,
-                })
-            }
-
-            #[inline(always)]
-            fn counted_backend(slot: &BackendSlot) -> Option<(Endpoint<Self>, u32)> {
-                $backends
-                    .get(slot)
-                    .map(|backend| (Endpoint { addr: backend.addr, port: backend.port }, backend.counter))
-            }
-
-            #[inline(always)]
-            fn is_node(addr: &Self) -> bool {
-                $node_ips.contains(addr)
-            }
-
-            #[inline(always)]
-            fn in_pod_cidr(addr: &Self) -> bool {
-                $pod_cidrs.contains(&$prefix { prefix_len: $bits, addr: *addr })
-            }
-
-            #[inline(always)]
-            fn unmatched(addr: &Self) -> Option<u8> {
-                $unmatched.get(&$prefix { prefix_len: $bits, addr: *addr })
-            }
-
-            #[inline(always)]
-            fn in_source_ranges(service_id: u32, source: &Self) -> bool {
-                $source_ranges.contains(&$source_range {
-                    prefix_len: 32 + $bits,
-                    service_id: service_id.to_be_bytes(),
-                    addr: *source,
-                })
-            }
-
-            #[inline(always)]
-            fn affinity(service_id: u32, client: &Self) -> Option<(Endpoint<Self>, u64)> {
-                $affinity
-                    .get(&$affinity_key { service_id, client: *client })
-                    .map(|value| (Endpoint { addr: value.addr, port: value.port }, value.since))
-            }
-
-            #[inline(always)]
-            fn remember(service_id: u32, client: &Self, backend: &Endpoint<Self>, now: u64) {
-                let value = $affinity_value {
-                    addr: backend.addr,
-                    port: backend.port,
-                    pad: Default::default(),
-                    since: now,
-                };
-                let _ = $affinity.insert(&$affinity_key { service_id, client: *client }, &value);
-            }
-
-            #[inline(always)]
-            fn slot_of(backend_set: u32, backend: &Endpoint<Self>) -> Option<u32> {
-                $members.get(&$member { backend_set, addr: backend.addr, port: backend.port, pad: 0 })
-            }
-        }
-    };
+/// The folded ones' complement sum of an address's big-endian 16-bit words, read as 32-bit
+/// words for the reason [`crate::packet::copy_address`] gives. The ones' complement sum does not depend on
+/// byte order (RFC 1071), so the sum of the native halves is the big-endian sum swapped.
+#[inline(always)]
+fn word_sum<T>(address: &T) -> u16 {
+    const { assert!(size_of::<T>().is_multiple_of(4)) };
+    let words = core::ptr::from_ref(address).cast::<u32>();
+    let mut sum = 0u64;
+    let mut i = 0;
+    while i < size_of::<T>() / 4 {
+        // SAFETY: inside the address.
+        let word = unsafe { *words.add(i) };
+        sum += u64::from(word & 0xffff) + u64::from(word >> 16);
+        i += 1;
+    }
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    u16::from_be(sum as u16)
 }
-
-family_maps!(
-    Ipv4, 32,
-    flows: FLOWS4(FlowKey4 -> Flow4),
-    early_drop: EARLY_DROP4,
-    services: SERVICES4(ServiceKey4),
-    backends: BACKENDS4,
-    node_ips: NODE_IPS4,
-    pod_cidrs: POD_CIDRS4(Prefix4),
-    unmatched: UNMATCHED4,
-    source_ranges: SOURCE_RANGES4(SourceRange4),
-    affinity: AFFINITY4(AffinityKey4 -> Affinity4),
-    members: MEMBERS4(BackendMember4),
-);
-
-family_maps!(
-    Ipv6, 128,
-    flows: FLOWS6(FlowKey6 -> Flow6),
-    early_drop: EARLY_DROP6,
-    services: SERVICES6(ServiceKey6),
-    backends: BACKENDS6,
-    node_ips: NODE_IPS6,
-    pod_cidrs: POD_CIDRS6(Prefix6),
-    unmatched: UNMATCHED6,
-    source_ranges: SOURCE_RANGES6(SourceRange6),
-    affinity: AFFINITY6(AffinityKey6 -> Affinity6),
-    members: MEMBERS6(BackendMember6),
-);

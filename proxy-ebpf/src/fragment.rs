@@ -21,7 +21,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{flow_flags, FragmentKey4, FragmentPorts};
 
 use crate::{
-    family::{Family, Ipv4, Nat},
+    family::{Address, Ipv4, Ipv6, Nat},
     maps::FRAGMENTS4,
     packet::{bytes_at, field, Change, Tuple},
     wire::{ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IP_OFFSET},
@@ -35,6 +35,37 @@ pub enum LaterFragment<A> {
     Known(Tuple<A>),
     /// Its first fragment was not seen; where it goes.
     Unknown { dst: A },
+}
+
+/// A family's fragments: IPv4's are placed by their first fragment; IPv6 fragments are never
+/// parsed (see packet.rs), so it has none.
+pub trait Fragments: Address {
+    /// Parses a fragment without L4 header.
+    fn later_fragment(ctx: &TcContext) -> Option<LaterFragment<Self>>;
+    /// Remembers the ports of a rewritten first fragment with IP identification `id`.
+    fn remember_fragment(flow: &Tuple<Self>, id: u16);
+}
+
+impl Fragments for Ipv4 {
+    #[inline(always)]
+    fn later_fragment(ctx: &TcContext) -> Option<LaterFragment<Self>> {
+        parse_later_ipv4(ctx)
+    }
+
+    #[inline(always)]
+    fn remember_fragment(flow: &Tuple<Self>, id: u16) {
+        remember(flow, id);
+    }
+}
+
+impl Fragments for Ipv6 {
+    #[inline(always)]
+    fn later_fragment(_: &TcContext) -> Option<LaterFragment<Self>> {
+        None
+    }
+
+    #[inline(always)]
+    fn remember_fragment(_: &Tuple<Self>, _: u16) {}
 }
 
 /// Remembers the ports of a first fragment the datagram's later fragments need.
@@ -79,7 +110,7 @@ pub fn parse_later_ipv4(ctx: &TcContext) -> Option<LaterFragment<Ipv4>> {
 /// Applies a flow entry's address rewrites to a later fragment of `flow`: the addresses and,
 /// for IPv4, the header checksum (by hand: it is never left partial).
 #[inline(always)]
-pub fn rewrite_addresses<A: Family>(ctx: &TcContext, flow: &Tuple<A>, nat: &Nat<A>) -> Result<(), i64> {
+pub fn rewrite_addresses<A: Address>(ctx: &TcContext, flow: &Tuple<A>, nat: &Nat<A>) -> Result<(), i64> {
     let mut change = Change::NONE;
     if nat.flags & flow_flags::REWRITE_DESTINATION != 0 {
         change = change.replace(flow.dst.word_sum(), nat.dst.word_sum());

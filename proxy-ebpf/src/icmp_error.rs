@@ -43,7 +43,7 @@ use aya_ebpf::programs::TcContext;
 use proxy_common::{flow_flags, proto};
 
 use crate::{
-    family::{Family, Ipv4, Ipv6, Nat},
+    family::{Address, Ipv4, Ipv6, Nat},
     packet::{bytes_at, copy_address, field, Change, Tuple},
     wire::{
         ETH_HLEN, ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_HLEN, IP_MF,
@@ -70,6 +70,26 @@ pub struct IcmpError<A> {
     inner_l4: usize,
     /// The quoted L4 checksum field, when the quote reaches it and it is in use.
     inner_l4_csum: Option<usize>,
+}
+
+/// A family's ICMP errors about TCP/UDP packets.
+pub trait IcmpErrors: Address {
+    /// Parses an ICMP error of this family about a TCP/UDP packet.
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>>;
+}
+
+impl IcmpErrors for Ipv4 {
+    #[inline(always)]
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>> {
+        parse_ipv4_error(ctx)
+    }
+}
+
+impl IcmpErrors for Ipv6 {
+    #[inline(always)]
+    fn icmp_error(ctx: &TcContext) -> Option<IcmpError<Self>> {
+        parse_ipv6_error(ctx)
+    }
 }
 
 /// Parses an IPv4 ICMP error (destination unreachable, time exceeded, parameter problem)
@@ -138,7 +158,7 @@ pub fn parse_ipv6_error(ctx: &TcContext) -> Option<IcmpError<Ipv6>> {
 /// moved through registers is loaded byte by byte and spilled, 8 stack bytes a byte, which
 /// took this path past BPF's 512 bytes of stack.
 #[inline(always)]
-fn quoted_transport<A: Family>(
+fn quoted_transport<A: Address>(
     ctx: &TcContext,
     quoted: *const u8,
     icmp: usize,
@@ -195,7 +215,7 @@ fn quoted_transport<A: Family>(
 /// the outer addresses (see the module documentation). `Err` leaves a half-rewritten packet,
 /// which the caller drops.
 #[inline(always)]
-pub fn reverse_nat<A: Family>(ctx: &TcContext, error: &IcmpError<A>, nat: &Nat<A>) -> Result<(), i64> {
+pub fn reverse_nat<A: Address>(ctx: &TcContext, error: &IcmpError<A>, nat: &Nat<A>) -> Result<(), i64> {
     // Checked first: a later check of this lower offset would be merged into the checks of the
     // quote's fields (see quoted_transport).
     let icmp_csum = bytes_at::<2>(ctx, error.icmp + 2).ok_or(-1i64)?;
@@ -273,7 +293,7 @@ struct Side<'a, A> {
 /// 512 bytes. It returns a plain `bool`: a `Result` would be returned through a stack pointer,
 /// which the verifier refuses.
 #[inline(never)]
-fn rewrite_side<A: Family>(ctx: &TcContext, side: &Side<'_, A>, changed: &mut Changed) -> bool {
+fn rewrite_side<A: Address>(ctx: &TcContext, side: &Side<'_, A>, changed: &mut Changed) -> bool {
     let sum = side.new.word_sum();
     let (Ok(outer_old), Ok(quoted_old), Ok(())) = (
         replace_address(ctx, side.outer, side.new),
@@ -290,7 +310,7 @@ fn rewrite_side<A: Family>(ctx: &TcContext, side: &Side<'_, A>, changed: &mut Ch
 
 /// Copies `new` over the address at `offset`; the word sum of the address it replaced.
 #[inline(always)]
-fn replace_address<A: Family>(ctx: &TcContext, offset: usize, new: &A) -> Result<u16, i64> {
+fn replace_address<A: Address>(ctx: &TcContext, offset: usize, new: &A) -> Result<u16, i64> {
     let at = field::<A>(ctx, offset).ok_or(-1i64)?;
     // SAFETY: inside the packet (checked above); read in place, then overwritten.
     unsafe {

@@ -8,12 +8,7 @@
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use proxy_common::{service_flags, source_class, BackendSlot, Service};
 
-use crate::{
-    affinity,
-    family::{Endpoint, Family},
-    maps::POD_INTERFACES,
-    packet::Tuple,
-};
+use crate::{affinity, family::Endpoint, family_maps::Maps, maps::POD_INTERFACES, packet::Tuple};
 
 /// What the service decision found for a new connection.
 pub(crate) enum Decision<A> {
@@ -55,12 +50,7 @@ pub(crate) enum Pick<'a, A> {
 /// (`proxy_common::source_class`), `client` the source address that source ranges and session
 /// affinity see.
 #[inline(always)]
-pub(crate) fn decide<A: Family>(
-    frontend: &Tuple<A>,
-    class: u8,
-    client: &A,
-    pick: Pick<'_, A>,
-) -> Decision<A> {
+pub(crate) fn decide<A: Maps>(frontend: &Tuple<A>, class: u8, client: &A, pick: Pick<'_, A>) -> Decision<A> {
     let Some(service) = A::service(frontend, class) else {
         return Decision::NoService;
     };
@@ -94,7 +84,7 @@ const FLOW_HASH_SEED: u32 = 0x7669_7072; // "vipr"
 /// `entered_through`: the node's own, a pod's (by the local-traffic detector: its CIDRs, or
 /// the pod interfaces, whichever the agent filled), or anything else.
 #[inline(always)]
-pub(crate) fn classify<A: Family>(source: &A, entered_through: u32) -> u8 {
+pub(crate) fn classify<A: Maps>(source: &A, entered_through: u32) -> u8 {
     if A::is_node(source) {
         source_class::NODE
     } else if A::in_pod_cidr(source) || POD_INTERFACES.contains(&entered_through) {
@@ -107,7 +97,7 @@ pub(crate) fn classify<A: Family>(source: &A, entered_through: u32) -> u8 {
 /// The slot of a new connection's backend without session affinity: the one the flow hash
 /// names in a Maglev table, else a random one.
 #[inline(always)]
-fn choose_slot<A: Family>(flow: &Tuple<A>, service: &Service) -> u32 {
+fn choose_slot<A: Maps>(flow: &Tuple<A>, service: &Service) -> u32 {
     if service.flags & service_flags::MAGLEV != 0 {
         flow_hash(flow) % service.backend_count
     } else {
@@ -119,7 +109,7 @@ fn choose_slot<A: Family>(flow: &Tuple<A>, service: &Service) -> u32 {
 /// flow's backend. It leaves out the destination address, which for a NodePort is each node's
 /// own (the service is already chosen by then).
 #[inline(always)]
-fn flow_hash<A: Family>(flow: &Tuple<A>) -> u32 {
+fn flow_hash<A: Maps>(flow: &Tuple<A>) -> u32 {
     let ports = (u32::from(flow.src_port) << 16) | u32::from(flow.dst_port);
     mix32(mix32(flow.src.fold() ^ FLOW_HASH_SEED) ^ ports ^ (u32::from(flow.proto) << 8))
 }

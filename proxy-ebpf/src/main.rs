@@ -20,8 +20,12 @@ mod conntrack;
 /// Per-connection and datapath counters.
 #[cfg(target_arch = "bpf")]
 mod counters;
+/// What an address family is (the bottom layer).
 #[cfg(target_arch = "bpf")]
 mod family;
+/// Each family's maps in the datapath's terms.
+#[cfg(target_arch = "bpf")]
+mod family_maps;
 /// Later IPv4 fragments, placed by their first fragment's ports.
 #[cfg(target_arch = "bpf")]
 mod fragment;

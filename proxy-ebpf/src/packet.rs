@@ -21,25 +21,21 @@
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     helpers::bpf_csum_diff,
-    programs::TcContext,
+    programs::{TcContext, XdpContext},
 };
 use proxy_common::{proto, sctp};
 
 use crate::{
-    family::Family,
+    family::{Address, Ipv4, Ipv6},
     wire::{
-        ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_HLEN, IP_MF, IP_OFFSET, TCP_CSUM_AT, TCP_FLAGS_AT,
-        UDP_CSUM_AT,
+        ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_DADDR_OFF, IPV6_HLEN, IPV6_SADDR_OFF, IP_MF, IP_OFFSET,
+        TCP_CSUM_AT, TCP_FLAGS_AT, UDP_CSUM_AT,
     },
 };
 
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
 const IPV4_CSUM_OFF: usize = ETH_HLEN + IPV4_CSUM_AT;
-pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
-pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
-pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
-pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_SYN: u8 = 0x02;
@@ -78,8 +74,41 @@ pub struct Packet<A> {
     pub first_fragment: Option<u16>,
 }
 
+/// A program context with direct packet access, TC's (`__sk_buff`) or XDP's (`xdp_md`): what
+/// the parser needs of it, so one parser serves both.
+pub trait Frame {
+    /// Where the packet's bytes start and end.
+    fn data(&self) -> usize;
+    fn data_end(&self) -> usize;
+}
+
+impl Frame for TcContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        TcContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        TcContext::data_end(self)
+    }
+}
+
+impl Frame for XdpContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        XdpContext::data(self)
+    }
+
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        XdpContext::data_end(self)
+    }
+}
+
+/// A pointer to a `T` at `offset` in the packet, if the packet is long enough.
 #[inline(always)]
-pub fn field<T>(ctx: &TcContext, offset: usize) -> Option<*mut T> {
+pub fn field<T>(ctx: &impl Frame, offset: usize) -> Option<*mut T> {
     let start = ctx.data();
     if start + offset + size_of::<T>() > ctx.data_end() {
         return None;
@@ -88,75 +117,146 @@ pub fn field<T>(ctx: &TcContext, offset: usize) -> Option<*mut T> {
 }
 
 #[inline(always)]
-pub fn bytes_at<const N: usize>(ctx: &TcContext, offset: usize) -> Option<*mut [u8; N]> {
+pub fn bytes_at<const N: usize>(ctx: &impl Frame, offset: usize) -> Option<*mut [u8; N]> {
     field::<[u8; N]>(ctx, offset)
 }
 
 #[inline(always)]
-pub fn ethertype(ctx: &TcContext) -> Option<u16> {
+pub fn ethertype(ctx: &impl Frame) -> Option<u16> {
     Some(u16::from_be_bytes(unsafe { *bytes_at::<2>(ctx, 12)? }))
 }
 
-/// Parses an IPv4 TCP or UDP packet, whole or the first fragment of a datagram, whose
-/// ethertype the caller has checked.
-#[inline(always)]
-pub fn parse_ipv4(ctx: &TcContext) -> Option<Packet<[u8; 4]>> {
-    let ip = unsafe { *bytes_at::<IPV4_MIN_HLEN>(ctx, ETH_HLEN)? };
-    if ip[0] >> 4 != 4 {
-        return None;
-    }
-    let header_len = usize::from(ip[0] & 0x0f) * 4;
-    if header_len < IPV4_MIN_HLEN {
-        return None;
-    }
-    // Later fragments carry no ports (fragment.rs finds them from the first one).
-    let fragment = u16::from_be_bytes([ip[6], ip[7]]);
-    if fragment & IP_OFFSET != 0 {
-        return None;
-    }
-    let src = [ip[12], ip[13], ip[14], ip[15]];
-    let dst = [ip[16], ip[17], ip[18], ip[19]];
-    // Saturating: a BIG TCP packet over 64 KiB says 0; only SCTP, which has none, reads it.
-    let total_len = u16::from_be_bytes([ip[IPV4_TOTAL_LEN_OFF], ip[IPV4_TOTAL_LEN_OFF + 1]]);
-    let l4_len = u32::from(total_len).saturating_sub(header_len as u32);
-    let mut packet = transport(ctx, ETH_HLEN + header_len, l4_len, ip[9], src, dst)?;
-    if fragment & IP_MF != 0 {
-        if packet.flow.proto == proto::SCTP {
-            return None;
-        }
-        packet.first_fragment = Some(u16::from_be_bytes([ip[4], ip[5]]));
-    }
-    Some(packet)
+/// A family's IP header: how a TCP/UDP/SCTP packet of it is parsed, and the checksum side of
+/// rewriting one of its addresses.
+pub trait IpHeader: Address {
+    /// Parses a TCP/UDP/SCTP packet of this family (the ethertype already checked), at TC or
+    /// at XDP.
+    fn parse(ctx: &impl Frame) -> Option<Packet<Self>>;
+    /// The checksum side of an address change `old` -> `new` (the implementations say how
+    /// each family does it).
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: Option<usize>,
+        old: Self,
+        new: Self,
+        mangled: u64,
+    ) -> Result<(), i64>;
 }
 
-/// Parses an IPv6 packet whose next header is TCP or UDP, the ethertype checked by the caller.
-#[inline(always)]
-pub fn parse_ipv6(ctx: &TcContext) -> Option<Packet<[u8; 16]>> {
-    let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
-    let (version, next_header, payload_len) = unsafe {
-        let ip = &*ip;
-        (ip[0] >> 4, ip[6], u16::from_be_bytes([ip[IPV6_PAYLOAD_LEN_OFF], ip[IPV6_PAYLOAD_LEN_OFF + 1]]))
-    };
-    if version != 6 {
-        return None;
-    }
-    let src = unsafe { *bytes_at::<16>(ctx, IPV6_SADDR_OFF)? };
-    let dst = unsafe { *bytes_at::<16>(ctx, IPV6_DADDR_OFF)? };
-    let packet = transport(ctx, ETH_HLEN + IPV6_HLEN, u32::from(payload_len), next_header, src, dst)?;
-    if packet.flow.proto == proto::UDP {
-        let csum = unsafe { *bytes_at::<2>(ctx, l4_csum_offset(packet.l4_offset, proto::UDP))? };
-        if csum == [0, 0] {
+impl IpHeader for Ipv4 {
+    /// Parses an IPv4 TCP or UDP packet, whole or the first fragment of a datagram, whose
+    /// ethertype the caller has checked.
+    #[inline(always)]
+    fn parse(ctx: &impl Frame) -> Option<Packet<Self>> {
+        let ip = unsafe { *bytes_at::<IPV4_MIN_HLEN>(ctx, ETH_HLEN)? };
+        if ip[0] >> 4 != 4 {
             return None;
         }
+        let header_len = usize::from(ip[0] & 0x0f) * 4;
+        if header_len < IPV4_MIN_HLEN {
+            return None;
+        }
+        // Later fragments carry no ports (fragment.rs finds them from the first one).
+        let fragment = u16::from_be_bytes([ip[6], ip[7]]);
+        if fragment & IP_OFFSET != 0 {
+            return None;
+        }
+        let src = [ip[12], ip[13], ip[14], ip[15]];
+        let dst = [ip[16], ip[17], ip[18], ip[19]];
+        // Saturating: a BIG TCP packet over 64 KiB says 0; only SCTP, which has none, reads it.
+        let total_len = u16::from_be_bytes([ip[IPV4_TOTAL_LEN_OFF], ip[IPV4_TOTAL_LEN_OFF + 1]]);
+        let l4_len = u32::from(total_len).saturating_sub(header_len as u32);
+        let mut packet = transport(ctx, ETH_HLEN + header_len, l4_len, ip[9], src, dst)?;
+        if fragment & IP_MF != 0 {
+            if packet.flow.proto == proto::SCTP {
+                return None;
+            }
+            packet.first_fragment = Some(u16::from_be_bytes([ip[4], ip[5]]));
+        }
+        Some(packet)
     }
-    Some(packet)
+
+    /// The checksum side of an IPv4 address change `old` -> `new`: the header checksum, and the L4
+    /// checksum at `l4_csum` (the address is part of the pseudo header; SCTP's checksum has none,
+    /// `None`). `mangled` is `BPF_F_MARK_MANGLED_0` for UDP, else 0.
+    #[inline(always)]
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: Option<usize>,
+        old: [u8; 4],
+        new: [u8; 4],
+        mangled: u64,
+    ) -> Result<(), i64> {
+        // Checksum helpers take the changed words exactly as they lie in the packet.
+        let (old, new) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
+        ctx.l3_csum_replace(IPV4_CSUM_OFF, old, new, 4)?;
+        match l4_csum {
+            Some(l4_csum) => ctx.l4_csum_replace(l4_csum, old, new, BPF_F_PSEUDO_HDR as u64 | mangled | 4),
+            None => Ok(()),
+        }
+    }
+}
+
+impl IpHeader for Ipv6 {
+    /// Parses an IPv6 packet whose next header is TCP or UDP, the ethertype checked by the caller.
+    #[inline(always)]
+    fn parse(ctx: &impl Frame) -> Option<Packet<Self>> {
+        let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
+        let (version, next_header, payload_len) = unsafe {
+            let ip = &*ip;
+            (ip[0] >> 4, ip[6], u16::from_be_bytes([ip[IPV6_PAYLOAD_LEN_OFF], ip[IPV6_PAYLOAD_LEN_OFF + 1]]))
+        };
+        if version != 6 {
+            return None;
+        }
+        let src = unsafe { *bytes_at::<16>(ctx, IPV6_SADDR_OFF)? };
+        let dst = unsafe { *bytes_at::<16>(ctx, IPV6_DADDR_OFF)? };
+        let packet = transport(ctx, ETH_HLEN + IPV6_HLEN, u32::from(payload_len), next_header, src, dst)?;
+        if packet.flow.proto == proto::UDP {
+            let csum = unsafe { *bytes_at::<2>(ctx, l4_csum_offset(packet.l4_offset, proto::UDP))? };
+            if csum == [0, 0] {
+                return None;
+            }
+        }
+        Some(packet)
+    }
+
+    /// The checksum side of an IPv6 address change: IPv6 has no header checksum, and the 16-byte
+    /// change reaches the L4 checksum as one ones' complement difference from `bpf_csum_diff`,
+    /// applied by `bpf_l4_csum_replace` in its by-difference form (size 0), which updates a
+    /// CHECKSUM_PARTIAL seed as the 4-byte form does for IPv4.
+    #[inline(always)]
+    fn address_checksums(
+        ctx: &TcContext,
+        l4_csum: Option<usize>,
+        old: [u8; 16],
+        new: [u8; 16],
+        mangled: u64,
+    ) -> Result<(), i64> {
+        let Some(l4_csum) = l4_csum else {
+            return Ok(());
+        };
+        let mut old: [u32; 4] = unsafe { core::mem::transmute(old) };
+        let mut new: [u32; 4] = unsafe { core::mem::transmute(new) };
+        let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
+        if diff < 0 {
+            return Err(diff);
+        }
+        // The helper's sum is 32 bits wide.
+        let diff = diff as u32 as u64;
+        let flags = BPF_F_PSEUDO_HDR as u64 | mangled;
+        match ctx.l4_csum_replace(l4_csum, 0, diff, flags | BPF_F_IPV6) {
+            Err(EINVAL) => ctx.l4_csum_replace(l4_csum, 0, diff, flags),
+            done => done,
+        }
+    }
 }
 
 /// The L4 part of parsing, shared by both families: the ports, and the checksum field
 /// present too, or the rewrite could not fix it.
 #[inline(always)]
 fn transport<A>(
-    ctx: &TcContext,
+    ctx: &impl Frame,
     l4_offset: usize,
     l4_len: u32,
     protocol: u8,
@@ -208,60 +308,10 @@ pub enum Side {
     Destination,
 }
 
-/// The checksum side of an IPv4 address change `old` -> `new`: the header checksum, and the L4
-/// checksum at `l4_csum` (the address is part of the pseudo header; SCTP's checksum has none,
-/// `None`). `mangled` is `BPF_F_MARK_MANGLED_0` for UDP, else 0.
-#[inline(always)]
-pub fn ipv4_address_checksums(
-    ctx: &TcContext,
-    l4_csum: Option<usize>,
-    old: [u8; 4],
-    new: [u8; 4],
-    mangled: u64,
-) -> Result<(), i64> {
-    // Checksum helpers take the changed words exactly as they lie in the packet.
-    let (old, new) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
-    ctx.l3_csum_replace(IPV4_CSUM_OFF, old, new, 4)?;
-    match l4_csum {
-        Some(l4_csum) => ctx.l4_csum_replace(l4_csum, old, new, BPF_F_PSEUDO_HDR as u64 | mangled | 4),
-        None => Ok(()),
-    }
-}
-
-/// The checksum side of an IPv6 address change: IPv6 has no header checksum, and the 16-byte
-/// change reaches the L4 checksum as one ones' complement difference from `bpf_csum_diff`,
-/// applied by `bpf_l4_csum_replace` in its by-difference form (size 0), which updates a
-/// CHECKSUM_PARTIAL seed as the 4-byte form does for IPv4.
-#[inline(always)]
-pub fn ipv6_address_checksums(
-    ctx: &TcContext,
-    l4_csum: Option<usize>,
-    old: [u8; 16],
-    new: [u8; 16],
-    mangled: u64,
-) -> Result<(), i64> {
-    let Some(l4_csum) = l4_csum else {
-        return Ok(());
-    };
-    let mut old: [u32; 4] = unsafe { core::mem::transmute(old) };
-    let mut new: [u32; 4] = unsafe { core::mem::transmute(new) };
-    let diff = unsafe { bpf_csum_diff(old.as_mut_ptr(), 16, new.as_mut_ptr(), 16, 0) };
-    if diff < 0 {
-        return Err(diff);
-    }
-    // The helper's sum is 32 bits wide.
-    let diff = diff as u32 as u64;
-    let flags = BPF_F_PSEUDO_HDR as u64 | mangled;
-    match ctx.l4_csum_replace(l4_csum, 0, diff, flags | BPF_F_IPV6) {
-        Err(EINVAL) => ctx.l4_csum_replace(l4_csum, 0, diff, flags),
-        done => done,
-    }
-}
-
 /// Rewrites the source or destination address and port of a parsed packet, keeping the IP and
 /// TCP/UDP/SCTP checksums right.
 #[inline(always)]
-pub fn rewrite<A: Family>(
+pub fn rewrite<A: IpHeader>(
     ctx: &TcContext,
     packet: &Packet<A>,
     side: Side,
@@ -357,26 +407,6 @@ impl Change {
         let sum = Self(u32::from(!csum)).add(self.0);
         !(((sum.0 & 0xffff) + (sum.0 >> 16)) as u16)
     }
-}
-
-/// The folded ones' complement sum of an address's big-endian 16-bit words, read as 32-bit
-/// words for the reason [`copy_address`] gives. The ones' complement sum does not depend on
-/// byte order (RFC 1071), so the sum of the native halves is the big-endian sum swapped.
-#[inline(always)]
-pub fn word_sum<T>(address: &T) -> u16 {
-    const { assert!(size_of::<T>().is_multiple_of(4)) };
-    let words = core::ptr::from_ref(address).cast::<u32>();
-    let mut sum = 0u64;
-    let mut i = 0;
-    while i < size_of::<T>() / 4 {
-        // SAFETY: inside the address.
-        let word = unsafe { *words.add(i) };
-        sum += u64::from(word & 0xffff) + u64::from(word >> 16);
-        i += 1;
-    }
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    u16::from_be(sum as u16)
 }
 
 /// Copies an address (4 or 16 bytes) as 32-bit words. A plain copy of a byte array is

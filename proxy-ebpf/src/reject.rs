@@ -58,11 +58,34 @@ use aya_ebpf::{
 };
 use proxy_common::{datapath_stat, proto};
 
-use crate::counters::stat;
-
-use crate::wire::{
-    ETH_HLEN, ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_MIN_HLEN, IPV6_HLEN, TCP_CSUM_AT, UDP_CSUM_AT,
+use crate::{
+    counters::stat,
+    family::{Address, Ipv4, Ipv6},
+    wire::{
+        ETH_HLEN, ICMP_HLEN, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_MIN_HLEN, IPV6_HLEN, TCP_CSUM_AT, UDP_CSUM_AT,
+    },
 };
+
+/// A family's port unreachable.
+pub trait Reject: Address {
+    /// Answers the TCP/UDP/SCTP packet whose L4 header starts at `l4_offset` with this
+    /// family's ICMP port unreachable; the program's verdict.
+    fn reject(ctx: &TcContext, l4_offset: usize) -> i32;
+}
+
+impl Reject for Ipv4 {
+    #[inline(always)]
+    fn reject(ctx: &TcContext, l4_offset: usize) -> i32 {
+        reject_ipv4(ctx, l4_offset)
+    }
+}
+
+impl Reject for Ipv6 {
+    #[inline(always)]
+    fn reject(ctx: &TcContext, l4_offset: usize) -> i32 {
+        reject_ipv6(ctx, l4_offset)
+    }
+}
 
 const TC_ACT_SHOT: i32 = 2;
 

@@ -26,7 +26,7 @@
 //! (a later fragment has no ports) and ICMP errors about tracked connections.
 //!
 //! Both families take the same path: the lookup is `bpf_fib_lookup` with `AF_INET` or
-//! `AF_INET6` (the family fills its address fields, see [`Family::fib_destination`]), and
+//! `AF_INET6` (the family fills its address fields, see [`Address::fib_destination`]), and
 //! `bpf_redirect_neigh` resolves an IPv4 or IPv6 neighbour by the packet's own protocol.
 use core::mem::MaybeUninit;
 
@@ -39,7 +39,7 @@ use aya_ebpf::{
 
 use proxy_common::forwarding;
 
-use crate::family::Family;
+use crate::family::Address;
 
 /// `--bpf-forwarding` ([`forwarding::STACK`] or [`forwarding::REDIRECT`]), written by the agent
 /// at load time. Read-only data: the verifier knows its value and drops the other path.
@@ -64,7 +64,7 @@ pub struct Route<A> {
 /// `None` when the destination is not forwarded: local to the node, or unreachable. The stack
 /// then handles the packet as it would have.
 #[inline(always)]
-pub fn route_to<A: Family>(ctx: &TcContext, destination: A) -> Option<Route<A>> {
+pub fn route_to<A: Address>(ctx: &TcContext, destination: A) -> Option<Route<A>> {
     let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
     let params = zeroed_fib_params(&mut params);
     // SAFETY: ctx wraps a valid __sk_buff for the whole program run.

@@ -14,7 +14,7 @@
 //!
 //! The logic is written once for both families, as the TC path's is: [`SockAddress`] says
 //! where a hook's context keeps its addresses, and the family's maps come from
-//! [`crate::family::Maps`] and [`Reverse`]. An `AF_INET6` socket may also talk to an
+//! [`crate::family_maps::Maps`] and [`Reverse`]. An `AF_INET6` socket may also talk to an
 //! IPv4-mapped address (`::ffff:a.b.c.d`, a dual-stack socket): its packets are IPv4, so the
 //! IPv6 hooks balance it with the IPv4 maps ([`Mapped4`]), as kube-proxy's IPv4 rules would.
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
@@ -27,12 +27,13 @@ use aya_ebpf::{
     EbpfContext as _,
 };
 use proxy_common::{
-    proto, service_flags, source_class, unmatched, SockConfig, SockFrontend4, SockFrontend6, SockRevKey4,
-    SockRevKey6,
+    proto, service_flags, source_class, unmatched, Family, SockConfig, SockFrontend4, SockFrontend6,
+    SockRevKey4, SockRevKey6,
 };
 
 use crate::{
-    family::{Family, Ipv4, Ipv6},
+    family::{Address, Ipv4, Ipv6},
+    family_maps::Maps,
     lb::{decide, Decision, Pick},
     maps::{SOCK_CONFIG, SOCK_REVERSE4, SOCK_REVERSE6},
     packet::Tuple,
@@ -124,7 +125,7 @@ fn ours(ctx: &SockAddrContext) -> Option<SockConfig> {
 /// Where one kind of hook keeps the addresses of its system call, and which family's maps
 /// balance them. Addresses are network-order bytes, as the maps store them.
 trait SockAddress {
-    type Addr: Family + Reverse;
+    type Addr: Maps + Reverse;
     /// The address of the system call: where the socket connects or sends to, or, for recvmsg
     /// and getpeername, the peer.
     fn user(ctx: &SockAddrContext) -> Self::Addr;
@@ -406,7 +407,7 @@ fn choose<S: SockAddress, const SENDMSG: bool>(
 /// A cluster IP on a port it does not serve is refused as the TC path rejects it; another
 /// address of a service range is refused too (a drop has no socket-level equivalent).
 #[inline(always)]
-fn unmatched_destination<A: Family>(addr: &A) -> i32 {
+fn unmatched_destination<A: Maps>(addr: &A) -> i32 {
     match A::unmatched(addr) {
         Some(unmatched::REJECT) => refuse(ECONNREFUSED),
         Some(unmatched::DROP) => REFUSE,
@@ -455,7 +456,7 @@ fn spread(cookie: u64) -> u32 {
 /// Records which frontend the socket meant by `backend`. Written only when it differs, so
 /// datagrams of an unconnected socket cost a lookup, not an update, each.
 #[inline(always)]
-fn remember<A: Family + Reverse>(cookie: u64, backend: &Peer<A>, frontend: &Peer<A>) {
+fn remember<A: Maps + Reverse>(cookie: u64, backend: &Peer<A>, frontend: &Peer<A>) {
     let known = A::frontend_of(cookie, backend);
     if !known.is_some_and(|known| known.port == frontend.port && known.addr.is(&frontend.addr)) {
         A::store_frontend(cookie, backend, frontend);

@@ -8,14 +8,21 @@ use proxy_common::{flow_flags, service_flags, unmatched, Service};
 use crate::{
     conntrack::{make_room, observe, touch, track, track_masqueraded, Refusal},
     counters,
-    family::{Family, Ipv4, Ipv6, Nat},
-    fragment::{self, LaterFragment},
-    icmp_error,
+    family::{Ipv4, Ipv6, Nat},
+    family_maps::Maps,
+    fragment::{self, Fragments, LaterFragment},
+    icmp_error::{self, IcmpErrors},
     lb::{classify, decide, Chosen, Decision, Pick},
-    packet::{ethertype, rewrite, Packet, Side, ETH_P_IP, ETH_P_IPV6},
+    packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6},
+    reject::Reject,
     route::{redirect, redirecting, route_to, Route},
     wire::ETH_HLEN,
 };
+
+/// Everything the TC path does per family, from the layers below.
+trait Datapath: IpHeader + Maps + Reject + IcmpErrors + Fragments {}
+
+impl<A: IpHeader + Maps + Reject + IcmpErrors + Fragments> Datapath for A {}
 
 // Verdicts from linux/pkt_cls.h, typed as the program returns them.
 /// vipr did not act: the next program (or the default action) decides.
@@ -38,7 +45,7 @@ pub fn vipr_tc_ingress(ctx: TcContext) -> i32 {
 /// the stack of a call chain is this small frame and one path's, never two paths' together:
 /// inlined, they add up past BPF's 512 bytes.
 #[inline(always)]
-fn family<A: Family>(ctx: &TcContext) -> i32 {
+fn family<A: Datapath>(ctx: &TcContext) -> i32 {
     match balance::<A>(ctx) {
         NOT_BALANCED => {}
         NEW_CONNECTION => {
@@ -73,7 +80,7 @@ const MAP_FULL: i32 = i32::MIN + 2;
 /// A new connection is a separate call from the entry, so that this frame and
 /// [`balance_new`]'s never add up (BPF's 512 bytes over a call chain).
 #[inline(never)]
-fn balance<A: Family>(ctx: &TcContext) -> i32 {
+fn balance<A: Datapath>(ctx: &TcContext) -> i32 {
     match A::parse(ctx) {
         Some(packet) => balance_packet(ctx, packet),
         None => NOT_BALANCED,
@@ -81,7 +88,7 @@ fn balance<A: Family>(ctx: &TcContext) -> i32 {
 }
 
 #[inline(always)]
-fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
+fn balance_packet<A: Datapath>(ctx: &TcContext, packet: Packet<A>) -> i32 {
     if let Some(tracked) = A::flow(&packet.flow) {
         let flow = tracked.nat;
         count(ctx, flow.counter);
@@ -99,7 +106,7 @@ fn balance_packet<A: Family>(ctx: &TcContext, packet: Packet<A>) -> i32 {
 /// only for new connections. [`MAP_FULL`] when the flows map is full, unless `last_try`: then
 /// the connection is refused (counted, its packet dropped).
 #[inline(never)]
-fn balance_new<A: Family>(ctx: &TcContext, last_try: bool) -> i32 {
+fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     let Some(packet) = A::parse(ctx) else {
         return TC_ACT_UNSPEC;
     };
@@ -147,18 +154,18 @@ fn count(ctx: &TcContext, counter: u32) {
 /// A service address that no frontend matched: a cluster IP on a port it does not serve is
 /// rejected, any other address in a service range dropped, everything else left alone.
 #[inline(always)]
-fn unmatched_destination<A: Family>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
+fn unmatched_destination<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
     match A::unmatched(&packet.flow.dst) {
-        Some(unmatched::REJECT) => A::reject(ctx, packet),
+        Some(unmatched::REJECT) => A::reject(ctx, packet.l4_offset),
         Some(unmatched::DROP) => TC_ACT_SHOT,
         _ => TC_ACT_UNSPEC,
     }
 }
 
 #[inline(always)]
-fn no_backend<A: Family>(ctx: &TcContext, packet: &Packet<A>, service: &Service) -> i32 {
+fn no_backend<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, service: &Service) -> i32 {
     if service.flags & service_flags::REJECT_WHEN_EMPTY != 0 {
-        A::reject(ctx, packet)
+        A::reject(ctx, packet.l4_offset)
     } else {
         TC_ACT_SHOT
     }
@@ -167,7 +174,7 @@ fn no_backend<A: Family>(ctx: &TcContext, packet: &Packet<A>, service: &Service)
 /// Applies a flow entry's rewrites to the packet; a first fragment's ports are remembered for
 /// the rest of its datagram.
 #[inline(always)]
-fn apply<A: Family>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> Result<(), i64> {
+fn apply<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> Result<(), i64> {
     if flow.flags & flow_flags::REWRITE_DESTINATION != 0 {
         rewrite(ctx, packet, Side::Destination, flow.dst, flow.dst_port)?;
     }
@@ -183,7 +190,7 @@ fn apply<A: Family>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> Resul
 /// An ICMP error about a tracked connection's packet (icmp_error.rs) is reverse-NATed; `None`
 /// for a packet that is no ICMP error about TCP/UDP.
 #[inline(never)]
-fn reverse_nat_error<A: Family>(ctx: &TcContext) -> Option<i32> {
+fn reverse_nat_error<A: Datapath>(ctx: &TcContext) -> Option<i32> {
     let error = A::icmp_error(ctx)?;
     let Some(tracked) = A::flow(&error.key) else {
         return Some(TC_ACT_UNSPEC);
@@ -198,7 +205,7 @@ fn reverse_nat_error<A: Family>(ctx: &TcContext) -> Option<i32> {
 /// A later IPv4 fragment (fragment.rs) takes its datagram's rewrites. Everything else the
 /// parsers refused is left alone.
 #[inline(never)]
-fn later_fragment<A: Family>(ctx: &TcContext) -> i32 {
+fn later_fragment<A: Datapath>(ctx: &TcContext) -> i32 {
     let tuple = match A::later_fragment(ctx) {
         Some(LaterFragment::Known(tuple)) => tuple,
         Some(LaterFragment::Unknown { dst }) => return unplaced_fragment(&dst),
@@ -219,7 +226,7 @@ fn later_fragment<A: Family>(ctx: &TcContext) -> i32 {
 /// reach the right backend, and must not be routed on with a service address), else none of
 /// vipr's business.
 #[inline(always)]
-fn unplaced_fragment<A: Family>(dst: &A) -> i32 {
+fn unplaced_fragment<A: Datapath>(dst: &A) -> i32 {
     if A::unmatched(dst).is_some() {
         TC_ACT_SHOT
     } else {
@@ -232,7 +239,7 @@ fn unplaced_fragment<A: Family>(dst: &A) -> i32 {
 /// else rewritten whole and [`send`]. Masqueraded connections and fragments are rewritten whole
 /// and redirected on both paths (see route.rs).
 #[inline(always)]
-fn forward<A: Family>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, route: Option<&Route<A>>) -> i32 {
+fn forward<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, route: Option<&Route<A>>) -> i32 {
     let masqueraded = flow.flags & (flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION)
         == flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION;
     if route.is_some() && !redirecting() && !masqueraded && packet.first_fragment.is_none() {
@@ -245,7 +252,7 @@ fn forward<A: Family>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, route:
 /// routing and netfilter see client -> backend; a reply is left as it is (backend -> client)
 /// and gets the frontend as source at egress ([`vipr_tc_egress`]).
 #[inline(always)]
-fn through_stack<A: Family>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
+fn through_stack<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
     if flow.flags & flow_flags::REWRITE_DESTINATION == 0 {
         return TC_ACT_UNSPEC;
     }
@@ -272,7 +279,7 @@ pub fn vipr_tc_egress(ctx: TcContext) -> i32 {
 }
 
 #[inline(always)]
-fn egress<A: Family>(ctx: &TcContext) -> i32 {
+fn egress<A: Datapath>(ctx: &TcContext) -> i32 {
     let Some(packet) = A::parse(ctx) else {
         return TC_ACT_UNSPEC;
     };

@@ -4,6 +4,12 @@
 pub const ETH_HLEN: usize = 14;
 pub const IPV4_MIN_HLEN: usize = 20;
 pub const IPV6_HLEN: usize = 40;
+
+/// The source and destination addresses, from the start of the frame.
+pub const IPV4_SADDR_OFF: usize = ETH_HLEN + 12;
+pub const IPV4_DADDR_OFF: usize = ETH_HLEN + 16;
+pub const IPV6_SADDR_OFF: usize = ETH_HLEN + 8;
+pub const IPV6_DADDR_OFF: usize = ETH_HLEN + 24;
 pub const ICMP_HLEN: usize = 8;
 pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_ICMPV6: u8 = 58;

@@ -6,7 +6,8 @@
 //! simple and safe; everything else is passed on (`XDP_PASS`) untouched, and the TC program
 //! then handles it exactly as without XDP:
 //!
-//! - only IPv4 TCP/UDP, whole packets (no fragments, no ICMP, no SCTP, no IPv6);
+//! - only IPv4 TCP/UDP, whole packets (no fragments, no ICMP, no SCTP, no IPv6), parsed by
+//!   the parser the TC program uses (packet.rs, generic over both contexts);
 //! - only sources of class OUTSIDE (not the node, not a pod): a packet generated on the node
 //!   or in a pod is CHECKSUM_PARTIAL on veth, and XDP cannot see that (see below);
 //! - only the client-to-backend direction (replies from backends pass to TC);
@@ -37,15 +38,13 @@ use proxy_common::{flow_flags, proto, service_flags, source_class};
 use crate::{
     conntrack::{observe, track, track_masqueraded, Refusal},
     counters,
-    family::{Family, Ipv4, Maps, Nat},
+    family::{Address, Ipv4, Nat},
+    family_maps::Maps,
     lb::{classify, decide, Chosen, Decision, Pick},
-    packet::{Change, Packet, Tuple, ETH_P_IP},
+    packet::{ethertype, field, Change, IpHeader as _, Packet, ETH_P_IP},
     route::zeroed_fib_params,
-    wire::{ETH_HLEN, IPV4_MIN_HLEN, IP_MF, IP_OFFSET, TCP_CSUM_AT, TCP_FLAGS_AT, UDP_CSUM_AT},
+    wire::{ETH_HLEN, IPV4_MIN_HLEN, TCP_CSUM_AT, UDP_CSUM_AT},
 };
-
-const TCP_HLEN: usize = 20;
-const UDP_HLEN: usize = 8;
 
 // The attribute below needs a literal; this keeps it the name the agent looks the map up by.
 const _: () = assert!(crate::maps::same_name("vipr_xdptx", proxy_common::pins::XDP_TX_DEVICES));
@@ -64,66 +63,20 @@ pub fn vipr_xdp(ctx: XdpContext) -> u32 {
     }
 }
 
-/// A parsed IPv4 TCP/UDP packet and where its fields lie.
-struct Parsed {
-    packet: Packet<Ipv4>,
-    /// The IPv4 total length, for the FIB's MTU check.
-    tot_len: u16,
-}
-
+/// A whole IPv4 TCP/UDP packet, parsed by the parser TC uses (packet.rs), and its IPv4 total
+/// length for the FIB's MTU check. First fragments and SCTP are TC's.
 #[inline(always)]
-fn at<T>(ctx: &XdpContext, offset: usize) -> Option<*mut T> {
-    let start = ctx.data();
-    if start + offset + size_of::<T>() > ctx.data_end() {
+fn parse(ctx: &XdpContext) -> Option<(Packet<Ipv4>, u16)> {
+    if ethertype(ctx)? != ETH_P_IP {
         return None;
     }
-    Some((start + offset) as *mut T)
-}
-
-#[inline(always)]
-fn parse(ctx: &XdpContext) -> Option<Parsed> {
-    let ethertype = unsafe { *at::<[u8; 2]>(ctx, 12)? };
-    if u16::from_be_bytes(ethertype) != ETH_P_IP {
+    let packet = Ipv4::parse(ctx)?;
+    if packet.first_fragment.is_some() || !matches!(packet.flow.proto, proto::TCP | proto::UDP) {
         return None;
     }
-    let ip = unsafe { *at::<[u8; IPV4_MIN_HLEN]>(ctx, ETH_HLEN)? };
-    let header_len = usize::from(ip[0] & 0x0f) * 4;
-    if ip[0] >> 4 != 4 || header_len < IPV4_MIN_HLEN {
-        return None;
-    }
-    if u16::from_be_bytes([ip[6], ip[7]]) & (IP_MF | IP_OFFSET) != 0 {
-        return None;
-    }
-    let protocol = ip[9];
-    let l4_offset = ETH_HLEN + header_len;
-    let l4_header_len = match protocol {
-        proto::TCP => TCP_HLEN,
-        proto::UDP => UDP_HLEN,
-        _ => return None,
-    };
-    if ctx.data() + l4_offset + l4_header_len > ctx.data_end() {
-        return None;
-    }
-    let ports = unsafe { *at::<[u8; 4]>(ctx, l4_offset)? };
-    let tcp_flags =
-        if protocol == proto::TCP { unsafe { *at::<u8>(ctx, l4_offset + TCP_FLAGS_AT)? } } else { 0 };
-    let tot_len = u16::from_be_bytes([ip[2], ip[3]]);
-    Some(Parsed {
-        packet: Packet {
-            flow: Tuple {
-                src: [ip[12], ip[13], ip[14], ip[15]],
-                dst: [ip[16], ip[17], ip[18], ip[19]],
-                src_port: u16::from_be_bytes([ports[0], ports[1]]),
-                dst_port: u16::from_be_bytes([ports[2], ports[3]]),
-                proto: protocol,
-            },
-            l4_offset,
-            l4_len: u32::from(tot_len).saturating_sub(header_len as u32),
-            tcp_flags,
-            first_fragment: None,
-        },
-        tot_len,
-    })
+    // The IP header and the payload it says it has.
+    let tot_len = (packet.l4_offset - ETH_HLEN) as u32 + packet.l4_len;
+    Some((packet, tot_len as u16))
 }
 
 /// Where a finished packet goes: its next hop's MACs and the action that sends it there.
@@ -170,7 +123,7 @@ fn egress(ctx: &XdpContext, destination: Ipv4, tot_len: u16) -> Option<Egress> {
 
 #[inline(always)]
 fn fast_path(ctx: &XdpContext) -> Option<u32> {
-    let Parsed { packet, tot_len } = parse(ctx)?;
+    let (packet, tot_len) = parse(ctx)?;
     // Only traffic from outside carries complete checksums (see the module's documentation).
     // The interface index fits in 32 bits (the kernel's own type for it).
     if classify(&packet.flow.src, ctx.ingress_ifindex() as u32) != source_class::OUTSIDE {
@@ -232,11 +185,11 @@ fn finish(ctx: &XdpContext, packet: &Packet<Ipv4>, flow: &Nat<Ipv4>, out: &Egres
         .and(Change::NONE.replace(old.dst.word_sum(), dst.word_sum()));
     let ports =
         Change::NONE.replace(old.src_port, src_port).and(Change::NONE.replace(old.dst_port, dst_port));
-    let ip = at::<[u8; IPV4_MIN_HLEN]>(ctx, ETH_HLEN)?;
+    let ip = field::<[u8; IPV4_MIN_HLEN]>(ctx, ETH_HLEN)?;
     let csum_off = l4 + if old.proto == proto::TCP { TCP_CSUM_AT } else { UDP_CSUM_AT };
-    let l4_csum = at::<[u8; 2]>(ctx, csum_off)?;
-    let l4_ports = at::<[u8; 4]>(ctx, l4)?;
-    let eth = at::<[u8; 12]>(ctx, 0)?;
+    let l4_csum = field::<[u8; 2]>(ctx, csum_off)?;
+    let l4_ports = field::<[u8; 4]>(ctx, l4)?;
+    let eth = field::<[u8; 12]>(ctx, 0)?;
     // SAFETY: every pointer was bounds-checked against the packet above.
     unsafe {
         let ip = &mut *ip;

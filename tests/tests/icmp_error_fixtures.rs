@@ -38,7 +38,7 @@ use anyhow::{anyhow, ensure, Result};
 use frame::{ep, input_and_output, Ep, Packet, IPPROTO_TCP, IPPROTO_UDP, IP_MF, ROUTER_ALERT};
 use frame6::{ep6, ip6, Ep6, Packet6};
 use harness::{masqueraded_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_UNSPEC};
-use harness6::{add_service6, flows6, insert_flow6, masqueraded_entries6};
+use harness6::{add_service6, flows6, insert_flow6};
 use icmp_error::{check_error_checksums, compare_errors, icmp4_error, icmp6_error, quote, Quote};
 use proxy_common::source_class;
 use table::{run_table, Outcome};
@@ -134,7 +134,7 @@ fn world6(h: &mut Harness) -> Result<()> {
 
 fn masqueraded_world6(h: &mut Harness) -> Result<()> {
     for (frontend, backend, proto) in [(DNS6, DNS6_BACKEND, IPPROTO_UDP), (WEB6, WEB6_BACKEND, IPPROTO_TCP)] {
-        for (key, flow) in masqueraded_entries6(CLIENT6, frontend, backend, NODE6, proto) {
+        for (key, flow) in masqueraded_entries(CLIENT6, frontend, backend, NODE6, proto) {
             insert_flow6(h, key, flow)?;
         }
     }

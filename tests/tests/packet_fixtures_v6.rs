@@ -38,11 +38,13 @@ use frame6::{
     compare_frames6, ep6, ip6, parse_ipv6, pseudo_header_sum6, Ep6, Packet6, IPPROTO_ICMPV6, IPV6_HLEN,
     NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING,
 };
-use harness::{is_einval, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC};
+use harness::{
+    describe_flows, is_einval, masqueraded_entries, nat_entries, verdict_name, Harness, TC_ACT_OK,
+    TC_ACT_SHOT, TC_ACT_UNSPEC,
+};
 use harness6::{
-    add_node_ip6, add_pod_cidr6, add_service6, add_source_range6, describe_flows6, flows6, insert_flow6,
-    masqueraded_entries6, nat_entries6, remove_service6, service_key6, set_backend6, set_service6,
-    set_unmatched6,
+    add_node_ip6, add_pod_cidr6, add_service6, add_source_range6, flows6, insert_flow6, remove_service6,
+    service_key6, set_backend6, set_service6, set_unmatched6,
 };
 use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
 use netns::{in_fresh_netns, ip};
@@ -177,8 +179,8 @@ fn expect_flows(h: &Harness, expected: &[(FlowKey6, Flow6)]) -> Result<()> {
     ensure!(
         actual == expected,
         "IPv6 flows map:\n  expected:\n{}\n  actual:\n{}",
-        describe_flows6(&expected),
-        describe_flows6(&actual)
+        describe_flows(&expected),
+        describe_flows(&actual)
     );
     let v4 = h.flows()?;
     ensure!(v4.is_empty(), "an IPv6 packet recorded IPv4 flows: {v4:?}");
@@ -285,7 +287,7 @@ struct Fixture {
 /// A new connection to `frontend` balanced to `backend`: destination rewritten, both
 /// directions recorded.
 fn balanced(name: &'static str, input: Packet6, frontend: Ep6, backend: Ep6) -> Fixture {
-    let flows = nat_entries6(input.source(), frontend, backend, input.proto());
+    let flows = nat_entries(input.source(), frontend, backend, input.proto());
     Fixture {
         name,
         setup: Box::new(standard_world),
@@ -304,7 +306,7 @@ fn tracked(
     input: Packet6,
     output: Packet6,
 ) -> Fixture {
-    let flows = nat_entries6(client, frontend, backend, input.proto());
+    let flows = nat_entries(client, frontend, backend, input.proto());
     let tracked = flows.clone();
     Fixture {
         name,
@@ -562,7 +564,7 @@ fn source_classes_choose_their_own_entries() {
             let input = Packet6::tcp(source, WEB);
             check(&h, &input.build(), TC_ACT_OK, Expect::Frame(&input.clone().to(backend).build()))
                 .with_context(|| format!("from {source}"))?;
-            flows.extend(nat_entries6(source, WEB, backend, IPPROTO_TCP));
+            flows.extend(nat_entries(source, WEB, backend, IPPROTO_TCP));
         }
         expect_flows(&h, &flows)
     })
@@ -598,7 +600,7 @@ fn source_ranges_admit_or_drop() {
             check(&h, &Packet6::tcp(outside, lb).build(), TC_ACT_SHOT, Expect::Unchanged)
                 .with_context(|| format!("source {outside} outside the range"))?;
         }
-        expect_flows(&h, &nat_entries6(CLIENT, lb, WEB_BACKEND, IPPROTO_TCP))
+        expect_flows(&h, &nat_entries(CLIENT, lb, WEB_BACKEND, IPPROTO_TCP))
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
 }
@@ -659,7 +661,7 @@ fn masquerade_takes_the_route_source_and_claims_ports() {
             "first client got node port {}",
             node_side.port
         );
-        let mut flows = masqueraded_entries6(CLIENT, MASQUERADED, WEB_BACKEND, node_side, IPPROTO_TCP);
+        let mut flows = masqueraded_entries(CLIENT, MASQUERADED, WEB_BACKEND, node_side, IPPROTO_TCP);
         expect_flows(&h, &flows)?;
 
         // A client port inside the range is kept while it is free; another client on the same
@@ -675,7 +677,7 @@ fn masquerade_takes_the_route_source_and_claims_ports() {
             moved.port
         );
         for (client, node) in [(in_range, kept), (other, moved)] {
-            flows.extend(masqueraded_entries6(client, MASQUERADED, WEB_BACKEND, node, IPPROTO_TCP));
+            flows.extend(masqueraded_entries(client, MASQUERADED, WEB_BACKEND, node, IPPROTO_TCP));
         }
         expect_flows(&h, &flows)?;
 
@@ -716,7 +718,7 @@ fn hairpin_is_masqueraded() {
         let node_side = ep6(NODE, pod.port);
         let expected = input.clone().to(WEB_BACKEND).from(node_side);
         check(&h, &input.build(), TC_ACT_REDIRECT, Expect::Frame(&expected.build()))?;
-        expect_flows(&h, &masqueraded_entries6(pod, ep6(VIP, 8080), WEB_BACKEND, node_side, IPPROTO_UDP))
+        expect_flows(&h, &masqueraded_entries(pod, ep6(VIP, 8080), WEB_BACKEND, node_side, IPPROTO_UDP))
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
 }
@@ -767,8 +769,8 @@ fn stack_forwarding_dnats_at_ingress_and_restores_the_frontend_at_egress() {
         let expected = masqueraded.clone().to(WEB_BACKEND).from(node_side);
         check(&h, &masqueraded.build(), TC_ACT_REDIRECT, Expect::Frame(&expected.build()))
             .context("masqueraded: rewritten whole")?;
-        let mut flows = nat_entries6(CLIENT, WEB, WEB_BACKEND, IPPROTO_TCP);
-        flows.extend(masqueraded_entries6(client, MASQUERADED, WEB_BACKEND, node_side, IPPROTO_TCP));
+        let mut flows = nat_entries(CLIENT, WEB, WEB_BACKEND, IPPROTO_TCP);
+        flows.extend(masqueraded_entries(client, MASQUERADED, WEB_BACKEND, node_side, IPPROTO_TCP));
         expect_flows(&h, &flows)?;
         let reply = Packet6::tcp(WEB_BACKEND, node_side);
         check(
@@ -826,7 +828,7 @@ fn flow_lifecycle(proto: u8) -> Result<()> {
     let first = packet(proto, CLIENT, front);
     check(&h, &first.build(), TC_ACT_OK, Expect::Frame(&first.clone().to(backend_a).build()))
         .context("first")?;
-    let mut flows = nat_entries6(CLIENT, front, backend_a, proto);
+    let mut flows = nat_entries(CLIENT, front, backend_a, proto);
 
     set_backend6(&h, set, 0, backend_b)?;
     let second = packet(proto, CLIENT, front).payload(b"second packet of the flow");
@@ -835,7 +837,7 @@ fn flow_lifecycle(proto: u8) -> Result<()> {
     let other = packet(proto, client2, front);
     check(&h, &other.build(), TC_ACT_OK, Expect::Frame(&other.clone().to(backend_b).build()))
         .context("new flow after the backend changed")?;
-    flows.extend(nat_entries6(client2, front, backend_b, proto));
+    flows.extend(nat_entries(client2, front, backend_b, proto));
     expect_flows(&h, &flows)?;
 
     remove_service6(&h, service_key6(front, proto, source_class::OUTSIDE))?;
@@ -889,7 +891,7 @@ fn random_spread_over_three_backends() {
             };
             *count += 1;
             compare_frames6(&input.to(backend).build(), &out).map_err(|e| anyhow!("flow {client}: {e}"))?;
-            expected.extend(nat_entries6(client, front, backend, IPPROTO_TCP));
+            expected.extend(nat_entries(client, front, backend, IPPROTO_TCP));
         }
         println!("hits per backend: {hits:?}");
         for (backend, count) in &hits {

@@ -69,7 +69,7 @@ use harness::{
     describe_flows, masqueraded_entries, nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT,
     TC_ACT_UNSPEC,
 };
-use harness6::{add_service6, describe_flows6, flows6, insert_flow6, masqueraded_entries6, nat_entries6};
+use harness6::{add_service6, flows6, insert_flow6};
 use icmp_error::{icmp4_error, icmp6_error, quote, Quote};
 use netns::{in_fresh_netns, ip};
 use proxy_common::{
@@ -666,7 +666,7 @@ fn nat_flows(client: End, frontend: End, backend: End, proto: u8) -> Flows {
             Flows { v4: nat_entries(client.v4(), frontend.v4(), backend.v4(), proto), ..Flows::default() }
         }
         IpAddr::V6(_) => {
-            Flows { v6: nat_entries6(client.v6(), frontend.v6(), backend.v6(), proto), ..Flows::default() }
+            Flows { v6: nat_entries(client.v6(), frontend.v6(), backend.v6(), proto), ..Flows::default() }
         }
     }
 }
@@ -679,7 +679,7 @@ fn masqueraded_flows(client: End, frontend: End, backend: End, node: End, proto:
             ..Flows::default()
         },
         IpAddr::V6(_) => Flows {
-            v6: masqueraded_entries6(client.v6(), frontend.v6(), backend.v6(), node.v6(), proto),
+            v6: masqueraded_entries(client.v6(), frontend.v6(), backend.v6(), node.v6(), proto),
             ..Flows::default()
         },
     }
@@ -710,8 +710,8 @@ fn expect_flows(h: &Harness, expected: &Flows) -> Result<()> {
     ensure!(
         got6 == want6,
         "IPv6 flows map:\n  expected:\n{}\n  actual:\n{}",
-        describe_flows6(&want6),
-        describe_flows6(&got6)
+        describe_flows(&want6),
+        describe_flows(&got6)
     );
     Ok(())
 }

@@ -20,7 +20,7 @@ use aya::{
     programs::{TestRun as _, TestRunOptions, Xdp},
     Ebpf, EbpfLoader,
 };
-use frame::{ep, hex, parse_ipv4, Ep, Packet, IPPROTO_TCP, IPPROTO_UDP};
+use frame::{ep, hex, parse_ipv4, Ep, Packet, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 use harness::{flow_key, PrivateBpffs};
 use proxy_common::{
     flow_flags, pins, service_flags, source_class, Backend4, BackendSlot, Flow4, FlowKey4, FlowTrack,
@@ -248,6 +248,20 @@ fn what_xdp_does_not_finish_passes_to_tc_untouched() -> Result<()> {
     let (verdict, _) = world.run(&Packet::tcp(CLIENT, NODE_PORT).build())?;
     ensure!(verdict == XDP_PASS, "source ranges: verdict {verdict}");
     ensure!(world.flows()?.is_empty(), "nothing recorded for passed packets");
+    Ok(())
+}
+
+/// XDP parses with TC's parser, which takes SCTP too; SCTP's checksum is a CRC that XDP does
+/// not update, so a balanced SCTP service's packets are TC's.
+#[test]
+fn sctp_to_a_balanced_service_passes_to_tc() -> Result<()> {
+    let mut world = World::new("sctp")?;
+    world.service(IPPROTO_SCTP, 0)?;
+    let frame = Packet::sctp(CLIENT, NODE_PORT, 1, &[]).build();
+    let (verdict, out) = world.run(&frame)?;
+    ensure!(verdict == XDP_PASS, "sctp: verdict {verdict}, expected XDP_PASS");
+    ensure!(out == frame, "sctp: frame changed");
+    ensure!(world.flows()?.is_empty(), "nothing recorded for a passed packet");
     Ok(())
 }
 

@@ -12,7 +12,7 @@ use std::{
     sync::Arc,
 };
 
-use proxy_common::{service_flags, source_class, unmatched};
+use proxy_common::{service_flags, source_class, unmatched, Backend as MapBackend, ServiceKey};
 
 use super::{
     capacity::Refused,
@@ -40,10 +40,10 @@ pub struct Wanted {
 /// What one family's maps should hold.
 #[derive(Debug, PartialEq, Eq)]
 pub struct FamilyWanted<F: Family> {
-    pub services: BTreeMap<F::ServiceKey, WantedService<F>>,
-    pub node_ips: BTreeMap<F::Addr, u8>,
-    pub pod_cidrs: BTreeMap<LpmKey<F::Addr>, u8>,
-    pub unmatched: BTreeMap<LpmKey<F::Addr>, u8>,
+    pub services: BTreeMap<ServiceKey<F>, WantedService<F>>,
+    pub node_ips: BTreeMap<F, u8>,
+    pub pod_cidrs: BTreeMap<LpmKey<F>, u8>,
+    pub unmatched: BTreeMap<LpmKey<F>, u8>,
     pub source_ranges: BTreeMap<LpmKey<F::RangeData>, u8>,
 }
 
@@ -97,7 +97,7 @@ pub fn encode_admitted(
 /// The services entries of each family that [`encode_changes`] touched, to plan.
 #[derive(Debug)]
 pub struct Touched<F: Family> {
-    pub keys: BTreeSet<F::ServiceKey>,
+    pub keys: BTreeSet<ServiceKey<F>>,
     /// The source ranges were re-encoded.
     pub source_ranges: bool,
 }
@@ -180,7 +180,7 @@ impl Wanted {
 impl<F: Family> FamilyWanted<F> {
     /// Takes a frontend's entries out and adds their keys to `keys`; says whether they were
     /// filtered by source ranges.
-    fn remove_frontend(&mut self, frontend: &Frontend, keys: &mut BTreeSet<F::ServiceKey>) -> bool {
+    fn remove_frontend(&mut self, frontend: &Frontend, keys: &mut BTreeSet<ServiceKey<F>>) -> bool {
         let Some(addr) = F::addr(frontend.ip) else {
             return false;
         };
@@ -276,7 +276,7 @@ impl<F: Family> FamilyWanted<F> {
 }
 
 /// A treatment's backends and their encoding.
-type Encoded<'a, F> = (&'a Arc<[Backend]>, Arc<[<F as Family>::Backend]>);
+type Encoded<'a, F> = (&'a Arc<[Backend]>, Arc<[MapBackend<F>]>);
 
 /// A service port as the encoding names it: its id in the maps and its name for the counters.
 #[derive(Clone, Copy)]
@@ -292,8 +292,8 @@ fn encode_backends<F: Family>(
     service: ServiceRef<'_>,
     balancing: Balancing,
     counters: &mut CounterIds,
-) -> Arc<[F::Backend]> {
-    let backends: Vec<F::Backend> = backends
+) -> Arc<[MapBackend<F>]> {
+    let backends: Vec<MapBackend<F>> = backends
         .iter()
         .filter_map(|backend| {
             let addr = F::addr(backend.ip)?;
@@ -323,7 +323,7 @@ fn flags(treatment: &Treatment) -> u32 {
 /// The backends as a Maglev table: slot `i` holds the backend the table gives it. A backend's
 /// identity for the table is its address and port, never its counter index, which is this
 /// node's own.
-fn maglev_table<F: Family>(backends: &[F::Backend], size: u32) -> Vec<F::Backend> {
+fn maglev_table<F: Family>(backends: &[MapBackend<F>], size: u32) -> Vec<MapBackend<F>> {
     let identities: Vec<Vec<u8>> = backends
         .iter()
         .map(|backend| {
@@ -353,7 +353,7 @@ pub struct ServiceIds {
 
 impl ServiceIds {
     /// Remembers the id a services entry of either family carries.
-    pub fn adopt<F: Family>(&mut self, key: &F::ServiceKey, id: u32) {
+    pub fn adopt<F: Family>(&mut self, key: &ServiceKey<F>, id: u32) {
         self.adopted.insert(F::frontend(key), id);
     }
 

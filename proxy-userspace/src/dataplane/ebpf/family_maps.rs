@@ -11,7 +11,7 @@ use aya::{
     maps::{HashMap, IterableMap as _, LpmTrie, MapData},
     Ebpf,
 };
-use proxy_common::{BackendSlot, Service};
+use proxy_common::{Backend, BackendMember, BackendSlot, Service, ServiceKey};
 use tracing::{info, warn};
 
 use super::{
@@ -25,22 +25,22 @@ use super::{
 use crate::{bpf_sys::update_batch, dataplane::SyncReport};
 
 pub struct FamilyMaps<F: Family> {
-    services: HashMap<MapData, F::ServiceKey, Service>,
-    backends: HashMap<MapData, BackendSlot, F::Backend>,
+    services: HashMap<MapData, ServiceKey<F>, Service>,
+    backends: HashMap<MapData, BackendSlot, Backend<F>>,
     /// Which backends each set holds (for session affinity), written and cleared with the
     /// sets.
-    members: HashMap<MapData, F::Member, u32>,
+    members: HashMap<MapData, BackendMember<F>, u32>,
     programmed: Programmed<F>,
     /// Indexes of `programmed` kept along with it, so that a sync of a few entries costs
     /// what they do: complete sets by their backends, how many entries point to each set,
     /// and how many sets carry each counter index.
-    content: StdHashMap<Vec<F::Backend>, u32>,
+    content: StdHashMap<Vec<Backend<F>>, u32>,
     set_refs: StdHashMap<u32, usize>,
     counter_refs: StdHashMap<u32, usize>,
     set_ids: SetIds,
-    node_ips: Mirrored<HashMap<MapData, F::Addr, u8>>,
-    pod_cidrs: Mirrored<LpmTrie<MapData, F::Addr, u8>>,
-    unmatched: Mirrored<LpmTrie<MapData, F::Addr, u8>>,
+    node_ips: Mirrored<HashMap<MapData, F, u8>>,
+    pod_cidrs: Mirrored<LpmTrie<MapData, F, u8>>,
+    unmatched: Mirrored<LpmTrie<MapData, F, u8>>,
     source_ranges: Mirrored<LpmTrie<MapData, F::RangeData, u8>>,
 }
 
@@ -54,8 +54,8 @@ impl<F: Family> FamilyMaps<F> {
         counters: &mut CounterIds,
     ) -> anyhow::Result<Self> {
         let names = F::MAPS;
-        let services: HashMap<MapData, F::ServiceKey, Service> = take_map(ebpf, names.services)?;
-        let backends: HashMap<MapData, BackendSlot, F::Backend> = take_map(ebpf, names.backends)?;
+        let services: HashMap<MapData, ServiceKey<F>, Service> = take_map(ebpf, names.services)?;
+        let backends: HashMap<MapData, BackendSlot, Backend<F>> = take_map(ebpf, names.backends)?;
         let programmed = Programmed::<F>::from_entries(
             services.iter().filter_map(log_read_error),
             backends.iter().filter_map(log_read_error),
@@ -70,7 +70,7 @@ impl<F: Family> FamilyMaps<F> {
         if !programmed.services.is_empty() {
             info!(family = F::NAME, entries = programmed.services.len(), "adopted the pinned datapath");
         }
-        let mut members: HashMap<MapData, F::Member, u32> = take_map(ebpf, names.members)?;
+        let mut members: HashMap<MapData, BackendMember<F>, u32> = take_map(ebpf, names.members)?;
         remove_stale_members(&mut members, &programmed);
         let mut set_refs = StdHashMap::new();
         for service in programmed.services.values() {
@@ -98,7 +98,7 @@ impl<F: Family> FamilyMaps<F> {
     }
 
     /// Records a programmed set in `programmed` and the indexes.
-    fn insert_set(&mut self, set: u32, backends: Vec<F::Backend>) {
+    fn insert_set(&mut self, set: u32, backends: Vec<Backend<F>>) {
         for backend in &backends {
             *self.counter_refs.entry(F::backend_parts(backend).2).or_default() += 1;
         }
@@ -109,7 +109,7 @@ impl<F: Family> FamilyMaps<F> {
     }
 
     /// Forgets a set; the counter indices no set carries any more go to `released`.
-    fn remove_set(&mut self, set: u32, released: &mut Vec<u32>) -> Vec<F::Backend> {
+    fn remove_set(&mut self, set: u32, released: &mut Vec<u32>) -> Vec<Backend<F>> {
         let backends = self.programmed.sets.remove(&set).unwrap_or_default();
         if self.content.get(&backends) == Some(&set) {
             self.content.remove(&backends);
@@ -128,7 +128,7 @@ impl<F: Family> FamilyMaps<F> {
     }
 
     /// Records a programmed service entry; the set its old value pointed to may be unused now.
-    fn store_entry(&mut self, key: F::ServiceKey, service: Option<Service>, unused: &mut BTreeSet<u32>) {
+    fn store_entry(&mut self, key: ServiceKey<F>, service: Option<Service>, unused: &mut BTreeSet<u32>) {
         let old = match service {
             Some(service) => {
                 *self.set_refs.entry(service.backend_set).or_default() += 1;
@@ -206,7 +206,7 @@ impl<F: Family> FamilyMaps<F> {
     pub fn sync_services(
         &mut self,
         wanted: &FamilyWanted<F>,
-        keys: Option<&BTreeSet<F::ServiceKey>>,
+        keys: Option<&BTreeSet<ServiceKey<F>>>,
         report: &mut SyncReport,
         refused: &mut Vec<(u32, String)>,
     ) -> Vec<u32> {
@@ -252,7 +252,7 @@ impl<F: Family> FamilyMaps<F> {
             }
         }
         // An entry whose set failed keeps its old value, which still points to a complete set.
-        let (store_keys, store_values): (Vec<F::ServiceKey>, Vec<Service>) = plan
+        let (store_keys, store_values): (Vec<ServiceKey<F>>, Vec<Service>) = plan
             .stores
             .iter()
             .filter(|(_, service)| !failed_sets.contains(&service.backend_set))
@@ -296,7 +296,7 @@ impl<F: Family> FamilyMaps<F> {
     /// table holds a backend many times).
     /// One batched update for the slots and one for the members where the kernel takes them;
     /// otherwise (or when a batch fails) one update per entry, which names the failure.
-    fn fill_set(&mut self, set: u32, backends: &[F::Backend]) -> anyhow::Result<()> {
+    fn fill_set(&mut self, set: u32, backends: &[Backend<F>]) -> anyhow::Result<()> {
         let slots: Vec<BackendSlot> =
             (0..backends.len() as u32).map(|slot| BackendSlot { backend_set: set, slot }).collect();
         if update_batch(self.backends.map().fd().as_fd(), &slots, backends).is_err() {
@@ -306,7 +306,7 @@ impl<F: Family> FamilyMaps<F> {
                     .context("cannot store a backend slot (is the backends map full?)")?;
             }
         }
-        let (members, first): (Vec<F::Member>, Vec<u32>) =
+        let (members, first): (Vec<BackendMember<F>>, Vec<u32>) =
             first_slots::<F>(set, backends).into_iter().unzip();
         if update_batch(self.members.map().fd().as_fd(), &members, &first).is_err() {
             for (member, slot) in members.iter().zip(first) {
@@ -320,7 +320,7 @@ impl<F: Family> FamilyMaps<F> {
 
     /// Best effort: a slot or member that cannot be deleted is harmless (no service points to
     /// its set) and is found again as unused when the agent restarts.
-    fn clear_set(&mut self, set: u32, backends: &[F::Backend]) {
+    fn clear_set(&mut self, set: u32, backends: &[Backend<F>]) {
         for slot in 0..backends.len() as u32 {
             if let Err(error) = self.backends.delete(&BackendSlot { backend_set: set, slot }) {
                 warn!(family = F::NAME, set, slot, %error, "cannot delete a retired backend slot");
@@ -334,7 +334,7 @@ impl<F: Family> FamilyMaps<F> {
 }
 
 /// Each distinct backend of a set with the first slot that holds it.
-fn first_slots<F: Family>(set: u32, backends: &[F::Backend]) -> BTreeMap<F::Member, u32> {
+fn first_slots<F: Family>(set: u32, backends: &[Backend<F>]) -> BTreeMap<BackendMember<F>, u32> {
     let mut first = BTreeMap::new();
     for (slot, backend) in backends.iter().enumerate().rev() {
         first.insert(F::member(set, backend), slot as u32);
@@ -346,12 +346,12 @@ fn first_slots<F: Family>(set: u32, backends: &[F::Backend]) -> BTreeMap<F::Memb
 /// incomplete by an earlier agent): a set id is reused later, and a stale member must never
 /// send a client with session affinity into another service's set.
 fn remove_stale_members<F: Family>(
-    members: &mut HashMap<MapData, F::Member, u32>,
+    members: &mut HashMap<MapData, BackendMember<F>, u32>,
     programmed: &Programmed<F>,
 ) {
-    let wanted: BTreeMap<F::Member, u32> =
+    let wanted: BTreeMap<BackendMember<F>, u32> =
         programmed.sets.iter().flat_map(|(set, backends)| first_slots::<F>(*set, backends)).collect();
-    let stale: Vec<F::Member> = members
+    let stale: Vec<BackendMember<F>> = members
         .iter()
         .filter_map(log_read_error)
         .filter(|(member, slot)| wanted.get(member) != Some(slot))

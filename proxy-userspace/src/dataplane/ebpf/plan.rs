@@ -14,7 +14,7 @@ use std::{
     sync::Arc,
 };
 
-use proxy_common::{BackendSlot, Service};
+use proxy_common::{Backend, BackendSlot, Service, ServiceKey};
 
 use super::family::Family;
 
@@ -22,9 +22,9 @@ use super::family::Family;
 /// adoption).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Programmed<F: Family> {
-    pub services: BTreeMap<F::ServiceKey, Service>,
+    pub services: BTreeMap<ServiceKey<F>, Service>,
     /// Slot `i` of set `id` holds `sets[id][i]`.
-    pub sets: BTreeMap<u32, Vec<F::Backend>>,
+    pub sets: BTreeMap<u32, Vec<Backend<F>>>,
 }
 
 impl<F: Family> Default for Programmed<F> {
@@ -38,18 +38,18 @@ impl<F: Family> Programmed<F> {
     /// slot reads back shorter than its services' `backend_count`, so it matches no wanted
     /// list and its services are moved to a fresh set.
     pub fn from_entries(
-        services: impl IntoIterator<Item = (F::ServiceKey, Service)>,
-        slots: impl IntoIterator<Item = (BackendSlot, F::Backend)>,
+        services: impl IntoIterator<Item = (ServiceKey<F>, Service)>,
+        slots: impl IntoIterator<Item = (BackendSlot, Backend<F>)>,
     ) -> Self {
-        let mut by_set: BTreeMap<u32, BTreeMap<u32, F::Backend>> = BTreeMap::new();
+        let mut by_set: BTreeMap<u32, BTreeMap<u32, Backend<F>>> = BTreeMap::new();
         for (slot, backend) in slots {
             by_set.entry(slot.backend_set).or_default().insert(slot.slot, backend);
         }
-        let services: BTreeMap<F::ServiceKey, Service> = services.into_iter().collect();
+        let services: BTreeMap<ServiceKey<F>, Service> = services.into_iter().collect();
         let sets = by_set
             .into_iter()
             .map(|(id, slots)| {
-                let contiguous: Vec<F::Backend> = (0..).map_while(|slot| slots.get(&slot).copied()).collect();
+                let contiguous: Vec<Backend<F>> = (0..).map_while(|slot| slots.get(&slot).copied()).collect();
                 let complete = contiguous.len() == slots.len()
                     && services
                         .values()
@@ -62,7 +62,7 @@ impl<F: Family> Programmed<F> {
         Self { services, sets }
     }
 
-    fn content_index(&self) -> HashMap<&[F::Backend], u32> {
+    fn content_index(&self) -> HashMap<&[Backend<F>], u32> {
         self.sets
             .iter()
             .filter(|(_, backends)| backends.iter().all(|b| *b != F::INCOMPLETE))
@@ -77,7 +77,7 @@ const NO_BACKENDS: u32 = 0;
 
 /// The slots of an incomplete set, as [`Family::INCOMPLETE`] placeholders: no wanted list
 /// matches the set.
-fn incomplete_marker<F: Family>(slots: &BTreeMap<u32, F::Backend>) -> Vec<F::Backend> {
+fn incomplete_marker<F: Family>(slots: &BTreeMap<u32, Backend<F>>) -> Vec<Backend<F>> {
     let len = slots.keys().max().map_or(0, |max| *max as usize + 1);
     vec![F::INCOMPLETE; len]
 }
@@ -87,7 +87,7 @@ fn incomplete_marker<F: Family>(slots: &BTreeMap<u32, F::Backend>) -> Vec<F::Bac
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WantedService<F: Family> {
     /// Shared by the entries of a frontend whose source classes use the same backends.
-    pub backends: Arc<[F::Backend]>,
+    pub backends: Arc<[Backend<F>]>,
     pub service_id: u32,
     pub flags: u32,
     /// Seconds of ClientIP session affinity; 0 for none.
@@ -98,11 +98,11 @@ pub struct WantedService<F: Family> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan<F: Family> {
     /// New sets to write: (set id, its backends).
-    pub fills: Vec<(u32, Vec<F::Backend>)>,
+    pub fills: Vec<(u32, Vec<Backend<F>>)>,
     /// Service entries to add or change.
-    pub stores: Vec<(F::ServiceKey, Service)>,
+    pub stores: Vec<(ServiceKey<F>, Service)>,
     /// Service entries to delete.
-    pub deletes: Vec<F::ServiceKey>,
+    pub deletes: Vec<ServiceKey<F>>,
 }
 
 impl<F: Family> Default for Plan<F> {
@@ -143,7 +143,7 @@ impl SetIds {
 /// The operations that turn `programmed` into `wanted`; entries that already match get none.
 pub fn plan<F: Family>(
     programmed: &Programmed<F>,
-    wanted: &BTreeMap<F::ServiceKey, WantedService<F>>,
+    wanted: &BTreeMap<ServiceKey<F>, WantedService<F>>,
     ids: &mut SetIds,
 ) -> Plan<F> {
     let existing = programmed.content_index();
@@ -156,9 +156,9 @@ pub fn plan<F: Family>(
 /// `content` indexes the programmed sets by their backends.
 pub fn plan_changes<F: Family>(
     programmed: &Programmed<F>,
-    content: &HashMap<Vec<F::Backend>, u32>,
-    wanted: &BTreeMap<F::ServiceKey, WantedService<F>>,
-    keys: &BTreeSet<F::ServiceKey>,
+    content: &HashMap<Vec<Backend<F>>, u32>,
+    wanted: &BTreeMap<ServiceKey<F>, WantedService<F>>,
+    keys: &BTreeSet<ServiceKey<F>>,
     ids: &mut SetIds,
 ) -> Plan<F> {
     let entries = keys.iter().map(|key| (key, wanted.get(key)));
@@ -168,11 +168,11 @@ pub fn plan_changes<F: Family>(
 /// Plans each entry: its wanted value, or `None` for one that should not exist.
 fn plan_entries<'a, F: Family + 'a>(
     programmed: &Programmed<F>,
-    existing: impl Fn(&[F::Backend]) -> Option<u32>,
-    entries: impl Iterator<Item = (&'a F::ServiceKey, Option<&'a WantedService<F>>)>,
+    existing: impl Fn(&[Backend<F>]) -> Option<u32>,
+    entries: impl Iterator<Item = (&'a ServiceKey<F>, Option<&'a WantedService<F>>)>,
     ids: &mut SetIds,
 ) -> Plan<F> {
-    let mut new_sets: HashMap<&[F::Backend], u32> = HashMap::new();
+    let mut new_sets: HashMap<&[Backend<F>], u32> = HashMap::new();
     let mut new_ids: BTreeSet<u32> = BTreeSet::new();
     let mut plan = Plan::default();
     for (key, want) in entries {

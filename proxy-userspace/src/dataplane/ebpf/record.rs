@@ -19,7 +19,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::maps::{HashMap, LpmTrie, Map, MapData};
-use proxy_common::{pins, service_flags, source_class, unmatched, BackendSlot, Service};
+use proxy_common::{pins, service_flags, source_class, unmatched, Backend, BackendSlot, Service, ServiceKey};
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -76,8 +76,8 @@ impl Delta {
     /// longer has is a deletion), and the classifiers when `classifiers` changed.
     pub fn of(
         wanted: &Wanted,
-        v4: &BTreeSet<<V4 as Family>::ServiceKey>,
-        v6: &BTreeSet<<V6 as Family>::ServiceKey>,
+        v4: &BTreeSet<ServiceKey<V4>>,
+        v6: &BTreeSet<ServiceKey<V6>>,
         classifiers: bool,
     ) -> Self {
         let mut delta = Self::default();
@@ -92,7 +92,7 @@ impl Delta {
         delta
     }
 
-    fn add_services<F: Family>(&mut self, wanted: &FamilyWanted<F>, keys: &BTreeSet<F::ServiceKey>) {
+    fn add_services<F: Family>(&mut self, wanted: &FamilyWanted<F>, keys: &BTreeSet<ServiceKey<F>>) {
         for key in keys {
             let entry = wanted.services.get(key).map(|service| service_entry::<F>(key, service).1);
             self.services.insert(service_key_name::<F>(key, F::source_class(key)), entry);
@@ -267,13 +267,13 @@ pub fn flag_names(flags: u32, has_backends: bool) -> Vec<&'static str> {
     names
 }
 
-fn service_key_name<F: Family>(key: &F::ServiceKey, class: u8) -> String {
+fn service_key_name<F: Family>(key: &ServiceKey<F>, class: u8) -> String {
     let (ip, port, protocol) = F::frontend(key);
     format!("{} {} from {}", protocol_name(protocol), SocketAddr::new(ip, port), source_name(class))
 }
 
 /// A services-map entry as the record keys and holds it.
-fn service_entry<F: Family>(key: &F::ServiceKey, service: &WantedService<F>) -> (String, ServiceEntry) {
+fn service_entry<F: Family>(key: &ServiceKey<F>, service: &WantedService<F>) -> (String, ServiceEntry) {
     let backends = service
         .backends
         .iter()
@@ -291,7 +291,7 @@ fn service_entry<F: Family>(key: &F::ServiceKey, service: &WantedService<F>) -> 
     (service_key_name::<F>(key, F::source_class(key)), entry)
 }
 
-fn prefix_name<F: Family>((bits, addr): &LpmKey<F::Addr>) -> String {
+fn prefix_name<F: Family>((bits, addr): &LpmKey<F>) -> String {
     format!("{}/{bits}", F::ip(addr))
 }
 
@@ -344,9 +344,9 @@ impl Entries {
 
     fn add_pinned<F: Family>(&mut self, pin_dir: &Path) -> anyhow::Result<()> {
         let maps = F::MAPS;
-        let services: HashMap<MapData, F::ServiceKey, Service> = open(pin_dir, maps.services, Map::HashMap)?;
-        let backends: HashMap<MapData, BackendSlot, F::Backend> = open(pin_dir, maps.backends, Map::HashMap)?;
-        let mut slots: BTreeMap<u32, BTreeMap<u32, F::Backend>> = BTreeMap::new();
+        let services: HashMap<MapData, ServiceKey<F>, Service> = open(pin_dir, maps.services, Map::HashMap)?;
+        let backends: HashMap<MapData, BackendSlot, Backend<F>> = open(pin_dir, maps.backends, Map::HashMap)?;
+        let mut slots: BTreeMap<u32, BTreeMap<u32, Backend<F>>> = BTreeMap::new();
         for (slot, backend) in backends.entries() {
             slots.entry(slot.backend_set).or_default().insert(slot.slot, backend);
         }
@@ -369,17 +369,17 @@ impl Entries {
                 },
             );
         }
-        let node_ips: HashMap<MapData, F::Addr, u8> = open(pin_dir, maps.node_ips, Map::HashMap)?;
+        let node_ips: HashMap<MapData, F, u8> = open(pin_dir, maps.node_ips, Map::HashMap)?;
         self.add_classifier(
             maps.node_ips,
             node_ips.entries().into_iter().map(|(a, v)| (F::ip(&a).to_string(), v)),
         );
-        let pod_cidrs: LpmTrie<MapData, F::Addr, u8> = open(pin_dir, maps.pod_cidrs, Map::LpmTrie)?;
+        let pod_cidrs: LpmTrie<MapData, F, u8> = open(pin_dir, maps.pod_cidrs, Map::LpmTrie)?;
         self.add_classifier(
             maps.pod_cidrs,
             pod_cidrs.entries().into_iter().map(|(k, v)| (prefix_name::<F>(&k), v)),
         );
-        let unmatched: LpmTrie<MapData, F::Addr, u8> = open(pin_dir, maps.unmatched, Map::LpmTrie)?;
+        let unmatched: LpmTrie<MapData, F, u8> = open(pin_dir, maps.unmatched, Map::LpmTrie)?;
         self.add_classifier(
             maps.unmatched,
             unmatched.entries().into_iter().map(|(k, v)| (prefix_name::<F>(&k), v)),
