@@ -2,6 +2,8 @@
 mod bench;
 mod cmd;
 mod image;
+#[cfg(test)]
+mod layers;
 mod previous;
 // The guard test that setup installs every program the code starts.
 #[cfg(test)]
