@@ -23,6 +23,7 @@ mod cmd;
 pub mod conformance;
 pub mod container;
 mod echo;
+pub mod fixtures;
 pub mod http;
 mod lab;
 pub mod load;

@@ -6,12 +6,7 @@
 //!
 //! Needs root (BPF and mount); every harness has its own private bpffs.
 
-#[path = "fixtures/frame.rs"]
-#[allow(dead_code)]
-mod frame;
-#[path = "fixtures/harness.rs"]
-#[allow(dead_code)]
-mod harness;
+use testbed::fixtures::{frame, harness};
 
 use std::collections::{BTreeMap, BTreeSet};
 

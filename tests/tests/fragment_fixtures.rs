@@ -10,18 +10,7 @@
 //! it must cover the whole datagram. Each scenario runs its fragments in order on one harness
 //! with the standard world below. Needs root (BPF and mount).
 
-#[allow(dead_code)]
-#[path = "fixtures/fragment.rs"]
-mod fragment;
-#[allow(dead_code)]
-#[path = "fixtures/frame.rs"]
-mod frame;
-#[allow(dead_code)]
-#[path = "fixtures/harness.rs"]
-mod harness;
-#[allow(dead_code)]
-#[path = "fixtures/table.rs"]
-mod table;
+use testbed::fixtures::{fragment, frame, harness, table};
 
 use std::collections::HashMap;
 

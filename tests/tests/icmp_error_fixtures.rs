@@ -13,26 +13,7 @@
 //! changes no flow entry: the flows map must be exactly as before it. Needs root (BPF and
 //! mount).
 
-#[allow(dead_code)]
-#[path = "fixtures/frame.rs"]
-mod frame;
-#[allow(dead_code)]
-#[path = "fixtures/frame6.rs"]
-mod frame6;
-#[allow(dead_code)]
-#[path = "fixtures/harness.rs"]
-mod harness;
-#[allow(dead_code)]
-#[path = "fixtures/harness6.rs"]
-mod harness6;
-#[path = "fixtures/icmp_error.rs"]
-mod icmp_error;
-#[allow(dead_code)]
-#[path = "fixtures/icmp_quote.rs"]
-mod icmp_quote;
-#[allow(dead_code)]
-#[path = "fixtures/table.rs"]
-mod table;
+use testbed::fixtures::{frame, frame6, harness, harness6, icmp_error, table};
 
 use anyhow::{anyhow, ensure, Result};
 use frame::{ep, input_and_output, Ep, Packet, IPPROTO_TCP, IPPROTO_UDP, IP_MF, ROUTER_ALERT};

@@ -10,13 +10,7 @@
 //! mounted on a unique temp directory, so the tests run in parallel and leave nothing behind.
 //! Needs root (BPF and mount).
 
-#[path = "fixtures/frame.rs"]
-mod frame;
-#[path = "fixtures/harness.rs"]
-#[allow(dead_code)]
-mod harness;
-#[path = "fixtures/table.rs"]
-mod table;
+use testbed::fixtures::{frame, harness, table};
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -11,22 +11,7 @@
 //! rewritten packet goes on with TC_ACT_OK. The masquerade tests add the one route they need.
 //! Needs root (BPF, mount, unshare).
 
-#[allow(dead_code)]
-#[path = "fixtures/frame.rs"]
-mod frame;
-#[path = "fixtures/frame6.rs"]
-mod frame6;
-#[allow(dead_code)]
-#[path = "fixtures/harness.rs"]
-mod harness;
-#[path = "fixtures/harness6.rs"]
-mod harness6;
-#[path = "fixtures/icmp_quote.rs"]
-mod icmp_quote;
-#[path = "fixtures/netns.rs"]
-mod netns;
-#[path = "fixtures/table.rs"]
-mod table;
+use testbed::fixtures::{frame, frame6, harness, harness6, icmp_quote, netns, table};
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -22,17 +22,7 @@
 //! CHECKSUM_PARTIAL skb gets on its way out of a device without checksum offload) leaves the
 //! frame unchanged. Needs root (BPF and mount).
 
-#[allow(dead_code)]
-#[path = "fixtures/frame.rs"]
-mod frame;
-#[allow(dead_code)]
-#[path = "fixtures/harness.rs"]
-mod harness;
-#[path = "fixtures/icmp_quote.rs"]
-mod icmp_quote;
-#[allow(dead_code)]
-#[path = "fixtures/table.rs"]
-mod table;
+use testbed::fixtures::{frame, harness, icmp_quote, table};
 
 use anyhow::{bail, ensure, Context as _, Result};
 use aya::maps::{lpm_trie::Key, HashMap, LpmTrie, Map, MapData};

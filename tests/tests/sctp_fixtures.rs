@@ -23,29 +23,7 @@
 //! FIB lookups see no route and a rewritten packet goes on with TC_ACT_OK on every machine; the
 //! masquerade test adds the route toward the pods it needs. Needs root (BPF, mount, unshare).
 
-#[allow(dead_code)]
-#[path = "fixtures/frame.rs"]
-mod frame;
-#[allow(dead_code)]
-#[path = "fixtures/frame6.rs"]
-mod frame6;
-#[allow(dead_code)]
-#[path = "fixtures/harness.rs"]
-mod harness;
-#[allow(dead_code)]
-#[path = "fixtures/harness6.rs"]
-mod harness6;
-#[allow(dead_code)]
-#[path = "fixtures/icmp_error.rs"]
-mod icmp_error;
-#[allow(dead_code)]
-#[path = "fixtures/icmp_quote.rs"]
-mod icmp_quote;
-#[path = "fixtures/netns.rs"]
-mod netns;
-#[allow(dead_code)]
-#[path = "fixtures/table.rs"]
-mod table;
+use testbed::fixtures::{frame, frame6, harness, harness6, icmp_error, netns, table};
 
 use std::{
     collections::HashMap,

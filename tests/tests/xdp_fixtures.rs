@@ -7,12 +7,7 @@
 //! byte for byte with the frame a client would have sent straight to the backend, and its
 //! checksums are recomputed independently. Needs root (BPF, mount, netns).
 
-#[path = "fixtures/frame.rs"]
-#[allow(dead_code)]
-mod frame;
-#[path = "fixtures/harness.rs"]
-#[allow(dead_code)]
-mod harness;
+use testbed::fixtures::{frame, harness};
 
 use anyhow::{ensure, Context as _, Result};
 use aya::{
