@@ -58,8 +58,9 @@ impl fmt::Display for SyncReport {
     }
 }
 
-/// The dataplane an agent runs: `--proxy-mode` once `auto` is decided.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// The dataplane an agent runs: `--proxy-mode` once `auto` is decided. A value of a command
+/// line too (the conformance runner's `--mode`), named as `--proxy-mode` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
 pub enum Mode {
     /// BPF maps and TC/XDP/socket programs, vipr's own datapath.
     Ebpf,

@@ -4,25 +4,8 @@ use std::path::Path;
 
 use super::case::Node;
 
-/// The dataplane under test (`--proxy-mode`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    Ebpf,
-    Iptables,
-    Ipvs,
-    Nftables,
-}
-
-impl Mode {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Ebpf => "ebpf",
-            Self::Iptables => "iptables",
-            Self::Ipvs => "ipvs",
-            Self::Nftables => "nftables",
-        }
-    }
-}
+/// The dataplane under test (`--proxy-mode`): one of vipr's running modes.
+pub use vipr::dataplane::Mode;
 
 /// vipr's command line for a case:
 /// - `--node-name`: the recorded node name (decides endpoint locality);
