@@ -109,6 +109,40 @@ pub struct SyncStats {
     pub conntrack_deleted: usize,
 }
 
+/// When a netfilter dataplane's sync is full (every chain or set compared and rewritten): the
+/// first, the one after a failed sync, one asked for, and one every `period` even when partial
+/// syncs succeed, as kube-proxy's periodic full resyncs.
+#[derive(Clone, Debug)]
+pub(crate) struct FullSyncs {
+    period: Duration,
+    needed: bool,
+    last: Option<Instant>,
+}
+
+impl FullSyncs {
+    pub(crate) fn new(period: Duration) -> Self {
+        Self { period, needed: true, last: None }
+    }
+
+    /// Whether the next sync must be full.
+    pub(crate) fn due(&self) -> bool {
+        self.needed || self.last.is_none_or(|last| last.elapsed() >= self.period)
+    }
+
+    /// Makes the next sync full.
+    pub(crate) fn request(&mut self) {
+        self.needed = true;
+    }
+
+    /// A sync ended: `complete` when every family was programmed; `full` when it was full.
+    pub(crate) fn record(&mut self, complete: bool, full: bool) {
+        self.needed = !complete;
+        if complete && full {
+            self.last = Some(Instant::now());
+        }
+    }
+}
+
 pub struct IptablesDataplane {
     tools: Tools,
     options: IptablesOptions,
@@ -116,8 +150,7 @@ pub struct IptablesDataplane {
     families: Vec<Family>,
     /// What the last successful restore of each family made the kernel hold.
     programmed: BTreeMap<Family, Ruleset>,
-    need_full_sync: bool,
-    last_full_sync: Option<Instant>,
+    full_syncs: FullSyncs,
     /// The frontends of the last complete sync, to count changes and find stale conntrack.
     applied: BTreeMap<Frontend, FrontendEntry>,
     /// IPv6 failures already warned about when there is nothing IPv6 to program.
@@ -174,8 +207,7 @@ impl IptablesDataplane {
             options: options.clone(),
             families,
             programmed: BTreeMap::new(),
-            need_full_sync: true,
-            last_full_sync: None,
+            full_syncs: FullSyncs::new(options.full_sync_period),
             applied: BTreeMap::new(),
             warned_ipv6: false,
             last: SyncStats::default(),
@@ -197,7 +229,7 @@ impl IptablesDataplane {
 
     /// Forces the next sync to be full.
     pub fn request_full_sync(&mut self) {
-        self.need_full_sync = true;
+        self.full_syncs.request();
     }
 
     /// Removes vipr's and kube-proxy's iptables chains, and the jumps to them, from both
@@ -327,8 +359,7 @@ impl Dataplane for IptablesDataplane {
     /// chains of a service that did not change are left out by comparing their text.
     fn sync_changes(&mut self, state: &DesiredState, _changes: &StateChanges) -> anyhow::Result<SyncReport> {
         let started = Instant::now();
-        let full = self.need_full_sync
-            || self.last_full_sync.is_none_or(|last| last.elapsed() >= self.options.full_sync_period);
+        let full = self.full_syncs.due();
         let mut stats = SyncStats { full, ..SyncStats::default() };
         let mut report = SyncReport::default();
         let mut errors = Vec::new();
@@ -347,14 +378,7 @@ impl Dataplane for IptablesDataplane {
             }
         }
         let complete = errors.is_empty();
-        if complete {
-            self.need_full_sync = false;
-            if full {
-                self.last_full_sync = Some(Instant::now());
-            }
-        } else {
-            self.need_full_sync = true;
-        }
+        self.full_syncs.record(complete, full);
         if errors.len() == self.families.len() {
             let (_, error) = errors.swap_remove(0);
             self.last = stats;
@@ -531,6 +555,24 @@ mod tests {
         assert!(stale_udp(&after, &after, &all).is_empty());
         // A family that failed to program is left for later.
         assert!(stale_udp(&before, &after, &|_| false).is_empty());
+    }
+
+    #[test]
+    fn a_sync_is_full_at_first_after_a_failure_when_asked_and_every_period() {
+        let mut syncs = FullSyncs::new(Duration::from_secs(3600));
+        assert!(syncs.due(), "the first sync is full");
+        syncs.record(true, true);
+        assert!(!syncs.due(), "partial syncs follow a complete full one");
+        syncs.record(false, false);
+        assert!(syncs.due(), "a failed sync makes the next one full");
+        syncs.record(true, true);
+        syncs.request();
+        assert!(syncs.due(), "asked for");
+        syncs.record(true, true);
+        assert!(!syncs.due(), "the full sync asked for is done");
+        let mut every_time = FullSyncs::new(Duration::ZERO);
+        every_time.record(true, true);
+        assert!(every_time.due(), "the period has passed");
     }
 
     #[test]

@@ -115,8 +115,7 @@ pub struct NftablesDataplane {
     families: Vec<Family>,
     /// What the last successful batch of each family made the kernel hold.
     programmed: BTreeMap<Family, Ruleset>,
-    need_full_sync: bool,
-    last_full_sync: Option<Instant>,
+    full_syncs: iptables::FullSyncs,
     /// The generation of the state the last complete sync programmed, when it was given one
     /// (`sync_changes`): changes since then may be applied alone.
     synced: Option<u64>,
@@ -276,8 +275,7 @@ impl NftablesDataplane {
             options: options.clone(),
             families,
             programmed: BTreeMap::new(),
-            need_full_sync: true,
-            last_full_sync: None,
+            full_syncs: iptables::FullSyncs::new(options.full_sync_period),
             synced: None,
             applied: BTreeMap::new(),
             warned_ipv6: false,
@@ -305,7 +303,7 @@ impl NftablesDataplane {
 
     /// Forces the next sync to be full.
     pub fn request_full_sync(&mut self) {
-        self.need_full_sync = true;
+        self.full_syncs.request();
     }
 
     /// Removes vipr's nftables tables (`--cleanup`, and a start in another mode). Only
@@ -496,8 +494,7 @@ impl NftablesDataplane {
         changes: Option<&StateChanges>,
     ) -> anyhow::Result<SyncReport> {
         let started = Instant::now();
-        let full = self.need_full_sync
-            || self.last_full_sync.is_none_or(|last| last.elapsed() >= self.options.full_sync_period);
+        let full = self.full_syncs.due();
         let generation = changes.map(|changes| changes.generation);
         let changes = changes.filter(|changes| {
             changes.since.is_some() && changes.since == self.synced && !changes.classifiers
@@ -519,14 +516,9 @@ impl NftablesDataplane {
                 Err(error) => errors.push((family, error)),
             }
         }
+        self.full_syncs.record(errors.is_empty(), full);
         if errors.is_empty() {
-            self.need_full_sync = false;
             self.synced = generation;
-            if full {
-                self.last_full_sync = Some(Instant::now());
-            }
-        } else {
-            self.need_full_sync = true;
         }
         if errors.len() == self.families.len() {
             let (_, error) = errors.swap_remove(0);
