@@ -335,23 +335,21 @@ pub fn status_kib(field: &str) -> Result<u64> {
 
 /// User and system CPU time of this process so far, in milliseconds.
 pub fn cpu_ms() -> (f64, f64) {
-    // SAFETY: getrusage fills the struct it is given.
-    let usage = unsafe {
-        let mut usage: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
-        usage
-    };
-    let ms = |tv: libc::timeval| tv.tv_sec as f64 * 1e3 + tv.tv_usec as f64 / 1e3;
-    (ms(usage.ru_utime), ms(usage.ru_stime))
+    rusage_ms(libc::RUSAGE_SELF)
 }
 
 /// User and system CPU time of this process's waited-for children so far (the `nft`
 /// processes a dataplane ran), in milliseconds.
 pub fn children_cpu_ms() -> (f64, f64) {
+    rusage_ms(libc::RUSAGE_CHILDREN)
+}
+
+/// `getrusage(who)`'s user and system time, in milliseconds.
+fn rusage_ms(who: libc::c_int) -> (f64, f64) {
     // SAFETY: getrusage fills the struct it is given.
     let usage = unsafe {
         let mut usage: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage);
+        libc::getrusage(who, &mut usage);
         usage
     };
     let ms = |tv: libc::timeval| tv.tv_sec as f64 * 1e3 + tv.tv_usec as f64 / 1e3;
