@@ -75,6 +75,11 @@ impl Node {
     pub fn maps(&self) -> PinnedMaps {
         PinnedMaps::new(self.bpffs.path())
     }
+
+    /// This node's vipr's `--bpf-root`.
+    pub fn bpf_root(&self) -> &Path {
+        self.bpffs.path()
+    }
 }
 
 pub struct ClusterLab {
