@@ -53,7 +53,7 @@ use super::{
     load::{self, Outcome, Traffic},
     meta::RunMeta,
     stats::Summary,
-    sys::{BpfMount, PrivateCgroup},
+    sys::{BpfMount, PrivateCgroup, XdpCountDrop},
 };
 
 const LABEL: &str = "vb-e2e";
@@ -419,6 +419,10 @@ pub struct Cell {
     /// The frame stream (the packet stream's datagrams injected as frames).
     #[serde(default)]
     pub frames: Option<Stream>,
+    /// The frame stream again, counted and dropped by XDP programs on the backends' veths
+    /// instead of delivered to sockets: the node's own cost (issue 16).
+    #[serde(default)]
+    pub dropped_frames: Option<Stream>,
     /// XDP cells: the XDP mode vipr attached in ("native", or "generic" after a fallback).
     #[serde(default)]
     pub xdp_attached: Option<String>,
@@ -557,6 +561,7 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
             measurements,
             stream: summarize_stream(lab.mode, &streams[0]),
             frames: summarize_stream(lab.mode, &streams[1]),
+            dropped_frames: summarize_stream(lab.mode, &streams[2]),
             xdp_attached: lab.programs.as_ref().and_then(|programs| programs.xdp_mode.clone()),
             notes,
         });
@@ -600,16 +605,19 @@ enum Source {
     Sockets,
     /// The same as Ethernet frames injected into its veth.
     Frames,
+    /// Those frames, counted and dropped at the backends' veths by an XDP program.
+    DroppedFrames,
 }
 
 impl Source {
-    /// In the order of `Cell::stream`, `Cell::frames`.
-    const ALL: [Self; 2] = [Self::Sockets, Self::Frames];
+    /// In the order of `Cell::stream`, `Cell::frames`, `Cell::dropped_frames`.
+    const ALL: [Self; 3] = [Self::Sockets, Self::Frames, Self::DroppedFrames];
 
     fn label(self) -> &'static str {
         match self {
             Self::Sockets => "packet stream",
             Self::Frames => "frame stream",
+            Self::DroppedFrames => "frame stream into drop sinks",
         }
     }
 }
@@ -696,6 +704,26 @@ struct Lab {
     /// ebpf cells: vipr's programs, whose run counts each measurement records.
     programs: Option<Programs>,
     frames: FrameSource,
+    drop_sink: DropSink,
+}
+
+/// The XDP count-and-drop program for the backends' veths, pinned where `ip link` can attach
+/// it for one measurement at a time.
+struct DropSink {
+    sink: XdpCountDrop,
+    pin: PathBuf,
+    // Unmounted (the pin gone) after the program's descriptor above.
+    _bpffs: BpfMount,
+}
+
+impl DropSink {
+    fn new() -> Result<Self> {
+        let sink = XdpCountDrop::load(STREAM_TARGET_PORT)?;
+        let bpffs = BpfMount::new()?;
+        let pin = bpffs.path().join("drop");
+        sink.pin(&pin)?;
+        Ok(Self { sink, pin, _bpffs: bpffs })
+    }
 }
 
 /// The frame stream's frames (one per flow) and the external client's device they go out of.
@@ -868,6 +896,7 @@ impl Lab {
             sync_ms,
             programs,
             frames,
+            drop_sink: DropSink::new()?,
         };
         for kind in Kind::ALL.into_iter().filter(|&kind| mode.measures(kind)) {
             let netns = lab.source(kind)?;
@@ -922,16 +951,31 @@ impl Lab {
         let cpu_before = CpuTimes::read()?;
         let sinks_before = self.sink_cpu_ns();
         let ksoftirqd_before = ksoftirqd_cpu_ns();
+        let dropping = source == Source::DroppedFrames;
+        if dropping {
+            self.attach_drop_sinks(true)?;
+        }
+        let dropped_before = self.drop_sink.sink.count()?;
         let sent = ext.run(|| match source {
             Source::Sockets => load::stream(target, settings.stream_flows, settings.stream_senders, duration),
-            Source::Frames => load::inject(&self.frames.frames, self.frames.ifindex, duration),
-        })?;
+            Source::Frames | Source::DroppedFrames => {
+                load::inject(&self.frames.frames, self.frames.ifindex, duration)
+            }
+        });
+        if dropping {
+            self.attach_drop_sinks(false)?;
+        }
+        let sent = sent?;
         let cpu = CpuTimes::read()?.share_since(&cpu_before);
         let ksoftirqd_cpu_ns = ksoftirqd_cpu_ns().saturating_sub(ksoftirqd_before);
         // The last batches are still on their way through the node and the sinks' queues.
         std::thread::sleep(Duration::from_millis(50));
         let sink_cpu_ns = self.sink_cpu_ns().saturating_sub(sinks_before);
-        let delivered = self.delivered() - delivered_before;
+        let delivered = if dropping {
+            self.drop_sink.sink.count()?.saturating_sub(dropped_before)
+        } else {
+            self.delivered() - delivered_before
+        };
         let bpf = self.bpf_runs()?.zip(bpf_before).map(|(after, before)| after.since(before));
         let rcvbuf_drops = self.rcvbuf_errors()?.saturating_sub(drops_before);
         if delivered == 0 {
@@ -959,6 +1003,21 @@ impl Lab {
 
     fn delivered(&self) -> u64 {
         self.sinks.iter().map(load::Sink::received).sum()
+    }
+
+    /// Puts the drop sink on every backend's veth (native XDP), or takes it off.
+    fn attach_drop_sinks(&self, on: bool) -> Result<()> {
+        let pin = self.drop_sink.pin.to_string_lossy().into_owned();
+        for i in 0..BACKENDS {
+            let netns = &self.topology.leaf(&format!("b{i}"))?.netns;
+            let args: Vec<&str> = if on {
+                vec!["link", "set", "dev", LEAF_INTERFACE, "xdpdrv", "pinned", &pin]
+            } else {
+                vec!["link", "set", "dev", LEAF_INTERFACE, "xdpdrv", "off"]
+            };
+            netns.ip(&args).with_context(|| format!("the drop sink on backend b{i}"))?;
+        }
+        Ok(())
     }
 
     fn sink_cpu_ns(&self) -> u64 {

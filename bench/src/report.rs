@@ -460,7 +460,37 @@ fn e2e_targets(results: Option<&e2e::Results>) -> Vec<Target> {
             results.and_then(xdp_stream_ratio),
             2.0,
         ),
+        at_least(
+            "e2e: the node's own cost: XDP ≥ 2× TC packets per CPU-second (frames into XDP drop sinks at the backends)",
+            results.and_then(xdp_node_cost_ratio),
+            2.0,
+        ),
     ]
+}
+
+/// Issue 16: the frame stream counted and dropped at the backends' veths, so no socket or
+/// receive path of theirs is in it: TC's CPU time per packet over XDP's (the worst over the
+/// services axis), with the rates beside it.
+fn xdp_node_cost_ratio(results: &e2e::Results) -> Option<(f64, String)> {
+    let points: Vec<(usize, f64, f64)> = results
+        .settings
+        .services_axis
+        .iter()
+        .filter_map(|&services| {
+            let of = |mode| results.cell(mode, services)?.dropped_frames.as_ref();
+            let (tc, xdp) = (of(e2e::Mode::Ebpf)?, of(e2e::Mode::EbpfXdp)?);
+            let (tc_ns, xdp_ns) =
+                (tc.cpu_ns_per_packet.as_ref()?.median, xdp.cpu_ns_per_packet.as_ref()?.median);
+            (xdp_ns > 0.0 && tc.delivered.median > 0.0)
+                .then(|| (services, tc_ns / xdp_ns, xdp.delivered.median / tc.delivered.median))
+        })
+        .collect();
+    let &(services, worst, _) = points.iter().min_by(|a, b| a.1.total_cmp(&b.1))?;
+    let all: Vec<String> = points
+        .iter()
+        .map(|(s, cost, rate)| format!("{}: {cost:.2}× per CPU, {rate:.2}× packets/s", short(*s)))
+        .collect();
+    Some((worst, format!("{worst:.2}× at {} (by services: {})", plural(services, "service"), all.join("; "))))
 }
 
 /// The packet stream's XDP ÷ TC rate at each number of services (medians, same run).
@@ -1034,6 +1064,17 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
          receives as from a NIC's driver (no skb, no sending socket)",
         |cell| cell.frames.as_ref(),
     );
+    render_stream_table(
+        w,
+        results,
+        &modes,
+        &hook_label,
+        "NodePort frame stream into drop sinks (packets/s counted at the backends' veths)",
+        "the frame stream again, counted and dropped by an XDP program on each backend's veth instead of \
+         delivered to sockets, so that a packet's CPU time is the generator's and the node's (issue 16: the \
+         node's own cost)",
+        |cell| cell.dropped_frames.as_ref(),
+    );
     let _ = writeln!(
         w,
         "*hook*: where the node handles the packets from the client: vipr's TC ingress program, its XDP \
@@ -1251,6 +1292,13 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
          call, one flow's frame per call in turn, redirected out of the client's veth. It writes the \
          headers into every frame, since the kernel recycles the frames' pages without restoring what \
          the node's NAT rewrote. *sent* counts the frames generated.\n\
+         - The frame stream into drop sinks (issue 16): the same frames, and for the measurement an XDP \
+         program of the suite's own (raw instructions) on each backend's veth counts the stream's \
+         datagrams in a per-CPU array and drops them (`ip link set ... xdpdrv pinned`, taken off after). \
+         No socket, sink thread or receive path of the backends is in it: a packet's CPU time is the \
+         generator's and the node's (and the drop program's, the same in every cell). On veth the TC \
+         path still pays one thing a NIC would not: the backend's veth hands its XDP program an skb \
+         turned into a frame.\n\
          - The packet stream's sinks have 16 MiB receive buffers (`SO_RCVBUFFORCE`) and the backends' \
          UDP RcvbufErrors are read, so losses at the sinks show apart from the node's. Delivered counts \
          include what was still in flight 50 ms after the sender stopped.\n\

@@ -246,31 +246,8 @@ impl FloorProgram {
         let map = unsafe { bpf(cmd::MAP_CREATE, &mut attr) }
             .and_then(bpf_sys::owned_fd)
             .context("creating the floor program's map")?;
-        let insns = floor_instructions(map.as_raw_fd());
-        let license = c"GPL";
-        let mut name = [0u8; 16];
-        name[..11].copy_from_slice(b"bench_floor");
-        let mut log = vec![0u8; 64 * 1024];
-        let mut attr = ProgLoadAttr {
-            prog_type: BPF_PROG_TYPE_SCHED_CLS,
-            insn_cnt: insns.len() as u32,
-            insns: insns.as_ptr() as u64,
-            license: license.as_ptr() as u64,
-            log_level: 1,
-            log_size: log.len() as u32,
-            log_buf: log.as_mut_ptr() as u64,
-            prog_name: name,
-            ..ProgLoadAttr::default()
-        };
-        // SAFETY: the instructions, license, name and log buffer outlive the call.
         let program =
-            unsafe { bpf(cmd::PROG_LOAD, &mut attr) }.and_then(bpf_sys::owned_fd).map_err(|error| {
-                let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
-                anyhow::anyhow!(
-                    "loading the floor program: {error}\n{}",
-                    String::from_utf8_lossy(&log[..end])
-                )
-            })?;
+            load_raw_program(BPF_PROG_TYPE_SCHED_CLS, "bench_floor", &floor_instructions(map.as_raw_fd()))?;
         Ok(Self { program, map })
     }
 
@@ -295,6 +272,154 @@ impl FloorProgram {
         value[8..12].copy_from_slice(&ifindex.to_ne_bytes());
         bpf_sys::update(self.map.as_fd(), &key, &value, 0).context("filling the floor program's map")
     }
+}
+
+/// Loads a program from raw instructions; the verifier's log is in the error.
+fn load_raw_program(prog_type: u32, name: &str, insns: &[u64]) -> Result<OwnedFd> {
+    let license = c"GPL";
+    let mut prog_name = [0u8; 16];
+    let len = name.len().min(15);
+    prog_name[..len].copy_from_slice(&name.as_bytes()[..len]);
+    let mut log = vec![0u8; 64 * 1024];
+    let mut attr = ProgLoadAttr {
+        prog_type,
+        insn_cnt: insns.len() as u32,
+        insns: insns.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        log_level: 1,
+        log_size: log.len() as u32,
+        log_buf: log.as_mut_ptr() as u64,
+        prog_name,
+        ..ProgLoadAttr::default()
+    };
+    // SAFETY: the instructions, license, name and log buffer outlive the call.
+    unsafe { bpf(cmd::PROG_LOAD, &mut attr) }.and_then(bpf_sys::owned_fd).map_err(|error| {
+        let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+        anyhow::anyhow!("loading the {name} program: {error}\n{}", String::from_utf8_lossy(&log[..end]))
+    })
+}
+
+/// A sink for the e2e suite's frame stream that only counts: an XDP program for a backend's
+/// veth that counts the UDP datagrams to one port in a per-CPU array and drops them, and
+/// passes everything else. With it at the backends, no socket, skb or receive path of theirs
+/// is in the measurement, so what a packet costs is the sender's and the node's work (issue
+/// 16: the node's own cost with XDP against TC).
+pub struct XdpCountDrop {
+    program: OwnedFd,
+    map: OwnedFd,
+}
+
+impl XdpCountDrop {
+    pub fn load(udp_port: u16) -> Result<Self> {
+        const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+        const BPF_PROG_TYPE_XDP: u32 = 6;
+        let mut attr = bpf_sys::MapCreateAttr {
+            map_type: BPF_MAP_TYPE_PERCPU_ARRAY,
+            key_size: 4,
+            value_size: 8,
+            max_entries: 1,
+            map_flags: 0,
+        };
+        // SAFETY: a plain attribute struct, read by the kernel during the call.
+        let map = unsafe { bpf(cmd::MAP_CREATE, &mut attr) }
+            .and_then(bpf_sys::owned_fd)
+            .context("creating the drop sink's counter")?;
+        let insns = count_drop_instructions(map.as_raw_fd(), udp_port);
+        let program = load_raw_program(BPF_PROG_TYPE_XDP, "bench_drop", &insns)?;
+        Ok(Self { program, map })
+    }
+
+    /// Pins the program at `path` (in a bpffs), for `ip link set ... xdpdrv pinned`.
+    pub fn pin(&self, path: &Path) -> Result<()> {
+        /// `BPF_OBJ_PIN`'s attributes.
+        #[repr(C)]
+        struct ObjPinAttr {
+            pathname: u64,
+            bpf_fd: u32,
+            file_flags: u32,
+        }
+        const BPF_OBJ_PIN: libc::c_long = 6;
+        let path_c = c_path(path)?;
+        let mut attr = ObjPinAttr {
+            pathname: path_c.as_ptr() as u64,
+            bpf_fd: self.program.as_raw_fd() as u32,
+            file_flags: 0,
+        };
+        // SAFETY: the path outlives the call.
+        unsafe { bpf(BPF_OBJ_PIN, &mut attr) }
+            .with_context(|| format!("pinning the drop sink at {}", path.display()))?;
+        Ok(())
+    }
+
+    /// Datagrams counted and dropped so far, all CPUs.
+    pub fn count(&self) -> Result<u64> {
+        let cpus = aya::util::nr_cpus().map_err(|(what, error)| anyhow::anyhow!("{what}: {error}"))?;
+        let mut values = vec![0u8; 8 * cpus];
+        bpf_sys::lookup(self.map.as_fd(), &0u32.to_ne_bytes(), &mut values)
+            .context("reading the drop sink's counter")?;
+        Ok(values.chunks_exact(8).map(|value| u64::from_ne_bytes(value.try_into().expect("8 bytes"))).sum())
+    }
+}
+
+/// The drop sink's instructions (see [`XdpCountDrop`]).
+fn count_drop_instructions(map_fd: i32, udp_port: u16) -> Vec<u64> {
+    const LDX_W: u8 = 0x61;
+    const LDX_H: u8 = 0x69;
+    const LDX_B: u8 = 0x71;
+    const LDX_DW: u8 = 0x79;
+    const STX_DW: u8 = 0x7b;
+    const ST_W: u8 = 0x62;
+    const MOV_K: u8 = 0xb7;
+    const MOV_X: u8 = 0xbf;
+    const ADD_K: u8 = 0x07;
+    const JGT_X: u8 = 0x2d;
+    const JNE_K: u8 = 0x55;
+    const JEQ_K: u8 = 0x15;
+    const CALL: u8 = 0x85;
+    const EXIT: u8 = 0x95;
+    const LD_IMM64: u8 = 0x18;
+    const PSEUDO_MAP_FD: u8 = 1;
+    const MAP_LOOKUP_ELEM: i32 = 1;
+    const XDP_DROP: i32 = 1;
+    const XDP_PASS: i32 = 2;
+    let (r0, r1, r2, r3, r4, r5, fp) = (0, 1, 2, 3, 4, 5, 10);
+    // The port as it lies in the packet (network order), read as a little-endian half word.
+    let port = i32::from(u16::from_le_bytes(udp_port.to_be_bytes()));
+    let mut code = vec![
+        insn(LDX_W, r2, r1, 0, 0), // xdp_md.data
+        insn(LDX_W, r3, r1, 4, 0), // xdp_md.data_end
+        insn(MOV_X, r4, r2, 0, 0),
+        insn(ADD_K, r4, 0, 0, 42), // Ethernet, IPv4 without options, UDP
+        insn(JGT_X, r4, r3, 0, 0), // 4: short: pass
+        insn(LDX_H, r5, r2, 12, 0),
+        insn(JNE_K, r5, 0, 0, 0x0008), // 6: not IPv4
+        insn(LDX_B, r5, r2, 14, 0),
+        insn(JNE_K, r5, 0, 0, 0x45), // 8: IPv4 options
+        insn(LDX_B, r5, r2, 23, 0),
+        insn(JNE_K, r5, 0, 0, 17), // 10: not UDP
+        insn(LDX_H, r5, r2, 36, 0),
+        insn(JNE_K, r5, 0, 0, port), // 12: another port
+        insn(ST_W, fp, 0, -4, 0),
+        insn(LD_IMM64, r1, PSEUDO_MAP_FD, 0, map_fd),
+        0,
+        insn(MOV_X, r2, fp, 0, 0),
+        insn(ADD_K, r2, 0, 0, -4),
+        insn(CALL, 0, 0, 0, MAP_LOOKUP_ELEM),
+        insn(JEQ_K, r0, 0, 0, 0), // 19
+        insn(LDX_DW, r1, r0, 0, 0),
+        insn(ADD_K, r1, 0, 0, 1),
+        insn(STX_DW, r0, r1, 0, 0),
+        insn(MOV_K, r0, 0, 0, XDP_DROP),
+        insn(EXIT, 0, 0, 0, 0),
+    ];
+    let pass = code.len();
+    code.push(insn(MOV_K, r0, 0, 0, XDP_PASS));
+    code.push(insn(EXIT, 0, 0, 0, 0));
+    for at in [4, 6, 8, 10, 12, 19] {
+        let off = (pass - at - 1) as i16;
+        code[at] |= u64::from(off as u16) << 16;
+    }
+    code
 }
 
 /// One instruction: `struct bpf_insn { u8 code; u8 dst:4, src:4; s16 off; s32 imm; }`.
@@ -606,7 +731,7 @@ mod tests {
     use std::net::Ipv4Addr;
 
     use super::*;
-    use crate::frame;
+    use crate::{frame, load};
 
     /// The floor does the rewrite it stands for: the frame it returns is, byte for byte, the
     /// one a client would have sent to the new destination (checksums included), and a packet
@@ -633,5 +758,26 @@ mod tests {
         let run = test_run(floor.program.as_fd(), &other, &mut out, 1).unwrap();
         assert_eq!(run.verdict, 0, "TC_ACT_OK");
         assert_eq!(out[..run.out_len], other[..]);
+    }
+
+    /// The drop sink drops and counts the stream's datagrams, and passes anything else.
+    #[test]
+    fn the_drop_sink_counts_and_drops_the_stream_and_passes_the_rest() {
+        let sink = XdpCountDrop::load(5454).expect("loading the drop sink");
+        let udp = |port| {
+            let src = std::net::SocketAddrV4::new(Ipv4Addr::new(192, 168, 77, 2), 40_000);
+            let dst = std::net::SocketAddrV4::new(Ipv4Addr::new(10, 1, 0, 2), port);
+            load::udp_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], src, dst)
+        };
+        let mut out = vec![0u8; 256];
+        const XDP_DROP: u32 = 1;
+        const XDP_PASS: u32 = 2;
+        for _ in 0..3 {
+            assert_eq!(test_run(sink.program.as_fd(), &udp(5454), &mut out, 1).unwrap().verdict, XDP_DROP);
+        }
+        assert_eq!(test_run(sink.program.as_fd(), &udp(53), &mut out, 1).unwrap().verdict, XDP_PASS);
+        let tcp = frame::tcp((Ipv4Addr::new(10, 1, 0, 1), 5454), (Ipv4Addr::new(10, 1, 0, 2), 5454));
+        assert_eq!(test_run(sink.program.as_fd(), &tcp, &mut out, 1).unwrap().verdict, XDP_PASS);
+        assert_eq!(sink.count().unwrap(), 3);
     }
 }
