@@ -6,7 +6,7 @@ use std::{
     collections::BTreeMap,
     fmt,
     io::{BufRead, BufReader, Write},
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     str::FromStr,
     time::Duration,
 };
@@ -130,7 +130,9 @@ pub fn tcp_exchange(dst: SocketAddr, timeout: Duration) -> Result<Exchange> {
 
 /// One datagram to `dst` from a fresh socket, and its reply.
 pub fn udp_exchange(dst: SocketAddr, timeout: Duration) -> Result<Exchange> {
-    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    // The unspecified address of the destination's family.
+    let any: IpAddr = if dst.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+    let socket = UdpSocket::bind((any, 0))?;
     socket.set_read_timeout(Some(timeout))?;
     socket.send_to(b"who are you?", dst).with_context(|| format!("cannot send to {dst}"))?;
     let mut reply = [0u8; 1500];

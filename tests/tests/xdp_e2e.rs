@@ -17,11 +17,14 @@
 //! Without `--xdp`, vipr must leave every veth to TC; that test gives vipr a sysfs of the node
 //! namespace, which it judges devices by.
 //!
+//! The same lab with IPv6 addresses on every link and an IPv6 NodePort service shows XDP's
+//! IPv6 path end to end: the external client's IPv6 TCP and UDP go through `vipr_xdp`.
+//!
 //! Needs root and a built vipr (`cargo build -p proxy-userspace`, or VIPR_BIN).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -29,8 +32,8 @@ use std::{
 use anyhow::{ensure, Context as _, Result};
 use serde_json::json;
 use testbed::{
-    count_by_backend, exchanges, locate_vipr, udp_exchange, wait_for, write_atomically, BpfFs, Check,
-    EchoServer, Exchange, Frontend, LeafSpec, Netns, PinnedMaps, Protocol, Topology, Vipr, WorkDir,
+    count_by_backend, exchanges, locate_vipr, tcp_exchange, udp_exchange, wait_for, write_atomically, BpfFs,
+    Check, EchoServer, Exchange, Frontend, LeafSpec, Netns, PinnedMaps, Protocol, Topology, Vipr, WorkDir,
 };
 
 /// Bound on every connect, request and reply.
@@ -70,6 +73,59 @@ fn backend_addr(name: &str) -> Ipv4Addr {
 fn node_addr_toward(backend: &str) -> Ipv4Addr {
     let [a, b, c, _] = backend_addr(backend).octets();
     Ipv4Addr::new(a, b, c, 1)
+}
+
+/// The external client's and the node's IPv6 addresses on their link (the IPv6 lab).
+const EXTERNAL6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 2);
+const NODE_EXTERNAL6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 1);
+/// The IPv6 NodePort service's ports (externalTrafficPolicy Cluster, every backend).
+const TCP_NODE_PORT6: u16 = 30090;
+const UDP_NODE_PORT6: u16 = 30091;
+
+/// `backend`'s IPv6 address in the IPv6 lab: `fd00:<leaf index + 1>::2`.
+fn backend_addr6(lab: &XdpLab, backend: &str) -> Result<Ipv6Addr> {
+    let index = lab
+        .topology
+        .leaves()
+        .iter()
+        .position(|leaf| leaf.spec.name == backend)
+        .with_context(|| format!("no leaf {backend}"))?;
+    Ok(Ipv6Addr::new(0xfd00, u16::try_from(index + 1)?, 0, 0, 0, 0, 0, 2))
+}
+
+/// An IPv6 NodePort service with a TCP and a UDP port, its endpoints every backend.
+fn manifests6(lab: &XdpLab) -> Result<String> {
+    let service = json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "cluster6", "namespace": "default"},
+        "spec": {
+            "type": "NodePort", "clusterIP": "fd00:96::10", "clusterIPs": ["fd00:96::10"],
+            "ipFamilies": ["IPv6"], "ipFamilyPolicy": "SingleStack",
+            "ports": [
+                {"name": "tcp", "protocol": "TCP", "port": 80, "targetPort": TCP_TARGET, "nodePort": TCP_NODE_PORT6},
+                {"name": "udp", "protocol": "UDP", "port": 53, "targetPort": UDP_TARGET, "nodePort": UDP_NODE_PORT6},
+            ],
+        }
+    });
+    let endpoints = BACKENDS
+        .iter()
+        .map(|backend| {
+            Ok(json!({"addresses": [backend_addr6(lab, backend)?.to_string()], "conditions": {"ready": true},
+                      "nodeName": NODE_NAME}))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let slice = json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "cluster6-1", "namespace": "default",
+                     "labels": {"kubernetes.io/service-name": "cluster6"}},
+        "addressType": "IPv6",
+        "ports": [
+            {"name": "tcp", "protocol": "TCP", "port": TCP_TARGET},
+            {"name": "udp", "protocol": "UDP", "port": UDP_TARGET},
+        ],
+        "endpoints": endpoints,
+    });
+    Ok(format!("{service}\n---\n{slice}\n---\n"))
 }
 
 /// The NodePorts of the lab's two services.
@@ -164,6 +220,8 @@ struct XdpLab {
     // the namespaces, the bpffs, the scratch directory.
     vipr: Option<Vipr>,
     _servers: Vec<EchoServer>,
+    /// The IPv6 lab's servers on the backends' IPv6 addresses (see [`XdpLab::with_ipv6`]).
+    servers6: Vec<EchoServer>,
     topology: Topology,
     bpffs: BpfFs,
     workdir: WorkDir,
@@ -193,7 +251,43 @@ impl XdpLab {
             })
             .collect::<Result<_>>()?;
         let log = workdir.path().join("vipr.log");
-        Ok(Self { vipr: None, _servers: servers, topology, bpffs, workdir, log })
+        Ok(Self { vipr: None, _servers: servers, servers6: Vec::new(), topology, bpffs, workdir, log })
+    }
+
+    /// Gives every link of the lab IPv6 addresses too (`fd00:77::1/64` toward the external
+    /// client, `fd00:<i>::1/64` toward the others, the leaf at `::2`), with the leaves' default
+    /// routes through the node, and starts echo servers on the backends' IPv6 addresses. vipr
+    /// then also serves [`manifests6`] on the node's external IPv6 address.
+    fn with_ipv6(mut self) -> Result<Self> {
+        self.node().set_sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        for (index, leaf) in self.topology.leaves().iter().enumerate() {
+            let (node, own) = if leaf.spec.name == "ext" {
+                (NODE_EXTERNAL6.to_string(), EXTERNAL6.to_string())
+            } else {
+                (format!("fd00:{}::1", index + 1), format!("fd00:{}::2", index + 1))
+            };
+            let node_interface = leaf.spec.node_interface.as_str();
+            // No duplicate address detection: the addresses are usable at once.
+            self.node().ip(&["-6", "addr", "add", &format!("{node}/64"), "dev", node_interface, "nodad"])?;
+            leaf.netns.ip(&["-6", "addr", "add", &format!("{own}/64"), "dev", "eth0", "nodad"])?;
+            leaf.netns.ip(&["-6", "route", "add", "default", "via", &node])?;
+        }
+        for backend in BACKENDS {
+            let netns = &self.topology.leaf(backend)?.netns;
+            let addr = IpAddr::V6(backend_addr6(&self, backend)?);
+            let server = EchoServer::start(
+                netns,
+                backend,
+                &[(addr, TCP_TARGET).into()],
+                &[(addr, UDP_TARGET).into()],
+            )?;
+            self.servers6.push(server);
+        }
+        Ok(self)
+    }
+
+    fn has_ipv6(&self) -> bool {
+        !self.servers6.is_empty()
     }
 
     fn node(&self) -> &Netns {
@@ -214,7 +308,16 @@ impl XdpLab {
     /// `bus`), not all of /sys, which would hide the cgroup2 mount vipr attaches to.
     fn start_vipr(&mut self, xdp: Option<&str>, own_sysfs: bool) -> Result<()> {
         let services = self.workdir.path().join("services.yaml");
-        write_atomically(&services, &manifests())?;
+        let mut manifests = manifests();
+        if self.has_ipv6() {
+            manifests.push_str(&manifests6(self)?);
+        }
+        write_atomically(&services, &manifests)?;
+        let node_port_addresses = if self.has_ipv6() {
+            format!("--nodeport-addresses={NODE_EXTERNAL}/32,{NODE_EXTERNAL6}/128")
+        } else {
+            format!("--nodeport-addresses={NODE_EXTERNAL}/32")
+        };
         let mut args = vec![
             "--proxy-mode=ebpf".to_owned(),
             format!("--services-file={}", services.display()),
@@ -222,7 +325,7 @@ impl XdpLab {
             format!("--devices={}", self.topology.node_interfaces().join(",")),
             format!("--bpf-root={}", self.bpffs.path().display()),
             format!("--cluster-cidr={CLUSTER_CIDR}"),
-            format!("--nodeport-addresses={NODE_EXTERNAL}/32"),
+            node_port_addresses,
             "--healthz-bind-address=".to_owned(),
             "--metrics-bind-address=".to_owned(),
             "-v".to_owned(),
@@ -273,6 +376,17 @@ impl XdpLab {
         for backend in BACKENDS {
             let backend = SocketAddr::from((backend_addr(backend), UDP_TARGET));
             self.node().run(|| udp_exchange(backend, TIMEOUT))?;
+        }
+        if self.has_ipv6() {
+            for backend in BACKENDS {
+                let backend = SocketAddr::from((backend_addr6(self, backend)?, UDP_TARGET));
+                wait_for(&format!("{backend} to answer the node"), PROGRAMMING_TIMEOUT, || {
+                    Ok(match self.node().run(|| udp_exchange(backend, TIMEOUT)) {
+                        Ok(_) => Check::Done(()),
+                        Err(error) => Check::NotYet(format!("{error:#}")),
+                    })
+                })?;
+            }
         }
         Ok(())
     }
@@ -335,6 +449,19 @@ impl XdpLab {
     }
 }
 
+/// How many UDP datagrams over IPv6 the namespace has sent (`Udp6OutDatagrams`; TCP's
+/// counters in /proc/net/snmp count both families' segments).
+fn sent_udp6(netns: &Netns) -> Result<u64> {
+    let snmp6 = netns.run(|| Ok(std::fs::read_to_string("/proc/thread-self/net/snmp6")?))?;
+    snmp6
+        .lines()
+        .find_map(|line| line.strip_prefix("Udp6OutDatagrams"))
+        .context("no Udp6OutDatagrams in snmp6")?
+        .trim()
+        .parse()
+        .context("a counter")
+}
+
 /// How many segments or datagrams of `protocol` the namespace has sent.
 fn sent(netns: &Netns, protocol: Protocol) -> Result<u64> {
     let (section, field) = match protocol {
@@ -377,13 +504,22 @@ fn all_redirected_by_xdp(
     protocol: Protocol,
     traffic: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
+    all_counted_redirected_by_xdp(lab, protocol, |ext| sent(ext, protocol), traffic)
+}
+
+/// [`all_redirected_by_xdp`] with the client's packets counted by `sent`.
+fn all_counted_redirected_by_xdp(
+    lab: &XdpLab,
+    protocol: Protocol,
+    sent: impl Fn(&Netns) -> Result<u64>,
+    traffic: impl FnOnce() -> Result<()>,
+) -> Result<()> {
     let ext = lab.leaf("ext");
-    let (sent_before, redirected_before) =
-        (sent(ext, protocol)?, xdp_counter(lab.node(), "to-ext", "xdp_redirect")?);
+    let (sent_before, redirected_before) = (sent(ext)?, xdp_counter(lab.node(), "to-ext", "xdp_redirect")?);
     traffic()?;
     // The last ACKs of a closed connection may still be on their way.
     wait_for(&format!("every {protocol} packet of the client to be redirected by XDP"), SETTLE, || {
-        let sent = sent(ext, protocol)? - sent_before;
+        let sent = sent(ext)? - sent_before;
         let redirected = xdp_counter(lab.node(), "to-ext", "xdp_redirect")? - redirected_before;
         eprintln!("{protocol}: the client sent {sent}, XDP redirected {redirected}");
         Ok(if sent > 0 && redirected == sent {
@@ -567,4 +703,53 @@ mod ethtool {
             })
             .collect())
     }
+}
+
+/// XDP's IPv6 path in the real agent: the external client's TCP and UDP over IPv6 to an IPv6
+/// NodePort are balanced across the backends and every packet of theirs is redirected by
+/// `vipr_xdp`, none passed to TC.
+#[test]
+fn ipv6_nodeport_traffic_from_outside_is_balanced_by_xdp() {
+    let mut lab = XdpLab::new("xdp-e2e6").unwrap().with_ipv6().unwrap();
+    native_xdp_handles_outside_ipv6_traffic(&mut lab).unwrap();
+}
+
+fn native_xdp_handles_outside_ipv6_traffic(lab: &mut XdpLab) -> Result<()> {
+    lab.start_vipr(Some("native"), false)?;
+    for (protocol, node_port) in [(Protocol::Tcp, TCP_NODE_PORT6), (Protocol::Udp, UDP_NODE_PORT6)] {
+        let frontend = SocketAddr::from((NODE_EXTERNAL6, node_port));
+        let exchange = |timeout| match protocol {
+            Protocol::Udp => udp_exchange(frontend, timeout),
+            _ => tcp_exchange(frontend, timeout),
+        };
+        // The agent programs the IPv6 service with the IPv4 ones; the first answer shows it.
+        wait_for(&format!("{frontend} to answer"), PROGRAMMING_TIMEOUT, || {
+            Ok(match lab.leaf("ext").run(|| exchange(TIMEOUT)) {
+                Ok(_) => Check::Done(()),
+                Err(error) => Check::NotYet(format!("{error:#}")),
+            })
+        })?;
+        let sent = |ext: &Netns| match protocol {
+            Protocol::Udp => sent_udp6(ext),
+            _ => sent(ext, Protocol::Tcp),
+        };
+        let mut done = Vec::new();
+        all_counted_redirected_by_xdp(lab, protocol, sent, || {
+            done = lab
+                .leaf("ext")
+                .run(|| (0..CONNECTIONS).map(|_| exchange(TIMEOUT)).collect::<Result<Vec<_>>>())?;
+            Ok(())
+        })
+        .with_context(|| format!("{frontend} from outside"))?;
+        for Exchange { answer, replied_from, .. } in &done {
+            ensure!(*replied_from == frontend, "{frontend}: reply from {replied_from} ({answer})");
+        }
+        let counts = count_by_backend(&done);
+        eprintln!("ext -> {frontend}: {counts:?}");
+        ensure!(
+            counts.keys().map(String::as_str).eq(BACKENDS),
+            "{frontend} must reach each backend: {counts:?}"
+        );
+    }
+    lab.stop_vipr()
 }
