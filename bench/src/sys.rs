@@ -363,23 +363,7 @@ impl XdpCountDrop {
 
 /// The drop sink's instructions (see [`XdpCountDrop`]).
 fn count_drop_instructions(map_fd: i32, udp_port: u16) -> Vec<u64> {
-    const LDX_W: u8 = 0x61;
-    const LDX_H: u8 = 0x69;
-    const LDX_B: u8 = 0x71;
-    const LDX_DW: u8 = 0x79;
-    const STX_DW: u8 = 0x7b;
-    const ST_W: u8 = 0x62;
-    const MOV_K: u8 = 0xb7;
-    const MOV_X: u8 = 0xbf;
-    const ADD_K: u8 = 0x07;
-    const JGT_X: u8 = 0x2d;
-    const JNE_K: u8 = 0x55;
-    const JEQ_K: u8 = 0x15;
-    const CALL: u8 = 0x85;
-    const EXIT: u8 = 0x95;
-    const LD_IMM64: u8 = 0x18;
-    const PSEUDO_MAP_FD: u8 = 1;
-    const MAP_LOOKUP_ELEM: i32 = 1;
+    use op::*;
     const XDP_DROP: i32 = 1;
     const XDP_PASS: i32 = 2;
     let (r0, r1, r2, r3, r4, r5, fp) = (0, 1, 2, 3, 4, 5, 10);
@@ -415,11 +399,41 @@ fn count_drop_instructions(map_fd: i32, udp_port: u16) -> Vec<u64> {
     let pass = code.len();
     code.push(insn(MOV_K, r0, 0, 0, XDP_PASS));
     code.push(insn(EXIT, 0, 0, 0, 0));
-    for at in [4, 6, 8, 10, 12, 19] {
-        let off = (pass - at - 1) as i16;
+    jump_to(&mut code, &[4, 6, 8, 10, 12, 19], pass);
+    code
+}
+
+/// Opcodes of the BPF instruction set (loads and stores by size, 64-bit ALU, jumps, calls) and
+/// the one helper both raw programs call.
+mod op {
+    pub const LDX_W: u8 = 0x61;
+    pub const LDX_H: u8 = 0x69;
+    pub const LDX_B: u8 = 0x71;
+    pub const LDX_DW: u8 = 0x79;
+    pub const STX_W: u8 = 0x63;
+    pub const STX_DW: u8 = 0x7b;
+    pub const ST_W: u8 = 0x62;
+    pub const MOV_K: u8 = 0xb7;
+    pub const MOV_X: u8 = 0xbf;
+    pub const ADD_K: u8 = 0x07;
+    pub const JGT_X: u8 = 0x2d;
+    pub const JNE_K: u8 = 0x55;
+    pub const JEQ_K: u8 = 0x15;
+    pub const CALL: u8 = 0x85;
+    pub const EXIT: u8 = 0x95;
+    /// Two instruction slots: a 64-bit immediate (with `PSEUDO_MAP_FD`, a map's descriptor).
+    pub const LD_IMM64: u8 = 0x18;
+    pub const PSEUDO_MAP_FD: u8 = 1;
+    pub const MAP_LOOKUP_ELEM: i32 = 1;
+}
+
+/// Points the conditional jumps at indexes `at` to instruction `target` (offsets count from
+/// the next instruction).
+fn jump_to(code: &mut [u64], at: &[usize], target: usize) {
+    for &at in at {
+        let off = (target - at - 1) as i16;
         code[at] |= u64::from(off as u16) << 16;
     }
-    code
 }
 
 /// One instruction: `struct bpf_insn { u8 code; u8 dst:4, src:4; s16 off; s32 imm; }`.
@@ -432,24 +446,8 @@ fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
 
 /// The floor program's instructions (see [`FloorProgram`]), its map's descriptor built in.
 fn floor_instructions(map_fd: i32) -> Vec<u64> {
-    // Opcodes (BPF instruction set): loads/stores by size, 64-bit ALU, jumps, calls.
-    const LDX_W: u8 = 0x61;
-    const LDX_H: u8 = 0x69;
-    const LDX_B: u8 = 0x71;
-    const STX_W: u8 = 0x63;
-    const ST_W: u8 = 0x62;
-    const MOV_K: u8 = 0xb7;
-    const MOV_X: u8 = 0xbf;
-    const ADD_K: u8 = 0x07;
-    const JGT_X: u8 = 0x2d;
-    const JNE_K: u8 = 0x55;
-    const JEQ_K: u8 = 0x15;
-    const CALL: u8 = 0x85;
-    const EXIT: u8 = 0x95;
-    const LD_IMM64: u8 = 0x18;
-    const PSEUDO_MAP_FD: u8 = 1;
+    use op::*;
     // Helpers.
-    const MAP_LOOKUP_ELEM: i32 = 1;
     const SKB_STORE_BYTES: i32 = 9;
     const L3_CSUM_REPLACE: i32 = 10;
     const L4_CSUM_REPLACE: i32 = 11;
@@ -543,11 +541,8 @@ fn floor_instructions(map_fd: i32) -> Vec<u64> {
     let pass = code.len();
     code.push(insn(MOV_K, r0, 0, 0, 0));
     code.push(insn(EXIT, 0, 0, 0, 0));
-    // Every conditional jump above goes to `pass`: its offset counts from the next instruction.
-    for at in [5, 7, 9, 11, 25] {
-        let off = (pass - at - 1) as i16;
-        code[at] |= u64::from(off as u16) << 16;
-    }
+    // Every conditional jump above goes to `pass`.
+    jump_to(&mut code, &[5, 7, 9, 11, 25], pass);
     code
 }
 
