@@ -19,7 +19,7 @@ use aya::{
 };
 use frame::{ep, hex, parse_ipv4, Ep, Packet, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 use frame6::{ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST};
-use harness::{flow_key, PrivateBpffs};
+use harness::{flow_key, nat_entries, PrivateBpffs};
 use proxy_common::{
     flow_flags, pins, service_flags, source_class, Backend4, Backend6, BackendSlot, Family, Flow, Flow4,
     Flow6, FlowKey, FlowKey4, FlowKey6, FlowTrack, Service, ServiceKey4, ServiceKey6,
@@ -198,6 +198,22 @@ fn expect_same6(actual: &[u8], expected: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// The two entries of a connection balanced without masquerading, with the service's counter
+/// (3), sorted as [`World::flows`] lists them.
+fn tracked_entries<A: Family + Ord>(
+    client: frame::Ep<A>,
+    frontend: frame::Ep<A>,
+    backend: frame::Ep<A>,
+    proto: u8,
+) -> Vec<(FlowKey<A>, Flow<A>)> {
+    let mut entries = nat_entries(client, frontend, backend, proto);
+    for (_, flow) in &mut entries {
+        flow.track.counter = 3;
+    }
+    entries.sort_by_key(|(key, _)| (key.src_addr, key.src_port));
+    entries
+}
+
 fn forward_entry<A: Family>(backend: frame::Ep<A>) -> Flow<A> {
     Flow {
         src_addr: A::UNSPECIFIED,
@@ -218,20 +234,7 @@ fn a_new_tcp_nodeport_connection_is_dnated_and_sent_back_out() -> Result<()> {
     ensure!(verdict == XDP_TX, "verdict {verdict}, expected XDP_TX");
     expect_same(&out, &forwarded(Packet::tcp(CLIENT, BACKEND)))?;
     // The same two entries TC records, so TC continues the connection (the replies).
-    let reply = Flow4 {
-        src_addr: NODE_PORT.addr,
-        src_port: NODE_PORT.port,
-        dst_addr: [0; 4],
-        dst_port: 0,
-        flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
-        track: FlowTrack { counter: 3, ..FlowTrack::default() },
-        next_hop: Default::default(),
-    };
-    let mut expected = vec![
-        (flow_key(CLIENT, NODE_PORT, IPPROTO_TCP), forward_entry(BACKEND)),
-        (flow_key(BACKEND, CLIENT, IPPROTO_TCP), reply),
-    ];
-    expected.sort_by_key(|(key, _)| (key.src_addr, key.src_port));
+    let expected = tracked_entries(CLIENT, NODE_PORT, BACKEND, IPPROTO_TCP);
     ensure!(world.flows()? == expected, "flows {:?}", world.flows()?);
     Ok(())
 }
@@ -329,20 +332,7 @@ fn a_new_tcp_nodeport_connection_over_ipv6_is_dnated_and_sent_back_out() -> Resu
     ensure!(verdict == XDP_TX, "verdict {verdict}, expected XDP_TX");
     expect_same6(&out, &with_backend_macs(Packet6::tcp(CLIENT6, BACKEND6).build()))?;
     // The same two entries TC records for IPv6, so TC continues the connection.
-    let reply = Flow6 {
-        src_addr: NODE_PORT6.addr,
-        src_port: NODE_PORT6.port,
-        dst_addr: [0; 16],
-        dst_port: 0,
-        flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
-        track: FlowTrack { counter: 3, ..FlowTrack::default() },
-        next_hop: Default::default(),
-    };
-    let mut expected = vec![
-        (flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP), forward_entry(BACKEND6)),
-        (flow_key(BACKEND6, CLIENT6, IPPROTO_TCP), reply),
-    ];
-    expected.sort_by_key(|(key, _)| (key.src_addr, key.src_port));
+    let expected = tracked_entries(CLIENT6, NODE_PORT6, BACKEND6, IPPROTO_TCP);
     ensure!(world.flows6()? == expected, "flows {:?}", world.flows6()?);
     Ok(())
 }
