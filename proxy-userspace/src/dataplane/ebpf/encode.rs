@@ -118,8 +118,7 @@ pub fn encode_changes(
     state: &DesiredState,
     refused: &Refused,
     changes: &StateChanges,
-    balancing: Balancing,
-    lb_mode: LbMode,
+    modes: (Balancing, LbMode),
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> (Touched<V4>, Touched<V6>) {
@@ -132,7 +131,7 @@ pub fn encode_changes(
         };
         if let Some(entry) = state.frontends.get(frontend).filter(|entry| !refused.contains(&entry.service)) {
             ranges |= !entry.allowed_sources.is_empty();
-            wanted.add_frontend(frontend, entry, (balancing, lb_mode), service_ids, counters);
+            wanted.add_frontend(frontend, entry, modes, service_ids, counters);
         }
     }
     // Frontends of one service share its source ranges: they are encoded anew from all.

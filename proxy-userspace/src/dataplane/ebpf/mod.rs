@@ -516,8 +516,7 @@ impl Dataplane for EbpfDataplane {
                 state,
                 &self.refused,
                 changes,
-                self.balancing,
-                self.lb_mode,
+                (self.balancing, self.lb_mode),
                 &mut self.service_ids,
                 &mut self.counter_ids,
             ))
