@@ -231,6 +231,10 @@ pub struct Cell {
     /// The same paths run by `Settings::baseline_object`, when one was given.
     #[serde(default)]
     pub baseline_paths: Vec<PathResult>,
+    /// The floor program (`sys::FloorProgram`) on the established path's packet, repeat
+    /// method, ns per packet less the empty program: what no load balancer can avoid.
+    #[serde(default)]
+    pub floor: Option<Summary>,
 }
 
 impl Cell {
@@ -317,6 +321,20 @@ pub fn run(meta: RunMeta, settings: Settings) -> Result<Results> {
             }
         }
     }
+    for cell in &cells {
+        if let Some(floor) = &cell.floor {
+            eprintln!(
+                "{} services x {} backends: floor {:.1} ns/packet ({:.1}..{:.1}); established {:.2}x, new flow {:.2}x",
+                cell.services,
+                cell.backends_per_service,
+                floor.median,
+                floor.min,
+                floor.max,
+                cell.path(PathKind::Established).map_or(f64::NAN, |path| path.program.median / floor.median),
+                cell.path(PathKind::NewFlow).map_or(f64::NAN, |path| path.program.median / floor.median),
+            );
+        }
+    }
     let mut meta = meta;
     meta.finish();
     Ok(Results {
@@ -386,6 +404,10 @@ struct CellBench<'a> {
     sent: usize,
     random: XorShift,
     paths: Vec<Measurements>,
+    /// The floor program, its map holding one connection to each of the cell's services, and
+    /// what it measured (program ns per repetition).
+    floor: sys::FloorProgram,
+    floor_ns: Vec<f64>,
 }
 
 impl<'a> CellBench<'a> {
@@ -499,6 +521,12 @@ impl<'a> CellBench<'a> {
                 })
                 .collect()
         };
+        // The floor's map holds one connection to each service, the established packet's last.
+        let floor = sys::FloorProgram::load(u32::try_from(services + 16)?)?;
+        for service in 0..services {
+            let to = (cluster_ip(service).octets(), SERVICE_PORT);
+            floor.insert((client_end.0.octets(), client_end.1), to, to, 1)?;
+        }
         let baseline = match baseline_object {
             Some(object) => Some((
                 Bench::load(object, bpffs.path(), sizes, empty, settings)
@@ -525,6 +553,8 @@ impl<'a> CellBench<'a> {
             sent: 0,
             random: XorShift(0x9e37_79b9_7f4a_7c15),
             paths: measurements(),
+            floor,
+            floor_ns: Vec::new(),
         })
     }
 
@@ -544,6 +574,22 @@ impl<'a> CellBench<'a> {
                 self.measure_baseline(i, kind)?;
             }
         }
+        self.measure_floor()
+    }
+
+    /// One repetition of the floor program on the established packet (repeat method: its
+    /// entry maps the packet to itself, so every run does the whole rewrite).
+    fn measure_floor(&mut self) -> Result<()> {
+        let repeat = self.bench.settings.repeat;
+        let out = &mut self.bench.out;
+        let empty = sys::test_run(self.bench.empty, &self.established, out, repeat)?;
+        let run = sys::test_run(self.floor.program.as_fd(), &self.established, out, repeat)?;
+        ensure!(run.verdict == TC_ACT_REDIRECT, "the floor program returned {}", run.verdict);
+        ensure!(
+            out[..run.out_len] == self.established[..],
+            "the floor program changed the established packet (its entry maps it to itself)"
+        );
+        self.floor_ns.push(f64::from(run.ns) - f64::from(empty.ns));
         Ok(())
     }
 
@@ -644,6 +690,7 @@ impl<'a> CellBench<'a> {
                 Some((_, paths)) => paths.into_iter().map(Measurements::finish).collect::<Result<_>>()?,
                 None => Vec::new(),
             },
+            floor: Summary::of(&self.floor_ns),
         })
     }
 }

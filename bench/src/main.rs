@@ -7,6 +7,7 @@
 mod cluster;
 mod control_plane;
 mod datapath;
+mod dsr;
 mod e2e;
 mod frame;
 mod load;
@@ -61,6 +62,15 @@ enum Cmd {
         /// The agent's --min-sync-period [default: the agent's own default in ebpf mode].
         #[arg(long)]
         min_sync_period: Option<String>,
+    },
+    /// Direct server return against SNAT in the multi-node lab (issue 16): a NodePort through
+    /// one node to pods on the others, `--lb-mode=snat` and `dsr` in alternating rounds
+    /// (prints a table for docs/benchmarks.md and the results as JSON).
+    Dsr {
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
     },
     /// One repetition of one control-plane size (run by `control-plane`, one process each).
     #[command(hide = true)]
@@ -132,6 +142,13 @@ fn run(command: Cmd) -> Result<()> {
             prepare()?;
             let result = watch_path::run(&watch_path::Settings { services, rate, seconds, min_sync_period })?;
             println!("{}", serde_json::to_string(&result)?);
+            return Ok(());
+        }
+        Cmd::Dsr { seconds, rounds } => {
+            prepare()?;
+            let results = dsr::run(&dsr::Settings { seconds, rounds })?;
+            println!("{}", dsr::table(&results));
+            println!("{}", serde_json::to_string(&results)?);
             return Ok(());
         }
         Cmd::ControlPlaneChild { services, endpoints, changes, seed } => {

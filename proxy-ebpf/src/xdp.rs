@@ -6,8 +6,9 @@
 //! simple and safe; everything else is passed on (`XDP_PASS`) untouched, and the TC program
 //! then handles it exactly as without XDP:
 //!
-//! - only IPv4 TCP/UDP, whole packets (no fragments, no ICMP, no SCTP, no IPv6), parsed by
-//!   the parser the TC program uses (packet.rs, generic over both contexts);
+//! - only TCP/UDP over IPv4 or IPv6, whole packets (no fragments, no ICMP, no SCTP, no IPv6
+//!   extension headers), parsed by the parser the TC program uses (packet.rs, generic over
+//!   both contexts and both families);
 //! - only sources of class OUTSIDE (not the node, not a pod): a packet generated on the node
 //!   or in a pod is CHECKSUM_PARTIAL on veth, and XDP cannot see that (see below);
 //! - only the client-to-backend direction (replies from backends pass to TC);
@@ -16,6 +17,10 @@
 //! - only when the FIB has a complete route *with* its neighbour (MACs), and the egress is the
 //!   ingress device (`XDP_TX`) or a device vipr attached XDP to (`XDP_REDIRECT` through the
 //!   `vipr_xdptx` device map, whose targets can transmit XDP frames).
+//!
+//! Both families take the same steps, written once over [`Address`]: the flow entries, the
+//! service decision and the FIB lookup are the family's, and only the header rewrite differs
+//! (IPv4 has a header checksum, IPv6 none).
 //!
 //! Checksums are updated by hand (RFC 1624): the IPv4 header checksum and the TCP/UDP checksum
 //! with the pseudo header. That is right only for packets whose checksums are complete, which
@@ -38,12 +43,12 @@ use proxy_common::{flow_flags, proto, service_flags, source_class};
 use crate::{
     conntrack::{observe, track, track_masqueraded, Refusal},
     counters,
-    family::{Address, Ipv4, Nat},
+    family::{Address, Ipv4, Ipv6, Nat},
     family_maps::Maps,
     lb::{classify, decide, Chosen, Decision, Pick},
-    packet::{ethertype, field, Change, IpHeader as _, Packet, ETH_P_IP},
+    packet::{copy_address, ethertype, field, Change, IpHeader, Packet, ETH_P_IP, ETH_P_IPV6},
     route::zeroed_fib_params,
-    wire::{ETH_HLEN, IPV4_MIN_HLEN, TCP_CSUM_AT, UDP_CSUM_AT},
+    wire::{ETH_HLEN, IPV4_CSUM_AT, TCP_CSUM_AT, UDP_CSUM_AT},
 };
 
 // The attribute below needs a literal; this keeps it the name the agent looks the map up by.
@@ -57,49 +62,71 @@ static XDP_TX_DEVICES: DevMapHash = DevMapHash::with_max_entries(1024, 0);
 
 #[xdp]
 pub fn vipr_xdp(ctx: XdpContext) -> u32 {
-    match fast_path(&ctx) {
-        Some(action) => action,
-        None => xdp_action::XDP_PASS,
+    match ethertype(&ctx) {
+        Some(ETH_P_IP) => fast_path::<Ipv4>(&ctx),
+        Some(ETH_P_IPV6) => fast_path::<Ipv6>(&ctx),
+        _ => xdp_action::XDP_PASS,
     }
 }
 
-/// A whole IPv4 TCP/UDP packet, parsed by the parser TC uses (packet.rs), and its IPv4 total
-/// length for the FIB's MTU check. First fragments and SCTP are TC's.
+/// What [`established`] did with a packet.
+enum Outcome {
+    /// Finished: the XDP action.
+    Done(u32),
+    /// Left to TC.
+    Pass,
+    /// No flow entry: a new connection's first packet.
+    New,
+}
+
+/// A family's path, in steps that are BPF functions of their own: the verifier allows 512
+/// bytes of stack along a chain of calls, and IPv6's addresses, the FIB lookup's parameters and
+/// the new flow entries inlined into one frame pass that. The new-connection step parses the
+/// packet again (bounds checks do not cross a call), as TC's `balance_new` does.
 #[inline(always)]
-fn parse(ctx: &XdpContext) -> Option<(Packet<Ipv4>, u16)> {
-    if ethertype(ctx)? != ETH_P_IP {
-        return None;
+fn fast_path<A: Maps + IpHeader>(ctx: &XdpContext) -> u32 {
+    match established::<A>(ctx) {
+        Outcome::Done(action) => action,
+        Outcome::Pass => xdp_action::XDP_PASS,
+        Outcome::New => new_connection::<A>(ctx).unwrap_or(xdp_action::XDP_PASS),
     }
-    let packet = Ipv4::parse(ctx)?;
+}
+
+/// A whole TCP/UDP packet of family `A` (its ethertype checked), parsed by the parser TC uses
+/// (packet.rs), and its IP length (header and payload) for the FIB's MTU check. First
+/// fragments and SCTP are TC's; the IPv6 parser already refuses extension headers.
+#[inline(always)]
+fn parse<A: IpHeader>(ctx: &XdpContext) -> Option<(Packet<A>, u16)> {
+    let packet = A::parse(ctx)?;
     if packet.first_fragment.is_some() || !matches!(packet.flow.proto, proto::TCP | proto::UDP) {
         return None;
     }
     // The IP header and the payload it says it has.
     let tot_len = (packet.l4_offset - ETH_HLEN) as u32 + packet.l4_len;
-    Some((packet, tot_len as u16))
+    Some((packet, u16::try_from(tot_len).ok()?))
 }
 
 /// Where a finished packet goes: its next hop's MACs and the action that sends it there.
-struct Egress {
+struct Egress<A> {
     action: u32,
     ifindex: u32,
     smac: [u8; 6],
     dmac: [u8; 6],
     /// The route's preferred source, the address a masqueraded connection takes.
-    source: Ipv4,
+    source: A,
 }
 
 /// `None` (pass to TC) unless the FIB forwards `destination` with a resolved neighbour out of
 /// a device XDP can send on.
-#[inline(always)]
-fn egress(ctx: &XdpContext, destination: Ipv4, tot_len: u16) -> Option<Egress> {
+#[inline(never)]
+fn egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u16) -> Option<Egress<A>> {
     let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
     let params = zeroed_fib_params(&mut params);
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
     params.ifindex = ingress;
     // With the length the lookup checks the egress MTU: a packet too big passes to the stack.
     params.__bindgen_anon_1.tot_len = tot_len;
-    Ipv4::fib_destination(params, destination);
+    A::fib_destination(params, destination);
     let result =
         unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, BPF_FIB_LOOKUP_SRC) };
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
@@ -117,31 +144,47 @@ fn egress(ctx: &XdpContext, destination: Ipv4, tot_len: u16) -> Option<Egress> {
         ifindex: params.ifindex,
         smac: params.smac,
         dmac: params.dmac,
-        source: Ipv4::fib_source(params),
+        source: A::fib_source(params),
     })
 }
 
-#[inline(always)]
-fn fast_path(ctx: &XdpContext) -> Option<u32> {
-    let (packet, tot_len) = parse(ctx)?;
+/// A packet from outside of a connection with a flow entry is finished here.
+#[inline(never)]
+fn established<A: Maps + IpHeader>(ctx: &XdpContext) -> Outcome {
+    let Some((packet, tot_len)) = parse::<A>(ctx) else {
+        return Outcome::Pass;
+    };
     // Only traffic from outside carries complete checksums (see the module's documentation).
     // The interface index fits in 32 bits (the kernel's own type for it).
     if classify(&packet.flow.src, ctx.ingress_ifindex() as u32) != source_class::OUTSIDE {
-        return None;
+        return Outcome::Pass;
     }
-    if let Some(tracked) = Ipv4::flow(&packet.flow) {
-        let flow = tracked.nat;
-        // Replies, and direct server return's requests (their option is TC's), pass to TC.
-        if flow.flags & (flow_flags::REPLY | flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0 {
-            return None;
-        }
-        let destination =
-            if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
-        let out = egress(ctx, destination, tot_len)?;
-        observe(&packet.flow, &tracked, packet.tcp_flags);
-        count(ctx, flow.counter);
-        return finish(ctx, &packet, &flow, &out);
+    let Some(tracked) = A::flow(&packet.flow) else {
+        return Outcome::New;
+    };
+    let flow = tracked.nat;
+    // Replies, and direct server return's requests (their option is TC's), pass to TC.
+    if flow.flags & (flow_flags::REPLY | flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0 {
+        return Outcome::Pass;
     }
+    let destination =
+        if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
+    let Some(out) = egress(ctx, destination, tot_len) else {
+        return Outcome::Pass;
+    };
+    observe(&packet.flow, &tracked, packet.tcp_flags);
+    count(ctx, flow.counter);
+    match finish(ctx, &packet, &flow, &out) {
+        Some(action) => Outcome::Done(action),
+        None => Outcome::Pass,
+    }
+}
+
+/// The first packet of a connection from outside (its source class checked by
+/// [`established`]): the service decision, the flow entries and the rewrite.
+#[inline(never)]
+fn new_connection<A: Maps + IpHeader>(ctx: &XdpContext) -> Option<u32> {
+    let (packet, tot_len) = parse::<A>(ctx)?;
     let Decision::Backend(Chosen { service, backend, counter, now }) =
         decide(&packet.flow, source_class::OUTSIDE, &packet.flow.src, Pick::Flow(&packet.flow))
     else {
@@ -171,36 +214,48 @@ fn fast_path(ctx: &XdpContext) -> Option<u32> {
 }
 
 /// Rewrites the packet as `flow` says, with its new MACs, and sends it.
-#[inline(always)]
-fn finish(ctx: &XdpContext, packet: &Packet<Ipv4>, flow: &Nat<Ipv4>, out: &Egress) -> Option<u32> {
+#[inline(never)]
+fn finish<A: Address>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: &Egress<A>) -> Option<u32> {
     let l4 = packet.l4_offset;
     let old = &packet.flow;
-    let (mut src, mut src_port, mut dst, mut dst_port) = (old.src, old.src_port, old.dst, old.dst_port);
-    if flow.flags & flow_flags::REWRITE_DESTINATION != 0 {
-        (dst, dst_port) = (flow.dst, flow.dst_port);
+    let rewrite_source = flow.flags & flow_flags::REWRITE_SOURCE != 0;
+    let rewrite_destination = flow.flags & flow_flags::REWRITE_DESTINATION != 0;
+    // The new addresses are read where they lie (the flow entry): IPv6's 16-byte copies on
+    // this function's stack would count against the verifier's 512 bytes of call chain.
+    let (mut addresses, mut ports) = (Change::NONE, Change::NONE);
+    if rewrite_source {
+        addresses = addresses.and(Change::NONE.replace(old.src.word_sum(), flow.src.word_sum()));
+        ports = ports.and(Change::NONE.replace(old.src_port, flow.src_port));
     }
-    if flow.flags & flow_flags::REWRITE_SOURCE != 0 {
-        (src, src_port) = (flow.src, flow.src_port);
+    if rewrite_destination {
+        addresses = addresses.and(Change::NONE.replace(old.dst.word_sum(), flow.dst.word_sum()));
+        ports = ports.and(Change::NONE.replace(old.dst_port, flow.dst_port));
     }
-    let addresses = Change::NONE
-        .replace(old.src.word_sum(), src.word_sum())
-        .and(Change::NONE.replace(old.dst.word_sum(), dst.word_sum()));
-    let ports =
-        Change::NONE.replace(old.src_port, src_port).and(Change::NONE.replace(old.dst_port, dst_port));
-    let ip = field::<[u8; IPV4_MIN_HLEN]>(ctx, ETH_HLEN)?;
+    let header_csum = field::<[u8; 2]>(ctx, ETH_HLEN + IPV4_CSUM_AT)?;
+    let saddr = field::<A>(ctx, A::SADDR_OFF)?;
+    let daddr = field::<A>(ctx, A::DADDR_OFF)?;
     let csum_off = l4 + if old.proto == proto::TCP { TCP_CSUM_AT } else { UDP_CSUM_AT };
     let l4_csum = field::<[u8; 2]>(ctx, csum_off)?;
-    let l4_ports = field::<[u8; 4]>(ctx, l4)?;
+    let l4_ports = field::<[[u8; 2]; 2]>(ctx, l4)?;
     let eth = field::<[u8; 12]>(ctx, 0)?;
     // SAFETY: every pointer was bounds-checked against the packet above.
     unsafe {
-        let ip = &mut *ip;
-        let ip_csum = u16::from_be_bytes([ip[10], ip[11]]);
-        ip[10..12].copy_from_slice(&addresses.apply(ip_csum).to_be_bytes());
-        ip[12..16].copy_from_slice(&src);
-        ip[16..20].copy_from_slice(&dst);
+        // Only IPv4's header has a checksum; the same bytes of an IPv6 header are its payload
+        // length, which stays.
+        if A::IP_HEADER_CHECKSUM {
+            *header_csum = addresses.apply(u16::from_be_bytes(*header_csum)).to_be_bytes();
+        }
+        if rewrite_source {
+            copy_address(&flow.src, saddr);
+            (*l4_ports)[0] = flow.src_port.to_be_bytes();
+        }
+        if rewrite_destination {
+            copy_address(&flow.dst, daddr);
+            (*l4_ports)[1] = flow.dst_port.to_be_bytes();
+        }
         let csum = u16::from_be_bytes(*l4_csum);
-        // A UDP checksum of 0 means none and stays 0; a computed 0 is sent as 0xffff.
+        // A UDP checksum of 0 means none (IPv4 only: the IPv6 parser refuses it) and stays 0;
+        // a computed 0 is sent as 0xffff.
         if old.proto == proto::TCP || csum != 0 {
             let mut updated = addresses.and(ports).apply(csum);
             if old.proto == proto::UDP && updated == 0 {
@@ -208,10 +263,6 @@ fn finish(ctx: &XdpContext, packet: &Packet<Ipv4>, flow: &Nat<Ipv4>, out: &Egres
             }
             *l4_csum = updated.to_be_bytes();
         }
-        let mut new_ports = [0u8; 4];
-        new_ports[..2].copy_from_slice(&src_port.to_be_bytes());
-        new_ports[2..].copy_from_slice(&dst_port.to_be_bytes());
-        *l4_ports = new_ports;
         let eth = &mut *eth;
         eth[..6].copy_from_slice(&out.dmac);
         eth[6..].copy_from_slice(&out.smac);

@@ -21,7 +21,7 @@ use std::{
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use crate::{unique_name, BpfFs, EchoServer, FakeApiServer, Netns, Vipr, WorkDir};
+use crate::{unique_name, BpfFs, EchoServer, FakeApiServer, Netns, PinnedMaps, Vipr, WorkDir};
 
 /// The router's address on the node network, where the API server listens too.
 pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 254);
@@ -69,6 +69,16 @@ pub struct Node {
 impl Node {
     pub fn vipr_mut(&mut self) -> Option<&mut Vipr> {
         self.vipr.as_mut()
+    }
+
+    /// The maps this node's vipr pinned.
+    pub fn maps(&self) -> PinnedMaps {
+        PinnedMaps::new(self.bpffs.path())
+    }
+
+    /// This node's vipr's `--bpf-root`.
+    pub fn bpf_root(&self) -> &Path {
+        self.bpffs.path()
     }
 }
 
@@ -245,6 +255,20 @@ impl ClusterLab {
             "ports": ports,
             "endpoints": endpoints,
         }))?;
+        Ok(())
+    }
+
+    /// Node `index` (from 1) goes away as a crashed or powered-off machine does: its vipr is
+    /// killed, its link to the router goes down (its pods with it) and its Node object leaves
+    /// the API server. Its pods' endpoints stay in their EndpointSlices until the test removes
+    /// them, as the endpoint controller does once it notices.
+    pub fn remove_node(&mut self, index: usize) -> Result<()> {
+        let node = self.nodes.get_mut(index - 1).with_context(|| format!("no node n{index}"))?;
+        if let Some(vipr) = node.vipr.take() {
+            vipr.kill()?;
+        }
+        self.router.ip(&["link", "set", &format!("up{index}"), "down"])?;
+        self.api.delete::<k8s_openapi::api::core::v1::Node>(None, &node.name)?;
         Ok(())
     }
 

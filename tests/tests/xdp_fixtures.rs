@@ -5,9 +5,11 @@
 //! neighbour entry for the backend: the program's frame goes back out of the interface it came
 //! in on (`XDP_TX`), with the backend's MAC as destination. Every rewritten frame is compared
 //! byte for byte with the frame a client would have sent straight to the backend, and its
-//! checksums are recomputed independently. Needs root (BPF, mount, netns).
+//! checksums are recomputed independently. The same fixtures run for IPv6 (`fd00::1/64` on
+//! the same NIC), which takes the same generic path with no header checksum. Needs root (BPF,
+//! mount, netns).
 
-use testbed::fixtures::{frame, harness};
+use testbed::fixtures::{frame, frame6, harness};
 
 use anyhow::{ensure, Context as _, Result};
 use aya::{
@@ -16,10 +18,11 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use frame::{ep, hex, parse_ipv4, Ep, Packet, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
+use frame6::{ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST};
 use harness::{flow_key, PrivateBpffs};
 use proxy_common::{
-    flow_flags, pins, service_flags, source_class, Backend4, BackendSlot, Flow4, FlowKey4, FlowTrack,
-    Service, ServiceKey4,
+    flow_flags, pins, service_flags, source_class, Backend4, Backend6, BackendSlot, Family, Flow, Flow4,
+    Flow6, FlowKey, FlowKey4, FlowKey6, FlowTrack, Service, ServiceKey4, ServiceKey6,
 };
 use testbed::{unique_name, Netns};
 
@@ -35,6 +38,11 @@ const BACKEND: Ep = ep([10, 0, 0, 2], 8080);
 const BACKEND_MAC: [u8; 6] = [0x02, 0xbb, 0, 0, 0, 0x02];
 const NIC_MAC: [u8; 6] = [0x02, 0xaa, 0, 0, 0, 0x01];
 const SET: u32 = 7;
+
+const CLIENT6: Ep6 = ep6(ip6([0xfd00, 1, 0, 0], 0x100), 40000);
+const NODE6: [u8; 16] = ip6([0xfd00, 0, 0, 0], 1);
+const NODE_PORT6: Ep6 = ep6(NODE6, 30080);
+const BACKEND6: Ep6 = ep6(ip6([0xfd00, 0, 0, 0], 2), 8080);
 
 /// The XDP program loaded with private maps, inside a namespace with the dummy NIC.
 struct World {
@@ -54,21 +62,18 @@ impl World {
         netns.ip(&["link", "set", "xdp1", "up"])?;
         // The FIB answers "forwarding disabled" otherwise, as on a node that routes nothing.
         netns.set_sysctl("net.ipv4.ip_forward", "1")?;
+        netns.set_sysctl("net.ipv6.conf.all.forwarding", "1")?;
         netns.ip(&["addr", "add", "10.0.0.1/24", "dev", "xdp0"])?;
+        // Without duplicate address detection the address and its route are usable at once.
+        netns.ip(&["-6", "addr", "add", "fd00::1/64", "dev", "xdp0", "nodad"])?;
         netns.ip(&["link", "set", "xdp0", "up"])?;
         // The client is outside: reached through a router on the same link.
         netns.ip(&["route", "add", "192.168.1.0/24", "via", "10.0.0.254"])?;
-        netns.ip(&[
-            "neigh",
-            "add",
-            "10.0.0.2",
-            "lladdr",
-            &frame_mac(&BACKEND_MAC),
-            "dev",
-            "xdp0",
-            "nud",
-            "permanent",
-        ])?;
+        netns.ip(&["-6", "route", "add", "fd00:1::/64", "via", "fd00::fe"])?;
+        for backend in ["10.0.0.2", "fd00::2"] {
+            let mac = frame_mac(&BACKEND_MAC);
+            netns.ip(&["neigh", "add", backend, "lladdr", &mac, "dev", "xdp0", "nud", "permanent"])?;
+        }
         let ifindex: u32 = netns
             .run(|| Ok(std::fs::read_to_string("/sys/class/net/xdp0/ifindex")?))
             .or_else(|_| -> Result<String> {
@@ -102,9 +107,37 @@ impl World {
         Ok(())
     }
 
+    fn service6(&mut self, proto: u8) -> Result<()> {
+        let key = ServiceKey6 {
+            addr: NODE_PORT6.addr,
+            port: NODE_PORT6.port,
+            proto,
+            source_class: source_class::OUTSIDE,
+        };
+        let service = Service { backend_set: SET, backend_count: 1, service_id: 11, ..Service::default() };
+        HashMap::<_, ServiceKey6, Service>::try_from(self.ebpf.map_mut(pins::SERVICES6).context("svc")?)?
+            .insert(key, service, 0)?;
+        let backend = Backend6 { addr: BACKEND6.addr, port: BACKEND6.port, pad: 0, counter: 3 };
+        HashMap::<_, BackendSlot, Backend6>::try_from(self.ebpf.map_mut(pins::BACKENDS6).context("back")?)?
+            .insert(BackendSlot { backend_set: SET, slot: 0 }, backend, 0)?;
+        Ok(())
+    }
+
     fn flows(&self) -> Result<Vec<(FlowKey4, Flow4)>> {
-        let map = HashMap::<_, FlowKey4, Flow4>::try_from(self.ebpf.map(pins::FLOWS4).context("flows")?)?;
-        let mut all: Vec<(FlowKey4, Flow4)> = map.iter().collect::<Result<_, _>>()?;
+        self.flows_of(pins::FLOWS4)
+    }
+
+    fn flows6(&self) -> Result<Vec<(FlowKey6, Flow6)>> {
+        self.flows_of(pins::FLOWS6)
+    }
+
+    fn flows_of<A: Family>(&self, name: &str) -> Result<Vec<(FlowKey<A>, Flow<A>)>>
+    where
+        FlowKey<A>: aya::Pod,
+        Flow<A>: aya::Pod,
+    {
+        let map = HashMap::<_, FlowKey<A>, Flow<A>>::try_from(self.ebpf.map(name).context("flows")?)?;
+        let mut all: Vec<(FlowKey<A>, Flow<A>)> = map.iter().collect::<Result<_, _>>()?;
         for (_, flow) in &mut all {
             flow.track.last_seen = 0;
             // The handshake bits are checked by packet_fixtures.rs; FIN and RST stay.
@@ -143,7 +176,10 @@ fn frame_mac(mac: &[u8; 6]) -> String {
 
 /// What the client would have sent straight to the backend, as the NIC sends it on.
 fn forwarded(packet: Packet) -> Vec<u8> {
-    let mut frame = packet.build();
+    with_backend_macs(packet.build())
+}
+
+fn with_backend_macs(mut frame: Vec<u8>) -> Vec<u8> {
     frame[..6].copy_from_slice(&BACKEND_MAC);
     frame[6..12].copy_from_slice(&NIC_MAC);
     frame
@@ -156,9 +192,15 @@ fn expect_same(actual: &[u8], expected: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn forward_entry(backend: Ep) -> Flow4 {
-    Flow4 {
-        src_addr: [0; 4],
+fn expect_same6(actual: &[u8], expected: &[u8]) -> Result<()> {
+    ensure!(actual == expected, "output frame\n  expected {}\n  actual   {}", hex(expected), hex(actual));
+    parse_ipv6(actual).map_err(|error| anyhow::anyhow!("output frame does not verify: {error}"))?;
+    Ok(())
+}
+
+fn forward_entry<A: Family>(backend: frame::Ep<A>) -> Flow<A> {
+    Flow {
+        src_addr: A::UNSPECIFIED,
         src_port: 0,
         dst_addr: backend.addr,
         dst_port: backend.port,
@@ -276,5 +318,77 @@ fn replies_and_unrouted_backends_pass_to_tc() -> Result<()> {
     let (verdict, out) = world.run(&second)?;
     ensure!(verdict == XDP_PASS && out == second, "no neighbour: verdict {verdict}");
     ensure!(verdict != XDP_DROP);
+    Ok(())
+}
+
+#[test]
+fn a_new_tcp_nodeport_connection_over_ipv6_is_dnated_and_sent_back_out() -> Result<()> {
+    let mut world = World::new("tcp6")?;
+    world.service6(IPPROTO_TCP)?;
+    let (verdict, out) = world.run(&Packet6::tcp(CLIENT6, NODE_PORT6).build())?;
+    ensure!(verdict == XDP_TX, "verdict {verdict}, expected XDP_TX");
+    expect_same6(&out, &with_backend_macs(Packet6::tcp(CLIENT6, BACKEND6).build()))?;
+    // The same two entries TC records for IPv6, so TC continues the connection.
+    let reply = Flow6 {
+        src_addr: NODE_PORT6.addr,
+        src_port: NODE_PORT6.port,
+        dst_addr: [0; 16],
+        dst_port: 0,
+        flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE,
+        track: FlowTrack { counter: 3, ..FlowTrack::default() },
+        next_hop: Default::default(),
+    };
+    let mut expected = vec![
+        (flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP), forward_entry(BACKEND6)),
+        (flow_key(BACKEND6, CLIENT6, IPPROTO_TCP), reply),
+    ];
+    expected.sort_by_key(|(key, _)| (key.src_addr, key.src_port));
+    ensure!(world.flows6()? == expected, "flows {:?}", world.flows6()?);
+    Ok(())
+}
+
+#[test]
+fn udp_over_ipv6_and_established_ipv6_flows_get_valid_checksums() -> Result<()> {
+    let mut world = World::new("udp6")?;
+    world.service6(IPPROTO_UDP)?;
+    let payload = b"checksum me";
+    let (verdict, out) = world.run(&Packet6::udp(CLIENT6, NODE_PORT6).payload(payload).build())?;
+    ensure!(verdict == XDP_TX, "verdict {verdict}");
+    expect_same6(&out, &with_backend_macs(Packet6::udp(CLIENT6, BACKEND6).payload(payload).build()))?;
+    // A TCP connection known only by its flow entry (as TC would have left it).
+    let other = ep6(BACKEND6.addr, 9090);
+    HashMap::<_, FlowKey6, Flow6>::try_from(world.ebpf.map_mut(pins::FLOWS6).context("flows")?)?.insert(
+        flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP),
+        forward_entry(other),
+        0,
+    )?;
+    let (verdict, out) = world.run(&Packet6::tcp(CLIENT6, NODE_PORT6).build())?;
+    ensure!(verdict == XDP_TX, "established: verdict {verdict}");
+    expect_same6(&out, &with_backend_macs(Packet6::tcp(CLIENT6, other).build()))?;
+    Ok(())
+}
+
+/// What the IPv6 parser refuses (extension headers, a UDP checksum of 0, which IPv6 forbids)
+/// and replies are TC's, untouched.
+#[test]
+fn ipv6_packets_xdp_does_not_finish_pass_to_tc_untouched() -> Result<()> {
+    let mut world = World::new("pass6")?;
+    world.service6(IPPROTO_UDP)?;
+    world.service6(IPPROTO_TCP)?;
+    let extension = Packet6::tcp(CLIENT6, NODE_PORT6).extension(NEXTHDR_DEST).build();
+    let zero_checksum = Packet6::udp(CLIENT6, NODE_PORT6).no_udp_checksum().build();
+    let reply = Packet6::tcp(BACKEND6, CLIENT6).build();
+    let unknown = Packet6::tcp(CLIENT6, ep6(NODE6, 22)).build();
+    for (what, frame) in [
+        ("extension header", extension),
+        ("udp checksum 0", zero_checksum),
+        ("reply", reply),
+        ("unknown port", unknown),
+    ] {
+        let (verdict, out) = world.run(&frame)?;
+        ensure!(verdict == XDP_PASS, "{what}: verdict {verdict}, expected XDP_PASS");
+        ensure!(out == frame, "{what}: frame changed");
+    }
+    ensure!(world.flows6()?.is_empty(), "nothing recorded for passed packets");
     Ok(())
 }
