@@ -111,8 +111,9 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: Packet<A>) -> i32 {
 /// destination rewritten, the option carried again where the backend's node may need it (a
 /// retransmitted SYN, every UDP datagram: its entries there may have expired or never been
 /// stored). On the backend's node: the option, if any, removed (a retransmitted SYN renews
-/// the entries first).
-#[inline(always)]
+/// the entries first). A function of its own: the established path of other connections keeps
+/// its code and frame.
+#[inline(never)]
 fn dsr_request<A: Datapath>(
     ctx: &TcContext,
     packet: &Packet<A>,
@@ -221,19 +222,11 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     let route = route_to(ctx, backend.addr);
     if service.flags & service_flags::DSR != 0 && !hairpin {
         if let Some(route) = route.as_ref().filter(|route| remote(packet, &backend, route)) {
-            if A::ip_len(packet) + OPTION_LEN as u32 <= route.mtu {
-                return match track_dsr(packet, &backend, counter, now, last_try) {
-                    Ok(forward) => {
-                        stat(datapath_stat::DSR_SENT);
-                        count(ctx, counter);
-                        send_dsr(ctx, packet, &forward, route, true)
-                    }
-                    Err(Refusal::MapFull) => MAP_FULL,
-                    Err(_) => TC_ACT_SHOT,
-                };
+            let chosen = Chosen { service, backend, counter, now };
+            let verdict = balance_dsr(ctx, packet, &chosen, route, last_try);
+            if verdict != NOT_DSR {
+                return verdict;
             }
-            // Too big to carry the option: masqueraded as without DSR.
-            stat(datapath_stat::DSR_MTU_SNAT);
         }
     }
     let forward = if service.flags & service_flags::MASQUERADE != 0 || hairpin {
@@ -254,6 +247,36 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     self::forward(ctx, packet, &forward, route.as_ref())
 }
 
+/// [`balance_dsr`]'s answer for a connection that is masqueraded after all.
+const NOT_DSR: i32 = i32::MIN + 3;
+
+/// A new connection of a DSR frontend to a remote backend: tracked (forward entry only) and
+/// sent with the option, unless its packet with the option would exceed the egress device's
+/// MTU: then [`NOT_DSR`] (counted), and it is masqueraded as without DSR. Inlined: as a call
+/// of its own its frame and [`balance_new`]'s add up past BPF's 512 bytes.
+#[inline(always)]
+fn balance_dsr<A: Datapath>(
+    ctx: &TcContext,
+    packet: &Packet<A>,
+    chosen: &Chosen<A>,
+    route: &Route<A>,
+    last_try: bool,
+) -> i32 {
+    if A::ip_len(packet) + OPTION_LEN as u32 > route.mtu {
+        stat(datapath_stat::DSR_MTU_SNAT);
+        return NOT_DSR;
+    }
+    match track_dsr(packet, &chosen.backend, chosen.counter, chosen.now, last_try) {
+        Ok(forward) => {
+            stat(datapath_stat::DSR_SENT);
+            count(ctx, chosen.counter);
+            send_dsr(ctx, packet, &forward, route, true)
+        }
+        Err(Refusal::MapFull) => MAP_FULL,
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
 /// Whether a DSR frontend's new connection goes to a backend on another node: a pod address
 /// (the local-traffic detector's cluster CIDRs) routed through a gateway (the node that has
 /// the pod's CIDR), not one of this node's pods (a route on a link) nor an address outside the
@@ -268,7 +291,7 @@ fn remote<A: Datapath>(packet: &Packet<A>, backend: &Endpoint<A>, route: &Route<
 /// entry gives replies the carried frontend as source), the option removed, the request
 /// delivered. A connection whose entries could not be stored is refused as [`balance_new`]
 /// refuses: its replies would leave with the backend's address.
-#[inline(always)]
+#[inline(never)]
 fn dsr_arrived<A: Datapath>(
     ctx: &TcContext,
     packet: &Packet<A>,

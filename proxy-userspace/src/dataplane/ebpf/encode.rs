@@ -492,6 +492,38 @@ mod tests {
         translation.state
     }
 
+    /// `--lb-mode=dsr` and `hybrid` mark the masqueraded OUTSIDE entries of a load balancer's
+    /// IPv4 address for TCP; cluster IPs, the other source classes and IPv6 stay as with snat.
+    #[test]
+    fn direct_server_return_marks_only_external_ipv4_frontends_from_outside() {
+        let state = dual_stack(&[]);
+        let dsr_keys = |lb_mode| {
+            let wanted = encode_admitted(
+                &state,
+                &Refused::default(),
+                Balancing::Random,
+                lb_mode,
+                &mut ServiceIds::default(),
+                &mut CounterIds::new(16),
+            );
+            assert!(wanted.v6.services.values().all(|service| service.flags & service_flags::DSR == 0));
+            wanted
+                .v4
+                .services
+                .iter()
+                .filter(|(_, service)| service.flags & service_flags::DSR != 0)
+                .map(|(key, _)| (key.addr, key.port, key.proto, key.source_class))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(dsr_keys(LbMode::Snat), []);
+        let load_balancer = ([1, 2, 3, 4], 80, proto::TCP, source_class::OUTSIDE);
+        assert_eq!(dsr_keys(LbMode::Dsr), [load_balancer]);
+        assert_eq!(dsr_keys(LbMode::Hybrid), [load_balancer]);
+        use crate::model::Protocol;
+        assert!(LbMode::Dsr.direct_return(Protocol::Udp) && !LbMode::Hybrid.direct_return(Protocol::Udp));
+        assert!(!LbMode::Dsr.direct_return(Protocol::Sctp) && !LbMode::Snat.direct_return(Protocol::Tcp));
+    }
+
     #[test]
     fn a_dual_stack_service_programs_each_family_with_its_own_endpoints() {
         let wanted =
