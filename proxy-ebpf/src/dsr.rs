@@ -34,6 +34,9 @@ const IPV4_MAX_HLEN: usize = 60;
 
 /// Where a family stands on direct server return.
 pub trait Dsr: IpHeader {
+    /// Whether the family does direct server return at all: the compiler drops the paths of
+    /// a family that does not.
+    const DSR: bool;
     /// The service address and port a request carries, if it carries vipr's option.
     fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>>;
     /// Inserts the option carrying `frontend`, after the packet's rewrite (it moves the L4
@@ -46,6 +49,8 @@ pub trait Dsr: IpHeader {
 }
 
 impl Dsr for Ipv4 {
+    const DSR: bool = true;
+
     #[inline(always)]
     fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
         if packet.l4_offset < ETH_HLEN + IPV4_MIN_HLEN + OPTION_LEN {
@@ -146,6 +151,8 @@ fn option_change(option: &[u8; OPTION_LEN], inserted: bool) -> Change {
 /// Not done for IPv6 (a destination-options extension header): its frontends never get
 /// `service_flags::DSR`, and no request carries an option the parser would see.
 impl Dsr for Ipv6 {
+    const DSR: bool = false;
+
     #[inline(always)]
     fn carried(_ctx: &TcContext, _packet: &Packet<Self>) -> Option<Endpoint<Self>> {
         None

@@ -94,14 +94,15 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: Packet<A>) -> i32 {
         let flow = tracked.nat;
         count(ctx, flow.counter);
         observe(&packet.flow, &tracked, packet.tcp_flags);
+        if A::DSR
+            && flow.flags & (flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0
+            && flow.flags & flow_flags::REPLY == 0
+        {
+            return dsr_request(ctx, &packet, &flow);
+        }
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let route = route_to(ctx, destination);
-        if flow.flags & (flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0
-            && flow.flags & flow_flags::REPLY == 0
-        {
-            return dsr_request(ctx, &packet, &flow, route.as_ref());
-        }
         return forward(ctx, &packet, &flow, route.as_ref());
     }
     NEW_CONNECTION
@@ -111,15 +112,14 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: Packet<A>) -> i32 {
 /// destination rewritten, the option carried again where the backend's node may need it (a
 /// retransmitted SYN, every UDP datagram: its entries there may have expired or never been
 /// stored). On the backend's node: the option, if any, removed (a retransmitted SYN renews
-/// the entries first). A function of its own: the established path of other connections keeps
-/// its code and frame.
+/// the entries first). A function of its own, with its own route lookup: the established path
+/// of other connections keeps its code, frame and route as without DSR.
 #[inline(never)]
-fn dsr_request<A: Datapath>(
-    ctx: &TcContext,
-    packet: &Packet<A>,
-    flow: &Nat<A>,
-    route: Option<&Route<A>>,
-) -> i32 {
+fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
+    let destination =
+        if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
+    let route = route_to(ctx, destination);
+    let route = route.as_ref();
     if flow.flags & flow_flags::DSR_BACKEND != 0 {
         let Some(frontend) = A::carried(ctx, packet) else {
             return forward(ctx, packet, flow, route);
@@ -201,7 +201,7 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     let packet = &packet;
     // A request whose service address another node's vipr carried here: this node is the
     // backend's (direct server return).
-    if let Some(frontend) = A::carried(ctx, packet) {
+    if let Some(frontend) = A::carried(ctx, packet).filter(|_| A::DSR) {
         return dsr_arrived(ctx, packet, &frontend, last_try);
     }
     // At TC ingress the packet's device is the one it entered through.
@@ -220,7 +220,7 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     // itself directly and the reply would never be reverse-NATed.
     let hairpin = backend.addr.is(&packet.flow.src);
     let route = route_to(ctx, backend.addr);
-    if service.flags & service_flags::DSR != 0 && !hairpin {
+    if A::DSR && service.flags & service_flags::DSR != 0 && !hairpin {
         if let Some(route) = route.as_ref().filter(|route| remote(packet, &backend, route)) {
             let chosen = Chosen { service, backend, counter, now };
             let verdict = balance_dsr(ctx, packet, &chosen, route, last_try);

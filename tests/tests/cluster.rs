@@ -329,21 +329,29 @@ fn when_a_node_goes_away_the_others_balance_its_flows_to_the_remaining_pods() ->
 
 const DSR_NODE_PORT: u16 = 30084;
 
-/// A NodePort with its one endpoint on n2, vipr on every node with `lb_mode`.
-fn dsr_lab(label: &str, lb_mode: &str) -> Result<ClusterLab> {
+/// A NodePort with its one endpoint on n2, vipr on every node with `args` (the LB mode).
+fn dsr_lab(label: &str, args: &[&str]) -> Result<ClusterLab> {
     let mut lab = ClusterLab::new(label, 3, 1, &[POD_PORT])?;
     lab.apply_service(
         node_port_service("direct", "10.96.0.40", DSR_NODE_PORT, json!({})),
         TARGET_PORTS,
         &[(2, 0)],
     )?;
-    lab.start_vipr(&[lb_mode])?;
+    lab.start_vipr(args)?;
     Ok(lab)
 }
 
 #[test]
 fn with_dsr_a_remote_backend_sees_the_client_and_replies_straight_to_it() -> Result<()> {
-    let lab = dsr_lab("cl-dsr", "--lb-mode=dsr")?;
+    let lab = dsr_lab("cl-dsr", &["--lb-mode=dsr"])?;
+    with_vipr_logs(&lab, dsr_replies_straight(&lab))
+}
+
+/// The same with `--bpf-forwarding=redirect`: the request redirected to node 2 with the option,
+/// node 2 redirecting it to the pod without, and the reverse-NATed reply to the router.
+#[test]
+fn with_dsr_and_redirected_forwarding_a_remote_backend_replies_straight_to_the_client() -> Result<()> {
+    let lab = dsr_lab("cl-dsrr", &["--lb-mode=dsr", "--bpf-forwarding=redirect"])?;
     with_vipr_logs(&lab, dsr_replies_straight(&lab))
 }
 
@@ -395,7 +403,7 @@ fn dsr_replies_straight(lab: &ClusterLab) -> Result<()> {
 
 #[test]
 fn hybrid_dsr_is_direct_for_tcp_and_masqueraded_for_udp() -> Result<()> {
-    let lab = dsr_lab("cl-hyb", "--lb-mode=hybrid")?;
+    let lab = dsr_lab("cl-hyb", &["--lb-mode=hybrid"])?;
     with_vipr_logs(&lab, hybrid_dsr(&lab))
 }
 
