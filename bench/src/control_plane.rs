@@ -345,6 +345,7 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
         balancing: Default::default(),
         xdp: Default::default(),
         forwarding: Default::default(),
+        lb_mode: Default::default(),
     };
     let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()) };
     let started = Instant::now();

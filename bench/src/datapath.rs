@@ -449,6 +449,7 @@ impl<'a> CellBench<'a> {
                 balancing: Default::default(),
                 xdp: Default::default(),
                 forwarding: Default::default(),
+                lb_mode: Default::default(),
             };
             let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()) };
             let mut dataplane =

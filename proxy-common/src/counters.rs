@@ -32,7 +32,20 @@ pub mod datapath_stat {
     /// without endpoints, a cluster IP's unserved port) was dropped instead: the node's rejects
     /// were over their rate (reject.rs).
     pub const REJECT_RATE_LIMITED: u32 = 5;
-    pub const COUNT: u32 = 6;
+    /// A new connection was sent to a backend on another node by direct server return (the
+    /// ingress node's count).
+    pub const DSR_SENT: u32 = 6;
+    /// A DSR request's option told this node a connection's service address: its entries
+    /// were stored (the backend node's count).
+    pub const DSR_RECEIVED: u32 = 7;
+    /// A new connection that would have been sent by DSR was masqueraded instead: its first
+    /// packet with the option would have exceeded the egress device's MTU.
+    pub const DSR_MTU_SNAT: u32 = 8;
+    /// A packet of a DSR connection (a retransmitted SYN, a UDP datagram) left without the
+    /// option: with it the packet would have exceeded the egress device's MTU. The backend's
+    /// node keeps the entries the connection's first packet stored.
+    pub const DSR_MTU_NO_OPTION: u32 = 9;
+    pub const COUNT: u32 = 10;
 }
 
 map_types! {

@@ -94,6 +94,18 @@ pub mod flow_flags {
     pub const REWRITE_SOURCE: u32 = 2;
     /// This entry is the reply direction (backend -> client) of a connection.
     pub const REPLY: u32 = 4;
+    /// Direct server return, on the node the client's packets arrive at (`--lb-mode=dsr`): the
+    /// connection goes to a backend on another node without source NAT, the service address
+    /// carried to that node in an IPv4 option (on a TCP SYN, on every UDP datagram), and its
+    /// replies leave the backend's node straight to the client. Only this forward entry
+    /// exists; the client's packets alone establish it.
+    pub const DSR_INGRESS: u32 = 8;
+    /// Direct server return, on the backend's node: both entries of a connection whose
+    /// service address arrived in the request's option. The forward entry (client ->
+    /// backend, which is how the packets arrive) rewrites nothing and names the backend as its
+    /// destination; the reply entry gives replies that service address as source. The
+    /// entries are each other's plain reversal.
+    pub const DSR_BACKEND: u32 = 16;
 }
 
 /// Value of the flows map: how to rewrite the packets of one direction of a tracked

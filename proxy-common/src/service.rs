@@ -38,6 +38,11 @@ pub mod service_flags {
     /// The slots of `backend_set` are a Maglev table: a new connection takes the slot its
     /// flow hash names rather than a random one, so every node picks the same backend for it.
     pub const MAGLEV: u32 = 8;
+    /// Direct server return (`--lb-mode=dsr`, or `hybrid` for TCP): a new connection from
+    /// outside to a backend on another node is sent there without source NAT, the frontend
+    /// carried in an IPv4 option, instead of being masqueraded. Set only on the OUTSIDE
+    /// entries of masquerading NodePort, load-balancer and external-IP frontends.
+    pub const DSR: u32 = 16;
 }
 
 /// Value of the services map. `backend_set` names the slots in the backends map that hold

@@ -76,6 +76,13 @@ pub(crate) fn observe<A: Maps>(key: &Tuple<A>, tracked: &Tracked<A>, tcp_flags: 
         && (key.proto != proto::TCP || tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK)
     {
         flow_state::ESTABLISHED
+    } else if nat.flags & flow_flags::DSR_INGRESS != 0
+        && (key.proto != proto::TCP || tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK)
+    {
+        // Direct server return: the replies bypass this node, so the client's own packets
+        // tell: its ACK after the SYN acknowledges the SYN-ACK, a second datagram makes a
+        // stream (as a reply and the next datagram would).
+        flow_state::REPLIED | flow_state::ESTABLISHED
     } else {
         0
     };
@@ -97,6 +104,17 @@ fn advance<A: Maps>(key: &Tuple<A>, nat: &Nat<A>, track: NonNull<FlowTrack>, pro
 /// its packets leave rewritten, and the other direction travels that tuple backwards.
 #[inline(always)]
 pub(crate) fn partner<A: Maps>(key: &Tuple<A>, nat: &Nat<A>) -> Tuple<A> {
+    // On a DSR backend's node the request arrives already rewritten: the entries are each
+    // other's reversal, whatever the reply entry rewrites.
+    if nat.flags & flow_flags::DSR_BACKEND != 0 {
+        return Tuple {
+            src: key.dst,
+            dst: key.src,
+            src_port: key.dst_port,
+            dst_port: key.src_port,
+            proto: key.proto,
+        };
+    }
     let (src, src_port) = if nat.flags & flow_flags::REWRITE_SOURCE != 0 {
         (nat.src, nat.src_port)
     } else {
@@ -239,6 +257,86 @@ pub(crate) fn track<A: Maps>(
     }
     A::remember_new(client);
     Ok(forward)
+}
+
+/// Records a new connection sent to a backend on another node by direct server return: only
+/// its forward entry (destination rewritten, source kept), since its replies never come back
+/// through this node. Errors as [`track`].
+#[inline(always)]
+pub(crate) fn track_dsr<A: Maps>(
+    packet: &Packet<A>,
+    backend: &Endpoint<A>,
+    counter: u32,
+    now: u64,
+    last_try: bool,
+) -> Result<Nat<A>, Refusal> {
+    let forward = Nat {
+        src: A::UNSPECIFIED,
+        src_port: 0,
+        dst: backend.addr,
+        dst_port: backend.port,
+        flags: flow_flags::REWRITE_DESTINATION | flow_flags::DSR_INGRESS,
+        counter,
+        last_seen: now,
+        state: initial_state(packet),
+    };
+    if let Err(error) = A::record(&packet.flow, &forward) {
+        return Err(refuse(error, last_try, datapath_stat::FLOW_INSERT_FORWARD));
+    }
+    A::remember_new(&packet.flow);
+    Ok(forward)
+}
+
+/// Records, on a backend's node, a DSR connection whose request carried its service address
+/// `frontend` (dsr.rs): the reply entry (backend -> client) gives replies that address as
+/// source, the forward entry (client -> backend, as the requests arrive) tracks the client's
+/// side. Stored whatever was there (a request's option is the newest word on its tuple); not
+/// counted per service (counter 0): the ingress node counts the requests. Errors as [`track`].
+#[inline(always)]
+pub(crate) fn track_dsr_backend<A: Maps>(
+    packet: &Packet<A>,
+    frontend: &Endpoint<A>,
+    last_try: bool,
+) -> Result<(), Refusal> {
+    let client = &packet.flow;
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let reply_key = Tuple {
+        src: client.dst,
+        dst: client.src,
+        src_port: client.dst_port,
+        dst_port: client.src_port,
+        proto: client.proto,
+    };
+    let reply = Nat {
+        src: frontend.addr,
+        src_port: frontend.port,
+        dst: A::UNSPECIFIED,
+        dst_port: 0,
+        flags: flow_flags::REPLY | flow_flags::REWRITE_SOURCE | flow_flags::DSR_BACKEND,
+        counter: 0,
+        last_seen: 0,
+        state: initial_state(packet),
+    };
+    // The backend as destination, unrewritten: the reaper tells the connection's endpoint by it.
+    let forward = Nat {
+        src: A::UNSPECIFIED,
+        src_port: 0,
+        dst: client.dst,
+        dst_port: client.dst_port,
+        flags: flow_flags::DSR_BACKEND,
+        counter: 0,
+        last_seen: now,
+        state: initial_state(packet),
+    };
+    if let Err(error) = A::record(&reply_key, &reply) {
+        return Err(refuse(error, last_try, datapath_stat::FLOW_INSERT_REPLY));
+    }
+    if let Err(error) = A::record(client, &forward) {
+        A::forget(&reply_key);
+        return Err(refuse(error, last_try, datapath_stat::FLOW_INSERT_FORWARD));
+    }
+    A::remember_new(client);
+    Ok(())
 }
 
 /// A failed insert: [`Refusal::MapFull`] for a full map unless `last_try`, else counted as

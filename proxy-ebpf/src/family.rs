@@ -74,6 +74,8 @@ pub trait Address: Family {
     fn fib_destination(params: &mut bpf_fib_lookup, destination: Self);
     /// The source address a successful `BPF_FIB_LOOKUP_SRC` lookup chose.
     fn fib_source(params: &bpf_fib_lookup) -> Self;
+    /// The next hop a successful lookup found: the route's gateway, or the destination itself.
+    fn fib_next_hop(params: &bpf_fib_lookup) -> Self;
 }
 
 impl Address for Ipv4 {
@@ -106,6 +108,12 @@ impl Address for Ipv4 {
     fn fib_source(params: &bpf_fib_lookup) -> Self {
         // SAFETY: with BPF_FIB_LOOKUP_SRC a successful lookup fills ipv4_src.
         unsafe { params.__bindgen_anon_3.ipv4_src }.to_ne_bytes()
+    }
+
+    #[inline(always)]
+    fn fib_next_hop(params: &bpf_fib_lookup) -> Self {
+        // SAFETY: an IPv4 lookup's destination field.
+        unsafe { params.__bindgen_anon_4.ipv4_dst }.to_ne_bytes()
     }
 }
 
@@ -141,6 +149,13 @@ impl Address for Ipv6 {
     fn fib_source(params: &bpf_fib_lookup) -> Self {
         // SAFETY: with BPF_FIB_LOOKUP_SRC a successful lookup fills ipv6_src.
         unsafe { core::mem::transmute::<[u32; 4], Self>(params.__bindgen_anon_3.ipv6_src) }
+    }
+
+    #[inline(always)]
+    fn fib_next_hop(params: &bpf_fib_lookup) -> Self {
+        // SAFETY: an IPv6 lookup's destination field (an IPv4 gateway of an IPv6 route is
+        // left in the IPv4 field, and this then differs from the destination too).
+        unsafe { core::mem::transmute::<[u32; 4], Self>(params.__bindgen_anon_4.ipv6_dst) }
     }
 }
 

@@ -20,6 +20,9 @@ mod conntrack;
 /// Per-connection and datapath counters.
 #[cfg(target_arch = "bpf")]
 mod counters;
+/// Direct server return's IPv4 option.
+#[cfg(target_arch = "bpf")]
+mod dsr;
 /// What an address family is (the bottom layer).
 #[cfg(target_arch = "bpf")]
 mod family;

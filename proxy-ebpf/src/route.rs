@@ -59,6 +59,12 @@ pub struct Route<A> {
     pub ifindex: u32,
     /// The route's preferred source: the address MASQUERADE would give the packet.
     pub source: A,
+    /// The route goes through a gateway (another node, for a pod CIDR routed as CNIs route
+    /// them), not straight to the destination on a link: what tells a backend on another
+    /// node from one of this node's pods for direct server return.
+    pub via_gateway: bool,
+    /// The egress device's MTU.
+    pub mtu: u32,
 }
 
 /// `None` when the destination is not forwarded: local to the node, or unreachable. The stack
@@ -81,7 +87,12 @@ pub fn route_to<A: Address>(ctx: &TcContext, destination: A) -> Option<Route<A>>
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
         return None;
     }
-    Some(Route { ifindex: params.ifindex, source: A::fib_source(params) })
+    // The lookup leaves the next hop in the destination's place: the gateway, if the route
+    // has one. Without a length to check, it reports the egress device's MTU.
+    let via_gateway = !A::fib_next_hop(params).is(&destination);
+    // SAFETY: a successful lookup without `tot_len` fills `mtu_result`.
+    let mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
+    Some(Route { ifindex: params.ifindex, source: A::fib_source(params), via_gateway, mtu })
 }
 
 /// Zeroes FIB lookup parameters in place, one 32-bit store at a time. Any zeroing the compiler

@@ -3,26 +3,27 @@
 //! fragments that belong to them, and forwards the result (route.rs); `vipr_tc_egress` gives
 //! forwarded replies their frontend as source once the stack has routed them.
 use aya_ebpf::{macros::classifier, programs::TcContext};
-use proxy_common::{flow_flags, service_flags, unmatched, Service};
+use proxy_common::{datapath_stat, flow_flags, proto, service_flags, unmatched, Service};
 
 use crate::{
-    conntrack::{make_room, observe, touch, track, track_masqueraded, Refusal},
-    counters,
-    family::{Ipv4, Ipv6, Nat},
+    conntrack::{make_room, observe, touch, track, track_dsr, track_dsr_backend, track_masqueraded, Refusal},
+    counters::{self, stat},
+    dsr::{Dsr, OPTION_LEN},
+    family::{Endpoint, Ipv4, Ipv6, Nat},
     family_maps::Maps,
     fragment::{self, Fragments, LaterFragment},
     icmp_error::{self, IcmpErrors},
     lb::{classify, decide, Chosen, Decision, Pick},
-    packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6},
+    packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_ACK, TCP_SYN},
     reject::Reject,
     route::{redirect, redirecting, route_to, Route},
     wire::ETH_HLEN,
 };
 
 /// Everything the TC path does per family, from the layers below.
-trait Datapath: IpHeader + Maps + Reject + IcmpErrors + Fragments {}
+trait Datapath: IpHeader + Maps + Reject + IcmpErrors + Fragments + Dsr {}
 
-impl<A: IpHeader + Maps + Reject + IcmpErrors + Fragments> Datapath for A {}
+impl<A: IpHeader + Maps + Reject + IcmpErrors + Fragments + Dsr> Datapath for A {}
 
 // Verdicts from linux/pkt_cls.h, typed as the program returns them.
 /// vipr did not act: the next program (or the default action) decides.
@@ -93,12 +94,99 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: Packet<A>) -> i32 {
         let flow = tracked.nat;
         count(ctx, flow.counter);
         observe(&packet.flow, &tracked, packet.tcp_flags);
+        if A::DSR
+            && flow.flags & (flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0
+            && flow.flags & flow_flags::REPLY == 0
+        {
+            return dsr_request(ctx, &packet, &flow);
+        }
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let route = route_to(ctx, destination);
         return forward(ctx, &packet, &flow, route.as_ref());
     }
     NEW_CONNECTION
+}
+
+/// A request of a direct-server-return connection with a flow entry. On the ingress node: the
+/// destination rewritten, the option carried again where the backend's node may need it (a
+/// retransmitted SYN, every UDP datagram: its entries there may have expired or never been
+/// stored). On the backend's node: the option, if any, removed (a retransmitted SYN renews
+/// the entries first). A function of its own, with its own route lookup: the established path
+/// of other connections keeps its code, frame and route as without DSR.
+#[inline(never)]
+fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
+    let destination =
+        if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
+    let route = route_to(ctx, destination);
+    let route = route.as_ref();
+    if flow.flags & flow_flags::DSR_BACKEND != 0 {
+        let Some(frontend) = A::carried(ctx, packet) else {
+            return forward(ctx, packet, flow, route);
+        };
+        if packet.tcp_flags & TCP_SYN != 0 {
+            let _ = track_dsr_backend(packet, &frontend, true);
+        }
+        return strip_and_deliver::<A>(ctx, route);
+    }
+    match route {
+        Some(route) if packet.first_fragment.is_none() => {
+            let carry = packet.flow.proto != proto::TCP || packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+            send_dsr(ctx, packet, flow, route, carry)
+        }
+        // A first fragment leaves without the option (fragment.rs places the rest of its
+        // datagram); without a route the stack has the packet.
+        _ => forward(ctx, packet, flow, route),
+    }
+}
+
+/// Sends a DSR request to its backend's node: the destination rewritten, the source kept,
+/// and with `carry` the option with the frontend (the packet's destination before the
+/// rewrite), unless that would exceed the egress device's MTU (counted: the packet leaves
+/// without it). Through the stack or redirected, as `--bpf-forwarding` says: with the source
+/// kept, netfilter sees client -> backend either way.
+#[inline(always)]
+fn send_dsr<A: Datapath>(
+    ctx: &TcContext,
+    packet: &Packet<A>,
+    flow: &Nat<A>,
+    route: &Route<A>,
+    carry: bool,
+) -> i32 {
+    let carry = carry && {
+        let fits = A::ip_len(packet) + OPTION_LEN as u32 <= route.mtu;
+        if !fits {
+            stat(datapath_stat::DSR_MTU_NO_OPTION);
+        }
+        fits
+    };
+    if rewrite(ctx, packet, Side::Destination, flow.dst, flow.dst_port).is_err() {
+        return TC_ACT_SHOT;
+    }
+    if carry && A::carry(ctx, &Endpoint { addr: packet.flow.dst, port: packet.flow.dst_port }).is_err() {
+        return TC_ACT_SHOT;
+    }
+    deliver(Some(route))
+}
+
+/// A DSR request on its backend's node: the option removed (a packet half rewritten must not
+/// escape), then on to the backend.
+#[inline(always)]
+fn strip_and_deliver<A: Datapath>(ctx: &TcContext, route: Option<&Route<A>>) -> i32 {
+    if A::strip(ctx).is_err() {
+        return TC_ACT_SHOT;
+    }
+    deliver(route)
+}
+
+/// Hands on a packet rewritten in place: redirected to its route with `--bpf-forwarding=redirect`,
+/// else into the stack.
+#[inline(always)]
+fn deliver<A>(route: Option<&Route<A>>) -> i32 {
+    match route {
+        Some(route) if redirecting() => redirect(route),
+        _ => TC_ACT_OK,
+    }
 }
 
 /// The first packet of a connection: choose its backend, track it, rewrite it. The packet is
@@ -111,6 +199,11 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
         return TC_ACT_UNSPEC;
     };
     let packet = &packet;
+    // A request whose service address another node's vipr carried here: this node is the
+    // backend's (direct server return).
+    if let Some(frontend) = A::carried(ctx, packet).filter(|_| A::DSR) {
+        return dsr_arrived(ctx, packet, &frontend, last_try);
+    }
     // At TC ingress the packet's device is the one it entered through.
     let entered_through = unsafe { (*ctx.skb.skb).ifindex };
     let class = classify(&packet.flow.src, entered_through);
@@ -127,6 +220,15 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     // itself directly and the reply would never be reverse-NATed.
     let hairpin = backend.addr.is(&packet.flow.src);
     let route = route_to(ctx, backend.addr);
+    if A::DSR && service.flags & service_flags::DSR != 0 && !hairpin {
+        if let Some(route) = route.as_ref().filter(|route| remote(packet, &backend, route)) {
+            let chosen = Chosen { service, backend, counter, now };
+            let verdict = balance_dsr(ctx, packet, &chosen, route, last_try);
+            if verdict != NOT_DSR {
+                return verdict;
+            }
+        }
+    }
     let forward = if service.flags & service_flags::MASQUERADE != 0 || hairpin {
         // Without a route there is no address to masquerade to.
         let Some(route) = &route else {
@@ -143,6 +245,66 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     };
     count(ctx, counter);
     self::forward(ctx, packet, &forward, route.as_ref())
+}
+
+/// [`balance_dsr`]'s answer for a connection that is masqueraded after all.
+const NOT_DSR: i32 = i32::MIN + 3;
+
+/// A new connection of a DSR frontend to a remote backend: tracked (forward entry only) and
+/// sent with the option, unless its packet with the option would exceed the egress device's
+/// MTU: then [`NOT_DSR`] (counted), and it is masqueraded as without DSR. Inlined: as a call
+/// of its own its frame and [`balance_new`]'s add up past BPF's 512 bytes.
+#[inline(always)]
+fn balance_dsr<A: Datapath>(
+    ctx: &TcContext,
+    packet: &Packet<A>,
+    chosen: &Chosen<A>,
+    route: &Route<A>,
+    last_try: bool,
+) -> i32 {
+    if A::ip_len(packet) + OPTION_LEN as u32 > route.mtu {
+        stat(datapath_stat::DSR_MTU_SNAT);
+        return NOT_DSR;
+    }
+    match track_dsr(packet, &chosen.backend, chosen.counter, chosen.now, last_try) {
+        Ok(forward) => {
+            stat(datapath_stat::DSR_SENT);
+            count(ctx, chosen.counter);
+            send_dsr(ctx, packet, &forward, route, true)
+        }
+        Err(Refusal::MapFull) => MAP_FULL,
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// Whether a DSR frontend's new connection goes to a backend on another node: a pod address
+/// (the local-traffic detector's cluster CIDRs) routed through a gateway (the node that has
+/// the pod's CIDR), not one of this node's pods (a route on a link) nor an address outside the
+/// cluster (no vipr there to restore the frontend). A first fragment is masqueraded: its
+/// datagram's later fragments could not carry the option.
+#[inline(always)]
+fn remote<A: Datapath>(packet: &Packet<A>, backend: &Endpoint<A>, route: &Route<A>) -> bool {
+    route.via_gateway && packet.first_fragment.is_none() && A::in_pod_cidr(&backend.addr)
+}
+
+/// The first request of a DSR connection on its backend's node: its entries stored (the reply
+/// entry gives replies the carried frontend as source), the option removed, the request
+/// delivered. A connection whose entries could not be stored is refused as [`balance_new`]
+/// refuses: its replies would leave with the backend's address.
+#[inline(never)]
+fn dsr_arrived<A: Datapath>(
+    ctx: &TcContext,
+    packet: &Packet<A>,
+    frontend: &Endpoint<A>,
+    last_try: bool,
+) -> i32 {
+    match track_dsr_backend(packet, frontend, last_try) {
+        Ok(()) => stat(datapath_stat::DSR_RECEIVED),
+        Err(Refusal::MapFull) => return MAP_FULL,
+        Err(_) => return TC_ACT_SHOT,
+    }
+    let route = route_to(ctx, packet.flow.dst);
+    strip_and_deliver::<A>(ctx, route.as_ref())
 }
 
 /// Counts the packet for its connection, by its IP length (without the Ethernet header).

@@ -163,7 +163,8 @@ fn established<A: Maps + IpHeader>(ctx: &XdpContext) -> Outcome {
         return Outcome::New;
     };
     let flow = tracked.nat;
-    if flow.flags & flow_flags::REPLY != 0 {
+    // Replies, and direct server return's requests (their option is TC's), pass to TC.
+    if flow.flags & (flow_flags::REPLY | flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0 {
         return Outcome::Pass;
     }
     let destination =
@@ -191,7 +192,8 @@ fn new_connection<A: Maps + IpHeader>(ctx: &XdpContext) -> Option<u32> {
         // with ICMP errors), and so is a set retired meanwhile.
         return None;
     };
-    if backend.addr.is(&packet.flow.src) {
+    // A hairpin, and a DSR frontend's connections (TC carries the option), are TC's.
+    if backend.addr.is(&packet.flow.src) || service.flags & service_flags::DSR != 0 {
         return None;
     }
     let out = egress(ctx, backend.addr, tot_len)?;

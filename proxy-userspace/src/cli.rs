@@ -15,7 +15,7 @@ use crate::config::{
     LbAlgorithm, LoggingFormat, NodePortAddress, ProxyMode, DEFAULT_HEALTHZ_BIND_ADDRESS,
     DEFAULT_METRICS_BIND_ADDRESS,
 };
-use crate::dataplane::ebpf::{BpfForwarding, XdpMode};
+use crate::dataplane::ebpf::{BpfForwarding, LbMode, XdpMode};
 
 /// Values that say so are kube-proxy's defaults; a flag left out keeps the `--config` file's
 /// value, or else that default.
@@ -176,6 +176,15 @@ pub struct Args {
     /// masqueraded connections are redirected on both paths (docs/architecture/ebpf-datapath.md, "Forwarding").
     #[arg(long, value_enum, value_name = "PATH", default_value = "stack")]
     pub bpf_forwarding: BpfForwarding,
+
+    /// How the eBPF datapath sends a NodePort, load-balancer or external-IP connection from
+    /// outside to a backend on another node (Cilium's `bpf-lb-mode`): `snat` masquerades it,
+    /// as kube-proxy, so the replies come back through this node; `dsr` keeps the client's
+    /// address and carries the service address to the backend's node in an IPv4 option, and
+    /// the replies leave from there straight to the client (direct server return, TCP and UDP;
+    /// every node must run vipr with it); `hybrid` is DSR for TCP and SNAT for UDP and SCTP.
+    #[arg(long, value_enum, value_name = "MODE", default_value = "snat")]
+    pub lb_mode: LbMode,
 
     /// How the eBPF datapath picks a new connection's backend: `random` (as kube-proxy), or
     /// `maglev` (consistent hashing of the flow: every node picks the same backend for a flow,

@@ -30,7 +30,7 @@ use crate::config::{file::ModeSection, *};
 use crate::dataplane::{
     ebpf::{
         maglev, Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts, EbpfOptions, FlowPressure,
-        HostTrafficOptions, XdpMode,
+        HostTrafficOptions, LbMode, XdpMode,
     },
     iptables::IptablesOptions,
     ipvs::{self, IpvsOptions},
@@ -75,6 +75,8 @@ pub struct Settings {
     pub xdp: XdpMode,
     /// `--bpf-forwarding`: through the stack (netfilter filters it), or redirected past it.
     pub bpf_forwarding: BpfForwarding,
+    /// `--lb-mode`: source NAT or direct server return toward backends on other nodes.
+    pub lb_mode: LbMode,
     pub cleanup: bool,
     /// `--cleanup-keep-kube-proxy`: `--cleanup` leaves kube-proxy's chains and IPVS state.
     pub cleanup_keep_kube_proxy: bool,
@@ -401,6 +403,7 @@ impl Settings {
             balancing: balancing(args)?,
             xdp: args.xdp.unwrap_or(XdpMode::Auto),
             bpf_forwarding: args.bpf_forwarding,
+            lb_mode: args.lb_mode,
             cleanup: args.cleanup,
             cleanup_keep_kube_proxy: args.cleanup_keep_kube_proxy,
             healthz_bind_address,
@@ -864,6 +867,7 @@ impl Settings {
                 balancing: self.balancing,
                 xdp: self.xdp,
                 forwarding: self.bpf_forwarding,
+                lb_mode: self.lb_mode,
             },
             host_traffic: HostTrafficOptions { cgroup_root: self.cgroup_root.clone() },
             state_dir: self.state_dir.clone(),
@@ -1466,6 +1470,15 @@ logging:
         assert_eq!(settings(&[]).unwrap().bpf_forwarding, BpfForwarding::Stack);
         assert_eq!(settings(&["--bpf-forwarding=redirect"]).unwrap().bpf_forwarding, BpfForwarding::Redirect);
         assert_eq!(settings(&["--bpf-forwarding=stack"]).unwrap().bpf_forwarding, BpfForwarding::Stack);
+        assert_eq!(settings(&[]).unwrap().lb_mode, LbMode::Snat);
+        assert_eq!(settings(&["--lb-mode=dsr"]).unwrap().lb_mode, LbMode::Dsr);
+        assert_eq!(settings(&["--lb-mode=hybrid"]).unwrap().lb_mode, LbMode::Hybrid);
+        let unknown = settings(&["--lb-mode=tunnel"]).unwrap_err().to_string();
+        assert!(unknown.contains("invalid value 'tunnel' for '--lb-mode <MODE>'"), "{unknown}");
+        assert!(
+            unknown.contains("snat") && unknown.contains("dsr") && unknown.contains("hybrid"),
+            "{unknown}"
+        );
         assert!(settings(&["--bpf-forwarding=bypass"]).is_err());
     }
 

@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{bail, ensure, Context as _, Result};
 use serde_json::json;
 use testbed::{
     cluster::{pod_ip, ClusterLab, CLIENT_IP},
@@ -101,15 +101,56 @@ fn an_external_load_balancer_sees_local_endpoints_through_the_health_check_node_
 
 /// The backend that answers a datagram from `socket` to `to`.
 fn udp_backend(socket: &UdpSocket, to: SocketAddr) -> Result<String> {
+    Ok(udp_answer(socket, to)?.backend)
+}
+
+/// The answer to a datagram from `socket` to `to`: only one that comes from `to` itself (the
+/// service address) counts.
+fn udp_answer(socket: &UdpSocket, to: SocketAddr) -> Result<Answer> {
     socket.send_to(b"who are you?", to)?;
     let mut buffer = [0u8; 512];
     loop {
         let (length, from) = socket.recv_from(&mut buffer).with_context(|| format!("no answer from {to}"))?;
         if from == to {
-            let answer: Answer = std::str::from_utf8(&buffer[..length])?.trim().parse()?;
-            return Ok(answer.backend);
+            return std::str::from_utf8(&buffer[..length])?.trim().parse();
         }
     }
+}
+
+/// One UDP question from the external client to `to`, once vipr answers there.
+fn ask_udp_until_served(lab: &ClusterLab, to: SocketAddr) -> Result<Answer> {
+    wait_for(&format!("a UDP answer through {to}"), TIMEOUT, || {
+        let answer = lab.client.run(|| {
+            let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+            socket.set_read_timeout(Some(ASK))?;
+            udp_answer(&socket, to)
+        });
+        Ok(match answer {
+            Ok(answer) => Check::Done(answer),
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    })
+}
+
+/// A sample of node `index`'s (from 1) `/metrics`, once it is at least `at_least` (the metrics
+/// server may start after the datapath serves).
+fn node_metric(lab: &ClusterLab, index: usize, sample: &str, at_least: f64) -> Result<f64> {
+    wait_for(&format!("{sample} >= {at_least} on n{index}"), TIMEOUT, || {
+        Ok(match http::get(&lab.nodes[index - 1].netns, "127.0.0.1:10249".parse()?, "/metrics") {
+            Ok(metrics) => match metrics.metric(sample) {
+                Some(value) if value >= at_least => Check::Done(value),
+                value => Check::NotYet(format!("{value:?}")),
+            },
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    })
+}
+
+/// Packets node `index`'s (from 1) uplink received.
+fn uplink_rx_packets(lab: &ClusterLab, index: usize) -> Result<u64> {
+    let shown: serde_json::Value =
+        serde_json::from_str(&lab.nodes[index - 1].netns.ip(&["-s", "-j", "link", "show", "eth0"])?)?;
+    shown[0]["stats64"]["rx"]["packets"].as_u64().context("no rx packet count for eth0")
 }
 
 #[test]
@@ -283,5 +324,98 @@ fn when_a_node_goes_away_the_others_balance_its_flows_to_the_remaining_pods() ->
             assert!(answer.answer.backend != "n3-pod0", "through n{node}: {}", answer.answer.backend);
         }
     }
+    Ok(())
+}
+
+const DSR_NODE_PORT: u16 = 30084;
+
+/// A NodePort with its one endpoint on n2, vipr on every node with `args` (the LB mode).
+fn dsr_lab(label: &str, args: &[&str]) -> Result<ClusterLab> {
+    let mut lab = ClusterLab::new(label, 3, 1, &[POD_PORT])?;
+    lab.apply_service(
+        node_port_service("direct", "10.96.0.40", DSR_NODE_PORT, json!({})),
+        TARGET_PORTS,
+        &[(2, 0)],
+    )?;
+    lab.start_vipr(args)?;
+    Ok(lab)
+}
+
+#[test]
+fn with_dsr_a_remote_backend_sees_the_client_and_replies_straight_to_it() -> Result<()> {
+    let lab = dsr_lab("cl-dsr", &["--lb-mode=dsr"])?;
+    with_vipr_logs(&lab, dsr_replies_straight(&lab))
+}
+
+/// The same with `--bpf-forwarding=redirect`: the request redirected to node 2 with the option,
+/// node 2 redirecting it to the pod without, and the reverse-NATed reply to the router.
+#[test]
+fn with_dsr_and_redirected_forwarding_a_remote_backend_replies_straight_to_the_client() -> Result<()> {
+    let lab = dsr_lab("cl-dsrr", &["--lb-mode=dsr", "--bpf-forwarding=redirect"])?;
+    with_vipr_logs(&lab, dsr_replies_straight(&lab))
+}
+
+/// `result`, with the end of every node's vipr log printed when it is an error.
+fn with_vipr_logs<T>(lab: &ClusterLab, result: Result<T>) -> Result<T> {
+    if result.is_err() {
+        for node in &lab.nodes {
+            let log = std::fs::read_to_string(lab.workdir().join(format!("vipr-{}.log", node.name)))
+                .unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            eprintln!("--- vipr on {}:\n{}", node.name, lines[lines.len().saturating_sub(30)..].join("\n"));
+        }
+    }
+    result
+}
+
+fn dsr_replies_straight(lab: &ClusterLab) -> Result<()> {
+    let through = ClusterLab::node_address(1, DSR_NODE_PORT);
+    // TCP: the connection to n1's address works only if the replies come from it.
+    let answer = ask_until_served(lab, through)?;
+    ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "TCP: {answer}");
+    // UDP: the answer counts only if it comes from n1's address and port.
+    let answer = ask_udp_until_served(lab, through)?;
+    ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "UDP: {answer}");
+    // n1 sent both connections by DSR, and n2 got their service address in the requests.
+    node_metric(lab, 1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 2.0)?;
+    node_metric(lab, 2, "vipr_datapath_dsr_total{event=\"connection_received\"}", 2.0)?;
+
+    // The replies do not come back through n1: its uplink receives the requests only (with
+    // SNAT it would receive each answer from n2 too). A little slack for the API server's
+    // traffic to n1's vipr.
+    const EXCHANGES: u64 = 40;
+    let before = uplink_rx_packets(lab, 1)?;
+    lab.client.run(|| {
+        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        socket.set_read_timeout(Some(ASK))?;
+        for _ in 0..EXCHANGES {
+            udp_answer(&socket, through)?;
+        }
+        Ok(())
+    })?;
+    let received_by_n1 = uplink_rx_packets(lab, 1)? - before;
+    ensure!(
+        received_by_n1 < EXCHANGES + EXCHANGES / 2,
+        "n1's uplink received {received_by_n1} packets for {EXCHANGES} exchanges: the replies came back through it"
+    );
+    Ok(())
+}
+
+#[test]
+fn hybrid_dsr_is_direct_for_tcp_and_masqueraded_for_udp() -> Result<()> {
+    let lab = dsr_lab("cl-hyb", &["--lb-mode=hybrid"])?;
+    with_vipr_logs(&lab, hybrid_dsr(&lab))
+}
+
+fn hybrid_dsr(lab: &ClusterLab) -> Result<()> {
+    let through = ClusterLab::node_address(1, DSR_NODE_PORT);
+    let answer = ask_until_served(lab, through)?;
+    ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "TCP: {answer}");
+    let answer = ask_udp_until_served(lab, through)?;
+    ensure!(
+        answer.backend == "n2-pod0" && answer.observed_client.ip() == testbed::cluster::node_ip(1),
+        "UDP is masqueraded: {answer}"
+    );
+    node_metric(lab, 1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 1.0)?;
     Ok(())
 }

@@ -397,6 +397,14 @@ pub const INSERT_FAILURES: [(u32, &str); 3] = [
     (datapath_stat::SNAT_PORT_EXHAUSTED, "snat_port_exhausted"),
 ];
 
+/// The direct-server-return events of `datapath_stat`, with their `event` label.
+pub const DSR_EVENTS: [(u32, &str); 4] = [
+    (datapath_stat::DSR_SENT, "connection_sent"),
+    (datapath_stat::DSR_RECEIVED, "connection_received"),
+    (datapath_stat::DSR_MTU_SNAT, "mtu_snat_fallback"),
+    (datapath_stat::DSR_MTU_NO_OPTION, "mtu_option_skipped"),
+];
+
 /// Label names stay clear of the target labels Prometheus-Operator puts on every series
 /// (`namespace`, `service`, `pod`, `endpoint`, ...), which would rename them `exported_*`.
 fn service_labels(service: &ServicePortName) -> Vec<(String, String)> {
@@ -476,11 +484,16 @@ impl Collector for DatapathCollector {
             ];
             (failures, evictions, refusals, stats.read(datapath_stat::REPLY_CLASH_REMAPPED))
         };
-        let rejects_limited = self
-            .stats
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .read(datapath_stat::REJECT_RATE_LIMITED);
+        let (rejects_limited, direct_return) = {
+            let stats = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+            let direct_return = DSR_EVENTS
+                .iter()
+                .map(|(index, event)| {
+                    sample(vec![("event".to_owned(), (*event).to_owned())], stats.read(*index))
+                })
+                .collect();
+            (stats.read(datapath_stat::REJECT_RATE_LIMITED), direct_return)
+        };
         let (mut entries, mut capacities) = (Vec::new(), Vec::new());
         for (map, fill) in self.flows.fill() {
             entries.push(sample(vec![("map".to_owned(), map.clone())], fill.entries));
@@ -561,6 +574,15 @@ impl Collector for DatapathCollector {
                 "Packets to a service without endpoints (or a cluster IP's unserved port) dropped instead of \
                  rejected because the node's rejects were over their rate (1000/s, burst 50)",
                 vec![sample(Vec::new(), rejects_limited)],
+            ),
+            family(
+                "vipr_datapath_dsr_total",
+                "Direct server return (--lb-mode=dsr|hybrid), by event: connection_sent (this node sent a new \
+                 connection to a backend on another node without source NAT), connection_received (a request \
+                 carried its service address here: this node's backend replies straight to the client), \
+                 mtu_snat_fallback (a new connection masqueraded instead: the option would have exceeded the MTU), \
+                 mtu_option_skipped (a DSR connection's packet sent without the option for the same reason)",
+                direct_return,
             ),
             gauge(
                 "vipr_bpf_map_entries",

@@ -19,12 +19,12 @@ use super::{
     counters::CounterIds,
     family::{Family, V4, V6},
     maglev,
-    options::Balancing,
+    options::{Balancing, LbMode},
     plan::WantedService,
 };
 use crate::model::{
-    Backend, DesiredState, Frontend, FrontendEntry, ServicePortName, SourceClass, StateChanges, Treatment,
-    WhenEmpty,
+    Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName, SourceClass, StateChanges,
+    Treatment, WhenEmpty,
 };
 
 /// A key of an LPM trie: prefix length in bits and the data it applies to.
@@ -73,7 +73,7 @@ pub fn encode(
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> Wanted {
-    encode_admitted(state, &Refused::default(), balancing, service_ids, counters)
+    encode_admitted(state, &Refused::default(), balancing, LbMode::Snat, service_ids, counters)
 }
 
 /// The entries of every Service but the `refused` ones (see [`super::capacity`]).
@@ -82,12 +82,13 @@ pub fn encode_admitted(
     state: &DesiredState,
     refused: &Refused,
     balancing: Balancing,
+    lb_mode: LbMode,
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> Wanted {
     let mut wanted = Wanted::default();
     for (frontend, entry) in state.frontends.iter().filter(|(_, entry)| !refused.contains(&entry.service)) {
-        wanted.add_frontend(frontend, entry, balancing, service_ids, counters);
+        wanted.add_frontend(frontend, entry, (balancing, lb_mode), service_ids, counters);
     }
     wanted.v4.add_classifiers(state, refused);
     wanted.v6.add_classifiers(state, refused);
@@ -117,7 +118,7 @@ pub fn encode_changes(
     state: &DesiredState,
     refused: &Refused,
     changes: &StateChanges,
-    balancing: Balancing,
+    modes: (Balancing, LbMode),
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> (Touched<V4>, Touched<V6>) {
@@ -130,7 +131,7 @@ pub fn encode_changes(
         };
         if let Some(entry) = state.frontends.get(frontend).filter(|entry| !refused.contains(&entry.service)) {
             ranges |= !entry.allowed_sources.is_empty();
-            wanted.add_frontend(frontend, entry, balancing, service_ids, counters);
+            wanted.add_frontend(frontend, entry, modes, service_ids, counters);
         }
     }
     // Frontends of one service share its source ranges: they are encoded anew from all.
@@ -162,7 +163,7 @@ impl Wanted {
         &mut self,
         frontend: &Frontend,
         entry: &FrontendEntry,
-        balancing: Balancing,
+        modes: (Balancing, LbMode),
         service_ids: &mut ServiceIds,
         counters: &mut CounterIds,
     ) {
@@ -171,8 +172,8 @@ impl Wanted {
             service_ids.named_id_for(&entry.service, (frontend.ip, frontend.port, protocol));
         let service = ServiceRef { id: service_id, name: &name };
         match frontend.ip {
-            IpAddr::V4(_) => self.v4.add_frontend(frontend, entry, protocol, service, balancing, counters),
-            IpAddr::V6(_) => self.v6.add_frontend(frontend, entry, protocol, service, balancing, counters),
+            IpAddr::V4(_) => self.v4.add_frontend(frontend, entry, protocol, service, modes, counters),
+            IpAddr::V6(_) => self.v6.add_frontend(frontend, entry, protocol, service, modes, counters),
         }
     }
 }
@@ -212,10 +213,19 @@ impl<F: Family> FamilyWanted<F> {
         entry: &FrontendEntry,
         protocol: u8,
         service: ServiceRef<'_>,
-        balancing: Balancing,
+        (balancing, lb_mode): (Balancing, LbMode),
         counters: &mut CounterIds,
     ) {
         let Some(addr) = F::addr(frontend.ip) else { return };
+        // Direct server return replaces the masquerade of connections from outside to a
+        // NodePort, load-balancer or external IP (the datapath keeps it for local backends).
+        // IPv4 only: the option is an IPv4 header option.
+        let direct_return = lb_mode.direct_return(frontend.protocol)
+            && F::BITS == 32
+            && matches!(
+                entry.kind,
+                FrontendKind::NodePort | FrontendKind::LoadBalancer | FrontendKind::ExternalIp
+            );
         let service_id = service.id;
         let mut flags_common = 0;
         // The API bounds the timeout to 1-86400 s; saturate rather than wrap whatever comes.
@@ -247,12 +257,17 @@ impl<F: Family> FamilyWanted<F> {
                 }
             };
             let balancing_flag = if backends.is_empty() { 0 } else { balancing_flag };
+            let dsr_flag = if direct_return && class == SourceClass::Outside && treatment.masquerade {
+                service_flags::DSR
+            } else {
+                0
+            };
             self.services.insert(
                 F::service_key(addr, frontend.port, protocol, class_code),
                 WantedService {
                     backends,
                     service_id,
-                    flags: flags_common | balancing_flag | flags(treatment),
+                    flags: flags_common | balancing_flag | dsr_flag | flags(treatment),
                     affinity_timeout,
                 },
             );
@@ -477,6 +492,38 @@ mod tests {
         translation.state
     }
 
+    /// `--lb-mode=dsr` and `hybrid` mark the masqueraded OUTSIDE entries of a load balancer's
+    /// IPv4 address for TCP; cluster IPs, the other source classes and IPv6 stay as with snat.
+    #[test]
+    fn direct_server_return_marks_only_external_ipv4_frontends_from_outside() {
+        let state = dual_stack(&[]);
+        let dsr_keys = |lb_mode| {
+            let wanted = encode_admitted(
+                &state,
+                &Refused::default(),
+                Balancing::Random,
+                lb_mode,
+                &mut ServiceIds::default(),
+                &mut CounterIds::new(16),
+            );
+            assert!(wanted.v6.services.values().all(|service| service.flags & service_flags::DSR == 0));
+            wanted
+                .v4
+                .services
+                .iter()
+                .filter(|(_, service)| service.flags & service_flags::DSR != 0)
+                .map(|(key, _)| (key.addr, key.port, key.proto, key.source_class))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(dsr_keys(LbMode::Snat), []);
+        let load_balancer = ([1, 2, 3, 4], 80, proto::TCP, source_class::OUTSIDE);
+        assert_eq!(dsr_keys(LbMode::Dsr), [load_balancer]);
+        assert_eq!(dsr_keys(LbMode::Hybrid), [load_balancer]);
+        use crate::model::Protocol;
+        assert!(LbMode::Dsr.direct_return(Protocol::Udp) && !LbMode::Hybrid.direct_return(Protocol::Udp));
+        assert!(!LbMode::Dsr.direct_return(Protocol::Sctp) && !LbMode::Snat.direct_return(Protocol::Tcp));
+    }
+
     #[test]
     fn a_dual_stack_service_programs_each_family_with_its_own_endpoints() {
         let wanted =
@@ -535,6 +582,7 @@ mod tests {
             &state,
             &refused,
             Balancing::Random,
+            LbMode::Snat,
             &mut ServiceIds::default(),
             &mut CounterIds::new(16),
         );

@@ -47,7 +47,7 @@ mod snat;
 mod xdp_attach;
 
 pub use attach::{Attachment, Hook};
-pub use options::{Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts, FlowPressure, XdpMode};
+pub use options::{Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts, FlowPressure, LbMode, XdpMode};
 pub use pin_dir::PinDir;
 
 #[derive(Clone, Debug)]
@@ -63,6 +63,8 @@ pub struct EbpfOptions {
     /// `--bpf-forwarding`: forwarded packets through the stack (netfilter filters them), or
     /// redirected past it.
     pub forwarding: BpfForwarding,
+    /// `--lb-mode`: source NAT or direct server return toward backends on other nodes.
+    pub lb_mode: LbMode,
 }
 
 pub struct EbpfDataplane {
@@ -85,6 +87,7 @@ pub struct EbpfDataplane {
     synced: Option<u64>,
     service_ids: ServiceIds,
     balancing: Balancing,
+    lb_mode: LbMode,
     /// The maps' capacities, and the Services refused because they do not fit them (see
     /// [`capacity`]); decided again when the state changes.
     capacity: Capacity,
@@ -267,6 +270,7 @@ impl EbpfDataplane {
             hooks,
             service_ids,
             balancing: options.balancing,
+            lb_mode: options.lb_mode,
             capacity,
             needs: capacity::NeedsTracker::default(),
             refused: Refused::default(),
@@ -512,7 +516,7 @@ impl Dataplane for EbpfDataplane {
                 state,
                 &self.refused,
                 changes,
-                self.balancing,
+                (self.balancing, self.lb_mode),
                 &mut self.service_ids,
                 &mut self.counter_ids,
             ))
@@ -521,6 +525,7 @@ impl Dataplane for EbpfDataplane {
                 state,
                 &self.refused,
                 self.balancing,
+                self.lb_mode,
                 &mut self.service_ids,
                 &mut self.counter_ids,
             );

@@ -38,6 +38,34 @@ pub enum BpfForwarding {
     Redirect,
 }
 
+/// `--lb-mode`: how a NodePort, load-balancer or external-IP connection from outside reaches a
+/// backend on another node (Cilium's `bpf-lb-mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum LbMode {
+    /// Source NAT to this node's address, as kube-proxy: the replies come back through it.
+    #[default]
+    Snat,
+    /// Direct server return for TCP and UDP: the client's address kept, the service address
+    /// carried to the backend's node in an IPv4 option, the replies sent from there straight
+    /// to the client (docs/architecture/ebpf-datapath.md, "Direct server return").
+    Dsr,
+    /// Direct server return for TCP, source NAT for UDP and SCTP.
+    Hybrid,
+}
+
+impl LbMode {
+    /// Whether connections of `protocol` go by direct server return in this mode. SCTP never
+    /// does: its associations' other addresses (multi-homing) would need the option too.
+    pub fn direct_return(self, protocol: crate::model::Protocol) -> bool {
+        use crate::model::Protocol;
+        match self {
+            Self::Snat => false,
+            Self::Dsr => matches!(protocol, Protocol::Tcp | Protocol::Udp),
+            Self::Hybrid => protocol == Protocol::Tcp,
+        }
+    }
+}
+
 /// Capacities of the eBPF dataplane's largest maps (`--bpf-*-max`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BpfMapSizes {

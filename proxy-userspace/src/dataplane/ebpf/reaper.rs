@@ -412,6 +412,17 @@ macro_rules! tracked_flow {
             /// leave with `flow`'s source (and destination), which is the forward key's
             /// destination (and source).
             fn partner(key: &$key, flow: &$flow) -> $key {
+                // A DSR backend's node stores the entries as the packets travel (the request
+                // arrives rewritten): each other's plain reversal.
+                if flow.flags & flow_flags::DSR_BACKEND != 0 {
+                    return <$key>::from_parts(
+                        key.dst_addr,
+                        key.src_addr,
+                        key.dst_port,
+                        key.src_port,
+                        key.proto,
+                    );
+                }
                 let rewrites_source = flow.flags & flow_flags::REWRITE_SOURCE != 0;
                 let rewrites_destination = flow.flags & flow_flags::REWRITE_DESTINATION != 0;
                 let (src, src_port) = if rewrites_source {

@@ -1,0 +1,176 @@
+//! Direct server return's packets (`--lb-mode=dsr`), run through vipr's TC program with
+//! BPF_PROG_TEST_RUN: on the ingress node a new connection to a remote backend leaves with its
+//! destination rewritten, its source kept and the service address in an IPv4 option (checksums
+//! right, only a forward flow entry); on the backend's node a request with the option stores the
+//! connection's entries and reaches the backend without it, and the reply gets the service
+//! address as source. Each test runs in a network namespace of its own, whose routes it sets.
+//! Needs root (BPF, mount, unshare).
+
+use anyhow::{anyhow, ensure, Context as _, Result};
+use aya::maps::{lpm_trie::Key, LpmTrie, MapData};
+use proxy_common::{datapath_stat, flow_flags, pins, service_flags, Flow4, Service};
+use testbed::fixtures::{
+    frame::{
+        compare_frames, ep, input_and_output, parse_ipv4, Ep, L4Checksum, Packet, IPPROTO_TCP, IPPROTO_UDP,
+    },
+    harness::{flow_key, verdict_name, Harness, TC_ACT_OK},
+    netns::{in_fresh_netns, ip},
+};
+
+/// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
+const TC_ACT_REDIRECT: u32 = 7;
+
+const CLIENT: Ep = ep([203, 0, 113, 2], 40000);
+/// Node 1's NodePort, where the client connects.
+const FRONTEND: Ep = ep([192, 168, 100, 1], 30080);
+/// A pod on node 2, behind node 2's address.
+const BACKEND: Ep = ep([10, 244, 2, 10], 8080);
+/// The option carrying FRONTEND: type 0x9a, length 8, port 30080, address 192.168.100.1.
+const OPTION: [u8; 8] = [0x9a, 8, 0x75, 0x80, 192, 168, 100, 1];
+
+/// Node 1's network: its uplink 192.168.100.1/24 (a veth pair: this kernel has no dummy
+/// devices) and node 2's pod CIDR through node 2, MTU `mtu`.
+fn node_one(mtu: u32) -> Result<()> {
+    ip(&["link", "set", "lo", "up"])?;
+    ip(&["link", "add", "vd0", "mtu", &mtu.to_string(), "type", "veth", "peer", "name", "vd1"])?;
+    ip(&["link", "set", "vd1", "up"])?;
+    ip(&["link", "set", "vd0", "up"])?;
+    ip(&["addr", "add", "192.168.100.1/24", "dev", "vd0"])?;
+    ip(&["route", "add", "10.244.2.0/24", "via", "192.168.100.2"])?;
+    std::fs::write("/proc/sys/net/ipv4/conf/all/forwarding", "1").context("enabling IPv4 forwarding")
+}
+
+/// The cluster CIDR in the local-traffic detector's trie, as the agent writes `--cluster-cidr`.
+fn cluster_cidr(h: &Harness) -> Result<()> {
+    let path = h.bpffs().join(pins::POD_CIDRS4);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    let mut trie: LpmTrie<_, [u8; 4], u8> = aya::maps::Map::LpmTrie(data).try_into()?;
+    trie.insert(&Key::new(16, [10, 244, 0, 0]), 1, 0)?;
+    Ok(())
+}
+
+/// A NodePort frontend of `proto` as the agent writes it with `--lb-mode=dsr`: masqueraded,
+/// direct server return for remote backends, its one backend BACKEND.
+fn dsr_frontend(h: &mut Harness, proto: u8, backend_set: u32) -> Result<()> {
+    let flags = service_flags::MASQUERADE | service_flags::DSR;
+    let service = Service { backend_set, backend_count: 1, service_id: 7, flags, ..Service::default() };
+    h.store_service(FRONTEND, proto, service)?;
+    h.set_backend(backend_set, 0, BACKEND)
+}
+
+/// Runs `input`, expects `verdict` and exactly `expected` out, with valid checksums.
+fn check(h: &Harness, input: &Packet, verdict: u32, expected: &Packet) -> Result<()> {
+    let input = input.build();
+    let (got, out) = h.run(&input)?;
+    let observed = || input_and_output(&input, &out);
+    ensure!(
+        got == verdict,
+        "verdict {} (want {})\n  {}",
+        verdict_name(got),
+        verdict_name(verdict),
+        observed()
+    );
+    let view = parse_ipv4(&out).map_err(|e| anyhow!("output: {e}\n  {}", observed()))?;
+    ensure!(view.ip_checksum_valid, "the IPv4 header checksum is wrong\n  {}", observed());
+    ensure!(view.l4_checksum == L4Checksum::Valid, "L4 checksum {:?}\n  {}", view.l4_checksum, observed());
+    compare_frames(&expected.build(), &out).map_err(|e| anyhow!("{e}\n  {}", observed()))
+}
+
+/// The ingress node: the SYN leaves for node 2 with the destination rewritten, the client's
+/// address kept and the option after the header; the ACK that follows without it; a UDP
+/// datagram always with it. Only forward entries are stored, marked DSR_INGRESS.
+#[test]
+fn the_ingress_node_sends_the_request_with_the_service_address_and_no_source_nat() {
+    in_fresh_netns(|| {
+        node_one(1500)?;
+        let mut h = Harness::new()?;
+        cluster_cidr(&h)?;
+        dsr_frontend(&mut h, IPPROTO_TCP, 1)?;
+        let syn = Packet::tcp(CLIENT, FRONTEND).tcp_flags(0x02).payload(b"");
+        check(&h, &syn, TC_ACT_REDIRECT, &syn.clone().to(BACKEND).ip_options(&OPTION)).context("SYN")?;
+        let ack = Packet::tcp(CLIENT, FRONTEND).tcp_flags(0x10).payload(b"");
+        check(&h, &ack, TC_ACT_REDIRECT, &ack.clone().to(BACKEND)).context("ACK")?;
+
+        dsr_frontend(&mut h, IPPROTO_UDP, 2)?;
+        let datagram = Packet::udp(CLIENT, FRONTEND);
+        for round in 0..2 {
+            check(&h, &datagram, TC_ACT_REDIRECT, &datagram.clone().to(BACKEND).ip_options(&OPTION))
+                .with_context(|| format!("UDP datagram {round}"))?;
+        }
+        let flows = h.flows()?;
+        ensure!(flows.len() == 2, "one forward entry per connection, no reply entry: {flows:?}");
+        for proto in [IPPROTO_TCP, IPPROTO_UDP] {
+            let entry: Flow4 = flows[&flow_key(CLIENT, FRONTEND, proto)];
+            ensure!(
+                (entry.dst_addr, entry.dst_port) == (BACKEND.addr, BACKEND.port)
+                    && entry.flags == flow_flags::REWRITE_DESTINATION | flow_flags::DSR_INGRESS,
+                "protocol {proto}: {entry:?}"
+            );
+        }
+        ensure!(h.datapath_stat(datapath_stat::DSR_SENT)? == 2, "DSR_SENT");
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+/// A first datagram that would exceed the uplink's MTU with the option is masqueraded instead,
+/// and counted.
+#[test]
+fn a_request_too_big_for_the_option_is_masqueraded() {
+    in_fresh_netns(|| {
+        node_one(1280)?;
+        let mut h = Harness::new()?;
+        cluster_cidr(&h)?;
+        dsr_frontend(&mut h, IPPROTO_UDP, 2)?;
+        // 20 + 8 + 1248 = 1276 bytes: fits the MTU, not with eight more.
+        let big = Packet::udp(CLIENT, FRONTEND).payload(&[0x5a; 1248]);
+        let (verdict, out) = h.run(&big.build())?;
+        ensure!(verdict == TC_ACT_REDIRECT, "verdict {}", verdict_name(verdict));
+        let view = parse_ipv4(&out).map_err(|e| anyhow!("output: {e}"))?;
+        ensure!(
+            view.source().addr == FRONTEND.addr && view.destination() == BACKEND,
+            "not masqueraded: {view:?}"
+        );
+        ensure!(h.datapath_stat(datapath_stat::DSR_MTU_SNAT)? == 1, "DSR_MTU_SNAT");
+        ensure!(h.datapath_stat(datapath_stat::DSR_SENT)? == 0, "DSR_SENT");
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+/// The backend's node: the request with the option stores both entries of the connection
+/// (DSR_BACKEND) and goes on to the backend without the option; the backend's reply leaves with
+/// the service address and port as its source.
+#[test]
+fn the_backend_node_stores_the_service_address_and_strips_the_option() {
+    in_fresh_netns(|| {
+        let h = Harness::new()?;
+        let request = Packet::tcp(CLIENT, BACKEND).tcp_flags(0x02).payload(b"").ip_options(&OPTION);
+        // No route in this namespace: the stack delivers the packet.
+        check(&h, &request, TC_ACT_OK, &request.clone().ip_options(&[])).context("SYN with the option")?;
+        let flows = h.flows()?;
+        let reply_entry: Flow4 = flows[&flow_key(BACKEND, CLIENT, IPPROTO_TCP)];
+        ensure!(
+            (reply_entry.src_addr, reply_entry.src_port) == (FRONTEND.addr, FRONTEND.port)
+                && reply_entry.flags
+                    == flow_flags::REPLY | flow_flags::REWRITE_SOURCE | flow_flags::DSR_BACKEND,
+            "reply entry {reply_entry:?}"
+        );
+        let forward_entry: Flow4 = flows[&flow_key(CLIENT, BACKEND, IPPROTO_TCP)];
+        ensure!(
+            forward_entry.flags == flow_flags::DSR_BACKEND
+                && (forward_entry.dst_addr, forward_entry.dst_port) == (BACKEND.addr, BACKEND.port),
+            "forward entry {forward_entry:?}"
+        );
+        ensure!(flows.len() == 2, "{flows:?}");
+        ensure!(h.datapath_stat(datapath_stat::DSR_RECEIVED)? == 1, "DSR_RECEIVED");
+
+        let reply = Packet::tcp(BACKEND, CLIENT).tcp_flags(0x12).payload(b"");
+        check(&h, &reply, TC_ACT_OK, &reply.clone().from(FRONTEND)).context("the backend's reply")?;
+        // Later requests carry no option and pass as they are.
+        let ack = Packet::tcp(CLIENT, BACKEND).tcp_flags(0x10);
+        check(&h, &ack, TC_ACT_OK, &ack).context("the client's ACK")?;
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
