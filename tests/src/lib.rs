@@ -21,6 +21,7 @@ mod client;
 pub mod cluster;
 mod cmd;
 pub mod conformance;
+mod exclusive;
 pub mod container;
 mod echo;
 pub mod fixtures;
@@ -51,6 +52,7 @@ pub use client::{
     count_by_backend, exchange, exchanges, tcp_exchange, udp_exchange, Answer, Exchange, TcpSession,
 };
 pub use echo::EchoServer;
+pub use exclusive::{exclusive, Exclusive};
 pub use lab::{Lab, LabConfig};
 pub use manifest::{ClusterIpService, Endpoint, Frontend, Protocol, ServicePort};
 pub use maps::{PinnedMaps, ServiceEntry};

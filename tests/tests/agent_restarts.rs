@@ -138,6 +138,8 @@ impl Random {
 
 #[test]
 fn killing_the_agent_mid_sync_breaks_no_connection_and_the_next_one_finishes_the_sync() -> Result<()> {
+    // Alone: new connections must not fail while thousands of entries are synced.
+    let _alone = testbed::exclusive();
     let mut lab = Lab::new(LabConfig {
         label: "restarts".to_owned(),
         vipr_binary: locate_vipr()?,

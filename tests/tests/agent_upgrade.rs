@@ -49,6 +49,8 @@ fn wait_tried(what: &str, tally: &Mutex<load::Tally>, from: usize, more: usize) 
 
 #[test]
 fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
+    // Alone: new connections must not fail across the upgrade.
+    let _alone = testbed::exclusive();
     upgrade("upgrade", None)
 }
 
@@ -56,6 +58,8 @@ fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
 /// switch), and started again: the next one finishes the upgrade.
 #[test]
 fn an_upgrade_cut_short_by_a_kill_is_finished_by_the_next_agent() -> Result<()> {
+    // Alone: new connections must not fail across the upgrade.
+    let _alone = testbed::exclusive();
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos();
     let moment = Duration::from_millis(200 + u64::from(nanos % 1_600));
     eprintln!("agent_upgrade: the new agent is killed {moment:?} after its start");
