@@ -8,13 +8,7 @@
 //! (`vipr inspect drift` exits 0). docs/reliability.md, "Upgrades". Needs root and a built
 //! vipr.
 
-use std::{
-    fs::File,
-    net::Ipv4Addr,
-    sync::{atomic::AtomicBool, Mutex},
-    thread,
-    time::Duration,
-};
+use std::{fs::File, net::Ipv4Addr, sync::Mutex, thread, time::Duration};
 
 use anyhow::Result;
 use proxy_common::{legacy, pins};
@@ -23,13 +17,6 @@ use testbed::{
     LabConfig, LeafSpec, WorkDir,
 };
 
-const SESSIONS: usize = 100;
-/// 20 new connections a second.
-const NEW_CONNECTION_PAUSE: Duration = Duration::from_millis(50);
-const SESSION_ROUND: Duration = Duration::from_millis(300);
-/// Generous, as in agent_restarts.rs: a lost flow never answers or is reset, which this still
-/// catches.
-const TIMEOUT: Duration = Duration::from_secs(10);
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const BACKENDS: [(&str, Ipv4Addr); 2] =
     [("b1", Ipv4Addr::new(10, 20, 1, 2)), ("b2", Ipv4Addr::new(10, 20, 2, 2))];
@@ -91,7 +78,7 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
     let mut old = lab.spawn_vipr_binary(&previous, &[], &logs.path().join("vipr-previous.log"))?;
     wait_for("the previous vipr to serve", DEADLINE, || {
         old.ensure_running()?;
-        Ok(match lab.client().run(|| exchange(http, TIMEOUT)) {
+        Ok(match lab.client().run(|| exchange(http, load::TIMEOUT)) {
             Ok(_) => Check::Done(()),
             Err(error) => Check::NotYet(format!("{error:#}")),
         })
@@ -103,20 +90,15 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
         legacy::FLOWS4_V3
     );
 
-    let stop = AtomicBool::new(false);
-    let (connections, sessions) = (Mutex::new(load::Tally::default()), Mutex::new(load::Tally::default()));
     let client = File::open(lab.client().path())?;
     let target = http.socket_addr();
-    let upgraded = thread::scope(|scope| -> Result<String> {
-        let opener = scope.spawn(|| {
-            load::open_connections(&client, || target, NEW_CONNECTION_PAUSE, TIMEOUT, &stop, &connections)
-        });
-        let holder = scope.spawn(|| {
-            load::hold_sessions(&client, target, SESSIONS, SESSION_ROUND, TIMEOUT, &stop, &sessions)
-        });
-        let outcome = (|| -> Result<String> {
+    let (upgraded, tallies) = load::during(
+        &client,
+        || target,
+        target,
+        |tallies| {
             // Every session opened and asked once through the previous program.
-            wait_tried("the sessions to be asked once", &sessions, 0, SESSIONS)?;
+            wait_tried("the sessions to be asked once", &tallies.sessions, 0, load::SESSIONS)?;
             let status = old.stop()?;
             anyhow::ensure!(status.success(), "the previous vipr exited with {status} on SIGTERM");
             let mut new = lab.spawn_vipr(&[], &logs.path().join("vipr-current.log"))?;
@@ -136,10 +118,10 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
             })?;
             // Two rounds of every session and a second of new connections through the new
             // program.
-            let asked = sessions.lock().unwrap().tried;
-            wait_tried("two more rounds of the sessions", &sessions, asked, 2 * SESSIONS)?;
-            let opened = connections.lock().unwrap().tried;
-            wait_tried("new connections through the new program", &connections, opened, 20)?;
+            let asked = tallies.sessions.lock().unwrap().tried;
+            wait_tried("two more rounds of the sessions", &tallies.sessions, asked, 2 * load::SESSIONS)?;
+            let opened = tallies.connections.lock().unwrap().tried;
+            wait_tried("new connections through the new program", &tallies.connections, opened, 20)?;
             new.ensure_running()?;
             // The switch is in the log of the agent that made it (the first one, when it was
             // killed after it).
@@ -161,12 +143,8 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
             })?;
             new.stop()?;
             Ok(format!("{drift}\n{log}"))
-        })();
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        opener.join().expect("the connection opener panicked")?;
-        holder.join().expect("the session holder panicked")?;
-        outcome
-    })?;
+        },
+    )?;
     for line in upgraded.lines().filter(|line| {
         [
             "keep serving",
@@ -185,16 +163,12 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
         eprintln!("agent_upgrade: {line}");
     }
 
-    let (connections, sessions) = (connections.into_inner().unwrap(), sessions.into_inner().unwrap());
-    eprintln!("agent_upgrade: {} new connections, {} session answers", connections.tried, sessions.tried);
-    assert!(
-        connections.failures.is_empty(),
-        "{} of {} new connections failed: {:#?}",
-        connections.failures.len(),
-        connections.tried,
-        connections.failures
+    eprintln!(
+        "agent_upgrade: {} new connections, {} session answers",
+        tallies.connections.lock().unwrap().tried,
+        tallies.sessions.lock().unwrap().tried
     );
-    assert!(sessions.failures.is_empty(), "sessions failed: {:#?}", sessions.failures);
+    tallies.assert_nothing_failed();
     assert!(
         upgraded.contains("the new programs serve now"),
         "the new vipr never logged its switch:\n{upgraded}"

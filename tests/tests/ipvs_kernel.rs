@@ -77,8 +77,11 @@ fn in_a_uml_guest() {
     println!("{}", outcome.stdout);
     eprintln!("{}", outcome.stderr);
     assert_eq!(outcome.code, 0, "the guest tests failed (their output is above)");
-    let passed =
-        outcome.stdout.lines().filter(|line| line.starts_with(&format!("test {guest_tests}")) && line.ends_with("ok")).count();
+    let passed = outcome
+        .stdout
+        .lines()
+        .filter(|line| line.starts_with(&format!("test {guest_tests}")) && line.ends_with("ok"))
+        .count();
     assert_eq!(passed, 4, "every guest test ran and passed:\n{}", outcome.stdout);
 }
 
@@ -418,24 +421,8 @@ fn guest_inspect_lists_the_virtual_services_and_ipsets() {
         Ok(())
     })
     .unwrap();
-    let vipr = testbed::locate_vipr().unwrap();
-    let inspect = |args: &[&str]| {
-        let output = node
-            .command(&vipr)
-            .unwrap()
-            .arg("inspect")
-            .args(args)
-            // No pins to find: the mode is told by kube-ipvs0.
-            .arg("--bpf-root=/nonexistent-vipr-bpffs")
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "vipr inspect {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8(output.stdout).unwrap()
-    };
+    // No pins to find: the mode is told by kube-ipvs0.
+    let inspect = |args: &[&str]| testbed::netfilter_lab::inspect(&node, args).unwrap();
 
     let services: serde_json::Value = serde_json::from_str(&inspect(&["services", "-o", "json"])).unwrap();
     let listed: BTreeMap<String, BTreeSet<String>> = services

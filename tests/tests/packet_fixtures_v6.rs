@@ -11,26 +11,27 @@
 //! rewritten packet goes on with TC_ACT_OK. The masquerade tests add the one route they need.
 //! Needs root (BPF, mount, unshare).
 
-use testbed::fixtures::{frame, frame6, harness, harness6, icmp_quote, netns, table};
+use testbed::fixtures::{frame, frame6, harness, harness6, icmp_error, icmp_quote, netns, table};
 
 use std::collections::{BTreeMap, HashMap};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
 use frame::{
-    checksum, fold, hex, ones_sum, L4Checksum, Packet, ETH_HLEN, ETH_P_IPV6, IPPROTO_TCP, IPPROTO_UDP,
+    fold, hex, input_and_output, ones_sum, L4Checksum, Packet, ETH_HLEN, ETH_P_IPV6, IPPROTO_TCP, IPPROTO_UDP,
 };
 use frame6::{
     compare_frames6, ep6, ip6, parse_ipv6, pseudo_header_sum6, Ep6, Packet6, IPPROTO_ICMPV6, IPV6_HLEN,
     NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING,
 };
 use harness::{
-    describe_flows, is_einval, masqueraded_entries, nat_entries, verdict_name, Harness, TC_ACT_OK,
-    TC_ACT_SHOT, TC_ACT_UNSPEC,
+    check_verdict, describe_flows, is_einval, masqueraded_entries, nat_entries, verdict_name, Harness,
+    TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use harness6::{
     add_node_ip6, add_pod_cidr6, add_service6, add_source_range6, flows6, insert_flow6, remove_service6,
     service_key6, set_backend6, set_service6, set_unmatched6,
 };
+use icmp_error::icmp6_unreachable_answer;
 use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
 use netns::{in_fresh_netns, ip};
 use proxy_common::{service_flags, snat, source_class, unmatched, Flow6, FlowKey6, Service, SnatPorts};
@@ -117,20 +118,10 @@ fn check(h: &Harness, input: &[u8], verdict: u32, expect: Expect<'_>) -> Result<
         );
     }
     let (got, out) = h.run(input)?;
-    let observed = || {
-        format!("input ({} bytes):{}\n  output ({} bytes):{}", input.len(), hex(input), out.len(), hex(&out))
-    };
-    ensure!(
-        got == verdict,
-        "verdict: expected {}, got {}\n  {}",
-        verdict_name(verdict),
-        verdict_name(got),
-        observed()
-    );
+    let observed = || input_and_output(input, &out);
+    check_verdict(input, got, &out, verdict, matches!(expect, Expect::Unchanged))?;
     match expect {
-        Expect::Unchanged => {
-            ensure!(out == input, "the program changed a frame it must leave alone\n  {}", observed());
-        }
+        Expect::Unchanged => {}
         Expect::Frame(expected) => {
             let want = parse_ipv6(expected).map_err(|e| anyhow!("fixture bug: expected frame: {e}"))?;
             ensure!(want.l4_checksum == L4Checksum::Valid, "fixture bug: expected frame: {want:?}");
@@ -186,23 +177,7 @@ fn expected_unreachable(input: &[u8]) -> Vec<u8> {
     let settled = offload_fixed_point(&quote[IPV6_HLEN..], csum_at);
     quote[IPV6_HLEN + csum_at..][..2].copy_from_slice(&settled.to_be_bytes());
 
-    let (src, dst): ([u8; 16], [u8; 16]) = (ip[8..24].try_into().unwrap(), ip[24..40].try_into().unwrap());
-    let mut icmp = vec![1, 4, 0, 0, 0, 0, 0, 0];
-    icmp.extend_from_slice(&quote);
-    let csum = checksum(ones_sum(pseudo_header_sum6(dst, src, IPPROTO_ICMPV6, icmp.len()), &icmp));
-    icmp[2..4].copy_from_slice(&csum.to_be_bytes());
-
-    let mut frame = Vec::new();
-    frame.extend_from_slice(&input[6..12]);
-    frame.extend_from_slice(&input[0..6]);
-    frame.extend_from_slice(&ETH_P_IPV6.to_be_bytes());
-    frame.extend_from_slice(&[0x60, 0, 0, 0]);
-    frame.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
-    frame.extend_from_slice(&[IPPROTO_ICMPV6, 64]);
-    frame.extend_from_slice(&dst);
-    frame.extend_from_slice(&src);
-    frame.extend_from_slice(&icmp);
-    frame
+    icmp6_unreachable_answer(input, &quote)
 }
 
 /// What a receiving kernel relies on, without the expected bytes: addresses, the ICMPv6
