@@ -6,7 +6,7 @@
 
 use std::{
     fs::File,
-    net::SocketAddr,
+    net::{Ipv4Addr, SocketAddr},
     os::fd::AsRawFd,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -18,7 +18,26 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-use crate::{tcp_exchange, TcpSession};
+use crate::{locate_vipr, tcp_exchange, ClusterIpService, Lab, LabConfig, LeafSpec, TcpSession};
+
+/// The backends of [`lab`]: a name and an address each.
+pub const BACKENDS: [(&str, Ipv4Addr); 2] =
+    [("b1", Ipv4Addr::new(10, 20, 1, 2)), ("b2", Ipv4Addr::new(10, 20, 2, 2))];
+
+/// The lab the load runs through: a client (10.10.0.2) and [`BACKENDS`], serving `services`
+/// (no vipr started yet).
+pub fn lab(label: &str, services: Vec<ClusterIpService>) -> Result<Lab> {
+    Lab::new(LabConfig {
+        label: label.to_owned(),
+        vipr_binary: locate_vipr()?,
+        client: LeafSpec::in_own_slash24("client", Ipv4Addr::new(10, 10, 0, 2))?,
+        backends: BACKENDS
+            .iter()
+            .map(|(name, addr)| LeafSpec::in_own_slash24(name, *addr))
+            .collect::<Result<_>>()?,
+        services,
+    })
+}
 
 /// Long-lived sessions [`during`] holds.
 pub const SESSIONS: usize = 100;

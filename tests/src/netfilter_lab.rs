@@ -5,7 +5,7 @@
 //! switch's eBPF cleanup cannot touch the host's.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr},
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
     path::{Path, PathBuf},
     process::ExitStatus,
     time::Duration,
@@ -14,12 +14,15 @@ use std::{
 use anyhow::{Context, Result};
 
 use crate::{
-    locate_vipr, vipr_cleanup, wait_for, write_atomically, Check, EchoServer, LeafSpec, Netns, Topology,
-    Vipr, WorkDir,
+    locate_vipr, udp_ask, vipr_cleanup, wait_for, write_atomically, Check, EchoServer, LeafSpec, Netns,
+    Topology, Vipr, WorkDir,
 };
 
 /// The `--bpf-root` of every vipr here: no pins to find or clean up.
 pub const NO_BPFFS: &str = "/nonexistent-vipr-bpffs";
+
+/// How long a datagram's answer may take.
+const UDP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a sync may take to show in vipr's log.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(20);
@@ -149,6 +152,34 @@ impl NetfilterLab {
     pub fn node_output(&self, program: &str, args: &[&str]) -> Result<String> {
         let output = self.node().command(program)?.args(args).output()?;
         Ok(String::from_utf8(output.stdout)?)
+    }
+
+    /// One UDP flow from `client` (a fixed address and port) to `frontend` is pinned by
+    /// conntrack to its first endpoint. With that endpoint taken out of `endpoints` in the
+    /// services file, vipr deletes the flow's entry, so that its next datagram finds a live
+    /// endpoint. Returns the endpoints left.
+    pub fn udp_flow_leaves_a_removed_endpoint<'a>(
+        &mut self,
+        client: SocketAddr,
+        frontend: SocketAddr,
+        endpoints: &[&'a str],
+    ) -> Result<Vec<&'a str>> {
+        let socket = self.client().run(|| {
+            let socket = UdpSocket::bind(client)?;
+            socket.set_read_timeout(Some(UDP_TIMEOUT))?;
+            Ok(socket)
+        })?;
+        let first = udp_ask(&socket, frontend)?.backend;
+        let again = udp_ask(&socket, frontend)?.backend;
+        anyhow::ensure!(again == first, "one flow, one endpoint: {first}, then {again}");
+        let others: Vec<&str> = endpoints.iter().copied().filter(|name| *name != first).collect();
+        self.set_endpoints(&others)?;
+        let after = udp_ask(&socket, frontend)?.backend;
+        anyhow::ensure!(
+            others.contains(&after.as_str()),
+            "the flow moved from {first} to a listed endpoint, not {after}"
+        );
+        Ok(others)
     }
 
     /// `vipr inspect args` in the node ([`inspect`]).

@@ -16,16 +16,11 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use testbed::{
-    load, locate_vipr, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, LeafSpec,
-    Protocol, ServicePort,
-};
+use testbed::{load, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, Protocol, ServicePort};
 
 const SERVICES: usize = 3_000;
 const KILLS: usize = 5;
 const CANARY: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const BACKENDS: [(&str, Ipv4Addr); 2] =
-    [("b1", Ipv4Addr::new(10, 20, 1, 2)), ("b2", Ipv4Addr::new(10, 20, 2, 2))];
 const TARGET_PORT: u16 = 8080;
 const CONSISTENT_DEADLINE: Duration = Duration::from_secs(90);
 
@@ -36,7 +31,7 @@ fn tenant_ip(index: usize) -> Ipv4Addr {
 /// The canary (both backends) and 2,999 tenant services whose endpoints all move with each
 /// generation, so that every generation is a sync of thousands of entries.
 fn services(generation: usize) -> Vec<ClusterIpService> {
-    let endpoint = |i: usize| Endpoint::ready(BACKENDS[i].1, BACKENDS[i].0);
+    let endpoint = |i: usize| Endpoint::ready(load::BACKENDS[i].1, load::BACKENDS[i].0);
     let http =
         ServicePort { name: "http".to_owned(), protocol: Protocol::Tcp, port: 80, target_port: TARGET_PORT };
     let mut services =
@@ -127,16 +122,7 @@ impl Random {
 fn killing_the_agent_mid_sync_breaks_no_connection_and_the_next_one_finishes_the_sync() -> Result<()> {
     // Alone: new connections must not fail while thousands of entries are synced.
     let _alone = testbed::exclusive();
-    let mut lab = Lab::new(LabConfig {
-        label: "restarts".to_owned(),
-        vipr_binary: locate_vipr()?,
-        client: LeafSpec::in_own_slash24("client", Ipv4Addr::new(10, 10, 0, 2))?,
-        backends: BACKENDS
-            .iter()
-            .map(|(name, addr)| LeafSpec::in_own_slash24(name, *addr))
-            .collect::<Result<_>>()?,
-        services: services(0),
-    })?;
+    let mut lab = load::lab("restarts", services(0))?;
     lab.start_vipr()?;
     wait_consistent(&mut lab)?;
 

@@ -14,12 +14,10 @@ use anyhow::Result;
 use proxy_common::{legacy, pins};
 use testbed::{
     exchange, load, locate_previous_vipr, locate_vipr, wait_for, Check, ClusterIpService, Endpoint, Lab,
-    LabConfig, LeafSpec, WorkDir,
+    WorkDir,
 };
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const BACKENDS: [(&str, Ipv4Addr); 2] =
-    [("b1", Ipv4Addr::new(10, 20, 1, 2)), ("b2", Ipv4Addr::new(10, 20, 2, 2))];
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn pinned(lab: &Lab, name: &str) -> bool {
@@ -60,19 +58,10 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
     let web = ClusterIpService::web(
         VIP,
         (8080, 5353),
-        BACKENDS.iter().map(|(name, addr)| Endpoint::ready(*addr, name)).collect(),
+        load::BACKENDS.iter().map(|(name, addr)| Endpoint::ready(*addr, name)).collect(),
     );
     let http = web.frontend_named("http")?;
-    let lab = Lab::new(LabConfig {
-        label: label.to_owned(),
-        vipr_binary: locate_vipr()?,
-        client: LeafSpec::in_own_slash24("client", Ipv4Addr::new(10, 10, 0, 2))?,
-        backends: BACKENDS
-            .iter()
-            .map(|(name, addr)| LeafSpec::in_own_slash24(name, *addr))
-            .collect::<Result<_>>()?,
-        services: vec![web],
-    })?;
+    let lab = load::lab(label, vec![web])?;
     let logs = WorkDir::create(&format!("{label}-logs"))?;
 
     let mut old = lab.spawn_vipr_binary(&previous, &[], &logs.path().join("vipr-previous.log"))?;

@@ -7,13 +7,11 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     time::Duration,
 };
 
-use testbed::{
-    count_by_backend, exchanges, netfilter_lab::NetfilterLab, udp_ask, udp_exchange, Frontend, Protocol,
-};
+use testbed::{count_by_backend, exchanges, netfilter_lab::NetfilterLab, udp_exchange, Frontend, Protocol};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// With three endpoints chosen at random, the chance that one gets none of 60 is ~1e-10.
@@ -136,24 +134,13 @@ fn cluster_ip_and_node_port_are_balanced_by_the_nftables_table() {
 
     // One UDP flow (fixed source port) is pinned by conntrack to its first endpoint. When that
     // endpoint is removed, vipr deletes the entry and the flow's next datagram finds a live one.
-    let socket = lab
-        .client()
-        .run(|| {
-            let socket = UdpSocket::bind((CLIENT, 40053))?;
-            socket.set_read_timeout(Some(TIMEOUT))?;
-            Ok(socket)
-        })
+    let others = lab
+        .udp_flow_leaves_a_removed_endpoint(
+            SocketAddr::from((CLIENT, 40053)),
+            SocketAddr::from((VIP, 53)),
+            &ENDPOINTS,
+        )
         .unwrap();
-    let dns = SocketAddr::from((VIP, 53));
-    let first = udp_ask(&socket, dns).unwrap().backend;
-    assert_eq!(udp_ask(&socket, dns).unwrap().backend, first, "one flow, one endpoint");
-    let others: Vec<&str> = ENDPOINTS.iter().copied().filter(|name| *name != first).collect();
-    lab.set_endpoints(&others).unwrap();
-    let after = udp_ask(&socket, dns).unwrap().backend;
-    assert!(
-        others.contains(&after.as_str()),
-        "the flow moved from {first} to a listed endpoint, not {after}"
-    );
     assert_eq!(reach(&lab, frontend(VIP, 80, Protocol::Tcp), 40), names(&others));
 
     // No endpoints: the cluster IP and the NodePort reject; a port the cluster IP does not
