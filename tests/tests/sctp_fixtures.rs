@@ -48,7 +48,9 @@ use harness::{
     TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use harness6::{add_service6, flows6, insert_flow6};
-use icmp_error::{icmp4_error, icmp6_error, icmp6_unreachable_answer, quote, Quote};
+use icmp_error::{
+    check_icmp6_unreachable_answer, icmp4_error, icmp6_error, icmp6_unreachable_answer, quote, Quote,
+};
 use netns::{in_fresh_netns, ip};
 use proxy_common::{
     flow_state, pins, sctp, service_flags, snat, source_class, unmatched, Flow4, Flow6, FlowKey4, FlowKey6,
@@ -479,19 +481,7 @@ fn check_unreachable_alone(input: &[u8], out: &[u8]) -> Result<()> {
         ensure!(fold(ones_sum(0, icmp)) == 0xffff, "ICMP checksum invalid");
         (icmp, ihl + SCTP_QUOTE)
     } else {
-        ensure!(ip.len() >= IPV6_HLEN + 8, "answer of {} bytes", out.len());
-        ensure!(ip[..4] == [0x60, 0, 0, 0], "version, traffic class, flow label: {:02x?}", &ip[..4]);
-        ensure!((ip[6], ip[7]) == (IPPROTO_ICMPV6, 64), "next header/hop limit {}/{}", ip[6], ip[7]);
-        let icmp = &ip[IPV6_HLEN..];
-        ensure!(usize::from(u16::from_be_bytes([ip[4], ip[5]])) == icmp.len(), "payload length");
-        ensure!(ip[8..24] == original[24..40] && ip[24..40] == original[8..24], "addresses not swapped");
-        ensure!((icmp[0], icmp[1]) == (1, 4), "ICMPv6 type/code {}/{}", icmp[0], icmp[1]);
-        let (src, dst) = (ip[8..24].try_into().unwrap(), ip[24..40].try_into().unwrap());
-        ensure!(
-            fold(ones_sum(pseudo_header_sum6(src, dst, IPPROTO_ICMPV6, icmp.len()), icmp)) == 0xffff,
-            "ICMPv6 checksum invalid"
-        );
-        (icmp, IPV6_HLEN + SCTP_QUOTE)
+        (check_icmp6_unreachable_answer(input, out)?, IPV6_HLEN + SCTP_QUOTE)
     };
     ensure!(icmp[4..8] == [0; 4], "unused word {:02x?}", &icmp[4..8]);
     let quote = &icmp[8..];
