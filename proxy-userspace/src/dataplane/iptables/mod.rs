@@ -143,6 +143,18 @@ impl FullSyncs {
     }
 }
 
+/// The families a netfilter mode programs on this node: IPv4, and IPv6 unless the node has it
+/// disabled (then `without_ipv6` says what it goes without).
+pub(crate) fn node_families(without_ipv6: &str) -> Vec<Family> {
+    let mut families = vec![Family::Ipv4];
+    if Path::new("/proc/thread-self/net/if_inet6").exists() {
+        families.push(Family::Ipv6);
+    } else {
+        info!("IPv6 is disabled on this node: {without_ipv6}");
+    }
+    families
+}
+
 /// Whether `state` wants anything of `family`: a frontend, or a service CIDR to guard.
 pub(crate) fn wants_family(state: &DesiredState, family: Family) -> bool {
     state.frontends.keys().any(|frontend| Family::of(frontend.ip) == family)
@@ -256,12 +268,7 @@ impl IptablesDataplane {
         let conntrack_tcp_liberal =
             std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
                 .is_ok_and(|value| value.trim() != "0");
-        let mut families = vec![Family::Ipv4];
-        if Path::new("/proc/thread-self/net/if_inet6").exists() {
-            families.push(Family::Ipv6);
-        } else {
-            info!("IPv6 is disabled on this node: no ip6tables rules");
-        }
+        let families = node_families("no ip6tables rules");
         Ok(Self {
             rule_options: RuleOptions {
                 conntrack_tcp_liberal,

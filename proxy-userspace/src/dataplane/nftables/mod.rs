@@ -23,7 +23,6 @@
 //! endpoints are deleted over netlink (the iptables dataplane's `conntrack`).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::Path,
     process::Command,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -265,12 +264,7 @@ impl NftablesDataplane {
             .context("is nftables (nft) installed?")?
             .stdout_if_success("nft --version")?;
         info!(version = version.trim(), "nftables dataplane: table {} of each family", ruleset::TABLE);
-        let mut families = vec![Family::Ipv4];
-        if Path::new("/proc/thread-self/net/if_inet6").exists() {
-            families.push(Family::Ipv6);
-        } else {
-            info!("IPv6 is disabled on this node: no ip6 table");
-        }
+        let families = iptables::node_families("no ip6 table");
         Ok(Self {
             options: options.clone(),
             families,
