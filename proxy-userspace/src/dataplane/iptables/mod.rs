@@ -194,6 +194,21 @@ pub(crate) fn report_disabled_families(report: &mut SyncReport, state: &DesiredS
     }
 }
 
+/// The frontends programmed after a sync that wanted `wanted`: those `settled` says were
+/// programmed as wanted, the others (of families that failed) with their old value from
+/// `applied`, so that their changes are counted (and their conntrack cleaned) when they are
+/// finally programmed.
+pub(crate) fn now_applied(
+    applied: &BTreeMap<Frontend, FrontendEntry>,
+    wanted: &BTreeMap<Frontend, FrontendEntry>,
+    settled: &dyn Fn(&Frontend) -> bool,
+) -> BTreeMap<Frontend, FrontendEntry> {
+    let mut now: BTreeMap<Frontend, FrontendEntry> =
+        wanted.iter().filter(|(frontend, _)| settled(frontend)).map(|(f, e)| (*f, e.clone())).collect();
+    now.extend(applied.iter().filter(|(frontend, _)| !settled(frontend)).map(|(f, e)| (*f, e.clone())));
+    now
+}
+
 /// Deletes the conntrack entries of UDP flows whose endpoint went away between `before` and
 /// `after` (among the frontends `settled` says were programmed); how many, 0 on an error,
 /// which is logged: the next change tries again.
@@ -456,18 +471,7 @@ impl Dataplane for IptablesDataplane {
         if self.options.conntrack_cleanup {
             stats.conntrack_deleted = delete_stale_udp_conntrack(&self.applied, &state.frontends, &settled);
         }
-        // Frontends of families that failed keep their old value, so that their changes are
-        // counted (and their conntrack cleaned) when they are finally programmed.
-        let mut applied: BTreeMap<Frontend, FrontendEntry> = state
-            .frontends
-            .iter()
-            .filter(|(frontend, _)| settled(frontend))
-            .map(|(f, e)| (*f, e.clone()))
-            .collect();
-        applied.extend(
-            self.applied.iter().filter(|(frontend, _)| !settled(frontend)).map(|(f, e)| (*f, e.clone())),
-        );
-        self.applied = applied;
+        self.applied = now_applied(&self.applied, &state.frontends, &settled);
 
         let written: usize = stats.restores.iter().map(|restore| restore.written.len()).sum();
         let deleted: usize = stats.restores.iter().map(|restore| restore.deleted.len()).sum();

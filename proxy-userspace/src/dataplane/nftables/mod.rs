@@ -557,21 +557,7 @@ impl NftablesDataplane {
                     };
                 }
             }
-            _ => {
-                let mut applied: BTreeMap<Frontend, FrontendEntry> = state
-                    .frontends
-                    .iter()
-                    .filter(|(frontend, _)| settled(frontend))
-                    .map(|(f, e)| (*f, e.clone()))
-                    .collect();
-                applied.extend(
-                    self.applied
-                        .iter()
-                        .filter(|(frontend, _)| !settled(frontend))
-                        .map(|(f, e)| (*f, e.clone())),
-                );
-                self.applied = applied;
-            }
+            _ => self.applied = iptables::now_applied(&self.applied, &state.frontends, &settled),
         }
         debug!(
             full,
