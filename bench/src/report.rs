@@ -213,54 +213,33 @@ fn targets(
         };
         rows.push(limit(what, ratio, 1.25, "×"));
     }
-    let size = |n: usize| control.and_then(|results| results.size(n));
-    rows.push(limit(
-        "10k services × 10 endpoints programmed from scratch < 1 s",
-        size(10_000).map(|s| {
-            (
-                s.sync_ms.median,
-                format!(
-                    "{} ms (sync; translation {} ms more)",
-                    num(s.sync_ms.median),
-                    num(s.translate_ms.median)
-                ),
-            )
-        }),
-        1_000.0,
-        "ms",
-    ));
-    rows.push(limit(
-        "one endpoint change at 10k services in the datapath < 10 ms",
-        size(10_000).map(|s| {
-            (
-                s.change_sync_ms.median,
-                format!(
-                    "{} ms (sync, p90 {} ms); with the agent's re-translation {} ms",
-                    num(s.change_sync_ms.median),
-                    num(s.change_sync_p90_ms),
-                    num(s.change_total_ms.median)
-                ),
-            )
-        }),
-        10.0,
-        "ms",
-    ));
+    // A target read at 10k services × 10 endpoints: the figure judged, and how it reads.
+    let at_10k = |what: &'static str,
+                  bound: f64,
+                  unit: &str,
+                  read: fn(&control_plane::SizeResult) -> (f64, String)| {
+        limit(what, control.and_then(|results| results.size(10_000)).map(read), bound, unit)
+    };
+    rows.push(at_10k("10k services × 10 endpoints programmed from scratch < 1 s", 1_000.0, "ms", |s| {
+        let sync = s.sync_ms.median;
+        (sync, format!("{} ms (sync; translation {} ms more)", num(sync), num(s.translate_ms.median)))
+    }));
+    rows.push(at_10k("one endpoint change at 10k services in the datapath < 10 ms", 10.0, "ms", |s| {
+        let sync = s.change_sync_ms.median;
+        let total = s.change_total_ms.median;
+        let detail = format!(
+            "{} ms (sync, p90 {} ms); with the agent's re-translation {} ms",
+            num(sync),
+            num(s.change_sync_p90_ms),
+            num(total)
+        );
+        (sync, detail)
+    }));
     rows.extend(event_to_maps_targets(control));
-    rows.push(limit(
-        "agent RSS < 150 MiB at 10k services × 10 endpoints",
-        size(10_000).map(|s| {
-            (
-                s.rss_after_sync_mib.median,
-                format!(
-                    "{} MiB after the sync (peak {} MiB)",
-                    num(s.rss_after_sync_mib.median),
-                    num(s.hwm_mib.median)
-                ),
-            )
-        }),
-        150.0,
-        "MiB",
-    ));
+    rows.push(at_10k("agent RSS < 150 MiB at 10k services × 10 endpoints", 150.0, "MiB", |s| {
+        let rss = s.rss_after_sync_mib.median;
+        (rss, format!("{} MiB after the sync (peak {} MiB)", num(rss), num(s.hwm_mib.median)))
+    }));
     rows.extend(watch_targets(control.and_then(|results| results.watch.as_ref())));
     rows.extend(e2e_targets(e2e));
     rows
@@ -660,15 +639,11 @@ fn render_datapath_baseline(w: &mut String, results: &datapath::Results) {
          baseline, and the ratio.\n",
         object.display()
     );
-    let _ = write!(w, "| path |");
-    for cell in &results.cells {
-        let _ = write!(w, " {} × {} |", short(cell.services), cell.backends_per_service);
-    }
-    let _ = write!(w, "\n|---|");
-    for _ in &results.cells {
-        let _ = write!(w, "---|");
-    }
-    let _ = writeln!(w);
+    table_header(
+        w,
+        "path",
+        results.cells.iter().map(|cell| format!("{} × {}", short(cell.services), cell.backends_per_service)),
+    );
     for kind in PathKind::ALL {
         let _ = write!(w, "| {} |", kind.label());
         for cell in &results.cells {
@@ -687,6 +662,18 @@ fn render_datapath_baseline(w: &mut String, results: &datapath::Results) {
     let _ = writeln!(w);
 }
 
+/// A Markdown table's header row and separator: the leading columns `first` (`a | b`), then
+/// one column for each of `columns`.
+fn table_header(w: &mut String, first: &str, columns: impl Iterator<Item = String>) {
+    let _ = write!(w, "| {first} |");
+    let mut count = first.split(" | ").count();
+    for column in columns {
+        let _ = write!(w, " {column} |");
+        count += 1;
+    }
+    let _ = writeln!(w, "\n|{}", "---|".repeat(count));
+}
+
 fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], plot_dir: &str) {
     let s = &results.settings;
     let _ = writeln!(w, "## Datapath\n");
@@ -703,15 +690,7 @@ fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], 
         num(results.empty_single.median)
     );
     let table = |w: &mut String, cells: Vec<&datapath::Cell>, key: &dyn Fn(&datapath::Cell) -> String| {
-        let _ = write!(w, "| path | method |");
-        for cell in &cells {
-            let _ = write!(w, " {} |", key(cell));
-        }
-        let _ = write!(w, "\n|---|---|");
-        for _ in &cells {
-            let _ = write!(w, "---|");
-        }
-        let _ = writeln!(w);
+        table_header(w, "path | method", cells.iter().map(|cell| key(cell)));
         for kind in PathKind::ALL {
             let method = cells.iter().find_map(|cell| cell.path(kind)).map(|p| p.method);
             let Some(method) = method else { continue };
@@ -1004,15 +983,7 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
         }
     };
     let header = |w: &mut String, first: &str| {
-        let _ = write!(w, "| {first} |");
-        for &services in &s.services_axis {
-            let _ = write!(w, " {} |", plural(services, "service"));
-        }
-        let _ = write!(w, "\n|---|---|");
-        for _ in &s.services_axis {
-            let _ = write!(w, "---|");
-        }
-        let _ = writeln!(w);
+        table_header(w, first, s.services_axis.iter().map(|&services| plural(services, "service")));
     };
     let not_run = |mode: e2e::Mode, services: usize| -> String {
         if results.skipped.iter().any(|x| x.mode == mode && x.services == services) {
@@ -1102,21 +1073,10 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
     let iptables: Vec<e2e::Mode> = modes.iter().copied().filter(|m| !m.is_ebpf()).collect();
     let pod_modes: Vec<e2e::Mode> =
         modes.iter().copied().filter(|m| m.measures(e2e::Kind::TcpClusterIp)).collect();
-    let _ = write!(w, "| services |");
-    for mode in &iptables {
-        let _ = write!(w, " TCP conn/s ebpf ÷ {} |", mode.label());
-    }
-    for mode in &iptables {
-        let _ = write!(w, " UDP cluster IP ebpf ÷ {} |", mode.label());
-    }
-    for mode in &pod_modes {
-        let _ = write!(w, " {} TCP p99 ÷ its p99 at 1 service |", mode.label());
-    }
-    let _ = write!(w, "\n|---|");
-    for _ in 0..iptables.len() * 2 + pod_modes.len() {
-        let _ = write!(w, "---|");
-    }
-    let _ = writeln!(w);
+    let columns = (iptables.iter().map(|mode| format!("TCP conn/s ebpf ÷ {}", mode.label())))
+        .chain(iptables.iter().map(|mode| format!("UDP cluster IP ebpf ÷ {}", mode.label())))
+        .chain(pod_modes.iter().map(|mode| format!("{} TCP p99 ÷ its p99 at 1 service", mode.label())));
+    table_header(w, "services", columns);
     for &services in &s.services_axis {
         let _ = write!(w, "| {} |", count(services as f64));
         for &mode in &iptables {
@@ -1142,18 +1102,11 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
              ratio of the CPU time a delivered packet cost (TC ÷ XDP: above 1× means XDP is cheaper), \
              which other work on the machine does not skew.\n"
         );
-        let _ = write!(
+        table_header(
             w,
-            "| services | packet stream XDP ÷ TC | per CPU | frame stream XDP ÷ TC | per CPU | UDP NodePort transactions/s XDP ÷ TC | TCP NodePort conn/s XDP ÷ TC |"
+            "services | packet stream XDP ÷ TC | per CPU | frame stream XDP ÷ TC | per CPU | UDP NodePort transactions/s XDP ÷ TC | TCP NodePort conn/s XDP ÷ TC",
+            iptables.iter().map(|mode| format!("packet stream TC ÷ {}", mode.label())),
         );
-        for mode in &iptables {
-            let _ = write!(w, " packet stream TC ÷ {} |", mode.label());
-        }
-        let _ = write!(w, "\n|---|---|---|---|---|---|---|");
-        for _ in &iptables {
-            let _ = write!(w, "---|");
-        }
-        let _ = writeln!(w);
         for &services in &s.services_axis {
             let _ = write!(w, "| {} |", count(services as f64));
             for which in [Which::Packets, Which::Frames] {
@@ -1192,15 +1145,7 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
          sync in brackets, ms): reading and parsing the services file, translation, and the dataplane's \
          programming (BPF maps, or one `iptables-restore` per family).\n"
     );
-    let _ = write!(w, "| mode |");
-    for &services in &s.services_axis {
-        let _ = write!(w, " {} |", plural(services, "service"));
-    }
-    let _ = write!(w, "\n|---|");
-    for _ in &s.services_axis {
-        let _ = write!(w, "---|");
-    }
-    let _ = writeln!(w);
+    table_header(w, "mode", s.services_axis.iter().map(|&services| plural(services, "service")));
     for &mode in &modes {
         let _ = write!(w, "| {} |", mode.label());
         for &services in &s.services_axis {
@@ -1380,15 +1325,7 @@ fn render_stream_table(
         what[..1].to_uppercase(),
         &what[1..]
     );
-    let _ = write!(w, "| mode | hook |");
-    for &services in &s.services_axis {
-        let _ = write!(w, " {} |", plural(services, "service"));
-    }
-    let _ = write!(w, "\n|---|---|");
-    for _ in &s.services_axis {
-        let _ = write!(w, "---|");
-    }
-    let _ = writeln!(w);
+    table_header(w, "mode | hook", s.services_axis.iter().map(|&services| plural(services, "service")));
     for &mode in modes {
         let _ = write!(w, "| {} | {} |", mode.proxy_mode(), hook_label(mode));
         for &services in &s.services_axis {

@@ -15,10 +15,13 @@ use crate::{temp_dir_leftovers, unique_name};
 #[derive(Debug)]
 pub struct BpfFs {
     path: PathBuf,
+    /// Keeps tests that must run alone off while this mount lives.
+    _turn: crate::exclusive::Shared,
 }
 
 impl BpfFs {
     pub fn mount(label: &str) -> Result<Self> {
+        let turn = crate::exclusive::Shared::take();
         let prefix = format!("{label}-bpffs");
         remove_leftover_mounts(&prefix)?;
         let path = std::env::temp_dir().join(unique_name(&prefix));
@@ -33,7 +36,7 @@ impl BpfFs {
             let _ = std::fs::remove_dir(&path);
             return Err(error).with_context(|| format!("cannot mount bpffs on {}", path.display()));
         }
-        Ok(Self { path })
+        Ok(Self { path, _turn: turn })
     }
 
     /// The mount point: what vipr takes as `--bpf-root`.

@@ -145,6 +145,19 @@ pub fn udp_exchange(dst: SocketAddr, timeout: Duration) -> Result<Exchange> {
     })
 }
 
+/// One datagram from `socket`, whose source port stays the same from one call to the next
+/// (so the calls are one flow for conntrack and the load balancer), and the answer, which
+/// must come from `to`.
+pub fn udp_ask(socket: &UdpSocket, to: SocketAddr) -> Result<Answer> {
+    socket.send_to(b"who are you?", to).with_context(|| format!("cannot send to {to}"))?;
+    let mut reply = [0u8; 1500];
+    let (len, from) = socket.recv_from(&mut reply).with_context(|| format!("no answer from {to}"))?;
+    if from != to {
+        bail!("answer from {from}, not {to}");
+    }
+    std::str::from_utf8(&reply[..len]).context("answer is not UTF-8")?.parse()
+}
+
 pub fn exchange(frontend: Frontend, timeout: Duration) -> Result<Exchange> {
     match frontend.protocol {
         Protocol::Tcp => tcp_exchange(frontend.socket_addr(), timeout),

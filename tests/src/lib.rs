@@ -23,12 +23,14 @@ mod cmd;
 pub mod conformance;
 pub mod container;
 mod echo;
+mod exclusive;
 pub mod fixtures;
 pub mod http;
 mod lab;
 pub mod load;
 pub mod manifest;
 mod maps;
+pub mod netfilter_lab;
 mod netns;
 mod pids;
 pub mod sandbox;
@@ -48,16 +50,19 @@ use anyhow::{anyhow, bail, Context, Result};
 pub use apiserver::FakeApiServer;
 pub use bpffs::BpfFs;
 pub use client::{
-    count_by_backend, exchange, exchanges, tcp_exchange, udp_exchange, Answer, Exchange, TcpSession,
+    count_by_backend, exchange, exchanges, tcp_exchange, udp_ask, udp_exchange, Answer, Exchange, TcpSession,
 };
 pub use echo::EchoServer;
+pub use exclusive::{exclusive, Exclusive};
 pub use lab::{Lab, LabConfig};
 pub use manifest::{ClusterIpService, Endpoint, Frontend, Protocol, ServicePort};
 pub use maps::{PinnedMaps, ServiceEntry};
 pub use netns::Netns;
 pub use pids::PidsLimit;
 pub use topology::{create_veth, Leaf, LeafSpec, Topology, VethEnd};
-pub use vipr::{locate_previous_vipr, locate_vipr, uninstall_args, vipr_cleanup, Vipr, ViprConfig};
+pub use vipr::{
+    locate_previous_vipr, locate_vipr, uninstall_args, vipr_cleanup, wait_for_first_sync, Vipr, ViprConfig,
+};
 pub use workdir::{write_atomically, WorkDir};
 
 /// A name no other lab in this or any concurrently running process uses: `prefix`, our pid

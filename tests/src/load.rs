@@ -6,7 +6,7 @@
 
 use std::{
     fs::File,
-    net::SocketAddr,
+    net::{Ipv4Addr, SocketAddr},
     os::fd::AsRawFd,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -18,13 +18,95 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-use crate::{tcp_exchange, TcpSession};
+use crate::{locate_vipr, tcp_exchange, ClusterIpService, Lab, LabConfig, LeafSpec, TcpSession};
+
+/// The backends of [`lab`]: a name and an address each.
+pub const BACKENDS: [(&str, Ipv4Addr); 2] =
+    [("b1", Ipv4Addr::new(10, 20, 1, 2)), ("b2", Ipv4Addr::new(10, 20, 2, 2))];
+
+/// The lab the load runs through: a client (10.10.0.2) and [`BACKENDS`], serving `services`
+/// (no vipr started yet).
+pub fn lab(label: &str, services: Vec<ClusterIpService>) -> Result<Lab> {
+    Lab::new(LabConfig {
+        label: label.to_owned(),
+        vipr_binary: locate_vipr()?,
+        client: LeafSpec::in_own_slash24("client", Ipv4Addr::new(10, 10, 0, 2))?,
+        backends: BACKENDS
+            .iter()
+            .map(|(name, addr)| LeafSpec::in_own_slash24(name, *addr))
+            .collect::<Result<_>>()?,
+        services,
+    })
+}
+
+/// Long-lived sessions [`during`] holds.
+pub const SESSIONS: usize = 100;
+/// 20 new connections a second.
+pub const NEW_CONNECTION_PAUSE: Duration = Duration::from_millis(50);
+/// How often each long-lived session is asked who answers.
+pub const SESSION_ROUND: Duration = Duration::from_millis(300);
+/// Bound on a connect and on each answer. Generous: on a loaded 2-core machine an answer
+/// straight from a backend, vipr or no vipr, was once seen to take over 2 s; a connection
+/// whose flow is lost never answers (or is reset), which this still catches.
+pub const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What one kind of load tried, and what failed.
 #[derive(Debug, Default)]
 pub struct Tally {
     pub tried: usize,
     pub failures: Vec<String>,
+}
+
+/// What the two kinds of load of [`during`] have tried so far.
+#[derive(Debug, Default)]
+pub struct Tallies {
+    pub connections: Mutex<Tally>,
+    pub sessions: Mutex<Tally>,
+}
+
+impl Tallies {
+    /// Panics, listing them, if any new connection failed or any session broke or moved.
+    pub fn assert_nothing_failed(self) {
+        let (connections, sessions) =
+            (self.connections.into_inner().unwrap(), self.sessions.into_inner().unwrap());
+        assert!(
+            connections.failures.is_empty(),
+            "{} of {} new connections failed: {:#?}",
+            connections.failures.len(),
+            connections.tried,
+            connections.failures
+        );
+        assert!(sessions.failures.is_empty(), "sessions failed: {:#?}", sessions.failures);
+    }
+}
+
+/// Runs `work` while, from the namespace `client` (a handle on its file, so that `work` may
+/// borrow the lab mutably), one thread opens new connections to
+/// `next_target()` ([`open_connections`], 20 a second) and another holds [`SESSIONS`]
+/// sessions to `session_target` ([`hold_sessions`]); stops both when `work` returns. `work`
+/// sees the tallies grow; they are returned with its outcome.
+pub fn during<T>(
+    client: &File,
+    next_target: impl FnMut() -> SocketAddr + Send,
+    session_target: SocketAddr,
+    work: impl FnOnce(&Tallies) -> Result<T>,
+) -> Result<(T, Tallies)> {
+    let stop = AtomicBool::new(false);
+    let tallies = Tallies::default();
+    let outcome = thread::scope(|scope| -> Result<T> {
+        let opener = scope.spawn(|| {
+            open_connections(client, next_target, NEW_CONNECTION_PAUSE, TIMEOUT, &stop, &tallies.connections)
+        });
+        let holder = scope.spawn(|| {
+            hold_sessions(client, session_target, SESSIONS, SESSION_ROUND, TIMEOUT, &stop, &tallies.sessions)
+        });
+        let outcome = work(&tallies);
+        stop.store(true, Ordering::Relaxed);
+        opener.join().expect("the connection opener panicked")?;
+        holder.join().expect("the session holder panicked")?;
+        outcome
+    })?;
+    Ok((outcome, tallies))
 }
 
 /// Moves the calling thread into the network namespace `namespace` (a handle on its file).

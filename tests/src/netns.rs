@@ -24,16 +24,19 @@ const NETNS_RUN_DIR: &str = "/var/run/netns";
 #[derive(Debug)]
 pub struct Netns {
     name: String,
+    /// Keeps tests that must run alone off while this namespace lives.
+    _turn: crate::exclusive::Shared,
 }
 
 impl Netns {
     pub fn create(name: &str) -> Result<Self> {
+        let turn = crate::exclusive::Shared::take();
         // The first `ip netns add` on a machine sets up the shared mount on /var/run/netns;
         // two of them racing there can fail, so creations from parallel tests take turns.
         static CREATION: Mutex<()> = Mutex::new(());
         let _turn = CREATION.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         cmd::run(Command::new("ip").args(["netns", "add", name]))?;
-        let netns = Self { name: name.to_owned() };
+        let netns = Self { name: name.to_owned(), _turn: turn };
         netns.ip(&["link", "set", "lo", "up"])?;
         Ok(netns)
     }

@@ -238,6 +238,25 @@ pub fn vipr_cleanup(binary: &Path, netns: &Netns, bpf_root: &Path) -> Result<Str
     cmd::run(&mut command).context("vipr --cleanup failed")
 }
 
+/// Waits until the vipr log at `log` shows its first sync, for at most `timeout`; fails at once
+/// when `ensure_running` says the vipr writing it (a process, a container) has exited. Returns
+/// the log.
+pub fn wait_for_first_sync(
+    log: &Path,
+    timeout: Duration,
+    mut ensure_running: impl FnMut() -> Result<()>,
+) -> Result<String> {
+    crate::wait_for("vipr to sync", timeout, || {
+        ensure_running()?;
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        Ok(if text.contains("synced") {
+            crate::Check::Done(text)
+        } else {
+            crate::Check::NotYet("no sync logged".to_owned())
+        })
+    })
+}
+
 /// The arguments of the cleanup container of the DaemonSet that `deploy/render.sh
 /// --uninstall` prints (the image's entrypoint is vipr).
 pub fn uninstall_args() -> Result<Vec<String>> {

@@ -536,6 +536,8 @@ fn stream_endless_header(address: SocketAddr, stop: &AtomicBool) -> u64 {
 /// put and it keeps running.
 #[test]
 fn health_servers_keep_answering_under_idle_connections_and_endless_headers() {
+    // Alone: probe latencies are measured, and the process holds thousands of sockets.
+    let _alone = testbed::exclusive();
     const IDLE_CONNECTIONS: usize = 2000;
     raise_open_files_limit(2 * IDLE_CONNECTIONS as u64 + 1024).unwrap();
     let mut lab = lab("http-flood");
@@ -619,6 +621,8 @@ fn set_open_files_limit(pid: u32, limit: u64) {
 /// keeps being answered within a second while 2,000 connections wait for a descriptor.
 #[test]
 fn health_servers_keep_answering_when_out_of_file_descriptors() {
+    // Alone: probe latencies are measured, and the process holds thousands of sockets.
+    let _alone = testbed::exclusive();
     const IDLE_CONNECTIONS: usize = 2000;
     const FREE_DESCRIPTORS: u64 = 64;
     raise_open_files_limit(IDLE_CONNECTIONS as u64 + 1024).unwrap();

@@ -11,34 +11,16 @@ use std::{
     collections::BTreeMap,
     fs::File,
     net::{Ipv4Addr, SocketAddr, SocketAddrV4},
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Mutex,
-    },
     thread,
     time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::{Context as _, Result};
-use testbed::{
-    load, locate_vipr, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, LeafSpec,
-    Protocol, ServicePort,
-};
+use testbed::{load, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, Protocol, ServicePort};
 
 const SERVICES: usize = 3_000;
-const SESSIONS: usize = 100;
 const KILLS: usize = 5;
-/// 20 new connections a second.
-const NEW_CONNECTION_PAUSE: Duration = Duration::from_millis(50);
-/// How often each long-lived session is asked who answers.
-const SESSION_ROUND: Duration = Duration::from_millis(300);
-/// Bound on a connect and on each answer. Generous: on a loaded 2-core machine an answer
-/// straight from a backend, vipr or no vipr, was once seen to take over 2 s; a connection
-/// whose flow is lost never answers (or is reset), which this still catches.
-const TIMEOUT: Duration = Duration::from_secs(10);
 const CANARY: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const BACKENDS: [(&str, Ipv4Addr); 2] =
-    [("b1", Ipv4Addr::new(10, 20, 1, 2)), ("b2", Ipv4Addr::new(10, 20, 2, 2))];
 const TARGET_PORT: u16 = 8080;
 const CONSISTENT_DEADLINE: Duration = Duration::from_secs(90);
 
@@ -49,7 +31,7 @@ fn tenant_ip(index: usize) -> Ipv4Addr {
 /// The canary (both backends) and 2,999 tenant services whose endpoints all move with each
 /// generation, so that every generation is a sync of thousands of entries.
 fn services(generation: usize) -> Vec<ClusterIpService> {
-    let endpoint = |i: usize| Endpoint::ready(BACKENDS[i].1, BACKENDS[i].0);
+    let endpoint = |i: usize| Endpoint::ready(load::BACKENDS[i].1, load::BACKENDS[i].0);
     let http =
         ServicePort { name: "http".to_owned(), protocol: Protocol::Tcp, port: 80, target_port: TARGET_PORT };
     let mut services =
@@ -138,77 +120,47 @@ impl Random {
 
 #[test]
 fn killing_the_agent_mid_sync_breaks_no_connection_and_the_next_one_finishes_the_sync() -> Result<()> {
-    let mut lab = Lab::new(LabConfig {
-        label: "restarts".to_owned(),
-        vipr_binary: locate_vipr()?,
-        client: LeafSpec::in_own_slash24("client", Ipv4Addr::new(10, 10, 0, 2))?,
-        backends: BACKENDS
-            .iter()
-            .map(|(name, addr)| LeafSpec::in_own_slash24(name, *addr))
-            .collect::<Result<_>>()?,
-        services: services(0),
-    })?;
+    // Alone: new connections must not fail while thousands of entries are synced.
+    let _alone = testbed::exclusive();
+    let mut lab = load::lab("restarts", services(0))?;
     lab.start_vipr()?;
     wait_consistent(&mut lab)?;
 
     let mut random = Random::seeded();
-    let stop = AtomicBool::new(false);
-    let (connections, sessions) = (Mutex::new(load::Tally::default()), Mutex::new(load::Tally::default()));
+    let mut targets = Random(random.below(u64::MAX) | 1);
+    let next_target = move || {
+        let target = match targets.below(2) {
+            0 => CANARY,
+            _ => tenant_ip(targets.below(SERVICES as u64 - 1) as usize),
+        };
+        SocketAddr::from((target, 80))
+    };
     let client = File::open(lab.client().path())?;
-    let seed = random.below(u64::MAX) | 1;
-    let kills = thread::scope(|scope| -> Result<Vec<String>> {
-        let opener = scope.spawn(|| {
-            let mut random = Random(seed);
-            let next_target = move || {
-                let target = match random.below(2) {
-                    0 => CANARY,
-                    _ => tenant_ip(random.below(SERVICES as u64 - 1) as usize),
-                };
-                SocketAddr::from((target, 80))
-            };
-            load::open_connections(&client, next_target, NEW_CONNECTION_PAUSE, TIMEOUT, &stop, &connections)
-        });
-        let holder = scope.spawn(|| {
-            let canary = SocketAddr::from((CANARY, 80));
-            load::hold_sessions(&client, canary, SESSIONS, SESSION_ROUND, TIMEOUT, &stop, &sessions)
-        });
-        let outcome = (|| -> Result<Vec<String>> {
-            let mut kills = Vec::new();
-            for generation in 1..=KILLS {
-                lab.set_services(services(generation))?;
-                // The file source sees the file within ~0.6 s (its 200 ms polls, twice the
-                // same content) and the sync of ~6,000 changed entries takes a fraction of a
-                // second more: a moment in [0.3 s, 1.5 s) falls before, during or after it.
-                let moment = Duration::from_millis(300 + random.below(1_200));
-                thread::sleep(moment);
-                let started = Instant::now();
-                lab.kill_vipr().context("kill -9")?;
-                lab.start_vipr()?;
-                wait_consistent(&mut lab).with_context(|| format!("after the kill at {moment:?}"))?;
-                kills.push(format!(
-                    "{moment:?} after the change, consistent {:?} after the kill",
-                    started.elapsed()
-                ));
-            }
-            Ok(kills)
-        })();
-        stop.store(true, Ordering::Relaxed);
-        opener.join().expect("the connection opener panicked")?;
-        holder.join().expect("the session holder panicked")?;
-        outcome
+    let (kills, tallies) = load::during(&client, next_target, SocketAddr::from((CANARY, 80)), |_| {
+        let mut kills = Vec::new();
+        for generation in 1..=KILLS {
+            lab.set_services(services(generation))?;
+            // The file source sees the file within ~0.6 s (its 200 ms polls, twice the
+            // same content) and the sync of ~6,000 changed entries takes a fraction of a
+            // second more: a moment in [0.3 s, 1.5 s) falls before, during or after it.
+            let moment = Duration::from_millis(300 + random.below(1_200));
+            thread::sleep(moment);
+            let started = Instant::now();
+            lab.kill_vipr().context("kill -9")?;
+            lab.start_vipr()?;
+            wait_consistent(&mut lab).with_context(|| format!("after the kill at {moment:?}"))?;
+            kills.push(format!(
+                "{moment:?} after the change, consistent {:?} after the kill",
+                started.elapsed()
+            ));
+        }
+        Ok(kills)
     })?;
     eprintln!("agent_restarts: kills: {kills:#?}");
 
-    let (connections, sessions) = (connections.into_inner().unwrap(), sessions.into_inner().unwrap());
-    assert!(connections.tried >= 20 * KILLS, "only {} new connections were tried", connections.tried);
-    assert!(
-        connections.failures.is_empty(),
-        "{} of {} new connections failed: {:#?}",
-        connections.failures.len(),
-        connections.tried,
-        connections.failures
-    );
-    assert!(sessions.failures.is_empty(), "sessions failed: {:#?}", sessions.failures);
-    assert!(sessions.tried >= SESSIONS * KILLS, "the sessions were asked only {} times", sessions.tried);
+    let (tried, asked) = (tallies.connections.lock().unwrap().tried, tallies.sessions.lock().unwrap().tried);
+    assert!(tried >= 20 * KILLS, "only {tried} new connections were tried");
+    assert!(asked >= load::SESSIONS * KILLS, "the sessions were asked only {asked} times");
+    tallies.assert_nothing_failed();
     Ok(())
 }

@@ -8,31 +8,16 @@
 //! (`vipr inspect drift` exits 0). docs/reliability.md, "Upgrades". Needs root and a built
 //! vipr.
 
-use std::{
-    fs::File,
-    net::Ipv4Addr,
-    sync::{atomic::AtomicBool, Mutex},
-    thread,
-    time::Duration,
-};
+use std::{fs::File, net::Ipv4Addr, sync::Mutex, thread, time::Duration};
 
 use anyhow::Result;
 use proxy_common::{legacy, pins};
 use testbed::{
     exchange, load, locate_previous_vipr, locate_vipr, wait_for, Check, ClusterIpService, Endpoint, Lab,
-    LabConfig, LeafSpec, WorkDir,
+    WorkDir,
 };
 
-const SESSIONS: usize = 100;
-/// 20 new connections a second.
-const NEW_CONNECTION_PAUSE: Duration = Duration::from_millis(50);
-const SESSION_ROUND: Duration = Duration::from_millis(300);
-/// Generous, as in agent_restarts.rs: a lost flow never answers or is reset, which this still
-/// catches.
-const TIMEOUT: Duration = Duration::from_secs(10);
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const BACKENDS: [(&str, Ipv4Addr); 2] =
-    [("b1", Ipv4Addr::new(10, 20, 1, 2)), ("b2", Ipv4Addr::new(10, 20, 2, 2))];
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn pinned(lab: &Lab, name: &str) -> bool {
@@ -49,6 +34,8 @@ fn wait_tried(what: &str, tally: &Mutex<load::Tally>, from: usize, more: usize) 
 
 #[test]
 fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
+    // Alone: new connections must not fail across the upgrade.
+    let _alone = testbed::exclusive();
     upgrade("upgrade", None)
 }
 
@@ -56,6 +43,8 @@ fn an_upgrade_that_changes_a_map_layout_breaks_no_connection() -> Result<()> {
 /// switch), and started again: the next one finishes the upgrade.
 #[test]
 fn an_upgrade_cut_short_by_a_kill_is_finished_by_the_next_agent() -> Result<()> {
+    // Alone: new connections must not fail across the upgrade.
+    let _alone = testbed::exclusive();
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos();
     let moment = Duration::from_millis(200 + u64::from(nanos % 1_600));
     eprintln!("agent_upgrade: the new agent is killed {moment:?} after its start");
@@ -69,25 +58,16 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
     let web = ClusterIpService::web(
         VIP,
         (8080, 5353),
-        BACKENDS.iter().map(|(name, addr)| Endpoint::ready(*addr, name)).collect(),
+        load::BACKENDS.iter().map(|(name, addr)| Endpoint::ready(*addr, name)).collect(),
     );
     let http = web.frontend_named("http")?;
-    let lab = Lab::new(LabConfig {
-        label: label.to_owned(),
-        vipr_binary: locate_vipr()?,
-        client: LeafSpec::in_own_slash24("client", Ipv4Addr::new(10, 10, 0, 2))?,
-        backends: BACKENDS
-            .iter()
-            .map(|(name, addr)| LeafSpec::in_own_slash24(name, *addr))
-            .collect::<Result<_>>()?,
-        services: vec![web],
-    })?;
+    let lab = load::lab(label, vec![web])?;
     let logs = WorkDir::create(&format!("{label}-logs"))?;
 
     let mut old = lab.spawn_vipr_binary(&previous, &[], &logs.path().join("vipr-previous.log"))?;
     wait_for("the previous vipr to serve", DEADLINE, || {
         old.ensure_running()?;
-        Ok(match lab.client().run(|| exchange(http, TIMEOUT)) {
+        Ok(match lab.client().run(|| exchange(http, load::TIMEOUT)) {
             Ok(_) => Check::Done(()),
             Err(error) => Check::NotYet(format!("{error:#}")),
         })
@@ -99,20 +79,15 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
         legacy::FLOWS4_V3
     );
 
-    let stop = AtomicBool::new(false);
-    let (connections, sessions) = (Mutex::new(load::Tally::default()), Mutex::new(load::Tally::default()));
     let client = File::open(lab.client().path())?;
     let target = http.socket_addr();
-    let upgraded = thread::scope(|scope| -> Result<String> {
-        let opener = scope.spawn(|| {
-            load::open_connections(&client, || target, NEW_CONNECTION_PAUSE, TIMEOUT, &stop, &connections)
-        });
-        let holder = scope.spawn(|| {
-            load::hold_sessions(&client, target, SESSIONS, SESSION_ROUND, TIMEOUT, &stop, &sessions)
-        });
-        let outcome = (|| -> Result<String> {
+    let (upgraded, tallies) = load::during(
+        &client,
+        || target,
+        target,
+        |tallies| {
             // Every session opened and asked once through the previous program.
-            wait_tried("the sessions to be asked once", &sessions, 0, SESSIONS)?;
+            wait_tried("the sessions to be asked once", &tallies.sessions, 0, load::SESSIONS)?;
             let status = old.stop()?;
             anyhow::ensure!(status.success(), "the previous vipr exited with {status} on SIGTERM");
             let mut new = lab.spawn_vipr(&[], &logs.path().join("vipr-current.log"))?;
@@ -132,10 +107,10 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
             })?;
             // Two rounds of every session and a second of new connections through the new
             // program.
-            let asked = sessions.lock().unwrap().tried;
-            wait_tried("two more rounds of the sessions", &sessions, asked, 2 * SESSIONS)?;
-            let opened = connections.lock().unwrap().tried;
-            wait_tried("new connections through the new program", &connections, opened, 20)?;
+            let asked = tallies.sessions.lock().unwrap().tried;
+            wait_tried("two more rounds of the sessions", &tallies.sessions, asked, 2 * load::SESSIONS)?;
+            let opened = tallies.connections.lock().unwrap().tried;
+            wait_tried("new connections through the new program", &tallies.connections, opened, 20)?;
             new.ensure_running()?;
             // The switch is in the log of the agent that made it (the first one, when it was
             // killed after it).
@@ -157,12 +132,8 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
             })?;
             new.stop()?;
             Ok(format!("{drift}\n{log}"))
-        })();
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        opener.join().expect("the connection opener panicked")?;
-        holder.join().expect("the session holder panicked")?;
-        outcome
-    })?;
+        },
+    )?;
     for line in upgraded.lines().filter(|line| {
         [
             "keep serving",
@@ -181,16 +152,12 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
         eprintln!("agent_upgrade: {line}");
     }
 
-    let (connections, sessions) = (connections.into_inner().unwrap(), sessions.into_inner().unwrap());
-    eprintln!("agent_upgrade: {} new connections, {} session answers", connections.tried, sessions.tried);
-    assert!(
-        connections.failures.is_empty(),
-        "{} of {} new connections failed: {:#?}",
-        connections.failures.len(),
-        connections.tried,
-        connections.failures
+    eprintln!(
+        "agent_upgrade: {} new connections, {} session answers",
+        tallies.connections.lock().unwrap().tried,
+        tallies.sessions.lock().unwrap().tried
     );
-    assert!(sessions.failures.is_empty(), "sessions failed: {:#?}", sessions.failures);
+    tallies.assert_nothing_failed();
     assert!(
         upgraded.contains("the new programs serve now"),
         "the new vipr never logged its switch:\n{upgraded}"

@@ -8,14 +8,13 @@
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4},
-    path::Path,
     time::Duration,
 };
 
 use anyhow::Result;
 use testbed::{
-    locate_vipr, sandbox, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, Netns,
-    Protocol, Vipr,
+    locate_vipr, sandbox, wait_for, wait_for_first_sync, Check, ClusterIpService, Endpoint, Frontend, Lab,
+    LabConfig, Netns, Protocol, Vipr,
 };
 
 /// vipr's default `--metrics-bind-address` (0.0.0.0:10249), seen from inside the node.
@@ -54,20 +53,6 @@ fn start_auto(lab: &Lab, log_name: &str) -> (Vipr, std::path::PathBuf) {
     ];
     let log = lab.services_file().with_file_name(log_name);
     (Vipr::start_with_args(&locate_vipr().unwrap(), lab.node(), &args, &log).unwrap(), log)
-}
-
-/// Waits for vipr's first "synced" log line; returns the log.
-fn wait_synced(vipr: &mut Vipr, log: &Path) -> String {
-    wait_for("vipr to sync", SETTLE, || {
-        vipr.ensure_running()?;
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        Ok(if text.contains("synced") {
-            Check::Done(text)
-        } else {
-            Check::NotYet("no sync logged".to_owned())
-        })
-    })
-    .unwrap()
 }
 
 /// The line vipr logged about its choice.
@@ -127,7 +112,7 @@ fn without_bpf_auto_falls_back_to_nftables_and_serves_the_service() {
             .spawn(|| {
                 sandbox::deny_bpf_to_this_thread().unwrap();
                 let (mut vipr, log) = start_auto(&lab, "vipr-nobpf.log");
-                let text = wait_synced(&mut vipr, &log);
+                let text = wait_for_first_sync(&log, SETTLE, || vipr.ensure_running()).unwrap();
                 let choice = choice_line(&text);
                 assert!(choice.contains("proxy mode auto: chose nftables: "), "{choice}");
                 assert!(choice.contains("bpf(BPF_PROG_LOAD SCHED_CLS): Operation not permitted"), "{choice}");
@@ -177,7 +162,7 @@ fn with_bpf_auto_chooses_ebpf() {
     let lab = lab("auto-bpf");
     let _cleanup = EbpfCleanup(&lab);
     let (mut vipr, log) = start_auto(&lab, "vipr-bpf.log");
-    let text = wait_synced(&mut vipr, &log);
+    let text = wait_for_first_sync(&log, SETTLE, || vipr.ensure_running()).unwrap();
     let choice = choice_line(&text);
     assert!(choice.contains("proxy mode auto: chose ebpf"), "{choice}");
     let (proxy_mode, info) = reported_mode(&mut vipr, lab.node());

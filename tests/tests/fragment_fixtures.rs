@@ -20,7 +20,7 @@ use frame::{
     compare_frames, ep, fold, input_and_output, ones_sum, pseudo_header_sum, Ep, Packet, ETH_HLEN,
     IPPROTO_TCP, IPPROTO_UDP,
 };
-use harness::{nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC};
+use harness::{check_verdict, nat_entries, Harness, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC};
 use proxy_common::{unmatched, FragmentKey4, FragmentPorts};
 use table::{run_table, Outcome};
 
@@ -56,16 +56,7 @@ fn datagram(proto: u8, from: Ep, to: Ep) -> Packet {
 /// Runs `input`; checks the verdict, and that a dropped or ignored frame is unchanged.
 fn run(h: &Harness, input: &[u8], verdict: u32) -> Result<Vec<u8>> {
     let (got, out) = h.run(input)?;
-    ensure!(
-        got == verdict,
-        "verdict: expected {}, got {}\n  {}",
-        verdict_name(verdict),
-        verdict_name(got),
-        input_and_output(input, &out)
-    );
-    if verdict != TC_ACT_OK {
-        ensure!(out == input, "a frame left alone was changed\n  {}", input_and_output(input, &out));
-    }
+    check_verdict(input, got, &out, verdict, verdict != TC_ACT_OK)?;
     Ok(out)
 }
 

@@ -23,7 +23,7 @@ use testbed::{
         deny_bpf_profile, run_to_completion, test_image, Cgroup2Dir, Container, ContainerSpec, Privileges,
         Seccomp,
     },
-    exchange, unique_name, wait_for, Check, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, Netns,
+    exchange, unique_name, wait_for_first_sync, ClusterIpService, Endpoint, Frontend, Lab, LabConfig, Netns,
     Protocol,
 };
 
@@ -109,20 +109,6 @@ fn log_path(lab: &Lab, name: &str) -> PathBuf {
     lab.services_file().with_file_name(name)
 }
 
-/// Waits for vipr's first "synced" log line; returns the log.
-fn wait_synced(container: &mut Container, log: &Path) -> String {
-    wait_for("vipr in its container to sync", SETTLE, || {
-        container.ensure_running()?;
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        Ok(if text.contains("synced") {
-            Check::Done(text)
-        } else {
-            Check::NotYet("no sync logged".to_owned())
-        })
-    })
-    .unwrap()
-}
-
 /// The backends that answered `CONNECTIONS` connections to `VIP:port`, unmasqueraded.
 fn reach(lab: &Lab, port: u16, protocol: Protocol) -> BTreeSet<String> {
     lab.backends_reached(Frontend { addr: SocketAddrV4::new(VIP, port), protocol }, CONNECTIONS, TIMEOUT)
@@ -186,7 +172,7 @@ fn ebpf_mode_serves_and_cleanup_removes_it(label: &str, security: Security) {
     let mut container =
         Container::start(lab.node(), &spec(&lab, &cgroup, security.clone(), agent_args(&lab, "ebpf")), &log)
             .unwrap();
-    let _ = wait_synced(&mut container, &log);
+    let _ = wait_for_first_sync(&log, SETTLE, || container.ensure_running()).unwrap();
     lab.wait_programmed().unwrap();
     assert_eq!(reach(&lab, 80, Protocol::Tcp), all_backends());
     assert_eq!(reach(&lab, 53, Protocol::Udp), all_backends());
@@ -252,7 +238,7 @@ fn without_bpf_auto_mode_falls_back_to_nftables_and_iptables_mode_to_the_nodes_v
         &log,
     )
     .unwrap();
-    let text = wait_synced(&mut container, &log);
+    let text = wait_for_first_sync(&log, SETTLE, || container.ensure_running()).unwrap();
     let choice = text
         .lines()
         .find(|line| line.contains("proxy mode auto:"))
@@ -267,7 +253,7 @@ fn without_bpf_auto_mode_falls_back_to_nftables_and_iptables_mode_to_the_nodes_v
     let mut container =
         Container::start(lab.node(), &spec(&lab, &cgroup, without_bpf, agent_args(&lab, "iptables")), &log)
             .unwrap();
-    wait_synced(&mut container, &log);
+    wait_for_first_sync(&log, SETTLE, || container.ensure_running()).unwrap();
     let tables = lab.node().command("nft").unwrap().args(["list", "tables"]).output().unwrap();
     let tables = String::from_utf8_lossy(&tables.stdout);
     assert!(!tables.contains("vipr"), "nftables mode's table survived the switch: {tables}");

@@ -1,7 +1,7 @@
 //! The IPVS dataplane on a kernel that has IPVS. The host kernel here has none, so
 //! [`in_a_uml_guest`] boots a User-Mode Linux guest (xtask/src/uml.rs: Debian's 6.1 UML
 //! kernel, the host's / as root) once and runs this same test binary in it, restricted to the
-//! `guest_` tests; they are `#[ignore]`d on the host and run only there. One boot (about two
+//! `ipvs_kernel::guest_` tests; they are `#[ignore]`d on the host and run only there. One boot (about two
 //! seconds) serves all of them. Needs root and `cargo xtask setup` (user-mode-linux).
 
 #[path = "../../xtask/src/uml.rs"]
@@ -54,9 +54,12 @@ fn in_a_uml_guest() {
         return;
     }
     let executable = std::env::current_exe().expect("our own executable");
+    // libtest names a test by its module path without the crate: `ipvs_kernel::guest_…`.
+    let module = module_path!().split_once("::").map_or(module_path!(), |(_crate, module)| module);
+    let guest_tests = format!("{module}::guest_");
     let command: Vec<OsString> = [
         executable.as_os_str(),
-        "guest_".as_ref(),
+        guest_tests.as_ref(),
         "--ignored".as_ref(),
         "--test-threads=1".as_ref(),
         "--nocapture".as_ref(),
@@ -74,8 +77,11 @@ fn in_a_uml_guest() {
     println!("{}", outcome.stdout);
     eprintln!("{}", outcome.stderr);
     assert_eq!(outcome.code, 0, "the guest tests failed (their output is above)");
-    let passed =
-        outcome.stdout.lines().filter(|line| line.starts_with("test guest_") && line.ends_with("ok")).count();
+    let passed = outcome
+        .stdout
+        .lines()
+        .filter(|line| line.starts_with(&format!("test {guest_tests}")) && line.ends_with("ok"))
+        .count();
     assert_eq!(passed, 4, "every guest test ran and passed:\n{}", outcome.stdout);
 }
 
@@ -415,24 +421,8 @@ fn guest_inspect_lists_the_virtual_services_and_ipsets() {
         Ok(())
     })
     .unwrap();
-    let vipr = testbed::locate_vipr().unwrap();
-    let inspect = |args: &[&str]| {
-        let output = node
-            .command(&vipr)
-            .unwrap()
-            .arg("inspect")
-            .args(args)
-            // No pins to find: the mode is told by kube-ipvs0.
-            .arg("--bpf-root=/nonexistent-vipr-bpffs")
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "vipr inspect {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8(output.stdout).unwrap()
-    };
+    // No pins to find: the mode is told by kube-ipvs0.
+    let inspect = |args: &[&str]| testbed::netfilter_lab::inspect(&node, args).unwrap();
 
     let services: serde_json::Value = serde_json::from_str(&inspect(&["services", "-o", "json"])).unwrap();
     let listed: BTreeMap<String, BTreeSet<String>> = services

@@ -356,7 +356,7 @@ fn run_to_exit(netns: &Netns, args: &[String]) -> String {
 /// is installed.
 #[test]
 fn init_only_sets_the_conntrack_sysctls_and_exits() {
-    let netns = Netns::create(&format!("kp-init-{}", std::process::id())).unwrap();
+    let netns = Netns::create(&testbed::unique_name("kp-init")).unwrap();
     let sysctl = |name: &str| {
         let path = format!("/proc/sys/net/netfilter/{name}");
         netns.run(|| Ok(std::fs::read_to_string(&path)?.trim().to_owned())).unwrap()
@@ -386,7 +386,7 @@ fn init_only_sets_the_conntrack_sysctls_and_exits() {
 /// same; `--logging-format=json` makes every log line a JSON object.
 #[test]
 fn write_config_to_round_trips_and_json_logging() {
-    let netns = Netns::create(&format!("kp-write-{}", std::process::id())).unwrap();
+    let netns = Netns::create(&testbed::unique_name("kp-write")).unwrap();
     let workdir = testbed::WorkDir::create("kp-write").unwrap();
     let written = workdir.path().join("written.yaml");
     let rewritten = workdir.path().join("rewritten.yaml");

@@ -7,7 +7,7 @@ use std::{net::Ipv4Addr, path::Path, time::Duration};
 
 use anyhow::{Context, Result};
 use testbed::{
-    locate_vipr, vipr_cleanup, wait_for, write_atomically, BpfFs, Check, LeafSpec, Netns, Topology, Vipr,
+    locate_vipr, vipr_cleanup, wait_for_first_sync, write_atomically, BpfFs, LeafSpec, Netns, Topology, Vipr,
     WorkDir,
 };
 
@@ -46,11 +46,7 @@ fn run(netns: &Netns, program: &str, args: &[&str]) -> Result<String> {
 /// Starts vipr with `args` and waits for its first sync.
 fn start_synced(netns: &Netns, args: &[String], log: &Path) -> Result<Vipr> {
     let mut vipr = Vipr::start_with_args(&locate_vipr()?, netns, args, log)?;
-    wait_for("vipr to sync the services file", Duration::from_secs(30), || {
-        vipr.ensure_running()?;
-        let synced = std::fs::read_to_string(log).is_ok_and(|text| text.contains("synced"));
-        Ok(if synced { Check::Done(()) } else { Check::NotYet("no sync logged".to_owned()) })
-    })?;
+    wait_for_first_sync(log, Duration::from_secs(30), || vipr.ensure_running())?;
     Ok(vipr)
 }
 

@@ -7,16 +7,11 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
-    path::Path,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     time::Duration,
 };
 
-use anyhow::{bail, Context, Result};
-use testbed::{
-    count_by_backend, exchanges, locate_vipr, udp_exchange, vipr_cleanup, wait_for, write_atomically, Answer,
-    Check, EchoServer, Frontend, LeafSpec, Protocol, Topology, Vipr, WorkDir,
-};
+use testbed::{count_by_backend, exchanges, netfilter_lab::NetfilterLab, udp_exchange, Frontend, Protocol};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// With three endpoints chosen at random, the chance that one gets none of 60 is ~1e-10.
@@ -30,7 +25,6 @@ const OTHER_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const ENDPOINTS: [&str; 3] = ["b1", "b2", "b3"];
 const HTTP_NODE_PORT: u16 = 30080;
 const DNS_NODE_PORT: u16 = 30053;
-const NO_BPFFS: &str = "/nonexistent-vipr-bpffs";
 
 fn backend_addr(name: &str) -> Ipv4Addr {
     let index = ENDPOINTS.iter().position(|candidate| *candidate == name).unwrap();
@@ -67,207 +61,91 @@ fn manifests(endpoints: &[&str]) -> String {
     yaml
 }
 
-struct NftLab {
-    // Dropped in this order: the agent, the servers, the namespaces, the scratch directory.
-    vipr: Option<Vipr>,
-    _servers: Vec<EchoServer>,
-    topology: Topology,
-    workdir: WorkDir,
-    starts: usize,
+/// The lab with service `web` on every endpoint; no vipr yet.
+fn build(label: &str) -> NetfilterLab {
+    let backends: Vec<(&str, Ipv4Addr)> = ENDPOINTS.iter().map(|&name| (name, backend_addr(name))).collect();
+    NetfilterLab::build(label, CLIENT, &backends, manifests, &ENDPOINTS).unwrap()
 }
 
-impl NftLab {
-    fn build(label: &str) -> Self {
-        testbed::require_root().unwrap();
-        let workdir = WorkDir::create(label).unwrap();
-        let mut leaves = vec![LeafSpec::in_own_slash24("client", CLIENT).unwrap()];
-        for name in ENDPOINTS {
-            leaves.push(LeafSpec::in_own_slash24(name, backend_addr(name)).unwrap());
+fn start(label: &str) -> NetfilterLab {
+    let mut lab = build(label);
+    run_vipr(&mut lab, "nftables");
+    lab
+}
+
+/// Starts vipr in `mode` (stopping a running one first) and waits for its first sync.
+fn run_vipr(lab: &mut NetfilterLab, mode: &str) {
+    lab.run_vipr(&[format!("--proxy-mode={mode}"), format!("--nodeport-addresses={NODE}/32")]).unwrap();
+}
+
+/// `nft list tables` in the node.
+fn tables(lab: &NetfilterLab) -> String {
+    lab.node_output("nft", &["list", "tables"]).unwrap()
+}
+
+/// Each chain of `ip vipr` whose name contains `service` with its rules' handles
+/// (`nft -a`): a chain flushed and refilled gets new handles.
+fn handles(lab: &NetfilterLab, service: &str) -> BTreeMap<String, Vec<String>> {
+    let listing = lab.node_output("nft", &["-a", "list", "table", "ip", "vipr"]).unwrap();
+    let mut chains = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in listing.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("chain ") {
+            let name = name.split_whitespace().next().unwrap().to_owned();
+            current = name.contains(service).then_some(name);
+        } else if let (Some(chain), Some((_, handle))) = (&current, line.rsplit_once("# handle ")) {
+            chains.entry(chain.clone()).or_insert_with(Vec::new).push(handle.to_owned());
         }
-        let topology = Topology::build(label, leaves).unwrap();
-        let servers = ENDPOINTS
-            .iter()
-            .map(|name| {
-                let addr = backend_addr(name);
-                let leaf = topology.leaf(name).unwrap();
-                EchoServer::start(
-                    &leaf.netns,
-                    name,
-                    &[SocketAddr::from((addr, 8080))],
-                    &[SocketAddr::from((addr, 5353))],
-                )
-                .unwrap()
-            })
-            .collect();
-        write_atomically(&workdir.path().join("services.yaml"), &manifests(&ENDPOINTS)).unwrap();
-        Self { vipr: None, _servers: servers, topology, workdir, starts: 0 }
     }
+    chains
+}
 
-    fn start(label: &str) -> Self {
-        let mut lab = Self::build(label);
-        lab.run_vipr("nftables");
-        lab
+/// `count` new connections to `frontend`; the backends that answered, each reply checked to
+/// come from the frontend.
+fn reach(lab: &NetfilterLab, frontend: Frontend, count: usize) -> BTreeSet<String> {
+    let answers = lab.client().run(|| exchanges(frontend, count, TIMEOUT)).unwrap();
+    for exchange in &answers {
+        assert_eq!(exchange.replied_from, frontend.socket_addr(), "{exchange:?}");
     }
-
-    /// Starts vipr in `mode` (stopping a running one first) and waits for its first sync.
-    fn run_vipr(&mut self, mode: &str) {
-        if let Some(vipr) = self.vipr.take() {
-            let status = vipr.stop().unwrap();
-            assert!(status.success(), "{status}");
-        }
-        self.starts += 1;
-        let args = vec![
-            format!("--proxy-mode={mode}"),
-            format!("--services-file={}", self.services_file().display()),
-            // No bpffs here: a mode switch's eBPF cleanup (agent.rs) must not touch the host's.
-            format!("--bpf-root={NO_BPFFS}"),
-            "--node-name=node-a".to_owned(),
-            format!("--nodeport-addresses={NODE}/32"),
-            "--healthz-bind-address=".to_owned(),
-            "--metrics-bind-address=".to_owned(),
-            "--min-sync-period=0s".to_owned(),
-            "-v".to_owned(),
-        ];
-        let log = self.log();
-        self.vipr =
-            Some(Vipr::start_with_args(&locate_vipr().unwrap(), self.topology.node(), &args, &log).unwrap());
-        self.wait_synced(0).unwrap();
-    }
-
-    fn services_file(&self) -> std::path::PathBuf {
-        self.workdir.path().join("services.yaml")
-    }
-
-    fn log(&self) -> std::path::PathBuf {
-        self.workdir.path().join(format!("vipr-{}.log", self.starts))
-    }
-
-    fn synced(&self) -> usize {
-        std::fs::read_to_string(self.log())
-            .map_or(0, |log| log.lines().filter(|line| line.contains("synced")).count())
-    }
-
-    /// Waits until vipr has logged more than `before` syncs; returns the count.
-    fn wait_synced(&mut self, before: usize) -> Result<usize> {
-        let log = self.log();
-        let vipr = self.vipr.as_mut().context("vipr is not running")?;
-        wait_for("vipr to sync", Duration::from_secs(20), || {
-            vipr.ensure_running()?;
-            let count = std::fs::read_to_string(&log)
-                .map_or(0, |log| log.lines().filter(|line| line.contains("synced")).count());
-            Ok(if count > before { Check::Done(count) } else { Check::NotYet(format!("{count} syncs")) })
-        })
-    }
-
-    fn set_endpoints(&mut self, endpoints: &[&str]) {
-        let before = self.synced();
-        write_atomically(&self.services_file(), &manifests(endpoints)).unwrap();
-        self.wait_synced(before).unwrap();
-    }
-
-    fn client(&self) -> &testbed::Netns {
-        &self.topology.leaf("client").unwrap().netns
-    }
-
-    fn node_output(&self, program: &str, args: &[&str]) -> String {
-        let output = self.topology.node().command(program).unwrap().args(args).output().unwrap();
-        String::from_utf8(output.stdout).unwrap()
-    }
-
-    /// `nft list tables` in the node.
-    fn tables(&self) -> String {
-        self.node_output("nft", &["list", "tables"])
-    }
-
-    /// Each chain of `ip vipr` whose name contains `service` with its rules' handles
-    /// (`nft -a`): a chain flushed and refilled gets new handles.
-    fn handles(&self, service: &str) -> BTreeMap<String, Vec<String>> {
-        let listing = self.node_output("nft", &["-a", "list", "table", "ip", "vipr"]);
-        let mut chains = BTreeMap::new();
-        let mut current: Option<String> = None;
-        for line in listing.lines().map(str::trim) {
-            if let Some(name) = line.strip_prefix("chain ") {
-                let name = name.split_whitespace().next().unwrap().to_owned();
-                current = name.contains(service).then_some(name);
-            } else if let (Some(chain), Some((_, handle))) = (&current, line.rsplit_once("# handle ")) {
-                chains.entry(chain.clone()).or_insert_with(Vec::new).push(handle.to_owned());
-            }
-        }
-        chains
-    }
-
-    /// `count` new connections to `frontend`; the backends that answered, each reply checked to
-    /// come from the frontend.
-    fn reach(&self, frontend: Frontend, count: usize) -> BTreeSet<String> {
-        let answers = self.client().run(|| exchanges(frontend, count, TIMEOUT)).unwrap();
-        for exchange in &answers {
-            assert_eq!(exchange.replied_from, frontend.socket_addr(), "{exchange:?}");
-        }
-        let counts = count_by_backend(&answers);
-        eprintln!("{frontend}: {counts:?}");
-        counts.into_keys().collect()
-    }
+    let counts = count_by_backend(&answers);
+    eprintln!("{frontend}: {counts:?}");
+    counts.into_keys().collect()
 }
 
 fn names(names: &[&str]) -> BTreeSet<String> {
     names.iter().map(|name| (*name).to_owned()).collect()
 }
 
-/// One datagram from `socket` (a fixed source port: one conntrack entry) and its answer.
-fn ask(socket: &UdpSocket, to: SocketAddr) -> Result<Answer> {
-    socket.send_to(b"who are you?", to)?;
-    let mut reply = [0u8; 1500];
-    let (len, from) = socket.recv_from(&mut reply).with_context(|| format!("no answer from {to}"))?;
-    if from != to {
-        bail!("answer from {from}, not {to}");
-    }
-    std::str::from_utf8(&reply[..len])?.parse()
-}
-
 #[test]
 fn cluster_ip_and_node_port_are_balanced_by_the_nftables_table() {
-    let mut lab = NftLab::start("nft-lab");
-    let table = lab.node_output("nft", &["list", "table", "ip", "vipr"]);
+    let mut lab = start("nft-lab");
+    let table = lab.node_output("nft", &["list", "table", "ip", "vipr"]).unwrap();
     assert!(table.contains("map service-ips"), "{table}");
     assert!(table.contains("hook prerouting"), "{table}");
 
-    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), CONNECTIONS), names(&ENDPOINTS));
-    assert_eq!(lab.reach(frontend(VIP, 53, Protocol::Udp), CONNECTIONS), names(&ENDPOINTS));
-    assert_eq!(lab.reach(frontend(NODE, HTTP_NODE_PORT, Protocol::Tcp), CONNECTIONS), names(&ENDPOINTS));
-    assert_eq!(lab.reach(frontend(NODE, DNS_NODE_PORT, Protocol::Udp), CONNECTIONS), names(&ENDPOINTS));
-    assert_eq!(lab.reach(frontend(OTHER_VIP, 80, Protocol::Tcp), 10), names(&["b1"]));
+    assert_eq!(reach(&lab, frontend(VIP, 80, Protocol::Tcp), CONNECTIONS), names(&ENDPOINTS));
+    assert_eq!(reach(&lab, frontend(VIP, 53, Protocol::Udp), CONNECTIONS), names(&ENDPOINTS));
+    assert_eq!(reach(&lab, frontend(NODE, HTTP_NODE_PORT, Protocol::Tcp), CONNECTIONS), names(&ENDPOINTS));
+    assert_eq!(reach(&lab, frontend(NODE, DNS_NODE_PORT, Protocol::Udp), CONNECTIONS), names(&ENDPOINTS));
+    assert_eq!(reach(&lab, frontend(OTHER_VIP, 80, Protocol::Tcp), 10), names(&["b1"]));
     // `vipr inspect` finds nftables mode and prints the table.
-    let inspect = lab.node_output(
-        locate_vipr().unwrap().to_str().unwrap(),
-        &["inspect", "services", "--bpf-root", NO_BPFFS],
-    );
+    let inspect = lab.inspect(&["services"]).unwrap();
     assert!(inspect.contains("table ip vipr") && inspect.contains("map service-ips"), "{inspect}");
 
     // One UDP flow (fixed source port) is pinned by conntrack to its first endpoint. When that
     // endpoint is removed, vipr deletes the entry and the flow's next datagram finds a live one.
-    let socket = lab
-        .client()
-        .run(|| {
-            let socket = UdpSocket::bind((CLIENT, 40053))?;
-            socket.set_read_timeout(Some(TIMEOUT))?;
-            Ok(socket)
-        })
+    let others = lab
+        .udp_flow_leaves_a_removed_endpoint(
+            SocketAddr::from((CLIENT, 40053)),
+            SocketAddr::from((VIP, 53)),
+            &ENDPOINTS,
+        )
         .unwrap();
-    let dns = SocketAddr::from((VIP, 53));
-    let first = ask(&socket, dns).unwrap().backend;
-    assert_eq!(ask(&socket, dns).unwrap().backend, first, "one flow, one endpoint");
-    let others: Vec<&str> = ENDPOINTS.iter().copied().filter(|name| *name != first).collect();
-    lab.set_endpoints(&others);
-    let after = ask(&socket, dns).unwrap().backend;
-    assert!(
-        others.contains(&after.as_str()),
-        "the flow moved from {first} to a listed endpoint, not {after}"
-    );
-    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 40), names(&others));
+    assert_eq!(reach(&lab, frontend(VIP, 80, Protocol::Tcp), 40), names(&others));
 
     // No endpoints: the cluster IP and the NodePort reject; a port the cluster IP does not
     // serve is rejected too, an unused address of its range is not answered.
-    lab.set_endpoints(&[]);
+    lab.set_endpoints(&[]).unwrap();
     for refused in [SocketAddr::from((VIP, 80)), SocketAddr::from((VIP, 81))] {
         let result = lab.client().run(|| Ok(testbed::tcp_exchange(refused, TIMEOUT))).unwrap();
         let error = format!("{:#}", result.unwrap_err());
@@ -276,16 +154,16 @@ fn cluster_ip_and_node_port_are_balanced_by_the_nftables_table() {
     let refused =
         lab.client().run(|| Ok(udp_exchange(SocketAddr::from((NODE, DNS_NODE_PORT)), TIMEOUT))).unwrap();
     assert!(refused.is_err(), "{refused:?}");
-    assert_eq!(lab.reach(frontend(OTHER_VIP, 80, Protocol::Tcp), 5), names(&["b1"]));
+    assert_eq!(reach(&lab, frontend(OTHER_VIP, 80, Protocol::Tcp), 5), names(&["b1"]));
 
     // vipr stops: the table stays and keeps serving; --cleanup removes it.
-    lab.set_endpoints(&ENDPOINTS);
-    let status = lab.vipr.take().unwrap().stop().unwrap();
+    lab.set_endpoints(&ENDPOINTS).unwrap();
+    let status = lab.stop_vipr().unwrap();
     assert!(status.success(), "{status}");
-    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 30).len(), 3);
-    let output = vipr_cleanup(&locate_vipr().unwrap(), lab.topology.node(), Path::new(NO_BPFFS)).unwrap();
+    assert_eq!(reach(&lab, frontend(VIP, 80, Protocol::Tcp), 30).len(), 3);
+    let output = lab.cleanup_vipr().unwrap();
     eprintln!("cleanup: {output}");
-    let tables = lab.tables();
+    let tables = tables(&lab);
     assert!(!tables.contains("vipr"), "the tables are gone: {tables}");
     let after_cleanup =
         lab.client().run(|| Ok(testbed::tcp_exchange(SocketAddr::from((VIP, 80)), TIMEOUT))).unwrap();
@@ -297,9 +175,9 @@ fn cluster_ip_and_node_port_are_balanced_by_the_nftables_table() {
 /// own, as `other` here, have no chain: their elements go to the shared `pick-` chains.)
 #[test]
 fn an_endpoint_change_rewrites_only_that_services_chain() {
-    let mut lab = NftLab::start("nft-partial");
-    let web_http = |lab: &NftLab| -> Vec<String> {
-        let chains = lab.handles("default/web/tcp/http");
+    let mut lab = start("nft-partial");
+    let web_http = |lab: &NetfilterLab| -> Vec<String> {
+        let chains = handles(lab, "default/web/tcp/http");
         chains
             .into_iter()
             .find(|(name, _)| name.starts_with("external-"))
@@ -307,10 +185,10 @@ fn an_endpoint_change_rewrites_only_that_services_chain() {
             .unwrap()
     };
     let web = web_http(&lab);
-    let before = lab.handles("");
+    let before = handles(&lab, "");
 
-    lab.set_endpoints(&["b1", "b2"]);
-    let after = lab.handles("");
+    lab.set_endpoints(&["b1", "b2"]).unwrap();
+    let after = handles(&lab, "");
     for (chain, handles) in &before {
         if !chain.contains("default/web/") && !chain.starts_with("pick-") {
             assert_eq!(after.get(chain), Some(handles), "{chain} was rewritten");
@@ -319,32 +197,32 @@ fn an_endpoint_change_rewrites_only_that_services_chain() {
     let log = std::fs::read_to_string(lab.log()).unwrap();
     assert!(log.contains("from_changes=true"), "the change was applied from the changes alone:\n{log}");
     assert_ne!(web_http(&lab), web, "the changed service's chain was rewritten");
-    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 40), names(&["b1", "b2"]));
-    assert_eq!(lab.reach(frontend(OTHER_VIP, 80, Protocol::Tcp), 5), names(&["b1"]));
-    let _ = vipr_cleanup(&locate_vipr().unwrap(), lab.topology.node(), Path::new(NO_BPFFS));
+    assert_eq!(reach(&lab, frontend(VIP, 80, Protocol::Tcp), 40), names(&["b1", "b2"]));
+    assert_eq!(reach(&lab, frontend(OTHER_VIP, 80, Protocol::Tcp), 5), names(&["b1"]));
+    let _ = lab.cleanup_vipr();
 }
 
 /// iptables mode, then nftables mode: the iptables chains are gone; then iptables mode again:
 /// the nftables table is gone. Each mode serves alone.
 #[test]
 fn switching_between_iptables_and_nftables_leaves_nothing_of_the_other() {
-    let mut lab = NftLab::build("nft-switch");
-    lab.run_vipr("iptables");
-    assert!(lab.node_output("iptables-save", &[]).contains(":KUBE-SVC-"));
-    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
+    let mut lab = build("nft-switch");
+    run_vipr(&mut lab, "iptables");
+    assert!(lab.node_output("iptables-save", &[]).unwrap().contains(":KUBE-SVC-"));
+    assert_eq!(reach(&lab, frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
 
-    lab.run_vipr("nftables");
-    let save = lab.node_output("iptables-save", &[]);
+    run_vipr(&mut lab, "nftables");
+    let save = lab.node_output("iptables-save", &[]).unwrap();
     assert!(
         !save.contains("KUBE-SVC-") && !save.contains("KUBE-SERVICES"),
         "iptables mode's chains stay:\n{save}"
     );
-    assert!(lab.tables().contains("table ip vipr"), "{}", lab.tables());
-    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
+    assert!(tables(&lab).contains("table ip vipr"), "{}", tables(&lab));
+    assert_eq!(reach(&lab, frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
 
-    lab.run_vipr("iptables");
-    assert!(!lab.tables().contains("vipr"), "nftables mode's table stays: {}", lab.tables());
-    assert!(lab.node_output("iptables-save", &[]).contains(":KUBE-SVC-"));
-    assert_eq!(lab.reach(frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
-    let _ = vipr_cleanup(&locate_vipr().unwrap(), lab.topology.node(), Path::new(NO_BPFFS));
+    run_vipr(&mut lab, "iptables");
+    assert!(!tables(&lab).contains("vipr"), "nftables mode's table stays: {}", tables(&lab));
+    assert!(lab.node_output("iptables-save", &[]).unwrap().contains(":KUBE-SVC-"));
+    assert_eq!(reach(&lab, frontend(VIP, 80, Protocol::Tcp), 30), names(&ENDPOINTS));
+    let _ = lab.cleanup_vipr();
 }

@@ -21,8 +21,8 @@ use frame::{
     ROUTER_ALERT,
 };
 use harness::{
-    describe_flows, flow_key, is_einval, nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT,
-    TC_ACT_UNSPEC,
+    check_verdict, describe_flows, flow_key, is_einval, nat_entries, verdict_name, Harness, TC_ACT_OK,
+    TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use proxy_common::{capacity, datapath_stat, flow_state, pins, Counters, Flow4, FlowKey4, FlowTrack};
 use table::{run_table, Outcome};
@@ -80,17 +80,9 @@ fn check(h: &Harness, input: &[u8], verdict: u32, expect: Expect<'_>) -> Result<
     }
     let (got, out) = h.run(input)?;
     let observed = || input_and_output(input, &out);
-    ensure!(
-        got == verdict,
-        "verdict: expected {}, got {}\n  {}",
-        verdict_name(verdict),
-        verdict_name(got),
-        observed()
-    );
+    check_verdict(input, got, &out, verdict, matches!(expect, Expect::Unchanged))?;
     match expect {
-        Expect::Unchanged => {
-            ensure!(out == input, "the program changed a frame it must leave alone\n  {}", observed());
-        }
+        Expect::Unchanged => {}
         Expect::Frame(expected) => {
             let want = parse_ipv4(expected).map_err(|e| anyhow!("fixture bug: expected frame: {e}"))?;
             ensure!(

@@ -11,26 +11,25 @@
 //! rewritten packet goes on with TC_ACT_OK. The masquerade tests add the one route they need.
 //! Needs root (BPF, mount, unshare).
 
-use testbed::fixtures::{frame, frame6, harness, harness6, icmp_quote, netns, table};
+use testbed::fixtures::{frame, frame6, harness, harness6, icmp_error, icmp_quote, netns, table};
 
 use std::collections::{BTreeMap, HashMap};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
-use frame::{
-    checksum, fold, hex, ones_sum, L4Checksum, Packet, ETH_HLEN, ETH_P_IPV6, IPPROTO_TCP, IPPROTO_UDP,
-};
+use frame::{hex, input_and_output, L4Checksum, Packet, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP};
 use frame6::{
-    compare_frames6, ep6, ip6, parse_ipv6, pseudo_header_sum6, Ep6, Packet6, IPPROTO_ICMPV6, IPV6_HLEN,
-    NEXTHDR_DEST, NEXTHDR_FRAGMENT, NEXTHDR_HOP, NEXTHDR_ROUTING,
+    compare_frames6, ep6, ip6, parse_ipv6, Ep6, Packet6, IPV6_HLEN, NEXTHDR_DEST, NEXTHDR_FRAGMENT,
+    NEXTHDR_HOP, NEXTHDR_ROUTING,
 };
 use harness::{
-    describe_flows, is_einval, masqueraded_entries, nat_entries, verdict_name, Harness, TC_ACT_OK,
-    TC_ACT_SHOT, TC_ACT_UNSPEC,
+    check_verdict, describe_flows, is_einval, masqueraded_entries, nat_entries, verdict_name, Harness,
+    TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use harness6::{
     add_node_ip6, add_pod_cidr6, add_service6, add_source_range6, flows6, insert_flow6, remove_service6,
     service_key6, set_backend6, set_service6, set_unmatched6,
 };
+use icmp_error::{check_icmp6_unreachable_answer, icmp6_unreachable_answer};
 use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
 use netns::{in_fresh_netns, ip};
 use proxy_common::{service_flags, snat, source_class, unmatched, Flow6, FlowKey6, Service, SnatPorts};
@@ -117,20 +116,10 @@ fn check(h: &Harness, input: &[u8], verdict: u32, expect: Expect<'_>) -> Result<
         );
     }
     let (got, out) = h.run(input)?;
-    let observed = || {
-        format!("input ({} bytes):{}\n  output ({} bytes):{}", input.len(), hex(input), out.len(), hex(&out))
-    };
-    ensure!(
-        got == verdict,
-        "verdict: expected {}, got {}\n  {}",
-        verdict_name(verdict),
-        verdict_name(got),
-        observed()
-    );
+    let observed = || input_and_output(input, &out);
+    check_verdict(input, got, &out, verdict, matches!(expect, Expect::Unchanged))?;
     match expect {
-        Expect::Unchanged => {
-            ensure!(out == input, "the program changed a frame it must leave alone\n  {}", observed());
-        }
+        Expect::Unchanged => {}
         Expect::Frame(expected) => {
             let want = parse_ipv6(expected).map_err(|e| anyhow!("fixture bug: expected frame: {e}"))?;
             ensure!(want.l4_checksum == L4Checksum::Valid, "fixture bug: expected frame: {want:?}");
@@ -186,44 +175,14 @@ fn expected_unreachable(input: &[u8]) -> Vec<u8> {
     let settled = offload_fixed_point(&quote[IPV6_HLEN..], csum_at);
     quote[IPV6_HLEN + csum_at..][..2].copy_from_slice(&settled.to_be_bytes());
 
-    let (src, dst): ([u8; 16], [u8; 16]) = (ip[8..24].try_into().unwrap(), ip[24..40].try_into().unwrap());
-    let mut icmp = vec![1, 4, 0, 0, 0, 0, 0, 0];
-    icmp.extend_from_slice(&quote);
-    let csum = checksum(ones_sum(pseudo_header_sum6(dst, src, IPPROTO_ICMPV6, icmp.len()), &icmp));
-    icmp[2..4].copy_from_slice(&csum.to_be_bytes());
-
-    let mut frame = Vec::new();
-    frame.extend_from_slice(&input[6..12]);
-    frame.extend_from_slice(&input[0..6]);
-    frame.extend_from_slice(&ETH_P_IPV6.to_be_bytes());
-    frame.extend_from_slice(&[0x60, 0, 0, 0]);
-    frame.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
-    frame.extend_from_slice(&[IPPROTO_ICMPV6, 64]);
-    frame.extend_from_slice(&dst);
-    frame.extend_from_slice(&src);
-    frame.extend_from_slice(&icmp);
-    frame
+    icmp6_unreachable_answer(input, &quote)
 }
 
 /// What a receiving kernel relies on, without the expected bytes: addresses, the ICMPv6
 /// checksum over the pseudo header, the quote, and that a checksum offload changes nothing.
 fn check_unreachable_alone(input: &[u8], out: &[u8]) -> Result<()> {
-    ensure!(out.len() > ETH_HLEN + IPV6_HLEN + 8, "answer of {} bytes", out.len());
-    ensure!(out[0..6] == input[6..12] && out[6..12] == input[0..6], "Ethernet addresses not swapped");
-    ensure!(out[12..14] == ETH_P_IPV6.to_be_bytes(), "ethertype is not IPv6");
-    let (ip, original) = (&out[ETH_HLEN..], &input[ETH_HLEN..]);
-    ensure!(ip[..4] == [0x60, 0, 0, 0], "version, traffic class, flow label: {:02x?}", &ip[..4]);
-    ensure!((ip[6], ip[7]) == (IPPROTO_ICMPV6, 64), "next header/hop limit {}/{}", ip[6], ip[7]);
-    let icmp = &ip[IPV6_HLEN..];
-    ensure!(usize::from(u16::from_be_bytes([ip[4], ip[5]])) == icmp.len(), "payload length");
-    ensure!(ip[8..24] == original[24..40] && ip[24..40] == original[8..24], "addresses not swapped");
-    ensure!((icmp[0], icmp[1]) == (1, 4), "ICMPv6 type/code {}/{}", icmp[0], icmp[1]);
-    let (src, dst) = (ip[8..24].try_into().unwrap(), ip[24..40].try_into().unwrap());
-    ensure!(
-        fold(ones_sum(pseudo_header_sum6(src, dst, IPPROTO_ICMPV6, icmp.len()), icmp)) == 0xffff,
-        "ICMPv6 checksum invalid"
-    );
-    ensure!(icmp[4..8] == [0; 4], "ICMPv6 unused word {:02x?}", &icmp[4..8]);
+    let icmp = check_icmp6_unreachable_answer(input, out)?;
+    let original = &input[ETH_HLEN..];
     let quote = &icmp[8..];
     ensure!(quote[..IPV6_HLEN] == original[..IPV6_HLEN], "quoted IPv6 header differs from the input's");
     let (l4_len, csum_at) = l4_quote(original[6]);

@@ -44,15 +44,17 @@ use frame6::{
     NEXTHDR_FRAGMENT,
 };
 use harness::{
-    describe_flows, masqueraded_entries, nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT,
-    TC_ACT_UNSPEC,
+    check_verdict, describe_flows, masqueraded_entries, nat_entries, verdict_name, Harness, TC_ACT_OK,
+    TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use harness6::{add_service6, flows6, insert_flow6};
-use icmp_error::{icmp4_error, icmp6_error, quote, Quote};
+use icmp_error::{
+    check_icmp6_unreachable_answer, icmp4_error, icmp6_error, icmp6_unreachable_answer, quote, Quote,
+};
 use netns::{in_fresh_netns, ip};
 use proxy_common::{
     flow_state, pins, sctp, service_flags, snat, source_class, unmatched, Flow4, Flow6, FlowKey4, FlowKey6,
-    FlowTrack, Service,
+    FlowTrack,
 };
 use table::{run_table, Outcome};
 
@@ -433,41 +435,28 @@ fn is_ipv4(frame: &[u8]) -> bool {
 /// on), zeros where the frame was shorter.
 fn expected_unreachable(input: &[u8]) -> Vec<u8> {
     let ip = &input[ETH_HLEN..];
+    if !is_ipv4(input) {
+        return icmp6_unreachable_answer(input, &quoted(ip, IPV6_HLEN + SCTP_QUOTE));
+    }
     let mut frame = Vec::new();
     frame.extend_from_slice(&input[6..12]);
     frame.extend_from_slice(&input[0..6]);
-    if is_ipv4(input) {
-        let ihl = usize::from(ip[0] & 0x0f) * 4;
-        let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
-        icmp.extend_from_slice(&quoted(ip, ihl + SCTP_QUOTE));
-        let icmp_csum = checksum(ones_sum(0, &icmp));
-        icmp[2..4].copy_from_slice(&icmp_csum.to_be_bytes());
-        let total_len = u16::try_from(20 + icmp.len()).unwrap();
-        let mut header = vec![0x45, 0xc0 | (ip[1] & 0x1e)];
-        header.extend_from_slice(&total_len.to_be_bytes());
-        header.extend_from_slice(&[0, 0, 0, 0, 64, IPPROTO_ICMP, 0, 0]);
-        header.extend_from_slice(&ip[16..20]);
-        header.extend_from_slice(&ip[12..16]);
-        let ip_csum = checksum(ones_sum(0, &header));
-        header[10..12].copy_from_slice(&ip_csum.to_be_bytes());
-        frame.extend_from_slice(&ETH_P_IP.to_be_bytes());
-        frame.extend_from_slice(&header);
-        frame.extend_from_slice(&icmp);
-    } else {
-        let (src, dst): ([u8; 16], [u8; 16]) =
-            (ip[8..24].try_into().unwrap(), ip[24..40].try_into().unwrap());
-        let mut icmp = vec![1, 4, 0, 0, 0, 0, 0, 0];
-        icmp.extend_from_slice(&quoted(ip, IPV6_HLEN + SCTP_QUOTE));
-        let csum = checksum(ones_sum(pseudo_header_sum6(dst, src, IPPROTO_ICMPV6, icmp.len()), &icmp));
-        icmp[2..4].copy_from_slice(&csum.to_be_bytes());
-        frame.extend_from_slice(&ETH_P_IPV6.to_be_bytes());
-        frame.extend_from_slice(&[0x60, 0, 0, 0]);
-        frame.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
-        frame.extend_from_slice(&[IPPROTO_ICMPV6, 64]);
-        frame.extend_from_slice(&dst);
-        frame.extend_from_slice(&src);
-        frame.extend_from_slice(&icmp);
-    }
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(&quoted(ip, ihl + SCTP_QUOTE));
+    let icmp_csum = checksum(ones_sum(0, &icmp));
+    icmp[2..4].copy_from_slice(&icmp_csum.to_be_bytes());
+    let total_len = u16::try_from(20 + icmp.len()).unwrap();
+    let mut header = vec![0x45, 0xc0 | (ip[1] & 0x1e)];
+    header.extend_from_slice(&total_len.to_be_bytes());
+    header.extend_from_slice(&[0, 0, 0, 0, 64, IPPROTO_ICMP, 0, 0]);
+    header.extend_from_slice(&ip[16..20]);
+    header.extend_from_slice(&ip[12..16]);
+    let ip_csum = checksum(ones_sum(0, &header));
+    header[10..12].copy_from_slice(&ip_csum.to_be_bytes());
+    frame.extend_from_slice(&ETH_P_IP.to_be_bytes());
+    frame.extend_from_slice(&header);
+    frame.extend_from_slice(&icmp);
     frame
 }
 
@@ -492,19 +481,7 @@ fn check_unreachable_alone(input: &[u8], out: &[u8]) -> Result<()> {
         ensure!(fold(ones_sum(0, icmp)) == 0xffff, "ICMP checksum invalid");
         (icmp, ihl + SCTP_QUOTE)
     } else {
-        ensure!(ip.len() >= IPV6_HLEN + 8, "answer of {} bytes", out.len());
-        ensure!(ip[..4] == [0x60, 0, 0, 0], "version, traffic class, flow label: {:02x?}", &ip[..4]);
-        ensure!((ip[6], ip[7]) == (IPPROTO_ICMPV6, 64), "next header/hop limit {}/{}", ip[6], ip[7]);
-        let icmp = &ip[IPV6_HLEN..];
-        ensure!(usize::from(u16::from_be_bytes([ip[4], ip[5]])) == icmp.len(), "payload length");
-        ensure!(ip[8..24] == original[24..40] && ip[24..40] == original[8..24], "addresses not swapped");
-        ensure!((icmp[0], icmp[1]) == (1, 4), "ICMPv6 type/code {}/{}", icmp[0], icmp[1]);
-        let (src, dst) = (ip[8..24].try_into().unwrap(), ip[24..40].try_into().unwrap());
-        ensure!(
-            fold(ones_sum(pseudo_header_sum6(src, dst, IPPROTO_ICMPV6, icmp.len()), icmp)) == 0xffff,
-            "ICMPv6 checksum invalid"
-        );
-        (icmp, IPV6_HLEN + SCTP_QUOTE)
+        (check_icmp6_unreachable_answer(input, out)?, IPV6_HLEN + SCTP_QUOTE)
     };
     ensure!(icmp[4..8] == [0; 4], "unused word {:02x?}", &icmp[4..8]);
     let quote = &icmp[8..];
@@ -549,17 +526,9 @@ fn judge(input: &[u8], verdict: u32, expect: &Expect, got: u32, out: &[u8]) -> R
         );
     }
     let observed = || input_and_output(input, out);
-    ensure!(
-        got == verdict,
-        "verdict: expected {}, got {}\n  {}",
-        verdict_name(verdict),
-        verdict_name(got),
-        observed()
-    );
+    check_verdict(input, got, out, verdict, matches!(expect, Expect::Unchanged))?;
     match expect {
-        Expect::Unchanged => {
-            ensure!(out == input, "the program changed a frame it must leave alone\n  {}", observed());
-        }
+        Expect::Unchanged => {}
         Expect::Frame(expected) | Expect::FrameKeepingCrc(expected) => {
             let want = parse_sctp(expected).map_err(|e| anyhow!("fixture bug: expected frame: {e}"))?;
             ensure!(
@@ -720,17 +689,8 @@ fn add_service(
 ) -> Result<()> {
     match frontend.addr {
         IpAddr::V4(_) => {
-            for (slot, backend) in backends.iter().enumerate() {
-                h.set_backend(backend_set, slot as u32, backend.v4())?;
-            }
-            let service = Service {
-                backend_set,
-                backend_count: backends.len() as u32,
-                service_id: backend_set + 1000,
-                flags,
-                ..Service::default()
-            };
-            h.store_service(frontend.v4(), proto, service)
+            let backends: Vec<Ep> = backends.iter().map(|b| b.v4()).collect();
+            h.add_service_with_flags(frontend.v4(), proto, backend_set, &backends, flags)
         }
         IpAddr::V6(_) => {
             let backends: Vec<Ep6> = backends.iter().map(|b| b.v6()).collect();

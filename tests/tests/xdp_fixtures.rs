@@ -86,7 +86,7 @@ impl World {
         let bpffs = PrivateBpffs::new()?;
         let mut ebpf = EbpfLoader::new().default_map_pin_directory(bpffs.path()).load(vipr::EBPF_OBJECT)?;
         let program: &mut Xdp = ebpf.program_mut(PROGRAM).context("no XDP program")?.try_into()?;
-        program.load().context("loading the XDP program")?;
+        harness::load_program("the XDP program", || program.load())?;
         Ok(Self { ebpf, _bpffs: bpffs, netns, ifindex })
     }
 

@@ -43,25 +43,21 @@ pub struct Case {
     pub stages: Vec<Stage>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-pub enum IpFamily {
-    IPv4,
-    IPv6,
-}
+pub use vipr::model::IpFamily;
 
-impl IpFamily {
-    pub fn of(ip: IpAddr) -> Self {
-        if ip.is_ipv4() {
-            Self::IPv4
-        } else {
-            Self::IPv6
-        }
+/// A node's family as the case files spell it, Kubernetes' `IPv4` / `IPv6`.
+fn ip_family<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<IpFamily, D::Error> {
+    match String::deserialize(deserializer)?.as_str() {
+        "IPv4" => Ok(IpFamily::Ipv4),
+        "IPv6" => Ok(IpFamily::Ipv6),
+        other => Err(serde::de::Error::custom(format!("unknown IP family {other:?}"))),
     }
 }
 
 #[derive(Clone, Debug, Deserialize)]
 pub struct Node {
     pub node_name: String,
+    #[serde(deserialize_with = "ip_family")]
     pub ip_family: IpFamily,
     pub primary_node_ip: IpAddr,
     pub interfaces: Vec<Interface>,

@@ -65,12 +65,12 @@ pub type IpvsDifference = Listed<IpvsOutcome>;
 const fn ipvs_difference(
     file_id: &'static str,
     case: &'static str,
-    flow: u32,
+    flows: &'static [u32],
     recorded: Verdict,
     ipvs: IpvsOutcome,
     why: &'static str,
 ) -> IpvsDifference {
-    listed(file_id, case, flow, recorded, ipvs, why)
+    listed(file_id, case, flows, recorded, ipvs, why)
 }
 
 /// With no local endpoint, an eTP:Local virtual service has no real server: its outside
@@ -87,7 +87,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "iptables.TestNodePorts",
         "ipv4, localhost-nodeports enabled",
-        4,
+        &[4],
         Verdict::DNAT,
         IpvsOutcome::Pass,
         NO_LOCALHOST_NODE_PORTS,
@@ -95,7 +95,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "iptables.TestNodePorts",
         "ipv4, localhost-nodeports enabled",
-        5,
+        &[5],
         Verdict::DNAT,
         IpvsOutcome::AsRecorded,
         NODE_PORTS_ON_EVERY_ADDRESS,
@@ -103,7 +103,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "iptables.TestNodePorts",
         "ipv4, localhost-nodeports disabled",
-        5,
+        &[5],
         Verdict::DNAT,
         IpvsOutcome::AsRecorded,
         NODE_PORTS_ON_EVERY_ADDRESS,
@@ -111,7 +111,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "iptables.TestNodePorts",
         "ipv6, localhost-nodeports enabled",
-        5,
+        &[5],
         Verdict::DNAT,
         IpvsOutcome::AsRecorded,
         NODE_PORTS_ON_EVERY_ADDRESS,
@@ -119,7 +119,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "iptables.TestNodePorts",
         "ipv6, localhost-nodeports disabled",
-        5,
+        &[5],
         Verdict::DNAT,
         IpvsOutcome::AsRecorded,
         NODE_PORTS_ON_EVERY_ADDRESS,
@@ -127,15 +127,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "iptables.TestLoadBalancer",
         "",
-        12,
-        Verdict::DNAT,
-        IpvsOutcome::Skip,
-        LB_IP_SOURCE_IS_LOCAL,
-    ),
-    ipvs_difference(
-        "iptables.TestLoadBalancer",
-        "",
-        13,
+        &[12, 13],
         Verdict::DNAT,
         IpvsOutcome::Skip,
         LB_IP_SOURCE_IS_LOCAL,
@@ -143,15 +135,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "nftables.TestLoadBalancer",
         "",
-        12,
-        Verdict::DNAT,
-        IpvsOutcome::Skip,
-        LB_IP_SOURCE_IS_LOCAL,
-    ),
-    ipvs_difference(
-        "nftables.TestLoadBalancer",
-        "",
-        13,
+        &[12, 13],
         Verdict::DNAT,
         IpvsOutcome::Skip,
         LB_IP_SOURCE_IS_LOCAL,
@@ -159,23 +143,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "nftables.TestExternalTrafficPolicyLocal",
         "",
-        2,
-        Verdict::DNAT,
-        LOCAL_ONLY_2_1,
-        ONE_SET_PER_VIRTUAL_SERVICE,
-    ),
-    ipvs_difference(
-        "nftables.TestExternalTrafficPolicyLocal",
-        "",
-        4,
-        Verdict::DNAT,
-        LOCAL_ONLY_2_1,
-        ONE_SET_PER_VIRTUAL_SERVICE,
-    ),
-    ipvs_difference(
-        "nftables.TestExternalTrafficPolicyLocal",
-        "",
-        6,
+        &[2, 4, 6],
         Verdict::DNAT,
         LOCAL_ONLY_2_1,
         ONE_SET_PER_VIRTUAL_SERVICE,
@@ -183,23 +151,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "nftables.TestInternalExternalMasquerade",
         "base",
-        11,
-        Verdict::DNAT,
-        LOCAL_ONLY_0_2,
-        ONE_SET_PER_VIRTUAL_SERVICE,
-    ),
-    ipvs_difference(
-        "nftables.TestInternalExternalMasquerade",
-        "base",
-        12,
-        Verdict::DNAT,
-        LOCAL_ONLY_0_2,
-        ONE_SET_PER_VIRTUAL_SERVICE,
-    ),
-    ipvs_difference(
-        "nftables.TestInternalExternalMasquerade",
-        "base",
-        15,
+        &[11, 12, 15],
         Verdict::DNAT,
         LOCAL_ONLY_0_2,
         ONE_SET_PER_VIRTUAL_SERVICE,
@@ -207,7 +159,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "nftables.TestInternalExternalMasquerade",
         "no LocalTrafficDetector",
-        15,
+        &[15],
         Verdict::DNAT,
         LOCAL_ONLY_0_2,
         ONE_SET_PER_VIRTUAL_SERVICE,
@@ -215,23 +167,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "nftables.TestInternalExternalMasquerade",
         "masqueradeAll",
-        11,
-        Verdict::DNAT,
-        LOCAL_ONLY_0_2,
-        ONE_SET_PER_VIRTUAL_SERVICE,
-    ),
-    ipvs_difference(
-        "nftables.TestInternalExternalMasquerade",
-        "masqueradeAll",
-        12,
-        Verdict::DNAT,
-        LOCAL_ONLY_0_2,
-        ONE_SET_PER_VIRTUAL_SERVICE,
-    ),
-    ipvs_difference(
-        "nftables.TestInternalExternalMasquerade",
-        "masqueradeAll",
-        15,
+        &[11, 12, 15],
         Verdict::DNAT,
         LOCAL_ONLY_0_2,
         ONE_SET_PER_VIRTUAL_SERVICE,
@@ -239,7 +175,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
     ipvs_difference(
         "nftables.TestInternalExternalMasquerade",
         "masqueradeAll, no LocalTrafficDetector",
-        15,
+        &[15],
         Verdict::DNAT,
         LOCAL_ONLY_0_2,
         ONE_SET_PER_VIRTUAL_SERVICE,
@@ -248,7 +184,7 @@ pub static IPVS_DIFFERENCES: &[IpvsDifference] = &[
         file_id: "vipr.TestIPv6",
         case: "ipv6 services",
         stage: "initial",
-        flow: 13,
+        flows: &[13],
         recorded: Verdict::DNAT,
         outcome: IpvsOutcome::Drop,
         why: NO_SHORT_CIRCUIT_WITHOUT_LOCAL,

@@ -180,7 +180,7 @@ impl CaseLab {
         n.ip(&["link", "set", &uplink.name, "up"])?;
         r.ip(&["link", "set", "up0", "up"])?;
 
-        if let Some(primary) = node.primary_ip(IpFamily::IPv4).filter(IpAddr::is_ipv4) {
+        if let Some(primary) = node.primary_ip(IpFamily::Ipv4).filter(IpAddr::is_ipv4) {
             let net = nets
                 .iter()
                 .find(|net| net.addr() == primary)
@@ -200,7 +200,7 @@ impl CaseLab {
             ])?;
             r.ip(&["route", "add", "default", "via", &primary.to_string(), "dev", "up0"])?;
         }
-        if let Some(primary) = node.primary_ip(IpFamily::IPv6).filter(IpAddr::is_ipv6) {
+        if let Some(primary) = node.primary_ip(IpFamily::Ipv6).filter(IpAddr::is_ipv6) {
             n.ip(&[
                 "-6",
                 "route",

@@ -69,7 +69,7 @@ pub fn node_context(node: &Node) -> Result<NodeContext> {
     let node_ips: BTreeSet<IpAddr> =
         node.node_local_addresses.iter().copied().filter(|ip| !ip.is_loopback()).collect();
     let primary_ips: Vec<IpAddr> =
-        [IpFamily::IPv4, IpFamily::IPv6].into_iter().filter_map(|family| node.primary_ip(family)).collect();
+        [IpFamily::Ipv4, IpFamily::Ipv6].into_iter().filter_map(|family| node.primary_ip(family)).collect();
     let node_port_ips = match &node.node_port_addresses {
         None => primary_ips.iter().copied().collect(),
         Some(cidrs) => {

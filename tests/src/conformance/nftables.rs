@@ -22,7 +22,7 @@ pub type NftablesDifference = Listed<Verdict>;
 pub static NFTABLES_DIFFERENCES: &[NftablesDifference] = &[listed(
     "iptables.TestNodePorts",
     "ipv4, localhost-nodeports enabled",
-    4,
+    &[4],
     Verdict::DNAT,
     Verdict::PASS,
     NO_LOCALHOST_NODE_PORTS,

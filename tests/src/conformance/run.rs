@@ -331,7 +331,7 @@ fn prepare(case: &Case, jobs: &[Job]) -> Result<(CaseLab, Vec<Option<String>>)> 
         }
     }
     // The control socket of the self-test.
-    for family in [IpFamily::IPv4, IpFamily::IPv6] {
+    for family in [IpFamily::Ipv4, IpFamily::Ipv6] {
         if let Some(ip) = node.primary_ip(family).filter(|ip| IpFamily::of(*ip) == family) {
             lab.listen(Place::Node, SocketAddr::new(ip, control_port), Protocol::TCP, CONTROL_NAME)?;
         }

@@ -143,6 +143,98 @@ impl FullSyncs {
     }
 }
 
+/// The families a netfilter mode programs on this node: IPv4, and IPv6 unless the node has it
+/// disabled (then `without_ipv6` says what it goes without).
+pub(crate) fn node_families(without_ipv6: &str) -> Vec<Family> {
+    let mut families = vec![Family::Ipv4];
+    if Path::new("/proc/thread-self/net/if_inet6").exists() {
+        families.push(Family::Ipv6);
+    } else {
+        info!("IPv6 is disabled on this node: {without_ipv6}");
+    }
+    families
+}
+
+/// Whether `state` wants anything of `family`: a frontend, or a service CIDR to guard.
+pub(crate) fn wants_family(state: &DesiredState, family: Family) -> bool {
+    state.frontends.keys().any(|frontend| Family::of(frontend.ip) == family)
+        || state.service_cidrs.iter().any(|cidr| Family::of_net(cidr) == family)
+}
+
+/// The failures of a netfilter sync's families that count. An IPv6 failure while `state`
+/// wants nothing of IPv6 is warned about once (`warned_ipv6`; `ipv6_rules` names what was not
+/// programmed) and dropped: a node whose IPv6 tooling does not work still serves IPv4.
+pub(crate) fn failures_that_count(
+    failures: Vec<(Family, anyhow::Error)>,
+    state: &DesiredState,
+    warned_ipv6: &mut bool,
+    ipv6_rules: &str,
+) -> Vec<(Family, anyhow::Error)> {
+    failures
+        .into_iter()
+        .filter(|(family, error)| {
+            if *family != Family::Ipv6 || wants_family(state, Family::Ipv6) {
+                return true;
+            }
+            if !*warned_ipv6 {
+                warn!("{ipv6_rules} not programmed (no IPv6 service needs them): {error:#}");
+                *warned_ipv6 = true;
+            }
+            false
+        })
+        .collect()
+}
+
+/// Names, in `report`, the frontends of `state` whose family this node does not program.
+pub(crate) fn report_disabled_families(report: &mut SyncReport, state: &DesiredState, families: &[Family]) {
+    for (frontend, entry) in &state.frontends {
+        if !families.contains(&Family::of(frontend.ip)) {
+            report.unsupported.push(format!("{frontend} ({}): IPv6 is disabled on this node", entry.service));
+        }
+    }
+}
+
+/// The frontends programmed after a sync that wanted `wanted`: those `settled` says were
+/// programmed as wanted, the others (of families that failed) with their old value from
+/// `applied`, so that their changes are counted (and their conntrack cleaned) when they are
+/// finally programmed.
+pub(crate) fn now_applied(
+    applied: &BTreeMap<Frontend, FrontendEntry>,
+    wanted: &BTreeMap<Frontend, FrontendEntry>,
+    settled: &dyn Fn(&Frontend) -> bool,
+) -> BTreeMap<Frontend, FrontendEntry> {
+    let mut now: BTreeMap<Frontend, FrontendEntry> =
+        wanted.iter().filter(|(frontend, _)| settled(frontend)).map(|(f, e)| (*f, e.clone())).collect();
+    now.extend(applied.iter().filter(|(frontend, _)| !settled(frontend)).map(|(f, e)| (*f, e.clone())));
+    now
+}
+
+/// Deletes the conntrack entries of UDP flows whose endpoint went away between `before` and
+/// `after` (among the frontends `settled` says were programmed); how many, 0 on an error,
+/// which is logged: the next change tries again.
+pub(crate) fn delete_stale_udp_conntrack(
+    before: &BTreeMap<Frontend, FrontendEntry>,
+    after: &BTreeMap<Frontend, FrontendEntry>,
+    settled: &dyn Fn(&Frontend) -> bool,
+) -> usize {
+    let keep = stale_udp(before, after, settled);
+    if keep.is_empty() {
+        return 0;
+    }
+    match conntrack::delete_stale_udp(&keep) {
+        Ok(deleted) => {
+            if deleted > 0 {
+                debug!(deleted, "deleted stale UDP conntrack entries");
+            }
+            deleted
+        }
+        Err(error) => {
+            warn!("cannot delete stale UDP conntrack entries: {error}");
+            0
+        }
+    }
+}
+
 pub struct IptablesDataplane {
     tools: Tools,
     options: IptablesOptions,
@@ -191,12 +283,7 @@ impl IptablesDataplane {
         let conntrack_tcp_liberal =
             std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal")
                 .is_ok_and(|value| value.trim() != "0");
-        let mut families = vec![Family::Ipv4];
-        if Path::new("/proc/thread-self/net/if_inet6").exists() {
-            families.push(Family::Ipv6);
-        } else {
-            info!("IPv6 is disabled on this node: no ip6tables rules");
-        }
+        let families = node_families("no ip6tables rules");
         Ok(Self {
             rule_options: RuleOptions {
                 conntrack_tcp_liberal,
@@ -335,11 +422,6 @@ impl IptablesDataplane {
         self.programmed.insert(family, wanted);
         Ok(Some(Restore { family, input, written, deleted, took }))
     }
-
-    fn has_family(state: &DesiredState, family: Family) -> bool {
-        state.frontends.keys().any(|frontend| Family::of(frontend.ip) == family)
-            || state.service_cidrs.iter().any(|cidr| Family::of_net(cidr) == family)
-    }
 }
 
 impl Dataplane for IptablesDataplane {
@@ -362,21 +444,15 @@ impl Dataplane for IptablesDataplane {
         let full = self.full_syncs.due();
         let mut stats = SyncStats { full, ..SyncStats::default() };
         let mut report = SyncReport::default();
-        let mut errors = Vec::new();
+        let mut failures = Vec::new();
         for family in self.families.clone() {
             match self.sync_family(state, family, full) {
                 Ok(Some(restore)) => stats.restores.push(restore),
                 Ok(None) => {}
-                Err(error) if family == Family::Ipv6 && !Self::has_family(state, family) => {
-                    // Nothing IPv6 is wanted; a node whose ip6tables does not work still serves.
-                    if !self.warned_ipv6 {
-                        warn!("ip6tables rules not programmed (no IPv6 service needs them): {error:#}");
-                        self.warned_ipv6 = true;
-                    }
-                }
-                Err(error) => errors.push((family, error)),
+                Err(error) => failures.push((family, error)),
             }
         }
+        let mut errors = failures_that_count(failures, state, &mut self.warned_ipv6, "ip6tables rules");
         let complete = errors.is_empty();
         self.full_syncs.record(complete, full);
         if errors.len() == self.families.len() {
@@ -387,43 +463,15 @@ impl Dataplane for IptablesDataplane {
         for (family, error) in &errors {
             report.failed.push(format!("{} rules: {error:#}", tools::command(*family)));
         }
-        for (frontend, entry) in &state.frontends {
-            if !self.families.contains(&Family::of(frontend.ip)) {
-                report
-                    .unsupported
-                    .push(format!("{frontend} ({}): IPv6 is disabled on this node", entry.service));
-            }
-        }
+        report_disabled_families(&mut report, state, &self.families);
 
         let failed_families: BTreeSet<Family> = errors.iter().map(|(family, _)| *family).collect();
         let settled = |frontend: &Frontend| !failed_families.contains(&Family::of(frontend.ip));
         report.changed = changed_frontends(&self.applied, &state.frontends, &settled);
         if self.options.conntrack_cleanup {
-            let keep = stale_udp(&self.applied, &state.frontends, &settled);
-            if !keep.is_empty() {
-                match conntrack::delete_stale_udp(&keep) {
-                    Ok(deleted) => {
-                        stats.conntrack_deleted = deleted;
-                        if deleted > 0 {
-                            debug!(deleted, "deleted stale UDP conntrack entries");
-                        }
-                    }
-                    Err(error) => warn!("cannot delete stale UDP conntrack entries: {error}"),
-                }
-            }
+            stats.conntrack_deleted = delete_stale_udp_conntrack(&self.applied, &state.frontends, &settled);
         }
-        // Frontends of families that failed keep their old value, so that their changes are
-        // counted (and their conntrack cleaned) when they are finally programmed.
-        let mut applied: BTreeMap<Frontend, FrontendEntry> = state
-            .frontends
-            .iter()
-            .filter(|(frontend, _)| settled(frontend))
-            .map(|(f, e)| (*f, e.clone()))
-            .collect();
-        applied.extend(
-            self.applied.iter().filter(|(frontend, _)| !settled(frontend)).map(|(f, e)| (*f, e.clone())),
-        );
-        self.applied = applied;
+        self.applied = now_applied(&self.applied, &state.frontends, &settled);
 
         let written: usize = stats.restores.iter().map(|restore| restore.written.len()).sum();
         let deleted: usize = stats.restores.iter().map(|restore| restore.deleted.len()).sum();

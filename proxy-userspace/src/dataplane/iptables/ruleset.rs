@@ -326,7 +326,7 @@ pub(crate) type Treatments = [ClassTreatment; 3];
 /// `KUBE-SVC-` / `KUBE-SVL-`, nftables' `service-` / `local-`): the cluster-wide list first,
 /// what the node's connections to external destinations use, else what cluster IPs use; then
 /// every other list.
-pub(crate) fn lists_in_naming_order<'a>(
+fn lists_in_naming_order<'a>(
     treated: &'a [(&Frontend, &FrontendEntry, Treatments)],
 ) -> impl Iterator<Item = &'a ClassTreatment> {
     let external = |entry: &FrontendEntry| entry.kind != FrontendKind::ClusterIp;
@@ -340,8 +340,26 @@ pub(crate) fn lists_in_naming_order<'a>(
         .chain(treated.iter().flat_map(|(_, _, t)| t.iter()))
 }
 
-/// (Shared with the nftables dataplane, whose rules apply the same per-class treatments.)
-pub(crate) fn treatments(entry: &FrontendEntry, family: Family) -> Treatments {
+/// A service port's frontends with their [`treatments`] in `family`; `name_list` is called with
+/// each endpoint list that has endpoints, in the order the lists are named
+/// ([`lists_in_naming_order`]). (Shared with the nftables dataplane, whose rules apply the same
+/// per-class treatments.)
+pub(crate) fn treat_service<'a>(
+    frontends: &[(&'a Frontend, &'a FrontendEntry)],
+    family: Family,
+    mut name_list: impl FnMut(&[Backend]),
+) -> Vec<(&'a Frontend, &'a FrontendEntry, Treatments)> {
+    let treated: Vec<_> =
+        frontends.iter().map(|(frontend, entry)| (*frontend, *entry, treatments(entry, family))).collect();
+    for treatment in lists_in_naming_order(&treated) {
+        if !treatment.backends.is_empty() {
+            name_list(&treatment.backends);
+        }
+    }
+    treated
+}
+
+fn treatments(entry: &FrontendEntry, family: Family) -> Treatments {
     let model = [&entry.from_node, &entry.from_pod, &entry.from_outside];
     let here = model.map(|treatment| -> Vec<Backend> {
         treatment.backends.iter().copied().filter(|backend| Family::of(backend.ip) == family).collect()
@@ -651,17 +669,11 @@ impl Builder {
             entries: Vec::new(),
             firewalls: Vec::new(),
         };
-        let treated: Vec<(&Frontend, &FrontendEntry, Treatments)> = frontends
-            .iter()
-            .map(|(frontend, entry)| (*frontend, *entry, treatments(entry, self.family)))
-            .collect();
         // Name the endpoint lists: the cluster-wide list first (what the node's connections to
         // external destinations use, else what cluster IPs use), so that it gets KUBE-SVC-.
-        for treatment in lists_in_naming_order(&treated) {
-            if !treatment.backends.is_empty() {
-                chains.list_index(&treatment.backends);
-            }
-        }
+        let treated = treat_service(frontends, self.family, |backends| {
+            chains.list_index(backends);
+        });
 
         for (frontend, entry, treatments) in &treated {
             self.frontend(&mut chains, frontend, entry, treatments);

@@ -23,7 +23,6 @@
 //! endpoints are deleted over netlink (the iptables dataplane's `conntrack`).
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::Path,
     process::Command,
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -37,7 +36,7 @@ use tracing::{debug, info, warn};
 
 pub use self::ruleset::{Batch, Existing, Ruleset};
 use super::{
-    iptables::{self, conntrack, Family},
+    iptables::{self, Family},
     Dataplane, Mode, ServesDevices, SyncReport,
 };
 use crate::metrics::{Collector, MetricFamily, MetricKind};
@@ -265,12 +264,7 @@ impl NftablesDataplane {
             .context("is nftables (nft) installed?")?
             .stdout_if_success("nft --version")?;
         info!(version = version.trim(), "nftables dataplane: table {} of each family", ruleset::TABLE);
-        let mut families = vec![Family::Ipv4];
-        if Path::new("/proc/thread-self/net/if_inet6").exists() {
-            families.push(Family::Ipv6);
-        } else {
-            info!("IPv6 is disabled on this node: no ip6 table");
-        }
+        let families = iptables::node_families("no ip6 table");
         Ok(Self {
             options: options.clone(),
             families,
@@ -455,11 +449,6 @@ impl NftablesDataplane {
         self.programmed.insert(family, wanted);
         Ok(Applied { family, batch, took, writer: Writer::Nft, netlink_took: Duration::ZERO })
     }
-
-    fn has_family(state: &DesiredState, family: Family) -> bool {
-        state.frontends.keys().any(|frontend| Family::of(frontend.ip) == family)
-            || state.service_cidrs.iter().any(|cidr| Family::of_net(cidr) == family)
-    }
 }
 
 impl Dataplane for NftablesDataplane {
@@ -502,20 +491,20 @@ impl NftablesDataplane {
         self.synced = None;
         let mut stats = SyncStats { full, from_changes: !full && changes.is_some(), ..SyncStats::default() };
         let mut report = SyncReport::default();
-        let mut errors = Vec::new();
+        let mut failures = Vec::new();
         for family in self.families.clone() {
             match self.sync_family(state, family, full, changes, &mut stats) {
                 Ok(Some(applied)) => stats.batches.push(applied),
                 Ok(None) => {}
-                Err(error) if family == Family::Ipv6 && !Self::has_family(state, family) => {
-                    if !self.warned_ipv6 {
-                        warn!("ip6 nftables table not programmed (no IPv6 service needs it): {error:#}");
-                        self.warned_ipv6 = true;
-                    }
-                }
-                Err(error) => errors.push((family, error)),
+                Err(error) => failures.push((family, error)),
             }
         }
+        let mut errors = iptables::failures_that_count(
+            failures,
+            state,
+            &mut self.warned_ipv6,
+            "the ip6 nftables table's rules",
+        );
         self.full_syncs.record(errors.is_empty(), full);
         if errors.is_empty() {
             self.synced = generation;
@@ -532,13 +521,7 @@ impl NftablesDataplane {
                 ruleset::TABLE
             ));
         }
-        for (frontend, entry) in &state.frontends {
-            if !self.families.contains(&Family::of(frontend.ip)) {
-                report
-                    .unsupported
-                    .push(format!("{frontend} ({}): IPv6 is disabled on this node", entry.service));
-            }
-        }
+        iptables::report_disabled_families(&mut report, state, &self.families);
         let failed: BTreeSet<Family> = errors.iter().map(|(family, _)| *family).collect();
         let settled = |frontend: &Frontend| !failed.contains(&Family::of(frontend.ip));
         // With changes, the frontends they name are all that can differ: compared alone.
@@ -563,13 +546,7 @@ impl NftablesDataplane {
         };
         report.changed = iptables::changed_frontends(&before, &after, &settled);
         if self.options.conntrack_cleanup {
-            let keep = iptables::stale_udp(&before, &after, &settled);
-            if !keep.is_empty() {
-                match conntrack::delete_stale_udp(&keep) {
-                    Ok(deleted) => stats.conntrack_deleted = deleted,
-                    Err(error) => warn!("cannot delete stale UDP conntrack entries: {error}"),
-                }
-            }
+            stats.conntrack_deleted = iptables::delete_stale_udp_conntrack(&before, &after, &settled);
         }
         match changes {
             Some(changes) if errors.is_empty() => {
@@ -580,21 +557,7 @@ impl NftablesDataplane {
                     };
                 }
             }
-            _ => {
-                let mut applied: BTreeMap<Frontend, FrontendEntry> = state
-                    .frontends
-                    .iter()
-                    .filter(|(frontend, _)| settled(frontend))
-                    .map(|(f, e)| (*f, e.clone()))
-                    .collect();
-                applied.extend(
-                    self.applied
-                        .iter()
-                        .filter(|(frontend, _)| !settled(frontend))
-                        .map(|(f, e)| (*f, e.clone())),
-                );
-                self.applied = applied;
-            }
+            _ => self.applied = iptables::now_applied(&self.applied, &state.frontends, &settled),
         }
         debug!(
             full,

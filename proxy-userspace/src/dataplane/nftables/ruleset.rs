@@ -46,8 +46,8 @@ use ipnet::IpNet;
 use crate::dataplane::iptables::{
     names::service_chain,
     ruleset::{
-        class_matches, lists_in_naming_order, treatments, ClassMatch, ClassTreatment, Family, Treatments,
-        Verdict, MASQUERADE_MARK, NODE, OUTSIDE, POD,
+        class_matches, treat_service, ClassMatch, ClassTreatment, Family, Treatments, Verdict,
+        MASQUERADE_MARK, NODE, OUTSIDE, POD,
     },
 };
 use crate::model::{
@@ -673,16 +673,10 @@ impl Builder {
             nodeports: Vec::new(),
         };
         let family = self.ruleset.family;
-        let treated: Vec<(&Frontend, &FrontendEntry, Treatments)> = frontends
-            .iter()
-            .map(|(frontend, entry)| (*frontend, *entry, treatments(entry, family)))
-            .collect();
         // The cluster-wide list first, so that it gets the `service-` name.
-        for treatment in lists_in_naming_order(&treated) {
-            if !treatment.backends.is_empty() {
-                chains.list_index(&treatment.backends);
-            }
-        }
+        let treated = treat_service(frontends, family, |backends| {
+            chains.list_index(backends);
+        });
         for (frontend, entry, treatments) in &treated {
             self.frontend(&mut chains, frontend, entry, treatments);
         }
