@@ -14,6 +14,7 @@ mod cluster;
 mod conformance_model;
 mod deploy_manifests;
 mod detect_local_interface;
+mod dsr_fixtures;
 mod e2e_netns;
 mod events;
 mod flood;
@@ -41,3 +42,23 @@ mod sctp_raw;
 mod service_ownership;
 mod xdp_e2e;
 mod xdp_fixtures;
+
+/// With `autotests = false` a file of this directory without its `mod` line above is not
+/// compiled at all, and its tests silently never run.
+#[test]
+fn every_file_of_this_directory_is_a_module_of_the_binary() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let root = std::fs::read_to_string(dir.join("integration.rs")).expect("integration.rs");
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("tests/tests") {
+        let path = entry.expect("a directory entry").path();
+        let Some(module) = path.file_stem().and_then(|stem| stem.to_str()) else { continue };
+        if path.extension().is_some_and(|extension| extension == "rs")
+            && module != "integration"
+            && !root.lines().any(|line| line.trim() == format!("mod {module};"))
+        {
+            missing.push(module.to_owned());
+        }
+    }
+    assert!(missing.is_empty(), "tests/tests/integration.rs has no `mod` line for {missing:?}");
+}
