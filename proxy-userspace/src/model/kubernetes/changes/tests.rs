@@ -33,7 +33,7 @@ fn slice(name: &str, service: &str, version: &str, family: &str, trigger: Option
 }
 
 fn key(name: &str) -> Key {
-    ("ns".to_owned(), name.to_owned())
+    ("ns".into(), name.into())
 }
 
 #[test]
@@ -69,7 +69,7 @@ fn one_identity_rule_namespace_defaults_and_uid_marks_a_recreate() {
         serde_json::from_value(json!({"metadata": {"name": "web", "resourceVersion": "1", "uid": "u1"}}))
             .unwrap();
     tracker.apply(Object::from(unnamespaced));
-    assert!(tracker.service(&("default".to_owned(), "web".to_owned())).is_some());
+    assert!(tracker.service(&("default".into(), "web".into())).is_some());
     tracker.apply(service("a", Some("1"), "u1", 80));
     tracker.take_dirty();
     // Deleted and created again with the same resourceVersion text but a new uid: a change.
