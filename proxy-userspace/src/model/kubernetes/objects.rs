@@ -73,8 +73,8 @@ impl Meta {
         self.resource_version.as_deref()
     }
 
-    /// The change tracker's key: namespace and name.
-    pub fn key(&self) -> super::changes::Key {
+    /// The change tracker's key: namespace and name, sharing the names rather than copying them.
+    pub fn key(&self) -> (Arc<str>, Arc<str>) {
         (Arc::clone(&self.namespace), self.name.clone().unwrap_or_else(|| "".into()))
     }
 
