@@ -424,7 +424,7 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
             backends.contains(&(address, TARGET_PORT)),
             "the last change is not in the maps: service {service} has {backends:?}, not {address}"
         );
-        let service_key = (Cluster::changed_slice_key(service).0, format!("svc-{service}"));
+        let service_key = (Cluster::changed_slice_key(service).0.into(), format!("svc-{service}").into());
         let expected: Vec<(Ipv4Addr, u16)> = tracker
             .slices_of(&service_key)
             .iter()

@@ -278,13 +278,47 @@ pub struct DesiredState {
     /// a terminating endpoint run on until they close (graceful termination); connections to
     /// an endpoint that is no longer listed at all are to be broken off actively, so their
     /// clients learn of it at once instead of timing out.
-    pub listed_endpoints: BTreeSet<Backend>,
+    pub listed_endpoints: ListedEndpoints,
     pub sources: SourceClassifier,
     /// The health checks this node serves: every load balancer with
     /// `externalTrafficPolicy: Local` and a `healthCheckNodePort`, with its local ready
     /// endpoints. The agent's health servers answer them; a dataplane with a filter lets
     /// their ports through.
     pub health_checks: BTreeMap<ServiceName, HealthCheck>,
+}
+
+/// The endpoints the EndpointSlices list ([`DesiredState::listed_endpoints`]), shared rather than
+/// copied with whoever must know them between syncs (the eBPF dataplane's flow reaper, on its
+/// own thread): 100k endpoints are ~3 MiB, held once. Writing through it copies the set only while
+/// another holder still has it (copy on write), which the holders keep short.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ListedEndpoints(Arc<BTreeSet<Backend>>);
+
+impl ListedEndpoints {
+    /// The set itself, for a holder on another thread.
+    pub fn share(&self) -> Arc<BTreeSet<Backend>> {
+        Arc::clone(&self.0)
+    }
+}
+
+impl std::ops::Deref for ListedEndpoints {
+    type Target = BTreeSet<Backend>;
+
+    fn deref(&self) -> &BTreeSet<Backend> {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ListedEndpoints {
+    fn deref_mut(&mut self) -> &mut BTreeSet<Backend> {
+        Arc::make_mut(&mut self.0)
+    }
+}
+
+impl FromIterator<Backend> for ListedEndpoints {
+    fn from_iter<I: IntoIterator<Item = Backend>>(iter: I) -> Self {
+        Self(Arc::new(iter.into_iter().collect()))
+    }
 }
 
 /// A service's namespace and name.

@@ -115,7 +115,7 @@ impl Objects {
                 .find(|kind| rejection.object.split(' ').next() == Some(kind.name()))
                 .unwrap_or(Kind::Service);
             // A file's rejections are named by their document, which keeps them apart.
-            Object::Invalid { kind, key: (String::new(), rejection.object.clone()), rejection }
+            Object::Invalid { kind, key: ("".into(), rejection.object.as_str().into()), rejection }
         });
         services
             .into_iter()

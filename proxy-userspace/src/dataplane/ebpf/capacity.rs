@@ -9,6 +9,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
+    sync::Arc,
 };
 
 use super::{
@@ -91,12 +92,14 @@ pub fn service_name(service: &ServicePortName) -> String {
 /// cluster IPs of Services without ports).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Needs {
-    pub services: BTreeMap<String, Entries>,
+    /// By `namespace/name`, one name shared by the tracker's maps.
+    pub services: BTreeMap<Arc<str>, Entries>,
     /// The sum of `services`, kept with it, so that a fit check need not add them up.
     pub services_total: Entries,
     pub fixed: Entries,
     /// The cluster IPs each Service's frontends claim.
-    pub cluster_ips: BTreeMap<String, BTreeSet<IpAddr>>,
+    /// (Nearly always one: a set per Service would be a tree node of room for eleven.)
+    pub cluster_ips: BTreeMap<Arc<str>, Box<[IpAddr]>>,
 }
 
 /// Counts the entries [`super::encode::encode`] would write for each Service of `state`.
@@ -112,9 +115,11 @@ pub fn needs(state: &DesiredState, balancing: Balancing) -> Needs {
 #[derive(Debug, Default)]
 pub struct NeedsTracker {
     needs: Needs,
-    /// Each Service's frontends (`namespace/name` → frontends), and the other way round.
-    frontends: BTreeMap<String, BTreeSet<Frontend>>,
-    service_of: HashMap<Frontend, String>,
+    /// Each Service's frontends (`namespace/name` → frontends, sorted), and the other way
+    /// round. A vector: a Service has a few frontends, and a set of them would be a tree node
+    /// of room for eleven (~250 bytes a Service).
+    frontends: BTreeMap<Arc<str>, Vec<Frontend>>,
+    service_of: HashMap<Frontend, Arc<str>>,
     /// How many Services claim each cluster IP (an unclaimed one counts in `fixed`).
     claimed: HashMap<IpAddr, usize>,
     /// By family: the state's cluster IPs, and how many of them are claimed; counted whole
@@ -132,11 +137,9 @@ impl NeedsTracker {
     pub fn rebuild(&mut self, state: &DesiredState, balancing: Balancing) {
         *self = Self::default();
         for (frontend, entry) in &state.frontends {
-            let name = service_name(&entry.service);
-            self.frontends.entry(name.clone()).or_default().insert(*frontend);
-            self.service_of.insert(*frontend, name);
+            self.add_frontend(*frontend, &service_name(&entry.service));
         }
-        let names: Vec<String> = self.frontends.keys().cloned().collect();
+        let names: Vec<Arc<str>> = self.frontends.keys().cloned().collect();
         for name in &names {
             self.recount(state, name, balancing);
         }
@@ -158,15 +161,12 @@ impl NeedsTracker {
         for frontend in changed {
             if let Some(before) = self.service_of.remove(frontend) {
                 if let Some(frontends) = self.frontends.get_mut(&before) {
-                    frontends.remove(frontend);
+                    frontends.retain(|other| other != frontend);
                 }
                 dirty.insert(before);
             }
             if let Some(entry) = state.frontends.get(frontend) {
-                let name = service_name(&entry.service);
-                self.frontends.entry(name.clone()).or_default().insert(*frontend);
-                self.service_of.insert(*frontend, name.clone());
-                dirty.insert(name);
+                dirty.insert(self.add_frontend(*frontend, &service_name(&entry.service)));
             }
         }
         for name in &dirty {
@@ -178,7 +178,21 @@ impl NeedsTracker {
         self.count_fixed(state);
     }
 
-    fn recount(&mut self, state: &DesiredState, name: &str, balancing: Balancing) {
+    /// Files `frontend` under the Service `name`; returns the name as the tracker holds it.
+    fn add_frontend(&mut self, frontend: Frontend, name: &str) -> Arc<str> {
+        let name = match self.frontends.get_key_value(name) {
+            Some((held, _)) => held.clone(),
+            None => Arc::from(name),
+        };
+        let frontends = self.frontends.entry(name.clone()).or_default();
+        if let Err(position) = frontends.binary_search(&frontend) {
+            frontends.insert(position, frontend);
+        }
+        self.service_of.insert(frontend, name.clone());
+        name
+    }
+
+    fn recount(&mut self, state: &DesiredState, name: &Arc<str>, balancing: Balancing) {
         for ip in self.needs.cluster_ips.remove(name).into_iter().flatten() {
             if let Some(count) = self.claimed.get_mut(&ip) {
                 *count -= 1;
@@ -204,7 +218,7 @@ impl NeedsTracker {
             balancing,
         );
         add_entries(&mut self.needs.services_total, &entries, |total, need| total + need);
-        self.needs.services.insert(name.to_owned(), entries);
+        self.needs.services.insert(name.clone(), entries);
         if !cluster_ips.is_empty() {
             for ip in &cluster_ips {
                 let count = self.claimed.entry(*ip).or_default();
@@ -213,7 +227,7 @@ impl NeedsTracker {
                     self.claimed_cluster_ips[family_index(*ip)] += 1;
                 }
             }
-            self.needs.cluster_ips.insert(name.to_owned(), cluster_ips);
+            self.needs.cluster_ips.insert(name.clone(), cluster_ips.into_iter().collect());
         }
     }
 
@@ -304,8 +318,8 @@ pub fn admit(needs: &Needs, capacity: &Capacity, programmed: impl FnOnce() -> BT
     let programmed = &programmed();
     let mut used = needs.fixed;
     let mut refused = Refused::default();
-    let first = needs.services.iter().filter(|(name, _)| programmed.contains(*name));
-    let then = needs.services.iter().filter(|(name, _)| !programmed.contains(*name));
+    let first = needs.services.iter().filter(|(name, _)| programmed.contains(&***name));
+    let then = needs.services.iter().filter(|(name, _)| !programmed.contains(&***name));
     for (name, need) in first.chain(then) {
         match overflow(&used, need, capacity) {
             None => {
@@ -314,7 +328,7 @@ pub fn admit(needs: &Needs, capacity: &Capacity, programmed: impl FnOnce() -> BT
                 }
             }
             Some(reason) => {
-                refused.services.insert(name.clone(), reason);
+                refused.services.insert(name.to_string(), reason);
             }
         }
     }
@@ -322,13 +336,13 @@ pub fn admit(needs: &Needs, capacity: &Capacity, programmed: impl FnOnce() -> BT
     let admitted: BTreeSet<&IpAddr> = needs
         .cluster_ips
         .iter()
-        .filter(|(name, _)| !refused.services.contains_key(*name))
+        .filter(|(name, _)| !refused.services.contains_key(&***name))
         .flat_map(|(_, ips)| ips)
         .collect();
     refused.cluster_ips = refused
         .services
         .keys()
-        .filter_map(|name| needs.cluster_ips.get(name))
+        .filter_map(|name| needs.cluster_ips.get(name.as_str()))
         .flatten()
         .filter(|ip| !admitted.contains(ip))
         .copied()

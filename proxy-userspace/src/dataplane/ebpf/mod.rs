@@ -79,8 +79,6 @@ pub struct EbpfDataplane {
     /// The TC hooks every served device gets: ingress, and egress with `--bpf-forwarding=stack`.
     hooks: &'static [Hook],
     reaper: reaper::Reaper,
-    /// No sync has run since the agent started.
-    first_sync: bool,
     /// The encoding of the last state synced, and its generation if that sync was complete
     /// and came with one: only then can the next sync apply just the changes since.
     wanted: Wanted,
@@ -260,7 +258,6 @@ impl EbpfDataplane {
             counter_ids,
             counter_map,
             collector,
-            first_sync: true,
             wanted: Wanted::default(),
             synced: None,
             ebpf,
@@ -566,10 +563,12 @@ impl Dataplane for EbpfDataplane {
                 self.counter_ids.release(&released, |index| counter_map.read(index));
             }
             None => {
-                self.reaper.keep(&state.listed_endpoints);
+                self.reaper.keep_all(&state.listed_endpoints);
                 self.v4.sync_services(&wanted.v4, None, &mut report, &mut write_refused);
                 self.v6.sync_services(&wanted.v6, None, &mut report, &mut write_refused);
-                self.reaper.keep_only(&state.listed_endpoints);
+                // Also breaks off, after the first sync, the connections of endpoints that went
+                // while no agent ran.
+                self.reaper.keep_only(state.listed_endpoints.share());
                 let in_use: BTreeSet<u32> =
                     self.v4.counters_in_use().chain(self.v6.counters_in_use()).collect();
                 self.counter_ids.release_unused(&in_use, |index| counter_map.read(index));
@@ -590,10 +589,6 @@ impl Dataplane for EbpfDataplane {
             .reports()
             .chain(self.write_refused.iter().map(|(name, reason)| capacity::refusal(name, reason)))
             .collect();
-        if std::mem::take(&mut self.first_sync) {
-            // Endpoints may have gone while no agent ran.
-            self.reaper.request_scan();
-        }
         if report.is_complete() {
             self.synced = Some(changes.generation);
         }

@@ -30,7 +30,7 @@
 //! Scanning the flows map takes a while at scale, so it runs on its own thread, off the sync
 //! path.
 use std::{
-    collections::{BTreeSet, HashSet},
+    collections::{btree_map, BTreeMap, BTreeSet, HashSet},
     hash::Hash,
     net::IpAddr,
     path::{Path, PathBuf},
@@ -103,20 +103,57 @@ const FILL_INTERVAL: Duration = Duration::from_secs(10);
 /// The insert-failure log's rate limit.
 const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
-/// Endpoints whose connections must be kept, shared with the scanning thread.
+/// What decides which connections are kept, shared with the scanning thread.
 type Listed = Arc<Mutex<Kept>>;
 
-/// What the scans for gone endpoints read.
+/// What the scans for gone endpoints read. The reaper holds no copy of the listed endpoints
+/// (100k endpoints are ~3 MiB): between full syncs it knows only the endpoints that went, and
+/// for the scan after a full sync it shares the desired state's set until that scan is done.
 #[derive(Debug, Default)]
 struct Kept {
-    /// Endpoints whose connections must be kept. The sync widens it before it programs new
-    /// backends and narrows it afterwards, so a scan never sees a connection to a backend that
-    /// is not in it yet.
-    endpoints: BTreeSet<Backend>,
+    /// After a full sync, until its scan is done: every listed endpoint (the desired state's
+    /// set, shared) and the round it was handed over in. Connections to any other endpoint go.
+    listed: Option<(Arc<BTreeSet<Backend>>, u64)>,
+    /// Endpoints listed again since `listed` was handed over.
+    listed_since: BTreeSet<Backend>,
+    /// Endpoints no longer listed whose connections are still to be broken off, with the round
+    /// they went in: a scan that started in a later round has dealt with them.
+    gone: BTreeMap<Backend, u64>,
+    /// The scan round, raised when a scan starts.
+    round: u64,
     /// The address families that lost endpoints since their flows map was last scanned: a
     /// scan reads only their maps (a flows map of the default capacity is 512k buckets to
     /// walk, even when empty, and an IPv4 endpoint has no connections in the IPv6 map).
     dropped: Families,
+}
+
+impl Kept {
+    /// Whether connections to `endpoint` are kept.
+    fn keeps(&self, endpoint: &Backend) -> bool {
+        if self.gone.contains_key(endpoint) {
+            return false;
+        }
+        match &self.listed {
+            Some((listed, _)) => listed.contains(endpoint) || self.listed_since.contains(endpoint),
+            None => true,
+        }
+    }
+
+    /// Starts a scan: what was handed over until now is dealt with by it.
+    fn start_scan(&mut self) -> (Families, u64) {
+        let started = self.round;
+        self.round += 1;
+        (std::mem::take(&mut self.dropped), started)
+    }
+
+    /// Ends the scan that started in round `started`.
+    fn end_scan(&mut self, started: u64) {
+        self.gone.retain(|_, round| *round > started);
+        if self.listed.as_ref().is_some_and(|(_, round)| *round <= started) {
+            self.listed = None;
+            self.listed_since.clear();
+        }
+    }
 }
 
 /// A flag per address family.
@@ -163,37 +200,51 @@ impl Reaper {
 
     /// Call before programming `endpoints`: from now on their connections are kept.
     pub fn keep(&self, endpoints: &BTreeSet<Backend>) {
-        lock(&self.listed).endpoints.extend(endpoints.iter().copied());
+        let mut kept = lock(&self.listed);
+        let kept = &mut *kept;
+        for endpoint in endpoints {
+            kept.gone.remove(endpoint);
+        }
+        if kept.listed.is_some() {
+            kept.listed_since.extend(endpoints.iter().copied());
+        }
     }
 
-    /// Call after programming: connections of endpoints not in `endpoints` are broken off.
-    pub fn keep_only(&self, endpoints: &BTreeSet<Backend>) {
-        let mut removed = false;
+    /// Call before a full sync programs `listed`, every listed endpoint: until
+    /// [`Self::keep_only`] their connections, and all others, are kept.
+    pub fn keep_all(&self, listed: &BTreeSet<Backend>) {
+        let mut kept = lock(&self.listed);
+        kept.gone.retain(|endpoint, _| !listed.contains(endpoint));
+        kept.listed = None;
+        kept.listed_since.clear();
+    }
+
+    /// Call after a full sync programmed `listed`, every listed endpoint: connections of any
+    /// other endpoint are broken off. The set is shared until the scan is done.
+    pub fn keep_only(&self, listed: Arc<BTreeSet<Backend>>) {
+        if self.scan.is_none() {
+            // No thread to scan: the set would be held for ever, and copied on every write.
+            return;
+        }
         {
             let mut kept = lock(&self.listed);
-            let Kept { endpoints: listed, dropped } = &mut *kept;
-            listed.retain(|endpoint| {
-                let keep = endpoints.contains(endpoint);
-                if !keep {
-                    dropped.mark(endpoint);
-                    removed = true;
-                }
-                keep
-            });
+            kept.listed = Some((listed, kept.round));
+            kept.listed_since.clear();
+            kept.dropped = Families::BOTH;
         }
-        if removed {
-            self.wake();
-        }
+        self.wake();
     }
 
     /// Call after programming: connections of `endpoints`, no longer listed, are broken off
-    /// ([`Self::keep_only`] for a sync that knows what it dropped).
+    /// ([`Self::keep_only`] for a full sync).
     pub fn forget(&self, endpoints: &BTreeSet<Backend>) {
         let dropped = {
             let mut kept = lock(&self.listed);
+            let kept = &mut *kept;
             let mut dropped = false;
             for endpoint in endpoints {
-                if kept.endpoints.remove(endpoint) {
+                if let btree_map::Entry::Vacant(gone) = kept.gone.entry(*endpoint) {
+                    gone.insert(kept.round);
                     kept.dropped.mark(endpoint);
                     dropped = true;
                 }
@@ -203,13 +254,6 @@ impl Reaper {
         if dropped {
             self.wake();
         }
-    }
-
-    /// Scans both families' flows maps once whatever changed, e.g. after adopting maps whose
-    /// connections may lead to endpoints that went away while the agent was down.
-    pub fn request_scan(&self) {
-        lock(&self.listed).dropped = Families::BOTH;
-        self.wake();
     }
 
     /// Asks the thread for a scan of the families [`Kept::dropped`] names.
@@ -335,7 +379,7 @@ impl ScanPacing {
 /// Scans the flows maps of the families that lost endpoints since their last scan.
 fn reap_gone(options: &ReaperOptions, listed: &Listed, metrics: &FlowMetrics) {
     // Taken before the scan: an endpoint dropped during it asks for the next one.
-    let dropped = std::mem::take(&mut lock(listed).dropped);
+    let (dropped, started) = lock(listed).start_scan();
     let scans = [
         (dropped.v4, "IPv4", &options.flows4_pin, reap::<Flow4> as fn(&Path, &Listed) -> _),
         (dropped.v6, "IPv6", &options.flows6_pin, reap::<Flow6>),
@@ -350,6 +394,7 @@ fn reap_gone(options: &ReaperOptions, listed: &Listed, metrics: &FlowMetrics) {
             Err(error) => warn!(family, "cannot scan the flows map: {error:#}"),
         }
     }
+    lock(listed).end_scan(started);
 }
 
 /// CLOCK_MONOTONIC_COARSE, the clock of the datapath's `bpf_ktime_get_coarse_ns`.
@@ -524,15 +569,14 @@ fn reap<F: TrackedFlow>(flows_pin: &Path, listed: &Listed) -> anyhow::Result<usi
         gone.extend(
             keys.iter()
                 .zip(values)
-                .filter(|(key, flow)| !kept.endpoints.contains(&F::backend(key, flow)))
+                .filter(|(key, flow)| !kept.keeps(&F::backend(key, flow)))
                 .map(|(key, _)| *key),
         );
     })?;
     let mut reaped = 0;
     for key in &gone {
         // Re-checked: the sync may have listed the backend again meanwhile.
-        let still_gone =
-            flows.get(key, 0).is_ok_and(|flow| !lock(listed).endpoints.contains(&F::backend(key, &flow)));
+        let still_gone = flows.get(key, 0).is_ok_and(|flow| !lock(listed).keeps(&F::backend(key, &flow)));
         if still_gone && flows.remove(key).is_ok() {
             reaped += 1;
         }
@@ -1125,9 +1169,11 @@ mod tests {
         assert_eq!(flows.keys().count(), 4);
     }
 
-    /// A reaper without its thread, to watch its bookkeeping.
-    fn idle_reaper() -> Reaper {
-        Reaper { listed: Listed::default(), scan: None, thread: None }
+    /// A reaper without its thread, to watch its bookkeeping; the receiver stands for the
+    /// thread's end of the requests.
+    fn idle_reaper() -> (Reaper, Receiver<()>) {
+        let (scan, requests) = mpsc::channel();
+        (Reaper { listed: Listed::default(), scan: Some(scan), thread: None }, requests)
     }
 
     /// A scan for gone endpoints reads only the flows maps of the families that lost some: an
@@ -1137,7 +1183,7 @@ mod tests {
     fn scans_read_only_the_families_that_lost_endpoints() {
         let v4 = Backend { ip: "10.1.0.2".parse().unwrap(), port: 8080 };
         let v6 = Backend { ip: "fd00::2".parse().unwrap(), port: 8080 };
-        let reaper = idle_reaper();
+        let (reaper, _requests) = idle_reaper();
         let dropped = |reaper: &Reaper| std::mem::take(&mut lock(&reaper.listed).dropped);
         reaper.keep(&BTreeSet::from([v4, v6]));
         assert_eq!(dropped(&reaper), Families::default(), "nothing dropped yet");
@@ -1146,11 +1192,36 @@ mod tests {
         reaper.forget(&BTreeSet::from([v4]));
         assert_eq!(dropped(&reaper), Families::default(), "already gone");
         reaper.keep(&BTreeSet::from([v4]));
-        reaper.keep_only(&BTreeSet::from([v4]));
-        assert_eq!(dropped(&reaper), Families { v4: false, v6: true });
-        assert_eq!(lock(&reaper.listed).endpoints, BTreeSet::from([v4]));
-        reaper.request_scan();
-        assert_eq!(dropped(&reaper), Families::BOTH, "a requested scan reads both");
+        reaper.keep_only(Arc::new(BTreeSet::from([v4])));
+        assert_eq!(dropped(&reaper), Families::BOTH, "after a full sync, both are read");
+    }
+
+    /// The reaper keeps no copy of the listed endpoints: between full syncs it knows the
+    /// endpoints that went until their scan, and it shares a full sync's set until the scan
+    /// after it, which breaks off the connections of every endpoint not in it.
+    #[test]
+    fn the_listed_endpoints_are_shared_until_their_scan() {
+        let backend = |last: u8| Backend { ip: IpAddr::from([10, 1, 0, last]), port: 8080 };
+        let (reaper, _requests) = idle_reaper();
+        let keeps = |endpoint: Backend| lock(&reaper.listed).keeps(&endpoint);
+        let listed = Arc::new(BTreeSet::from([backend(1), backend(2)]));
+        reaper.keep_all(&listed);
+        assert!(keeps(backend(3)), "until the full sync is programmed, all are kept");
+        reaper.keep_only(Arc::clone(&listed));
+        assert_eq!(Arc::strong_count(&listed), 2, "shared, not copied");
+        assert!(keeps(backend(1)) && !keeps(backend(3)));
+        reaper.keep(&BTreeSet::from([backend(3)]));
+        reaper.forget(&BTreeSet::from([backend(1)]));
+        assert!(keeps(backend(3)) && !keeps(backend(1)));
+        let (_, started) = lock(&reaper.listed).start_scan();
+        // Gone during the scan: the next one deals with it.
+        reaper.forget(&BTreeSet::from([backend(2)]));
+        lock(&reaper.listed).end_scan(started);
+        assert_eq!(Arc::strong_count(&listed), 1, "released after its scan");
+        let kept = lock(&reaper.listed);
+        assert_eq!(kept.gone.keys().collect::<Vec<_>>(), [&backend(2)]);
+        assert!(kept.listed_since.is_empty());
+        assert!(kept.keeps(&backend(1)) && kept.keeps(&backend(4)), "between full syncs, only the gone go");
     }
 
     /// The scan deletes both entries of connections to endpoints no longer kept, read in
@@ -1184,7 +1255,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!(walked, 400);
-        let reaper = idle_reaper();
+        let (reaper, _requests) = idle_reaper();
         reaper.keep(&BTreeSet::from([live, gone]));
         reaper.forget(&BTreeSet::from([gone]));
         assert_eq!(reap::<Flow4>(&pin, &reaper.listed).unwrap(), 200);
@@ -1192,5 +1263,9 @@ mod tests {
         assert_eq!(left.len(), 200);
         assert!(left.iter().all(|(key, flow)| Flow4::backend(key, flow) == live));
         assert_eq!(reap::<Flow4>(&pin, &reaper.listed).unwrap(), 0);
+        // After a full sync that no longer lists `live`, its connections go too.
+        reaper.keep_only(Arc::new(BTreeSet::from([gone])));
+        assert_eq!(reap::<Flow4>(&pin, &reaper.listed).unwrap(), 200);
+        assert_eq!(flows.keys().count(), 0);
     }
 }

@@ -16,6 +16,7 @@
 //! the ServiceCIDRs, one and a few objects, are held as the API source slimmed them.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
+    sync::Arc,
     time::SystemTime,
 };
 
@@ -31,21 +32,23 @@ use k8s_openapi::{
 pub use super::objects::{ServiceObject, SliceObject, LAST_CHANGE_TRIGGER_TIME};
 use super::{objects::Meta, Rejection};
 
-/// Namespace and name: the one identity of every object ([`key`]).
-pub type Key = (String, String);
+/// Namespace and name: the one identity of every object ([`key`]). Shared with the decoded
+/// object's own names ([`Meta::key`]), not a second copy of them: the tracker's and the
+/// translator's maps hold a key per object.
+pub type Key = (Arc<str>, Arc<str>);
 
 /// The key of an object: its namespace ("default" when absent, as the API server defaults it
 /// for namespaced kinds) and name.
 pub fn key(metadata: &ObjectMeta) -> Key {
     (
-        metadata.namespace.clone().unwrap_or_else(|| "default".to_owned()),
-        metadata.name.clone().unwrap_or_default(),
+        metadata.namespace.as_deref().unwrap_or("default").into(),
+        metadata.name.as_deref().unwrap_or_default().into(),
     )
 }
 
 /// The key of a cluster-scoped object (a Node, a ServiceCIDR).
 pub fn cluster_key(metadata: &ObjectMeta) -> Key {
-    (String::new(), metadata.name.clone().unwrap_or_default())
+    ("".into(), metadata.name.as_deref().unwrap_or_default().into())
 }
 
 /// The kinds of object a source delivers.
@@ -338,6 +341,9 @@ impl ChangeTracker {
         }
         self.count_service();
         self.dirty.services.insert(key.clone());
+        // Removed first: `insert` would keep the old key, whose names are the old object's,
+        // a second copy beside the new object's.
+        self.services.remove(&key);
         self.services.insert(key, service);
         true
     }
@@ -355,6 +361,8 @@ impl ChangeTracker {
         self.record_trigger_time(&slice);
         self.dirty.slices.insert(key.clone());
         if let Some(service) = service_of(&key, &slice) {
+            // The Service's own key when it is there: its names held once.
+            let service = self.services.get_key_value(&service).map_or(service, |(held, _)| held.clone());
             self.dirty.services.insert(service.clone());
             let names = self.slices_of.entry(service).or_default();
             if !names.contains(&key) {
@@ -455,7 +463,7 @@ impl ChangeTracker {
 
     /// The uid of an object, for Events about it.
     pub fn uid(&self, kind: Kind, namespace: Option<&str>, name: &str) -> Option<String> {
-        let key = |namespace: Option<&str>| (namespace.unwrap_or("default").to_owned(), name.to_owned());
+        let key = |namespace: Option<&str>| -> Key { (namespace.unwrap_or("default").into(), name.into()) };
         let uid = match kind {
             Kind::Service => self.services.get(&key(namespace)).and_then(|s| s.meta.uid()),
             Kind::EndpointSlice => self.slices.get(&key(namespace)).and_then(|s| s.meta.uid()),
@@ -465,10 +473,9 @@ impl ChangeTracker {
                 .map(|n| &n.metadata)
                 .filter(|m| m.name.as_deref() == Some(name))
                 .and_then(|m| m.uid.as_deref()),
-            Kind::ServiceCidr => self
-                .service_cidrs
-                .get(&(String::new(), name.to_owned()))
-                .and_then(|c| c.metadata.uid.as_deref()),
+            Kind::ServiceCidr => {
+                self.service_cidrs.get(&("".into(), name.into())).and_then(|c| c.metadata.uid.as_deref())
+            }
         };
         uid.map(str::to_owned)
     }
@@ -498,7 +505,7 @@ fn same_version(old: &Meta, new: &Meta, equal: impl FnOnce() -> bool) -> bool {
 /// The service a slice lists endpoints of: its label, in its namespace.
 fn service_of(key: &Key, slice: &SliceObject) -> Option<Key> {
     let name = slice.service.as_deref()?;
-    Some((key.0.clone(), name.to_owned()))
+    Some((key.0.clone(), name.into()))
 }
 
 #[cfg(test)]

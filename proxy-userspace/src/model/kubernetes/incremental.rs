@@ -438,7 +438,7 @@ fn release<T: Ord + std::hash::Hash + Copy>(
 }
 
 fn service_name((namespace, name): &Key) -> ServiceName {
-    ServiceName { namespace: namespace.clone(), name: name.clone() }
+    ServiceName { namespace: namespace.to_string(), name: name.to_string() }
 }
 
 #[cfg(test)]

@@ -40,7 +40,8 @@ pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-
 pub struct Meta {
     /// "default" when the object has none, as the API server defaults it.
     pub(crate) namespace: Arc<str>,
-    pub(crate) name: Option<Box<str>>,
+    /// Shared with the change tracker's key ([`Self::key`]).
+    pub(crate) name: Option<Arc<str>>,
     pub(crate) uid: Option<Box<str>>,
     pub(crate) resource_version: Option<Box<str>>,
 }
@@ -72,9 +73,9 @@ impl Meta {
         self.resource_version.as_deref()
     }
 
-    /// The change tracker's key: namespace and name.
-    pub fn key(&self) -> (String, String) {
-        (self.namespace().to_owned(), self.name().to_owned())
+    /// The change tracker's key: namespace and name, sharing the names rather than copying them.
+    pub fn key(&self) -> (Arc<str>, Arc<str>) {
+        (Arc::clone(&self.namespace), self.name.clone().unwrap_or_else(|| "".into()))
     }
 
     /// A new identity and version (the object deleted and created again), for tests.

@@ -8,15 +8,8 @@
 //! instead of silently leaving it out, until a later fix or deletion replaces it.
 //!
 //! A decoded object is [`Slim`]med before it is sent.
-use k8s_openapi::{
-    api::{
-        core::v1::{Node, Service},
-        discovery::v1::EndpointSlice,
-        networking::v1::ServiceCIDR,
-    },
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    Metadata, Resource,
-};
+// The API types the source watches, as the source names them.
+use super::{EndpointSlice, Metadata, Node, ObjectMeta, Resource, Service, ServiceCIDR};
 use serde::{de::DeserializeOwned, Deserialize, Deserializer};
 use serde_json::Value;
 

@@ -33,7 +33,7 @@ fn slice(name: &str, service: &str, version: &str, family: &str, trigger: Option
 }
 
 fn key(name: &str) -> Key {
-    ("ns".to_owned(), name.to_owned())
+    ("ns".into(), name.into())
 }
 
 #[test]
@@ -69,7 +69,7 @@ fn one_identity_rule_namespace_defaults_and_uid_marks_a_recreate() {
         serde_json::from_value(json!({"metadata": {"name": "web", "resourceVersion": "1", "uid": "u1"}}))
             .unwrap();
     tracker.apply(Object::from(unnamespaced));
-    assert!(tracker.service(&("default".to_owned(), "web".to_owned())).is_some());
+    assert!(tracker.service(&("default".into(), "web".into())).is_some());
     tracker.apply(service("a", Some("1"), "u1", 80));
     tracker.take_dirty();
     // Deleted and created again with the same resourceVersion text but a new uid: a change.
@@ -128,4 +128,22 @@ fn trigger_times_of_changed_slices_after_the_start_are_kept_until_a_sync() {
     tracker.apply(slice("old", "a", "1", "IPv4", Some("2025-12-31T23:00:00Z")));
     tracker.apply(slice("new", "a", "2", "IPv4", Some("2026-01-01T00:00:09.5Z")));
     assert_eq!(tracker.synced_successfully(), [started + Duration::from_millis(9500)]);
+}
+
+/// Each object's names are held once: the tracker's keys, a Service's slices' index and the
+/// dirty set share the decoded objects' own names instead of copying them.
+#[test]
+fn keys_share_the_objects_names() {
+    let mut tracker = ChangeTracker::new(SystemTime::UNIX_EPOCH);
+    tracker.apply(service("web", Some("1"), "u1", 80));
+    tracker.apply(service("web", Some("2"), "u1", 81));
+    tracker.apply(slice("web-a", "web", "1", "IPv4", None));
+    let (held, object) = tracker.services.get_key_value(&key("web")).unwrap();
+    assert!(Arc::ptr_eq(&held.1, object.meta.name.as_ref().unwrap()), "the key is the object's name");
+    assert!(Arc::ptr_eq(&held.0, &object.meta.namespace));
+    let (slice_key, slice) = tracker.slices.get_key_value(&key("web-a")).unwrap();
+    assert!(Arc::ptr_eq(&slice_key.1, slice.meta.name.as_ref().unwrap()));
+    let (indexed_service, indexed_slices) = tracker.slices_of.get_key_value(&key("web")).unwrap();
+    assert!(Arc::ptr_eq(&indexed_service.1, &held.1), "the index names the Service by its own key");
+    assert!(Arc::ptr_eq(&indexed_slices[0].1, &slice_key.1));
 }

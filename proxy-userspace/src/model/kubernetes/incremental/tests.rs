@@ -363,7 +363,7 @@ fn nothing_dirty_changes_nothing_and_one_slice_changes_its_service_only() {
     .unwrap();
     tracker.apply(Object::from(slice));
     let dirty = tracker.take_dirty();
-    assert_eq!(dirty.services, [("a".to_owned(), "s2".to_owned())].into());
+    assert_eq!(dirty.services, BTreeSet::from([("a".into(), "s2".into())]));
     let changes = translator.translate(&tracker, dirty, &node);
     assert!(!changes.frontends.is_empty(), "{changes:?}");
     assert!(changes.frontends.iter().all(|f| translator.state().frontends[f].service.name == "s2"));

@@ -50,7 +50,7 @@ fn load_balancer() -> Value {
 #[test]
 fn a_service_keeps_what_the_translation_reads_and_nothing_else() {
     let decoded = ServiceObject::decode(&service(load_balancer()));
-    assert_eq!(decoded.meta.key(), ("shop".to_owned(), "web".to_owned()));
+    assert_eq!(decoded.meta.key(), ("shop".into(), "web".into()));
     assert_eq!((decoded.meta.uid(), decoded.meta.resource_version()), (Some("u1"), Some("7")));
     assert_eq!(decoded.health_check_node_port, Some(30999));
     assert_eq!(decoded.invalid(), None);
@@ -108,7 +108,7 @@ fn full_slice() -> Value {
 #[test]
 fn a_slice_keeps_addresses_conditions_nodes_and_hints_only() {
     let decoded = SliceObject::decode(&slice(full_slice()));
-    assert_eq!(decoded.meta.key(), ("shop".to_owned(), "web-abc".to_owned()));
+    assert_eq!(decoded.meta.key(), ("shop".into(), "web-abc".into()));
     assert_eq!(decoded.service.as_deref(), Some("web"));
     assert!(!decoded.ipv6);
     assert_eq!(decoded.trigger_time, Some("2026-01-01T00:00:05Z".parse::<jiff::Timestamp>().unwrap().into()));
