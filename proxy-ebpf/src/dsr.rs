@@ -46,6 +46,12 @@ pub trait Dsr: IpHeader {
     fn strip(ctx: &TcContext) -> Result<(), i64>;
     /// The IP packet's length (header and payload, as the header says).
     fn ip_len(packet: &Packet<Self>) -> u32;
+
+    /// Whether the packet with the option added still fits `mtu` (the egress device's).
+    #[inline(always)]
+    fn fits_with_option(packet: &Packet<Self>, mtu: u32) -> bool {
+        Self::ip_len(packet) + OPTION_LEN as u32 <= mtu
+    }
 }
 
 impl Dsr for Ipv4 {

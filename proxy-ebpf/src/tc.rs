@@ -8,7 +8,7 @@ use proxy_common::{datapath_stat, flow_flags, proto, service_flags, unmatched, S
 use crate::{
     conntrack::{make_room, observe, touch, track, track_dsr, track_dsr_backend, track_masqueraded, Refusal},
     counters::{self, stat},
-    dsr::{Dsr, OPTION_LEN},
+    dsr::Dsr,
     family::{Endpoint, Ipv4, Ipv6, Nat},
     family_maps::Maps,
     fragment::{self, Fragments, LaterFragment},
@@ -154,7 +154,7 @@ fn send_dsr<A: Datapath>(
     carry: bool,
 ) -> i32 {
     let carry = carry && {
-        let fits = A::ip_len(packet) + OPTION_LEN as u32 <= route.mtu;
+        let fits = A::fits_with_option(packet, route.mtu);
         if !fits {
             stat(datapath_stat::DSR_MTU_NO_OPTION);
         }
@@ -262,7 +262,7 @@ fn balance_dsr<A: Datapath>(
     route: &Route<A>,
     last_try: bool,
 ) -> i32 {
-    if A::ip_len(packet) + OPTION_LEN as u32 > route.mtu {
+    if !A::fits_with_option(packet, route.mtu) {
         stat(datapath_stat::DSR_MTU_SNAT);
         return NOT_DSR;
     }
