@@ -14,14 +14,18 @@
 //! Every namespace, mount and process is the lab's own and goes with it (drop guards), also
 //! when a test fails.
 use std::{
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
     path::{Path, PathBuf},
+    time::Duration,
 };
 
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use crate::{unique_name, BpfFs, EchoServer, FakeApiServer, Netns, PinnedMaps, Vipr, WorkDir};
+use crate::{
+    tcp_exchange, unique_name, wait_for, Answer, BpfFs, Check, EchoServer, FakeApiServer, Netns, PinnedMaps,
+    Vipr, WorkDir,
+};
 
 /// The router's address on the node network, where the API server listens too.
 pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 100, 254);
@@ -31,6 +35,51 @@ const CLIENT_GATEWAY: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const API_PORT: u16 = 6443;
 /// Every pod CIDR is inside it (`--cluster-cidr`).
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+
+/// The port every pod serves on, TCP and UDP.
+pub const POD_PORT: u16 = 8080;
+/// The target ports of [`node_port_service`]'s ports, for [`ClusterLab::apply_service`].
+pub const TARGET_PORTS: &[(&str, u16, &str)] = &[("tcp", POD_PORT, "TCP"), ("udp", POD_PORT, "UDP")];
+/// How long a lab waits for vipr to serve what a test asked for.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one question waits for its answer.
+pub const ASK: Duration = Duration::from_secs(1);
+
+/// A NodePort Service `name` with a TCP and a UDP port 80 to the pods' [`POD_PORT`], both on
+/// `node_port`; `extra` is merged into its spec (type, policies, addresses).
+pub fn node_port_service(name: &str, cluster_ip: &str, node_port: u16, extra: Value) -> Value {
+    let mut service = json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "type": "NodePort",
+            "clusterIP": cluster_ip,
+            "clusterIPs": [cluster_ip],
+            "ports": [
+                {"name": "tcp", "port": 80, "protocol": "TCP", "targetPort": POD_PORT, "nodePort": node_port},
+                {"name": "udp", "port": 80, "protocol": "UDP", "targetPort": POD_PORT, "nodePort": node_port},
+            ],
+        },
+    });
+    if let (Some(spec), Some(extra)) = (service["spec"].as_object_mut(), extra.as_object()) {
+        spec.extend(extra.clone());
+    }
+    service
+}
+
+/// The answer to a datagram from `socket` to `to`: only one that comes from `to` itself (the
+/// service address) counts.
+pub fn udp_answer(socket: &UdpSocket, to: SocketAddr) -> Result<Answer> {
+    socket.send_to(b"who are you?", to)?;
+    let mut buffer = [0u8; 512];
+    loop {
+        let (length, from) = socket.recv_from(&mut buffer).with_context(|| format!("no answer from {to}"))?;
+        if from == to {
+            return std::str::from_utf8(&buffer[..length])?.trim().parse();
+        }
+    }
+}
 
 /// Node `index` (from 1)'s address on the node network.
 pub fn node_ip(index: usize) -> Ipv4Addr {
@@ -42,7 +91,8 @@ pub fn pod_ip(index: usize, pod: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, index as u8, 10 + pod as u8)
 }
 
-fn pod_gateway(index: usize) -> Ipv4Addr {
+/// Node `index` (from 1)'s address on its pods' links: their gateway.
+pub fn pod_gateway(index: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, index as u8, 1)
 }
 
@@ -270,6 +320,62 @@ impl ClusterLab {
         self.router.ip(&["link", "set", &format!("up{index}"), "down"])?;
         self.api.delete::<k8s_openapi::api::core::v1::Node>(None, &node.name)?;
         Ok(())
+    }
+
+    /// One TCP question from the external client to `to`, once vipr answers there.
+    pub fn ask_tcp(&self, to: SocketAddr) -> Result<Answer> {
+        wait_for(&format!("an answer through {to}"), TIMEOUT, || {
+            Ok(match self.client.run(|| tcp_exchange(to, ASK)) {
+                Ok(exchange) => Check::Done(exchange.answer),
+                Err(error) => Check::NotYet(format!("{error:#}")),
+            })
+        })
+    }
+
+    /// One UDP question from the external client to `to`, once vipr answers there.
+    pub fn ask_udp(&self, to: SocketAddr) -> Result<Answer> {
+        wait_for(&format!("a UDP answer through {to}"), TIMEOUT, || {
+            let answer = self.client.run(|| {
+                let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+                socket.set_read_timeout(Some(ASK))?;
+                udp_answer(&socket, to)
+            });
+            Ok(match answer {
+                Ok(answer) => Check::Done(answer),
+                Err(error) => Check::NotYet(format!("{error:#}")),
+            })
+        })
+    }
+
+    /// A sample of node `index`'s (from 1) `/metrics`, once it is at least `at_least` (the
+    /// metrics server may start after the datapath serves).
+    pub fn node_metric(&self, index: usize, sample: &str, at_least: f64) -> Result<f64> {
+        wait_for(&format!("{sample} >= {at_least} on n{index}"), TIMEOUT, || {
+            Ok(match crate::http::get(&self.nodes[index - 1].netns, "127.0.0.1:10249".parse()?, "/metrics") {
+                Ok(metrics) => match metrics.metric(sample) {
+                    Some(value) if value >= at_least => Check::Done(value),
+                    value => Check::NotYet(format!("{value:?}")),
+                },
+                Err(error) => Check::NotYet(format!("{error:#}")),
+            })
+        })
+    }
+
+    /// `result`, with the end of every node's vipr log printed when it is an error.
+    pub fn with_logs<T>(&self, result: Result<T>) -> Result<T> {
+        if result.is_err() {
+            for node in &self.nodes {
+                let log = std::fs::read_to_string(self.workdir().join(format!("vipr-{}.log", node.name)))
+                    .unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                eprintln!(
+                    "--- vipr on {}:\n{}",
+                    node.name,
+                    lines[lines.len().saturating_sub(30)..].join("\n")
+                );
+            }
+        }
+        result
     }
 
     /// `node`'s (from 1) address and `port`.

@@ -6,57 +6,16 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
     ops::Range,
-    time::Duration,
 };
 
 use anyhow::{bail, ensure, Context as _, Result};
 use serde_json::json;
 use testbed::{
-    cluster::{pod_ip, ClusterLab, CLIENT_IP},
-    http, tcp_exchange, wait_for, Answer, Check, Frontend, Protocol,
+    cluster::{
+        node_port_service, pod_ip, udp_answer, ClusterLab, ASK, CLIENT_IP, POD_PORT, TARGET_PORTS, TIMEOUT,
+    },
+    http, tcp_exchange, wait_for, Check, Frontend, Protocol,
 };
-
-const TIMEOUT: Duration = Duration::from_secs(30);
-const ASK: Duration = Duration::from_secs(1);
-const POD_PORT: u16 = 8080;
-
-fn node_port_service(
-    name: &str,
-    cluster_ip: &str,
-    node_port: u16,
-    extra: serde_json::Value,
-) -> serde_json::Value {
-    let mut service = json!({
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "type": "NodePort",
-            "clusterIP": cluster_ip,
-            "clusterIPs": [cluster_ip],
-            "ports": [
-                {"name": "tcp", "port": 80, "protocol": "TCP", "targetPort": POD_PORT, "nodePort": node_port},
-                {"name": "udp", "port": 80, "protocol": "UDP", "targetPort": POD_PORT, "nodePort": node_port},
-            ],
-        },
-    });
-    if let (Some(spec), Some(extra)) = (service["spec"].as_object_mut(), extra.as_object()) {
-        spec.extend(extra.clone());
-    }
-    service
-}
-
-const TARGET_PORTS: &[(&str, u16, &str)] = &[("tcp", POD_PORT, "TCP"), ("udp", POD_PORT, "UDP")];
-
-/// One TCP question from the external client to `to`, once vipr answers there.
-fn ask_until_served(lab: &ClusterLab, to: SocketAddr) -> Result<Answer> {
-    wait_for(&format!("an answer through {to}"), TIMEOUT, || {
-        Ok(match lab.client.run(|| tcp_exchange(to, ASK)) {
-            Ok(exchange) => Check::Done(exchange.answer),
-            Err(error) => Check::NotYet(format!("{error:#}")),
-        })
-    })
-}
 
 #[test]
 fn a_node_port_on_one_node_reaches_a_pod_on_another() -> Result<()> {
@@ -64,7 +23,7 @@ fn a_node_port_on_one_node_reaches_a_pod_on_another() -> Result<()> {
     lab.apply_service(node_port_service("web", "10.96.0.10", 30080, json!({})), TARGET_PORTS, &[(2, 0)])?;
     lab.start_vipr(&[])?;
     for node in [1, 3] {
-        let answer = ask_until_served(&lab, ClusterLab::node_address(node, 30080))?;
+        let answer = lab.ask_tcp(ClusterLab::node_address(node, 30080))?;
         assert_eq!(answer.backend, "n2-pod0", "through n{node}");
         // eTP: Cluster: the ingress node masquerades, so that the reply comes back through it.
         assert_eq!(answer.observed_client.ip(), testbed::cluster::node_ip(node), "through n{node}");
@@ -94,7 +53,7 @@ fn an_external_load_balancer_sees_local_endpoints_through_the_health_check_node_
         }
     }
     // The node with the endpoint serves the NodePort and keeps the client's address.
-    let answer = ask_until_served(&lab, ClusterLab::node_address(2, 30081))?;
+    let answer = lab.ask_tcp(ClusterLab::node_address(2, 30081))?;
     assert_eq!((answer.backend.as_str(), answer.observed_client.ip()), ("n2-pod0", CLIENT_IP.into()));
     Ok(())
 }
@@ -102,48 +61,6 @@ fn an_external_load_balancer_sees_local_endpoints_through_the_health_check_node_
 /// The backend that answers a datagram from `socket` to `to`.
 fn udp_backend(socket: &UdpSocket, to: SocketAddr) -> Result<String> {
     Ok(udp_answer(socket, to)?.backend)
-}
-
-/// The answer to a datagram from `socket` to `to`: only one that comes from `to` itself (the
-/// service address) counts.
-fn udp_answer(socket: &UdpSocket, to: SocketAddr) -> Result<Answer> {
-    socket.send_to(b"who are you?", to)?;
-    let mut buffer = [0u8; 512];
-    loop {
-        let (length, from) = socket.recv_from(&mut buffer).with_context(|| format!("no answer from {to}"))?;
-        if from == to {
-            return std::str::from_utf8(&buffer[..length])?.trim().parse();
-        }
-    }
-}
-
-/// One UDP question from the external client to `to`, once vipr answers there.
-fn ask_udp_until_served(lab: &ClusterLab, to: SocketAddr) -> Result<Answer> {
-    wait_for(&format!("a UDP answer through {to}"), TIMEOUT, || {
-        let answer = lab.client.run(|| {
-            let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
-            socket.set_read_timeout(Some(ASK))?;
-            udp_answer(&socket, to)
-        });
-        Ok(match answer {
-            Ok(answer) => Check::Done(answer),
-            Err(error) => Check::NotYet(format!("{error:#}")),
-        })
-    })
-}
-
-/// A sample of node `index`'s (from 1) `/metrics`, once it is at least `at_least` (the metrics
-/// server may start after the datapath serves).
-fn node_metric(lab: &ClusterLab, index: usize, sample: &str, at_least: f64) -> Result<f64> {
-    wait_for(&format!("{sample} >= {at_least} on n{index}"), TIMEOUT, || {
-        Ok(match http::get(&lab.nodes[index - 1].netns, "127.0.0.1:10249".parse()?, "/metrics") {
-            Ok(metrics) => match metrics.metric(sample) {
-                Some(value) if value >= at_least => Check::Done(value),
-                value => Check::NotYet(format!("{value:?}")),
-            },
-            Err(error) => Check::NotYet(format!("{error:#}")),
-        })
-    })
 }
 
 /// Packets node `index`'s (from 1) uplink received.
@@ -165,7 +82,7 @@ fn with_maglev_a_flow_reaches_the_same_backend_through_any_node() -> Result<()> 
     )?;
     lab.start_vipr(&["--lb-algorithm=maglev"])?;
     for node in 1..=3 {
-        ask_until_served(&lab, ClusterLab::node_address(node, NODE_PORT))?;
+        lab.ask_tcp(ClusterLab::node_address(node, NODE_PORT))?;
     }
     let chosen: BTreeMap<u16, Vec<String>> = lab.client.run(|| {
         let mut chosen = BTreeMap::new();
@@ -241,7 +158,7 @@ fn with_maglev_removing_one_of_n_backends_moves_about_one_nth_of_the_flows() -> 
     lab.apply_service(service.clone(), TARGET_PORTS, &all)?;
     lab.start_vipr(&["--lb-algorithm=maglev"])?;
     for node in 1..=3 {
-        ask_until_served(&lab, ClusterLab::node_address(node, NODE_PORT))?;
+        lab.ask_tcp(ClusterLab::node_address(node, NODE_PORT))?;
     }
     let before = udp_backends_through(&lab, 1, NODE_PORT, FLOWS)?;
     let remaining: Vec<(usize, usize)> = all.iter().copied().filter(|&endpoint| endpoint != (3, 1)).collect();
@@ -289,7 +206,7 @@ fn when_a_node_goes_away_the_others_balance_its_flows_to_the_remaining_pods() ->
     lab.apply_service(service.clone(), TARGET_PORTS, &[(1, 0), (2, 0), (3, 0)])?;
     lab.start_vipr(&["--lb-algorithm=maglev"])?;
     for node in 1..=2 {
-        ask_until_served(&lab, ClusterLab::node_address(node, NODE_PORT))?;
+        lab.ask_tcp(ClusterLab::node_address(node, NODE_PORT))?;
     }
     // A UDP flow through n1 that Maglev pins to n3's pod; its socket stays open.
     let through_n1 = ClusterLab::node_address(1, NODE_PORT);
@@ -344,7 +261,7 @@ fn dsr_lab(label: &str, args: &[&str]) -> Result<ClusterLab> {
 #[test]
 fn with_dsr_a_remote_backend_sees_the_client_and_replies_straight_to_it() -> Result<()> {
     let lab = dsr_lab("cl-dsr", &["--lb-mode=dsr"])?;
-    with_vipr_logs(&lab, dsr_replies_straight(&lab))
+    lab.with_logs(dsr_replies_straight(&lab))
 }
 
 /// The same with `--bpf-forwarding=redirect`: the request redirected to node 2 with the option,
@@ -352,33 +269,20 @@ fn with_dsr_a_remote_backend_sees_the_client_and_replies_straight_to_it() -> Res
 #[test]
 fn with_dsr_and_redirected_forwarding_a_remote_backend_replies_straight_to_the_client() -> Result<()> {
     let lab = dsr_lab("cl-dsrr", &["--lb-mode=dsr", "--bpf-forwarding=redirect"])?;
-    with_vipr_logs(&lab, dsr_replies_straight(&lab))
-}
-
-/// `result`, with the end of every node's vipr log printed when it is an error.
-fn with_vipr_logs<T>(lab: &ClusterLab, result: Result<T>) -> Result<T> {
-    if result.is_err() {
-        for node in &lab.nodes {
-            let log = std::fs::read_to_string(lab.workdir().join(format!("vipr-{}.log", node.name)))
-                .unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            eprintln!("--- vipr on {}:\n{}", node.name, lines[lines.len().saturating_sub(30)..].join("\n"));
-        }
-    }
-    result
+    lab.with_logs(dsr_replies_straight(&lab))
 }
 
 fn dsr_replies_straight(lab: &ClusterLab) -> Result<()> {
     let through = ClusterLab::node_address(1, DSR_NODE_PORT);
     // TCP: the connection to n1's address works only if the replies come from it.
-    let answer = ask_until_served(lab, through)?;
+    let answer = lab.ask_tcp(through)?;
     ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "TCP: {answer}");
     // UDP: the answer counts only if it comes from n1's address and port.
-    let answer = ask_udp_until_served(lab, through)?;
+    let answer = lab.ask_udp(through)?;
     ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "UDP: {answer}");
     // n1 sent both connections by DSR, and n2 got their service address in the requests.
-    node_metric(lab, 1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 2.0)?;
-    node_metric(lab, 2, "vipr_datapath_dsr_total{event=\"connection_received\"}", 2.0)?;
+    lab.node_metric(1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 2.0)?;
+    lab.node_metric(2, "vipr_datapath_dsr_total{event=\"connection_received\"}", 2.0)?;
 
     // The replies do not come back through n1: its uplink receives the requests only (with
     // SNAT it would receive each answer from n2 too). A little slack for the API server's
@@ -404,18 +308,18 @@ fn dsr_replies_straight(lab: &ClusterLab) -> Result<()> {
 #[test]
 fn hybrid_dsr_is_direct_for_tcp_and_masqueraded_for_udp() -> Result<()> {
     let lab = dsr_lab("cl-hyb", &["--lb-mode=hybrid"])?;
-    with_vipr_logs(&lab, hybrid_dsr(&lab))
+    lab.with_logs(hybrid_dsr(&lab))
 }
 
 fn hybrid_dsr(lab: &ClusterLab) -> Result<()> {
     let through = ClusterLab::node_address(1, DSR_NODE_PORT);
-    let answer = ask_until_served(lab, through)?;
+    let answer = lab.ask_tcp(through)?;
     ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "TCP: {answer}");
-    let answer = ask_udp_until_served(lab, through)?;
+    let answer = lab.ask_udp(through)?;
     ensure!(
         answer.backend == "n2-pod0" && answer.observed_client.ip() == testbed::cluster::node_ip(1),
         "UDP is masqueraded: {answer}"
     );
-    node_metric(lab, 1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 1.0)?;
+    lab.node_metric(1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 1.0)?;
     Ok(())
 }

@@ -11,6 +11,7 @@ mod agent_upgrade;
 mod auto_mode;
 mod balancing_fixtures;
 mod cluster;
+mod cluster_flows;
 mod conformance_model;
 mod deploy_manifests;
 mod detect_local_interface;
