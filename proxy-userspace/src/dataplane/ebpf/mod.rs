@@ -41,6 +41,7 @@ mod options;
 mod pin_dir;
 pub mod plan;
 mod pod_interfaces;
+pub mod program_load;
 pub(crate) mod reaper;
 pub mod record;
 mod snat;
@@ -196,8 +197,7 @@ impl EbpfDataplane {
 
         for &hook in hooks {
             let program = tc_program(&mut ebpf, hook)?;
-            program
-                .load()
+            program_load::load_retrying(|| program.load())
                 .with_context(|| format!("the kernel refused vipr's TC program {}", hook.program()))?;
         }
         let mut pending = PendingSwitch {
@@ -767,7 +767,8 @@ impl HostTraffic {
                 .program_mut(hook.program)
                 .ok_or_else(|| anyhow!("program {} is missing from the object", hook.program))?
                 .try_into()?;
-            program.load().with_context(|| format!("the kernel refused vipr's program {}", hook.program))?;
+            program_load::load_retrying(|| program.load())
+                .with_context(|| format!("the kernel refused vipr's program {}", hook.program))?;
             let attachment = attach::attach_cgroup(program, cgroup_root, &pin_dir.link(hook.link))
                 .with_context(|| {
                     format!("cannot attach {} to cgroup {}", hook.program, cgroup_root.display())

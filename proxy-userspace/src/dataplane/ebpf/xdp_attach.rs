@@ -191,7 +191,7 @@ impl XdpPath {
                 .program_mut(PROGRAM)
                 .ok_or_else(|| anyhow!("program {PROGRAM} is missing from the object"))?
                 .try_into()?;
-            match program.load() {
+            match super::program_load::load_retrying(|| program.load()) {
                 Ok(()) => {
                     let map = ebpf
                         .take_map(TX_DEVICES)
