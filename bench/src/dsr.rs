@@ -6,7 +6,10 @@
 //! - TCP connections/s (connect, one request and its answer, close) and UDP transactions/s
 //!   (one datagram and its answer at a time) from the external client through the ingress
 //!   node, one client thread each;
-//! - what the ingress node carried per transaction: packets through its uplink (received and
+//! - stream throughput: one TCP connection through the ingress node on which the pod sends
+//!   as fast as it can (a download, where DSR matters most: the data leaves the pod's node
+//!   straight to the client);
+//! - what the ingress node carried per transaction (per MB of the stream): packets through its uplink (received and
 //!   sent), and its vipr TC program's runs and run time (`BPF_ENABLE_STATS`; each node's vipr
 //!   loads programs of its own, so the counts are the ingress node's). With DSR the answers
 //!   leave the backends' nodes straight to the client, so the ingress node carries the
@@ -16,8 +19,14 @@
 //! only it does (its program's run time and its packets), not as a share of a CPU.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    io::{self, Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     path::Path,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
@@ -30,6 +39,9 @@ use crate::stats::Summary;
 
 const POD_PORT: u16 = 8080;
 const NODE_PORT: u16 = 30090;
+/// The pods' bulk senders, and the Service's NodePort to them.
+const STREAM_POD_PORT: u16 = 8081;
+const STREAM_NODE_PORT: u16 = 30091;
 const INGRESS: usize = 1;
 const ASK: Duration = Duration::from_secs(1);
 
@@ -78,11 +90,32 @@ pub struct Traffic {
     pub tc_ns: Summary,
 }
 
+/// The stream through the ingress node, in one round.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+struct StreamWindow {
+    bytes: u64,
+    seconds: f64,
+    uplink_packets: u64,
+    tc_runs: u64,
+    tc_run_ns: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Stream {
+    /// Megabytes (10^6 bytes) per second the client received.
+    pub mbytes_per_s: Summary,
+    /// Per megabyte received, on the ingress node.
+    pub uplink_packets: Summary,
+    pub tc_runs: Summary,
+    pub tc_ns: Summary,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct ModeResult {
     pub mode: LbMode,
     pub tcp: Traffic,
     pub udp: Traffic,
+    pub stream: Stream,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -98,24 +131,32 @@ pub fn run(settings: &Settings) -> Result<Results> {
     // kernel.bpf_stats_enabled sysctl is never changed).
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF_ENABLE_STATS")?;
     let modes = [LbMode::Snat, LbMode::Dsr];
-    let mut windows: Vec<(Vec<Window>, Vec<Window>)> =
-        modes.iter().map(|_| (Vec::new(), Vec::new())).collect();
+    let mut windows: Vec<(Vec<Window>, Vec<Window>, Vec<StreamWindow>)> =
+        modes.iter().map(|_| (Vec::new(), Vec::new(), Vec::new())).collect();
     for round in 0..settings.rounds {
         // Which mode goes first alternates, so neither always meets the machine's same phase.
         let order: Vec<usize> = if round % 2 == 0 { vec![0, 1] } else { vec![1, 0] };
         for index in order {
             let mode = modes[index];
             eprintln!("dsr: round {}/{}, {mode:?}", round + 1, settings.rounds);
-            let (tcp, udp) = measure_mode(mode, settings)?;
-            eprintln!("  tcp {tcp:?}\n  udp {udp:?}");
+            let (tcp, udp, stream) = measure_mode(mode, settings)?;
+            eprintln!("  tcp {tcp:?}\n  udp {udp:?}\n  stream {stream:?}");
             windows[index].0.push(tcp);
             windows[index].1.push(udp);
+            windows[index].2.push(stream);
         }
     }
     let modes = modes
         .iter()
         .zip(windows)
-        .map(|(&mode, (tcp, udp))| Ok(ModeResult { mode, tcp: summarize(&tcp)?, udp: summarize(&udp)? }))
+        .map(|(&mode, (tcp, udp, stream))| {
+            Ok(ModeResult {
+                mode,
+                tcp: summarize(&tcp)?,
+                udp: summarize(&udp)?,
+                stream: summarize_stream(&stream)?,
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
     Ok(Results { seconds: settings.seconds, rounds: settings.rounds, modes })
 }
@@ -135,10 +176,34 @@ fn summarize(windows: &[Window]) -> Result<Traffic> {
     })
 }
 
+fn summarize_stream(windows: &[StreamWindow]) -> Result<Stream> {
+    let per_mb = |f: fn(&StreamWindow) -> u64| -> Result<Summary> {
+        let values: Vec<f64> = windows.iter().map(|w| f(w) as f64 / (w.bytes.max(1) as f64 / 1e6)).collect();
+        Summary::of(&values).context("no rounds")
+    };
+    Ok(Stream {
+        mbytes_per_s: Summary::of(
+            &windows.iter().map(|w| w.bytes as f64 / 1e6 / w.seconds).collect::<Vec<_>>(),
+        )
+        .context("no rounds")?,
+        uplink_packets: per_mb(|w| w.uplink_packets)?,
+        tc_runs: per_mb(|w| w.tc_runs)?,
+        tc_ns: per_mb(|w| w.tc_run_ns)?,
+    })
+}
+
 /// A fresh lab in `mode`: three nodes with a pod each, the NodePort's endpoints on the two
 /// nodes that are not the ingress node.
-fn measure_mode(mode: LbMode, settings: &Settings) -> Result<(Window, Window)> {
+fn measure_mode(mode: LbMode, settings: &Settings) -> Result<(Window, Window, StreamWindow)> {
     let mut lab = ClusterLab::new("bdsr", 3, 1, &[POD_PORT])?;
+    // Stopped (dropped) before the lab: declared after it.
+    let _sources = [2, 3]
+        .map(|node: usize| {
+            let pod = &lab.nodes[node - 1].pods[0];
+            StreamSource::start(&pod.netns, SocketAddr::from((pod.ip, STREAM_POD_PORT)))
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
     let service = json!({
         "apiVersion": "v1",
         "kind": "Service",
@@ -150,10 +215,15 @@ fn measure_mode(mode: LbMode, settings: &Settings) -> Result<(Window, Window)> {
             "ports": [
                 {"name": "tcp", "port": 80, "protocol": "TCP", "targetPort": POD_PORT, "nodePort": NODE_PORT},
                 {"name": "udp", "port": 80, "protocol": "UDP", "targetPort": POD_PORT, "nodePort": NODE_PORT},
+                {"name": "stream", "port": 81, "protocol": "TCP", "targetPort": STREAM_POD_PORT, "nodePort": STREAM_NODE_PORT},
             ],
         },
     });
-    lab.apply_service(service, &[("tcp", POD_PORT, "TCP"), ("udp", POD_PORT, "UDP")], &[(2, 0), (3, 0)])?;
+    lab.apply_service(
+        service,
+        &[("tcp", POD_PORT, "TCP"), ("udp", POD_PORT, "UDP"), ("stream", STREAM_POD_PORT, "TCP")],
+        &[(2, 0), (3, 0)],
+    )?;
     lab.start_vipr(&[mode.flag()])?;
     let target = ClusterLab::node_address(INGRESS, NODE_PORT);
     wait_for(&format!("{mode:?}: an answer through {target}"), Duration::from_secs(30), || {
@@ -175,7 +245,99 @@ fn measure_mode(mode: LbMode, settings: &Settings) -> Result<(Window, Window)> {
     let udp = window(&lab, program, duration, |client_ok| {
         client_ok(udp_ask(&udp, target).is_ok());
     })?;
-    Ok((tcp, udp))
+    let stream = stream_window(&lab, program, duration, ClusterLab::node_address(INGRESS, STREAM_NODE_PORT))?;
+    Ok((tcp, udp, stream))
+}
+
+/// A pod's bulk sender: every connection accepted on its address gets zeros as fast as the
+/// connection takes them, until the client closes it or the source stops.
+struct StreamSource {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl StreamSource {
+    fn start(netns: &Netns, addr: SocketAddr) -> Result<Self> {
+        // A socket stays in the namespace it was made in, whichever thread then serves it.
+        let listener = netns.run(|| TcpListener::bind(addr).with_context(|| format!("binding {addr}")))?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut senders = Vec::new();
+            while !stopping.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((connection, _)) => {
+                        let stopping = stopping.clone();
+                        senders.push(std::thread::spawn(move || send_until_closed(connection, &stopping)));
+                    }
+                    // Polled: the source must notice that it is to stop.
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    Err(_) => break,
+                }
+            }
+            for sender in senders {
+                let _ = sender.join();
+            }
+        });
+        Ok(Self { stop, thread: Some(thread) })
+    }
+}
+
+fn send_until_closed(mut connection: TcpStream, stopping: &AtomicBool) {
+    let chunk = vec![0u8; 64 * 1024];
+    if connection.set_write_timeout(Some(Duration::from_millis(200))).is_err() {
+        return;
+    }
+    while !stopping.load(Ordering::Relaxed) {
+        match connection.write(&chunk) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(error) if matches!(error.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+impl Drop for StreamSource {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One TCP connection from the client to `to`, read for `duration`, with the ingress node's
+/// counters read before and after.
+fn stream_window(lab: &ClusterLab, program: u32, duration: Duration, to: SocketAddr) -> Result<StreamWindow> {
+    let node = &lab.nodes[INGRESS - 1].netns;
+    let (packets_before, (runs_before, ns_before)) = (uplink_packets(node)?, program_runs(program)?);
+    let (bytes, seconds) = lab.client.run(|| {
+        let mut connection =
+            TcpStream::connect_timeout(&to, ASK).with_context(|| format!("cannot connect to {to}"))?;
+        connection.set_read_timeout(Some(ASK))?;
+        let mut buffer = vec![0u8; 256 * 1024];
+        let started = Instant::now();
+        let mut bytes = 0u64;
+        while started.elapsed() < duration {
+            let read =
+                connection.read(&mut buffer).with_context(|| format!("reading the stream from {to}"))?;
+            ensure!(read > 0, "{to} closed the stream");
+            bytes += read as u64;
+        }
+        Ok((bytes, started.elapsed().as_secs_f64()))
+    })?;
+    let (packets_after, (runs_after, ns_after)) = (uplink_packets(node)?, program_runs(program)?);
+    Ok(StreamWindow {
+        bytes,
+        seconds,
+        uplink_packets: packets_after.saturating_sub(packets_before),
+        tc_runs: runs_after.saturating_sub(runs_before),
+        tc_run_ns: ns_after.saturating_sub(ns_before),
+    })
 }
 
 /// One datagram and its answer from `to`.
@@ -256,15 +418,16 @@ fn program_runs(id: u32) -> Result<(u64, u64)> {
 /// The results as a table for docs/benchmarks.md.
 pub fn table(results: &Results) -> String {
     let mut out = String::from(
-        "| | TCP conn/s | UDP trans/s | ingress node per TCP conn: uplink packets, TC runs, TC ns | \
-         per UDP transaction: uplink packets, TC runs, TC ns |\n|---|---|---|---|---|\n",
+        "| | TCP conn/s | UDP trans/s | stream MB/s | ingress node per TCP conn: uplink packets, TC runs, TC ns | \
+         per UDP transaction: the same | per stream MB: the same |\n|---|---|---|---|---|---|---|\n",
     );
     for mode in &results.modes {
         let cell = |t: &Traffic| {
             format!("{:.1}, {:.1}, {:.0}", t.uplink_packets.median, t.tc_runs.median, t.tc_ns.median)
         };
+        let stream = &mode.stream;
         out.push_str(&format!(
-            "| {:?} | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {} | {} |\n",
+            "| {:?} | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {} | {} | {:.1}, {:.1}, {:.0} |\n",
             mode.mode,
             mode.tcp.rate.median,
             mode.tcp.rate.min,
@@ -272,8 +435,14 @@ pub fn table(results: &Results) -> String {
             mode.udp.rate.median,
             mode.udp.rate.min,
             mode.udp.rate.max,
+            stream.mbytes_per_s.median,
+            stream.mbytes_per_s.min,
+            stream.mbytes_per_s.max,
             cell(&mode.tcp),
             cell(&mode.udp),
+            stream.uplink_packets.median,
+            stream.tc_runs.median,
+            stream.tc_ns.median,
         ));
     }
     out
