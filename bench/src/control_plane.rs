@@ -347,7 +347,7 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
         forwarding: Default::default(),
         lb_mode: Default::default(),
     };
-    let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()) };
+    let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()), ..Default::default() };
     let started = Instant::now();
     let mut dataplane = EbpfDataplane::start_with(&options, &host).context("starting the dataplane")?;
     let start_ms = ms(started);

@@ -33,7 +33,7 @@ pub use fragment::*;
 pub use service::*;
 pub use snat::SnatPorts;
 pub use sock::{
-    SockConfig, SockFrontend, SockFrontend4, SockFrontend6, SockRevKey, SockRevKey4, SockRevKey6,
+    SockConfig, SockFrontend, SockFrontend4, SockFrontend6, SockPods, SockRevKey, SockRevKey4, SockRevKey6,
 };
 
 /// `--bpf-forwarding`: how the TC program hands on a packet it rewrote for another host. The

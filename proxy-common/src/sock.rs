@@ -8,6 +8,8 @@ pub const CONFIG: &str = "vipr_skcfg_v2";
 /// Names of earlier layouts of these maps, which the agent unpins: `vipr_skcfg_v1` had no
 /// IPv6 default source.
 pub const RETIRED: [&str; 1] = ["vipr_skcfg_v1"];
+/// Pods' sockets (`--bpf-socket-lb-pods`): `u32` 0 -> [`SockPods`] (an array of one).
+pub const PODS: &str = "vipr_skpods_v1";
 /// What each socket was really sent to: [`SockRevKey4`] -> [`SockFrontend4`]
 /// (LRU), so recvmsg and getpeername can show the frontend again.
 pub const REVERSE4: &str = "vipr_skrev4_v1";
@@ -60,6 +62,22 @@ pub struct SockConfig {
     pub default_source6: [u8; 16],
 }
 
+/// Value of the [`PODS`] map: which sockets are pods', balanced at the socket level as a
+/// pod's packets would be by the TC path (source class POD). A node's pods are the processes
+/// of one cgroup subtree (the kubelet's `kubepods`); the hooks, attached at the cgroup root,
+/// ask whether the calling task lives under it (`bpf_get_current_ancestor_cgroup_id` at the
+/// subtree's `level`), whatever its network namespace. `cgroup_id` 0: no pod is balanced at
+/// the socket level (their packets are, by TC).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockPods {
+    /// The pods' cgroup's id (its directory's inode number in cgroup v2).
+    pub cgroup_id: u64,
+    /// Its depth below the cgroup v2 root (the root is level 0).
+    pub level: u32,
+    pub pad: u32,
+}
+
 /// Key of the [`REVERSE4`] and [`REVERSE6`] maps: one socket (its cookie) and the backend it
 /// was sent to.
 #[repr(C)]
@@ -88,6 +106,7 @@ pub type SockFrontend6 = SockFrontend<crate::V6>;
 
 map_types! {
     SockConfig: 32;
+    SockPods: 16;
     SockRevKey<A>: 16, 32;
     SockFrontend<A>: 8, 20;
 }

@@ -271,6 +271,11 @@ pinned! {
 }
 
 pinned! {
+    pub static SOCK_PODS = "vipr_skpods_v1" as proxy_common::sock::PODS:
+        PinnedMap<u32, proxy_common::SockPods, ARRAY, 1>;
+}
+
+pinned! {
     pub static SOCK_REVERSE4 = "vipr_skrev4_v1" as proxy_common::sock::REVERSE4:
         PinnedMap<
             proxy_common::SockRevKey4,

@@ -9,8 +9,15 @@
 //! node and the backend: no per-packet work, no flow entry.
 //!
 //! cgroup hooks run for every socket of the cgroup, whatever its network namespace; every
-//! program first checks that the socket lives in the agent's namespace (the cookie in
-//! `vipr_skcfg_v2`) and leaves all other sockets alone.
+//! program first checks whose socket it is and leaves all others alone: the node's (it lives
+//! in the agent's namespace, the cookie in `vipr_skcfg_v2`), balanced as source class NODE,
+//! or a pod's (the calling task lives under the pods' cgroup, `vipr_skpods_v1`,
+//! `--bpf-socket-lb-pods`), balanced as source class POD. A pod's connection is translated
+//! only where the TC path would do nothing else than choose the backend: a service that
+//! masquerades the pod's traffic (a load-balancer IP with eTP:Cluster, `--masquerade-all`),
+//! or that must see the pod's own address (source ranges, session affinity) while the socket
+//! is not bound to it yet, is left to the TC path, so a pod sees kube-proxy's semantics either
+//! way.
 //!
 //! The logic is written once for both families, as the TC path's is: [`SockAddress`] says
 //! where a hook's context keeps its addresses, and the family's maps come from
@@ -21,7 +28,10 @@ use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{
     bindings::{bpf_sock, bpf_sock_addr},
-    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{
+        bpf_get_current_ancestor_cgroup_id, bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie,
+        bpf_set_retval,
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
     EbpfContext as _,
@@ -35,7 +45,7 @@ use crate::{
     family::{Address, Ipv4, Ipv6},
     family_maps::Maps,
     lb::{decide, Decision, Pick},
-    maps::{SOCK_CONFIG, SOCK_REVERSE4, SOCK_REVERSE6},
+    maps::{SOCK_CONFIG, SOCK_PODS, SOCK_REVERSE4, SOCK_REVERSE6},
     packet::Tuple,
 };
 
@@ -109,13 +119,32 @@ fn restore6(ctx: &SockAddrContext) {
     }
 }
 
-/// The agent's settings, if the socket lives in the agent's network namespace.
+/// Whose socket a hook met: the agent's settings and the source class the socket is balanced
+/// as.
+#[derive(Clone, Copy)]
+struct Caller {
+    config: SockConfig,
+    class: u8,
+}
+
+/// The agent's settings and the socket's class, if the socket is the node's (it lives in the
+/// agent's network namespace) or, with pods balanced at the socket level, a pod's (the calling
+/// task lives under the pods' cgroup).
 #[inline(always)]
-fn ours(ctx: &SockAddrContext) -> Option<SockConfig> {
+fn ours(ctx: &SockAddrContext) -> Option<Caller> {
     let config = SOCK_CONFIG.get(&0)?;
     // SAFETY: the helper only reads the context the kernel passed in.
     let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    (config.netns_cookie != 0 && netns == config.netns_cookie).then_some(config)
+    if config.netns_cookie != 0 && netns == config.netns_cookie {
+        return Some(Caller { config, class: source_class::NODE });
+    }
+    let pods = SOCK_PODS.get(&0)?;
+    if pods.cgroup_id == 0 {
+        return None;
+    }
+    // SAFETY: a plain helper call about the current task; 0 when it has no ancestor at `level`.
+    let ancestor = unsafe { bpf_get_current_ancestor_cgroup_id(pods.level as i32) };
+    (ancestor == pods.cgroup_id).then_some(Caller { config, class: source_class::POD })
 }
 
 // Context fields are read and written one at a time with their exact width: the kernel
@@ -325,7 +354,7 @@ fn set_user_addr<S: SockAddress>(ctx: &SockAddrContext, endpoint: &Peer<S::Addr>
 /// connect (`SENDMSG` false) and sendmsg (true): a frontend becomes one of its backends.
 #[inline(always)]
 fn translate<S: SockAddress, const SENDMSG: bool>(ctx: &SockAddrContext) -> i32 {
-    let Some(config) = ours(ctx) else {
+    let Some(caller) = ours(ctx) else {
         return ALLOW;
     };
     let sa = ctx.sock_addr;
@@ -352,11 +381,11 @@ fn translate<S: SockAddress, const SENDMSG: bool>(ctx: &SockAddrContext) -> i32 
     // its datagrams stay on one backend (while the set is unchanged), as conntrack keeps a
     // UDP 5-tuple on one endpoint.
     let pick = if SENDMSG { spread(cookie) } else { unsafe { bpf_get_prandom_u32() } };
-    let backend = match choose::<S, SENDMSG>(ctx, &config, &frontend, pick) {
+    let backend = match choose::<S, SENDMSG>(ctx, &caller, &frontend, pick) {
         Choice::Backend(backend) => backend,
         Choice::Verdict(verdict) => return verdict,
         // The agent retired the set between the two lookups; the new one is in place now.
-        Choice::Retired => match choose::<S, SENDMSG>(ctx, &config, &frontend, pick) {
+        Choice::Retired => match choose::<S, SENDMSG>(ctx, &caller, &frontend, pick) {
             Choice::Backend(backend) => backend,
             Choice::Verdict(verdict) => return verdict,
             Choice::Retired => return refuse(EAGAIN),
@@ -378,15 +407,18 @@ enum Choice<A> {
 #[inline(always)]
 fn choose<S: SockAddress, const SENDMSG: bool>(
     ctx: &SockAddrContext,
-    config: &SockConfig,
+    caller: &Caller,
     frontend: &Tuple<S::Addr>,
     pick: u32,
 ) -> Choice<S::Addr> {
     // Source ranges and session affinity see the socket's source. Every node process shares
     // the node's address, so with session affinity they share one backend, as behind
     // kube-proxy.
-    let client = source::<S, SENDMSG>(ctx, config);
-    match decide(frontend, source_class::NODE, &client, Pick::Given(pick)) {
+    let client = source::<S, SENDMSG>(ctx, &caller.config);
+    if caller.class == source_class::POD && !pod_translates::<S, SENDMSG>(ctx, frontend) {
+        return Choice::Verdict(ALLOW);
+    }
+    match decide(frontend, caller.class, &client, Pick::Given(pick)) {
         Decision::Backend(chosen) => {
             Choice::Backend(Peer { addr: chosen.backend.addr, port: chosen.backend.port })
         }
@@ -402,6 +434,28 @@ fn choose<S: SockAddress, const SENDMSG: bool>(
         }
         Decision::Retired => Choice::Retired,
     }
+}
+
+/// Whether a pod's socket is translated here: the service's POD entry neither masquerades
+/// the pod's traffic (the backend must see the node's address, which only the TC path gives
+/// it) nor needs the pod's address (source ranges, session affinity) that a socket not bound
+/// yet does not show. A frontend without a POD entry goes on to the unmatched-destination
+/// check, as the node's sockets do.
+#[inline(always)]
+fn pod_translates<S: SockAddress, const SENDMSG: bool>(
+    ctx: &SockAddrContext,
+    frontend: &Tuple<S::Addr>,
+) -> bool {
+    let Some(service) = S::Addr::service(frontend, source_class::POD) else {
+        return true;
+    };
+    if service.flags & service_flags::MASQUERADE != 0 {
+        return false;
+    }
+    let needs_source = service.flags & service_flags::SOURCE_RANGES != 0 || service.affinity_timeout != 0;
+    let unspecified = S::Addr::UNSPECIFIED;
+    let known = (SENDMSG && !S::msg_source(ctx).is(&unspecified)) || !S::bound_source(ctx).is(&unspecified);
+    !needs_source || known
 }
 
 /// A cluster IP on a port it does not serve is refused as the TC path rejects it; another

@@ -116,6 +116,18 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub cgroup_root: Option<PathBuf>,
 
+    /// Balance this node's pods' connections to services at the socket level too (eBPF mode):
+    /// a pod's connect() or sendmsg() to a cluster IP goes to the backend once, so its packets
+    /// need no NAT. Pods are the processes under --pods-cgroup. `false`: pods' packets are
+    /// balanced by TC.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
+    pub bpf_socket_lb_pods: bool,
+
+    /// The cgroup v2 directory of this node's pods, under the host's cgroup2 mount [default:
+    /// the kubelet's `kubepods.slice` or `kubepods` there, if one exists].
+    #[arg(long, value_name = "DIR")]
+    pub pods_cgroup: Option<PathBuf>,
+
     /// Capacity of the services map: entries are frontends × 3 source classes; a Service
     /// whose entries do not fit is refused [default: 196608]. A pinned map of another size
     /// is migrated at start (every `--bpf-*-max`).

@@ -29,8 +29,8 @@ use crate::cli::Args;
 use crate::config::{file::ModeSection, *};
 use crate::dataplane::{
     ebpf::{
-        maglev, Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts, EbpfOptions, FlowPressure,
-        HostTrafficOptions, LbMode, XdpMode,
+        maglev, pod_sockets::PodSocketOptions, Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts,
+        EbpfOptions, FlowPressure, HostTrafficOptions, LbMode, XdpMode,
     },
     iptables::IptablesOptions,
     ipvs::{self, IpvsOptions},
@@ -65,6 +65,8 @@ pub struct Settings {
     pub state_dir: PathBuf,
     /// `--cgroup-root`; `None`: the cgroup2 mount point.
     pub cgroup_root: Option<PathBuf>,
+    /// `--bpf-socket-lb-pods`, `--pods-cgroup`.
+    pub pod_sockets: PodSocketOptions,
     pub bpf_map_sizes: BpfMapSizes,
     /// `--conntrack-*` timeouts: when the eBPF datapath's flow entries expire.
     pub conntrack: ConntrackTimeouts,
@@ -398,6 +400,10 @@ impl Settings {
             bpf_root: args.bpf_root.clone(),
             state_dir: args.state_dir.clone(),
             cgroup_root: args.cgroup_root.clone(),
+            pod_sockets: PodSocketOptions {
+                enabled: args.bpf_socket_lb_pods,
+                cgroup: args.pods_cgroup.clone(),
+            },
             bpf_map_sizes: BpfMapSizes::resolve(args)?,
             conntrack: ConntrackTimeouts::resolve(args, &file)?,
             balancing: balancing(args)?,
@@ -869,7 +875,10 @@ impl Settings {
                 forwarding: self.bpf_forwarding,
                 lb_mode: self.lb_mode,
             },
-            host_traffic: HostTrafficOptions { cgroup_root: self.cgroup_root.clone() },
+            host_traffic: HostTrafficOptions {
+                cgroup_root: self.cgroup_root.clone(),
+                pods: self.pod_sockets.clone(),
+            },
             state_dir: self.state_dir.clone(),
             iptables: IptablesOptions {
                 localhost_node_ports: self.localhost_node_ports_in(mode),

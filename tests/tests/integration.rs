@@ -37,6 +37,7 @@ mod network_policy;
 mod nftables_lab;
 mod packet_fixtures;
 mod packet_fixtures_v6;
+mod pod_sockets;
 mod reject_fixtures;
 mod sctp_fixtures;
 mod sctp_raw;

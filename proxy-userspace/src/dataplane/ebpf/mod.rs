@@ -41,6 +41,7 @@ mod options;
 mod pin_dir;
 pub mod plan;
 mod pod_interfaces;
+pub mod pod_sockets;
 pub mod program_load;
 pub(crate) mod reaper;
 pub mod record;
@@ -681,12 +682,15 @@ fn map_data(map: &aya::maps::Map) -> Option<&MapData> {
 // sock_addr programs on the cgroup v2 root, acting only on sockets of this agent's network
 // namespace. See docs/architecture/host-traffic.md.
 
-/// Where the socket-level load balancer attaches (vipr's `--cgroup-root`).
+/// Where the socket-level load balancer attaches (vipr's `--cgroup-root`), and whether it
+/// balances pods' sockets too.
 #[derive(Clone, Debug, Default)]
 pub struct HostTrafficOptions {
     /// The cgroup v2 directory whose processes' sockets are balanced (its descendants'
     /// included). `None`: the root of the cgroup2 mount in /proc/self/mounts.
     pub cgroup_root: Option<PathBuf>,
+    /// `--bpf-socket-lb-pods`, `--pods-cgroup`.
+    pub pods: pod_sockets::PodSocketOptions,
 }
 
 /// The attached hooks' settings map, kept to follow the node's default source address.
@@ -735,6 +739,7 @@ impl HostTraffic {
                     default_source6: default_source6(),
                 };
                 config_map.set(0, config, 0).with_context(|| format!("cannot write {}", sock::CONFIG))?;
+                Self::balance_pods(ebpf, &options.pods)?;
                 Self::attach(ebpf, pin_dir, &cgroup_root)?;
                 Ok(config)
             });
@@ -758,6 +763,41 @@ impl HostTraffic {
             "balancing the node's own connections at the socket level"
         );
         Ok(Some(Self { config_map, config }))
+    }
+
+    /// Writes which sockets are pods' (`pod_sockets`), before the hooks attach. A pod cgroup
+    /// that cannot be used leaves pods to the TC path, logged; the node's sockets are balanced
+    /// either way.
+    fn balance_pods(ebpf: &mut Ebpf, options: &pod_sockets::PodSocketOptions) -> anyhow::Result<()> {
+        use proxy_common::sock::PODS;
+        // Borrowed, not taken: the programs loaded next need the map's descriptor.
+        let map = ebpf.map_mut(PODS).ok_or_else(|| anyhow!("map {PODS} is missing from the object"))?;
+        let mut pods_map: aya::maps::Array<&mut MapData, proxy_common::SockPods> =
+            aya::maps::Array::try_from(map)
+                .with_context(|| format!("map {PODS} does not have the expected layout"))?;
+        let resolved = cgroup2_mount()
+            .context("cannot read /proc/self/mounts")
+            .and_then(|mount| mount.context("no cgroup2 file system is mounted"))
+            .and_then(|mount| pod_sockets::resolve(options, &mount));
+        let pods = match resolved {
+            Ok((pods, Some(cgroup))) => {
+                info!(cgroup = %cgroup.display(), level = pods.level, "balancing pods' connections at the socket level");
+                pods
+            }
+            Ok((pods, None)) => {
+                info!(
+                    enabled = options.enabled,
+                    "pods' connections are balanced per packet by TC (no pods' cgroup: --pods-cgroup names it)"
+                );
+                pods
+            }
+            Err(error) => {
+                tracing::error!("pods' connections are balanced per packet by TC: {error:#}");
+                proxy_common::SockPods::default()
+            }
+        };
+        pods_map.set(0, pods, 0).with_context(|| format!("cannot write {PODS}"))?;
+        Ok(())
     }
 
     /// Loads every hook's program and attaches it to `cgroup_root`, the reverse path first.
