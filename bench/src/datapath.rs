@@ -451,7 +451,8 @@ impl<'a> CellBench<'a> {
                 forwarding: Default::default(),
                 lb_mode: Default::default(),
             };
-            let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()), ..Default::default() };
+            let host =
+                HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()), ..Default::default() };
             let mut dataplane =
                 EbpfDataplane::start_with(&options, &host).context("starting the dataplane")?;
             let report = dataplane.sync(&translation.state).context("programming the cell")?;

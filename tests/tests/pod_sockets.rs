@@ -34,6 +34,10 @@ fn http() -> SocketAddr {
     SocketAddr::from((VIP, 80))
 }
 
+fn dns() -> SocketAddr {
+    SocketAddr::from((VIP, 53))
+}
+
 /// A lab whose vipr takes `cgroup` as the pods' cgroup, with `extra_args`.
 fn lab(label: &str, cgroup: &Cgroup2Dir, extra_args: &[&str]) -> Result<Lab> {
     let endpoints =
@@ -53,13 +57,18 @@ struct PodExchange {
     answer: Answer,
 }
 
-/// One exchange with `target` by a process of `netns` that lives in `cgroup`.
+/// One TCP exchange with `target` by a process of `netns` that lives in `cgroup`.
 fn pod_exchange(netns: &Netns, cgroup: &Path, target: SocketAddr) -> Result<PodExchange> {
+    probe(netns, cgroup, "tcp", target)
+}
+
+/// `socket-probe <transport> <target>` in `netns`, in `cgroup`.
+fn probe(netns: &Netns, cgroup: &Path, transport: &str, target: SocketAddr) -> Result<PodExchange> {
     let namespace = File::open(format!("/run/netns/{}", netns.name()))
         .with_context(|| format!("opening the namespace {}", netns.name()))?;
     let procs = CString::new(cgroup.join("cgroup.procs").into_os_string().into_encoded_bytes())?;
     let mut command = Command::new(env!("CARGO_BIN_EXE_socket-probe"));
-    command.arg(target.to_string());
+    command.args([transport, &target.to_string()]);
     let namespace_fd = namespace.as_raw_fd();
     // SAFETY: between fork and exec the child only makes system calls on memory prepared
     // before the fork (no allocation, no lock).
@@ -89,6 +98,16 @@ fn pod_exchange(netns: &Netns, cgroup: &Path, target: SocketAddr) -> Result<PodE
 /// The client ports of the TCP connections from [`CLIENT`] to the cluster IP that the TC
 /// program tracked, from vipr's flows map.
 fn tracked_ports(bpf_root: &Path) -> Result<Vec<u16>> {
+    tracked(bpf_root, 6)
+}
+
+fn tracked_udp_ports(bpf_root: &Path) -> Result<Vec<u16>> {
+    tracked(bpf_root, 17)
+}
+
+/// The client ports of the flows of IP protocol `protocol` from [`CLIENT`] to the cluster IP
+/// that the TC program tracked, from vipr's flows map.
+fn tracked(bpf_root: &Path, protocol: u64) -> Result<Vec<u16>> {
     let pinned = bpf_root.join(pins::DIR).join(pins::FLOWS4);
     let output = Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(&pinned).output()?;
     ensure!(output.status.success(), "bpftool: {}", String::from_utf8_lossy(&output.stderr));
@@ -105,8 +124,10 @@ fn tracked_ports(bpf_root: &Path) -> Result<Vec<u16>> {
         .flatten()
         .filter_map(|flow| {
             let key = &flow["formatted"]["key"];
-            (bytes(&key["src_addr"]) == [10, 10, 0, 2] && bytes(&key["dst_addr"]) == [10, 96, 0, 10])
-                .then(|| key["src_port"].as_u64().and_then(|port| u16::try_from(port).ok()))?
+            (bytes(&key["src_addr"]) == [10, 10, 0, 2]
+                && bytes(&key["dst_addr"]) == [10, 96, 0, 10]
+                && key["proto"].as_u64() == Some(protocol))
+            .then(|| key["src_port"].as_u64().and_then(|port| u16::try_from(port).ok()))?
         })
         .collect())
 }
@@ -159,6 +180,17 @@ fn a_pods_connection_to_a_cluster_ip_goes_to_the_backend_in_the_system_call() ->
         }
     }
     ensure!(reverse_translations(lab.bpf_root())? >= before + 4, "no reverse translation was recorded");
+
+    // Unconnected UDP: the datagram goes to a backend, and the reply shows the cluster IP as
+    // its source (recvmsg), which is what a resolver checks.
+    let datagram = probe(lab.client(), cgroup.path(), "udp", dns())?;
+    ensure!(datagram.peer == dns(), "the pod's reply did not come from the cluster IP: {datagram:?}");
+    let port = datagram.answer.observed_client.port();
+    ensure!(
+        ["b1", "b2"].contains(&datagram.answer.backend.as_str())
+            && !tracked_udp_ports(lab.bpf_root())?.contains(&port),
+        "the pod's datagram from port {port} was balanced by the TC program: {datagram:?}"
+    );
 
     // The same namespace, from a process outside the pods' cgroup (this one): TC's business.
     let exchange = lab.client().run(|| tcp_exchange(http(), TIMEOUT))?;
