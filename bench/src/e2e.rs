@@ -53,7 +53,7 @@ use super::{
     load::{self, Outcome, Traffic},
     meta::RunMeta,
     stats::Summary,
-    sys::{BpfMount, PrivateCgroup, XdpCountDrop},
+    sys::{BpfMount, PodCgroup, PrivateCgroup, XdpCountDrop},
 };
 
 const LABEL: &str = "vb-e2e";
@@ -475,6 +475,9 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
         None
     };
     let cgroup = PrivateCgroup::new()?;
+    // The clients are pods: in ebpf mode their connections to cluster IPs are balanced at the
+    // socket level (vipr's default on a node with a pod cgroup).
+    let pods = PodCgroup::enter(&cgroup)?;
     let scratch = WorkDir::create(LABEL)?;
     let legacy_path = legacy_wrappers(scratch.path())?;
     let mut labs = Vec::new();
@@ -486,7 +489,12 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
                 continue;
             }
             eprintln!("e2e: {} with {services} services: programming", mode.label());
-            let context = LabContext { binary: &binary, cgroup: cgroup.path(), legacy_path: &legacy_path };
+            let context = LabContext {
+                binary: &binary,
+                cgroup: cgroup.path(),
+                pods_cgroup: pods.path(),
+                legacy_path: &legacy_path,
+            };
             match Lab::start(&context, mode, services, &settings) {
                 Ok(lab) => {
                     eprintln!("e2e:   programmed in {:.2} s", lab.programming_seconds);
@@ -568,6 +576,7 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
     }
     // Agents, servers and namespaces go before the cgroup their hooks were attached to.
     drop(labs);
+    drop(pods);
     drop(cgroup);
     meta.finish();
     Ok(Results { meta, settings, cells, skipped })
@@ -684,6 +693,8 @@ fn legacy_wrappers(scratch: &Path) -> Result<String> {
 struct LabContext<'a> {
     binary: &'a Path,
     cgroup: &'a Path,
+    /// Where this process (the pods' clients) lives: vipr's `--pods-cgroup`.
+    pods_cgroup: &'a Path,
     legacy_path: &'a str,
 }
 
@@ -839,6 +850,7 @@ impl Lab {
                 format!("--devices={}", topology.node_interfaces().join(",")),
                 format!("--bpf-root={}", bpffs.path().display()),
                 format!("--cgroup-root={}", context.cgroup.display()),
+                format!("--pods-cgroup={}", context.pods_cgroup.display()),
             ]);
             if mode == Mode::EbpfXdp {
                 // XDP runs only on the redirect path (it transmits past netfilter).

@@ -183,6 +183,50 @@ impl Drop for PrivateCgroup {
     }
 }
 
+/// This process, moved into a child cgroup of a [`PrivateCgroup`] that stands in for the
+/// kubelet's pod cgroup (vipr's `--pods-cgroup`): its client threads in the labs' pod
+/// namespaces are then pods to vipr's socket hooks, as a real pod's processes are. Dropping it
+/// moves the process back where it was and removes the cgroup.
+pub struct PodCgroup {
+    path: PathBuf,
+    /// The cgroup.procs of the cgroup the process came from.
+    home: PathBuf,
+}
+
+impl PodCgroup {
+    pub fn enter(parent: &PrivateCgroup) -> Result<Self> {
+        let own = fs::read_to_string("/proc/self/cgroup").context("reading /proc/self/cgroup")?;
+        let relative = own
+            .lines()
+            .find_map(|line| line.strip_prefix("0::"))
+            .context("this process has no cgroup v2 membership")?;
+        let root = parent.path().parent().context("the private cgroup has no parent")?;
+        let home = root.join(relative.trim_start_matches('/')).join("cgroup.procs");
+        let path = parent.path().join("pods");
+        fs::create_dir(&path).with_context(|| format!("creating cgroup {}", path.display()))?;
+        let pods = Self { path, home };
+        // "0": the writing process, all its threads with it.
+        fs::write(pods.path.join("cgroup.procs"), "0")
+            .with_context(|| format!("entering {}", pods.path.display()))?;
+        Ok(pods)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        if let Err(error) = fs::write(&self.home, "0") {
+            eprintln!("vipr-bench: cannot return to {}: {error}", self.home.display());
+        }
+        if let Err(error) = fs::remove_dir(&self.path) {
+            eprintln!("vipr-bench: cannot remove cgroup {}: {error}", self.path.display());
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Raw bpf(): an empty TC program and BPF_PROG_TEST_RUN.
 
