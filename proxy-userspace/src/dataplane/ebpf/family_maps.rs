@@ -314,7 +314,7 @@ impl<F: Family> FamilyMaps<F> {
             .iter()
             .filter(|(_, service)| {
                 !failed_sets.contains(&service.backend_set)
-                    && !(service.affinity_timeout != 0 && failed_members.contains(&service.backend_set))
+                    && (service.affinity_timeout == 0 || !failed_members.contains(&service.backend_set))
             })
             .copied()
             .unzip();
