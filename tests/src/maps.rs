@@ -100,6 +100,18 @@ impl PinnedMaps {
             .collect())
     }
 
+    /// The backend-set membership map, which session affinity reads: (backend set, backend)
+    /// -> the first slot that holds it.
+    pub fn members(&self) -> Result<BTreeMap<(u32, SocketAddrV4), u32>> {
+        Ok(self
+            .dump::<BackendMember, u32>(pins::MEMBERS4)?
+            .into_iter()
+            .map(|(member, slot)| {
+                ((member.backend_set, SocketAddrV4::new(Ipv4Addr::from(member.addr), member.port)), slot)
+            })
+            .collect())
+    }
+
     fn dump<K: DeserializeOwned, V: DeserializeOwned>(&self, map: &str) -> Result<Vec<(K, V)>> {
         let path = self.path(map);
         let json = cmd::run(Command::new("bpftool").arg("-j").args(["map", "dump", "pinned"]).arg(&path))?;
@@ -146,6 +158,13 @@ struct BackendSlot {
 
 #[derive(Deserialize)]
 struct Backend {
+    addr: [u8; 4],
+    port: u16,
+}
+
+#[derive(Deserialize)]
+struct BackendMember {
+    backend_set: u32,
     addr: [u8; 4],
     port: u16,
 }

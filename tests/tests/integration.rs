@@ -5,6 +5,7 @@
 //! [`testbed::unique_name`], and the ones that measure rates or hold the machine busy take
 //! [`testbed::exclusive`] (docs/architecture/testing.md).
 
+mod affinity_members;
 mod agent_http;
 mod agent_restarts;
 mod agent_upgrade;

@@ -99,6 +99,10 @@ pub struct CounterIds {
     /// Indices handed out since [`Self::take_fresh`]: the caller zeroes them before any slot
     /// carries them.
     fresh: Vec<u32>,
+    /// The map was created empty for this agent: an index never handed out holds zeros, and
+    /// only released ones are zeroed before they are handed out again (a sync from scratch
+    /// then zeroes nothing). Otherwise an earlier agent may have counted into any index.
+    new_map: bool,
     exhausted_logged: bool,
     table: SharedTable,
 }
@@ -113,9 +117,15 @@ impl CounterIds {
             free: VecDeque::new(),
             next: 1,
             fresh: Vec::new(),
+            new_map: false,
             exhausted_logged: false,
             table: SharedTable::default(),
         }
+    }
+
+    /// Says that the map was created empty by this agent (see [`Self::new_map`]).
+    pub fn map_created_empty(&mut self) {
+        self.new_map = true;
     }
 
     pub fn table(&self) -> SharedTable {
@@ -148,10 +158,7 @@ impl CounterIds {
         let index = match self.adopted.remove(&key) {
             Some(index) => index,
             None => match self.allocate() {
-                Some(index) => {
-                    self.fresh.push(index);
-                    index
-                }
+                Some(index) => index,
                 None => {
                     if !std::mem::replace(&mut self.exhausted_logged, true) {
                         warn!(
@@ -171,12 +178,20 @@ impl CounterIds {
         index
     }
 
+    /// An index that is not in use, to zero (see [`Self::fresh`]) unless it was never handed
+    /// out from a map created empty.
     fn allocate(&mut self) -> Option<u32> {
-        if self.next < self.capacity {
+        let index = if self.next < self.capacity {
             self.next += 1;
-            return Some(self.next - 1);
-        }
-        self.free.pop_front()
+            if self.new_map {
+                return Some(self.next - 1);
+            }
+            self.next - 1
+        } else {
+            self.free.pop_front()?
+        };
+        self.fresh.push(index);
+        Some(index)
     }
 
     /// Indices handed out since the last call, to zero before they are programmed.
@@ -644,6 +659,21 @@ mod tests {
         assert_eq!(lock(&ids.table).retired[&web], Counters { packets: 7, bytes: 700 });
         assert_eq!(lock(&ids.table).iter().map(|(index, _)| index).collect::<Vec<_>>(), [a, b]);
         assert_eq!(ids.by_pair.len(), 2);
+    }
+
+    /// A map created empty holds zeros at every index never handed out: those are not zeroed
+    /// again (a sync from scratch zeroes nothing), a released one handed out again is.
+    #[test]
+    fn a_new_map_zeroes_only_reused_indices() {
+        let ip: IpAddr = "10.1.0.1".parse().unwrap();
+        let mut ids = CounterIds::new(3);
+        ids.map_created_empty();
+        let web = service("web");
+        let (a, b) = (ids.index(&web, 1, ip, 1), ids.index(&web, 1, ip, 2));
+        assert!(ids.take_fresh().is_empty(), "never handed out: zero already");
+        ids.release_unused(&BTreeSet::from([b]), |_| None);
+        assert_eq!(ids.index(&web, 1, ip, 3), a);
+        assert_eq!(ids.take_fresh(), [a], "a reused index may hold its earlier pair's count");
     }
 
     #[test]

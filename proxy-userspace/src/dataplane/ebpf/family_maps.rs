@@ -2,7 +2,7 @@
 //! [`super::plan`]) and the classification and filtering tries (synced by difference, see
 //! [`super::mirror`]). The dataplane holds one of these per family.
 use std::{
-    collections::{hash_map::Entry, BTreeMap, BTreeSet, HashMap as StdHashMap},
+    collections::{hash_map::Entry, BTreeMap, BTreeSet, HashMap as StdHashMap, HashSet},
     os::fd::AsFd as _,
 };
 
@@ -27,9 +27,14 @@ use crate::{bpf_sys::update_batch, dataplane::SyncReport};
 pub struct FamilyMaps<F: Family> {
     services: HashMap<MapData, ServiceKey<F>, Service>,
     backends: HashMap<MapData, BackendSlot, Backend<F>>,
-    /// Which backends each set holds (for session affinity), written and cleared with the
-    /// sets.
+    /// Which backends each set holds. Only session affinity reads it (proxy-ebpf
+    /// `affinity.rs`), so only the sets that an entry with affinity points to get their
+    /// members: most sets have none, and a sync from scratch writes a third fewer entries.
     members: HashMap<MapData, BackendMember<F>, u32>,
+    /// The sets whose membership entries are all in the map.
+    with_members: HashSet<u32>,
+    /// How many programmed entries with session affinity point to each set.
+    affinity_refs: StdHashMap<u32, usize>,
     programmed: Programmed<F>,
     /// Indexes of `programmed` kept along with it, so that a sync of a few entries costs
     /// what they do: complete sets by their backends, how many entries point to each set,
@@ -71,13 +76,19 @@ impl<F: Family> FamilyMaps<F> {
             info!(family = F::NAME, entries = programmed.services.len(), "adopted the pinned datapath");
         }
         let mut members: HashMap<MapData, BackendMember<F>, u32> = take_map(ebpf, names.members)?;
-        remove_stale_members(&mut members, &programmed);
+        let with_members = remove_stale_members(&mut members, &programmed);
         let mut set_refs = StdHashMap::new();
+        let mut affinity_refs = StdHashMap::new();
         for service in programmed.services.values() {
             *set_refs.entry(service.backend_set).or_default() += 1;
+            if service.affinity_timeout != 0 {
+                *affinity_refs.entry(service.backend_set).or_default() += 1;
+            }
         }
         let mut maps = Self {
             members,
+            with_members,
+            affinity_refs,
             node_ips: Mirrored::adopt(take_map(ebpf, names.node_ips)?),
             pod_cidrs: Mirrored::adopt(take_map(ebpf, names.pod_cidrs)?),
             unmatched: Mirrored::adopt(take_map(ebpf, names.unmatched)?),
@@ -127,22 +138,31 @@ impl<F: Family> FamilyMaps<F> {
         backends
     }
 
-    /// Records a programmed service entry; the set its old value pointed to may be unused now.
-    fn store_entry(&mut self, key: ServiceKey<F>, service: Option<Service>, unused: &mut BTreeSet<u32>) {
+    /// Records a programmed service entry; the set its old value pointed to may be unused now
+    /// (`unused`), or used by no entry with session affinity (`without_affinity`).
+    fn store_entry(
+        &mut self,
+        key: ServiceKey<F>,
+        service: Option<Service>,
+        unused: &mut BTreeSet<u32>,
+        without_affinity: &mut Vec<u32>,
+    ) {
         let old = match service {
             Some(service) => {
                 *self.set_refs.entry(service.backend_set).or_default() += 1;
+                if service.affinity_timeout != 0 {
+                    *self.affinity_refs.entry(service.backend_set).or_default() += 1;
+                }
                 self.programmed.services.insert(key, service)
             }
             None => self.programmed.services.remove(&key),
         };
         if let Some(old) = old {
-            if let Entry::Occupied(mut refs) = self.set_refs.entry(old.backend_set) {
-                *refs.get_mut() -= 1;
-                if *refs.get() == 0 {
-                    refs.remove();
-                    unused.insert(old.backend_set);
-                }
+            if release_ref(&mut self.set_refs, old.backend_set) {
+                unused.insert(old.backend_set);
+            }
+            if old.affinity_timeout != 0 && release_ref(&mut self.affinity_refs, old.backend_set) {
+                without_affinity.push(old.backend_set);
             }
         }
     }
@@ -216,59 +236,99 @@ impl<F: Family> FamilyMaps<F> {
                 plan_changes(&self.programmed, &self.content, &wanted.services, keys, &mut self.set_ids)
             }
         };
-        let mut failed_sets = Vec::new();
+        // The sets that need their members before the entries are stored: those an entry with
+        // session affinity is about to point to, and, in a sync of everything, those of the
+        // entries with affinity kept as they are (an earlier agent may have left them without).
+        let mut need_members: HashSet<u32> = plan
+            .stores
+            .iter()
+            .filter(|(_, service)| service.affinity_timeout != 0)
+            .map(|(_, service)| service.backend_set)
+            .collect();
+        if keys.is_none() {
+            need_members.extend(self.affinity_refs.keys().copied());
+        }
+        need_members.retain(|set| *set != NO_BACKENDS && !self.with_members.contains(set));
+        let mut failed_sets = HashSet::new();
         let mut released = Vec::new();
+        let mut fill_errors = self.fill_sets(&plan.fills, &need_members);
         for (set, backends) in plan.fills {
-            match self.fill_set(set, &backends) {
-                Ok(()) => self.insert_set(set, backends),
-                Err(error) => {
+            match fill_errors.remove(&set) {
+                None => {
+                    if need_members.remove(&set) {
+                        self.with_members.insert(set);
+                    }
+                    self.insert_set(set, backends);
+                }
+                Some(error) => {
                     let error = format!(
                         "{} backend set of {} slots cannot be stored: {error:#}",
                         F::NAME,
                         backends.len()
                     );
-                    let users: BTreeSet<u32> = plan
-                        .stores
-                        .iter()
-                        .filter(|(_, service)| service.backend_set == set)
-                        .map(|(_, service)| service.service_id)
-                        .collect();
-                    refused.extend(users.into_iter().map(|id| (id, error.clone())));
+                    refuse_users(&plan.stores, |service| service.backend_set == set, &error, refused);
                     // Not recorded as programmed: the slots written so far are cleared now.
-                    self.clear_set(set, &backends);
-                    failed_sets.push(set);
+                    self.clear_set(set, &backends, need_members.remove(&set));
+                    failed_sets.insert(set);
+                }
+            }
+        }
+        // Sets in the maps already that gain a user with session affinity.
+        let mut failed_members = HashSet::new();
+        for set in need_members {
+            let Some(backends) = self.programmed.sets.get(&set) else { continue };
+            if backends.contains(&F::INCOMPLETE) {
+                continue;
+            }
+            let backends = backends.clone();
+            match self.write_members(set, &backends) {
+                Ok(()) => {
+                    self.with_members.insert(set);
+                }
+                Err(error) => {
+                    let error = format!("{} backend set members cannot be stored: {error:#}", F::NAME);
+                    let affinity_user =
+                        |service: &Service| service.backend_set == set && service.affinity_timeout != 0;
+                    refuse_users(&plan.stores, affinity_user, &error, refused);
+                    self.clear_members(set, &backends);
+                    failed_members.insert(set);
                 }
             }
         }
         let mut unused = BTreeSet::new();
+        let mut without_affinity = Vec::new();
         // Deletions first: they make room in a full map for the entries stored next.
         for key in &plan.deletes {
             match self.services.delete(key) {
                 Ok(()) => {
-                    self.store_entry(*key, None, &mut unused);
+                    self.store_entry(*key, None, &mut unused, &mut without_affinity);
                     report.changed += 1;
                 }
                 Err(error) => report.failed.push(format!("deleting service entry {key:?}: {error}")),
             }
         }
-        // An entry whose set failed keeps its old value, which still points to a complete set.
+        // An entry whose set failed keeps its old value, which still points to a complete set
+        // (and one with affinity whose set has no members keeps its old value too).
         let (store_keys, store_values): (Vec<ServiceKey<F>>, Vec<Service>) = plan
             .stores
             .iter()
-            .filter(|(_, service)| !failed_sets.contains(&service.backend_set))
+            .filter(|(_, service)| {
+                !failed_sets.contains(&service.backend_set)
+                    && (service.affinity_timeout == 0 || !failed_members.contains(&service.backend_set))
+            })
             .copied()
             .unzip();
         // Each entry is one atomic switch whether it is written alone or in a batch.
         if update_batch(self.services.map().fd().as_fd(), &store_keys, &store_values).is_ok() {
             for (key, service) in store_keys.iter().zip(&store_values) {
-                self.store_entry(*key, Some(*service), &mut unused);
+                self.store_entry(*key, Some(*service), &mut unused, &mut without_affinity);
             }
             report.changed += store_keys.len();
         } else {
             for (key, service) in store_keys.iter().zip(&store_values) {
                 match self.services.insert(key, service, 0) {
                     Ok(()) => {
-                        self.store_entry(*key, Some(*service), &mut unused);
+                        self.store_entry(*key, Some(*service), &mut unused, &mut without_affinity);
                         report.changed += 1;
                     }
                     Err(error) => refused.push((
@@ -278,25 +338,93 @@ impl<F: Family> FamilyMaps<F> {
                 }
             }
         }
+        // Sets still in use that no entry with affinity points to any more lose their members
+        // (unused ones lose them with their slots below).
+        for set in without_affinity {
+            if !self.affinity_refs.contains_key(&set)
+                && self.set_refs.contains_key(&set)
+                && self.with_members.remove(&set)
+            {
+                if let Some(backends) = self.programmed.sets.get(&set).cloned() {
+                    self.clear_members(set, &backends);
+                }
+            }
+        }
         let unused: Vec<u32> = match keys {
             // Sets nothing pointed to before this sync (left by an earlier agent) are found too.
             None => unused_sets(&self.programmed).into_iter().map(|(set, _)| set).collect(),
             Some(_) => unused.into_iter().filter(|set| !self.set_refs.contains_key(set)).collect(),
         };
         for set in unused {
-            if set != 0 {
+            if set != NO_BACKENDS {
                 let backends = self.remove_set(set, &mut released);
-                self.clear_set(set, &backends);
+                let members = self.with_members.remove(&set);
+                self.clear_set(set, &backends, members);
             }
         }
         released
     }
 
-    /// The slots, then each distinct backend's first slot in the membership map (a Maglev
-    /// table holds a backend many times).
-    /// One batched update for the slots and one for the members where the kernel takes them;
-    /// otherwise (or when a batch fails) one update per entry, which names the failure.
-    fn fill_set(&mut self, set: u32, backends: &[Backend<F>]) -> anyhow::Result<()> {
+    /// Writes the slots of new sets, and the members of those in `need_members`, in batched
+    /// updates of about [`FILL_BATCH`] slots across sets (a sync from scratch writes 10k sets
+    /// in a few calls, not two each). The sets of a batch the kernel refuses (a full map, or a
+    /// kernel without batches) are written again one by one, which names those that do not
+    /// fit: they are returned with their errors.
+    fn fill_sets(
+        &mut self,
+        fills: &[(u32, Vec<Backend<F>>)],
+        need_members: &HashSet<u32>,
+    ) -> StdHashMap<u32, anyhow::Error> {
+        let mut failed = StdHashMap::new();
+        let mut rest = fills;
+        while !rest.is_empty() {
+            let mut slots = 0;
+            let count = rest
+                .iter()
+                .take_while(|(_, backends)| {
+                    slots += backends.len();
+                    slots <= FILL_BATCH
+                })
+                .count()
+                .max(1);
+            let (batch, after) = rest.split_at(count);
+            rest = after;
+            if self.fill_batch(batch, need_members) {
+                continue;
+            }
+            for (set, backends) in batch {
+                if let Err(error) = self.fill_set(*set, backends, need_members.contains(set)) {
+                    failed.insert(*set, error);
+                }
+            }
+        }
+        failed
+    }
+
+    /// One batched update for the slots of `sets` and one for the members of those in
+    /// `need_members`; false if the kernel refused either.
+    fn fill_batch(&self, sets: &[(u32, Vec<Backend<F>>)], need_members: &HashSet<u32>) -> bool {
+        let slots: usize = sets.iter().map(|(_, backends)| backends.len()).sum();
+        let (mut keys, mut values) = (Vec::with_capacity(slots), Vec::with_capacity(slots));
+        let (mut members, mut first) = (Vec::new(), Vec::new());
+        for (set, backends) in sets {
+            keys.extend((0..backends.len() as u32).map(|slot| BackendSlot { backend_set: *set, slot }));
+            values.extend_from_slice(backends);
+            if need_members.contains(set) {
+                for (member, slot) in first_slots::<F>(*set, backends) {
+                    members.push(member);
+                    first.push(slot);
+                }
+            }
+        }
+        update_batch(self.backends.map().fd().as_fd(), &keys, &values).is_ok()
+            && update_batch(self.members.map().fd().as_fd(), &members, &first).is_ok()
+    }
+
+    /// The slots of one set, then (with `members`) its members: one batched update each where
+    /// the kernel takes them; otherwise (or when a batch fails) one update per entry, which
+    /// names the failure.
+    fn fill_set(&mut self, set: u32, backends: &[Backend<F>], members: bool) -> anyhow::Result<()> {
         let slots: Vec<BackendSlot> =
             (0..backends.len() as u32).map(|slot| BackendSlot { backend_set: set, slot }).collect();
         if update_batch(self.backends.map().fd().as_fd(), &slots, backends).is_err() {
@@ -306,6 +434,15 @@ impl<F: Family> FamilyMaps<F> {
                     .context("cannot store a backend slot (is the backends map full?)")?;
             }
         }
+        if members {
+            self.write_members(set, backends)?;
+        }
+        Ok(())
+    }
+
+    /// Each distinct backend's first slot in the membership map (a Maglev table holds a
+    /// backend many times).
+    fn write_members(&mut self, set: u32, backends: &[Backend<F>]) -> anyhow::Result<()> {
         let (members, first): (Vec<BackendMember<F>>, Vec<u32>) =
             first_slots::<F>(set, backends).into_iter().unzip();
         if update_batch(self.members.map().fd().as_fd(), &members, &first).is_err() {
@@ -319,18 +456,56 @@ impl<F: Family> FamilyMaps<F> {
     }
 
     /// Best effort: a slot or member that cannot be deleted is harmless (no service points to
-    /// its set) and is found again as unused when the agent restarts.
-    fn clear_set(&mut self, set: u32, backends: &[Backend<F>]) {
+    /// its set) and is found again as unused when the agent restarts. `members`: the set's
+    /// membership entries may be in the map.
+    fn clear_set(&mut self, set: u32, backends: &[Backend<F>], members: bool) {
         for slot in 0..backends.len() as u32 {
             if let Err(error) = self.backends.delete(&BackendSlot { backend_set: set, slot }) {
                 warn!(family = F::NAME, set, slot, %error, "cannot delete a retired backend slot");
             }
         }
+        if members {
+            self.clear_members(set, backends);
+        }
+    }
+
+    fn clear_members(&mut self, set: u32, backends: &[Backend<F>]) {
         for (member, _) in first_slots::<F>(set, backends) {
             // A set that failed half-way has members only for the slots written before.
             let _ = self.members.delete(&member);
         }
     }
+}
+
+/// Slots per batched update of [`FamilyMaps::fill_sets`].
+const FILL_BATCH: usize = 16_384;
+
+/// The set of service entries without backends (see [`super::plan`]): no slots, no members.
+const NO_BACKENDS: u32 = 0;
+
+/// One reference fewer to `set` in `refs`; true when that was the last.
+fn release_ref(refs: &mut StdHashMap<u32, usize>, set: u32) -> bool {
+    if let Entry::Occupied(mut count) = refs.entry(set) {
+        *count.get_mut() -= 1;
+        if *count.get() == 0 {
+            count.remove();
+            return true;
+        }
+    }
+    false
+}
+
+/// Refuses, with `error`, the services of the planned `stores` that `uses` says depend on
+/// what failed.
+fn refuse_users<F: Family>(
+    stores: &[(ServiceKey<F>, Service)],
+    uses: impl Fn(&Service) -> bool,
+    error: &str,
+    refused: &mut Vec<(u32, String)>,
+) {
+    let users: BTreeSet<u32> =
+        stores.iter().filter(|(_, service)| uses(service)).map(|(_, service)| service.service_id).collect();
+    refused.extend(users.into_iter().map(|id| (id, error.to_owned())));
 }
 
 /// Each distinct backend of a set with the first slot that holds it.
@@ -344,22 +519,35 @@ fn first_slots<F: Family>(set: u32, backends: &[Backend<F>]) -> BTreeMap<Backend
 
 /// Deletes membership entries that no complete programmed set accounts for (sets left
 /// incomplete by an earlier agent): a set id is reused later, and a stale member must never
-/// send a client with session affinity into another service's set.
+/// send a client with session affinity into another service's set. Returns the sets whose
+/// members are all there.
 fn remove_stale_members<F: Family>(
     members: &mut HashMap<MapData, BackendMember<F>, u32>,
     programmed: &Programmed<F>,
-) {
+) -> HashSet<u32> {
     let wanted: BTreeMap<BackendMember<F>, u32> =
         programmed.sets.iter().flat_map(|(set, backends)| first_slots::<F>(*set, backends)).collect();
-    let stale: Vec<BackendMember<F>> = members
-        .iter()
-        .filter_map(log_read_error)
-        .filter(|(member, slot)| wanted.get(member) != Some(slot))
-        .map(|(member, _)| member)
-        .collect();
+    let mut present: StdHashMap<u32, usize> = StdHashMap::new();
+    let mut stale = Vec::new();
+    for (member, slot) in members.iter().filter_map(log_read_error) {
+        if wanted.get(&member) == Some(&slot) {
+            *present.entry(F::member_set(&member)).or_default() += 1;
+        } else {
+            stale.push(member);
+        }
+    }
     for member in stale {
         if let Err(error) = members.delete(&member) {
             warn!(family = F::NAME, set = F::member_set(&member), %error, "cannot delete a stale set member");
         }
     }
+    programmed
+        .sets
+        .iter()
+        .filter(|(set, backends)| {
+            !backends.contains(&F::INCOMPLETE)
+                && present.get(set).copied().unwrap_or(0) == first_slots::<F>(**set, backends).len()
+        })
+        .map(|(set, _)| *set)
+        .collect()
 }

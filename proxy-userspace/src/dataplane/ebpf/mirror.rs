@@ -16,6 +16,11 @@ pub trait KeyedMap {
     fn put(&mut self, key: &Self::Key, value: &Self::Value) -> Result<(), MapError>;
     fn delete(&mut self, key: &Self::Key) -> Result<(), MapError>;
     fn entries(&self) -> Vec<(Self::Key, Self::Value)>;
+    /// Writes `entries` in one batched update; false if the kernel refused it (or the map
+    /// type has none here), and then they are written one by one.
+    fn put_batch(&mut self, _entries: &[(&Self::Key, &Self::Value)]) -> bool {
+        false
+    }
 }
 
 impl<K: Pod + Ord, V: Pod + Eq> KeyedMap for HashMap<MapData, K, V> {
@@ -53,6 +58,17 @@ impl<K: Pod + Ord, V: Pod + Eq> KeyedMap for LpmTrie<MapData, K, V> {
         }
     }
 
+    /// A sync from scratch adds a trie entry per cluster IP: 10k of them in one call.
+    fn put_batch(&mut self, entries: &[(&Self::Key, &V)]) -> bool {
+        use std::os::fd::AsFd as _;
+
+        use aya::maps::IterableMap as _;
+        let keys: Vec<lpm_trie::Key<K>> =
+            entries.iter().map(|((prefix_len, data), _)| lpm_trie::Key::new(*prefix_len, *data)).collect();
+        let values: Vec<V> = entries.iter().map(|(_, value)| **value).collect();
+        crate::bpf_sys::update_batch(self.map().fd().as_fd(), &keys, &values).is_ok()
+    }
+
     fn entries(&self) -> Vec<(Self::Key, V)> {
         self.iter()
             .filter_map(log_read_error)
@@ -85,7 +101,13 @@ impl<M: KeyedMap> Mirrored<M> {
         let mut changed = 0;
         let mut failures = Vec::new();
         let mut refused = Vec::new();
-        for (key, value) in wanted {
+        let new: Vec<(&M::Key, &M::Value)> =
+            wanted.iter().filter(|(key, value)| self.content.get(*key) != Some(*value)).collect();
+        if new.len() > 1 && self.map.put_batch(&new) {
+            changed += new.len();
+            self.content.extend(new.iter().map(|(key, value)| ((*key).clone(), (*value).clone())));
+        }
+        for (key, value) in new {
             if self.content.get(key) == Some(value) {
                 continue;
             }

@@ -177,6 +177,9 @@ impl EbpfDataplane {
         let retired: Vec<&str> =
             pins::RETIRED.into_iter().filter(|name| pin_dir.path().join(name).exists()).collect();
         let upgrade = !carrying.is_empty() || !retired.is_empty();
+        // A counters map the loader creates now holds zeros only (nothing is carried into it
+        // without an upgrade): its indices need no zeroing before their first use.
+        let counters_created = !upgrade && !pin_dir.path().join(pins::BACKEND_COUNTERS).exists();
         let mut loader = EbpfLoader::new();
         loader.default_map_pin_directory(pin_dir.path());
         let hooks = hooks(options.forwarding);
@@ -228,6 +231,9 @@ impl EbpfDataplane {
             .map_or(sizes.counters, |info| info.max_entries());
         let counter_map = CounterMap::new(take_map(&mut ebpf, pins::BACKEND_COUNTERS)?);
         let mut counter_ids = CounterIds::new(counters_capacity);
+        if counters_created {
+            counter_ids.map_created_empty();
+        }
         let mut service_ids = ServiceIds::default();
         let v4 = FamilyMaps::adopt(&mut ebpf, &mut service_ids, &mut counter_ids)?;
         let v6 = FamilyMaps::adopt(&mut ebpf, &mut service_ids, &mut counter_ids)?;
