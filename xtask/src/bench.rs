@@ -74,7 +74,9 @@ pub fn run(workspace: &Workspace, args: &BenchArgs) -> Result<ExitCode> {
     if matches!(args.suite, Suite::E2e | Suite::ControlPlane | Suite::All) {
         // The agent the e2e suite and the control plane's watch path run: found next to
         // vipr-bench (target/release/vipr).
-        build.extend(["-p", "proxy-userspace", "--bin", "vipr"]);
+        // `--bin` applies to every package of the command: name vipr-bench too, or it is not
+        // rebuilt and the suites measure a stale build.
+        build.extend(["-p", "proxy-userspace", "--bin", "vipr", "--bin", "vipr-bench"]);
     }
     cmd::run(workspace.cargo().args(build))?;
     let (out_dir, doc) = match (args.quick, &args.out_dir) {
