@@ -411,13 +411,13 @@ fn choose<S: SockAddress, const SENDMSG: bool>(
     frontend: &Tuple<S::Addr>,
     pick: u32,
 ) -> Choice<S::Addr> {
+    if caller.class == source_class::POD && !pod_translates::<S, SENDMSG>(ctx, frontend) {
+        return Choice::Verdict(ALLOW);
+    }
     // Source ranges and session affinity see the socket's source. Every node process shares
     // the node's address, so with session affinity they share one backend, as behind
     // kube-proxy.
     let client = source::<S, SENDMSG>(ctx, &caller.config);
-    if caller.class == source_class::POD && !pod_translates::<S, SENDMSG>(ctx, frontend) {
-        return Choice::Verdict(ALLOW);
-    }
     match decide(frontend, caller.class, &client, Pick::Given(pick)) {
         Decision::Backend(chosen) => {
             Choice::Backend(Peer { addr: chosen.backend.addr, port: chosen.backend.port })

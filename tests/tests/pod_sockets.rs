@@ -105,23 +105,26 @@ fn tracked_udp_ports(bpf_root: &Path) -> Result<Vec<u16>> {
     tracked(bpf_root, 17)
 }
 
-/// The client ports of the flows of IP protocol `protocol` from [`CLIENT`] to the cluster IP
-/// that the TC program tracked, from vipr's flows map.
-fn tracked(bpf_root: &Path, protocol: u64) -> Result<Vec<u16>> {
-    let pinned = bpf_root.join(pins::DIR).join(pins::FLOWS4);
+/// The entries of vipr's pinned map `name`, as `bpftool -j map dump` shows them.
+fn map_entries(bpf_root: &Path, name: &str) -> Result<Vec<Value>> {
+    let pinned = bpf_root.join(pins::DIR).join(name);
     let output = Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(&pinned).output()?;
     ensure!(output.status.success(), "bpftool: {}", String::from_utf8_lossy(&output.stderr));
+    // An empty map is no output at all.
     if output.stdout.trim_ascii().is_empty() {
         return Ok(Vec::new());
     }
-    let flows: Value = serde_json::from_slice(&output.stdout)?;
+    Ok(serde_json::from_slice::<Value>(&output.stdout)?.as_array().cloned().unwrap_or_default())
+}
+
+/// The client ports of the flows of IP protocol `protocol` from [`CLIENT`] to the cluster IP
+/// that the TC program tracked, from vipr's flows map.
+fn tracked(bpf_root: &Path, protocol: u64) -> Result<Vec<u16>> {
     let bytes = |value: &Value| -> Vec<u64> {
         value.as_array().map(|array| array.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
     };
-    Ok(flows
-        .as_array()
-        .into_iter()
-        .flatten()
+    Ok(map_entries(bpf_root, pins::FLOWS4)?
+        .iter()
         .filter_map(|flow| {
             let key = &flow["formatted"]["key"];
             (bytes(&key["src_addr"]) == [10, 10, 0, 2]
@@ -133,14 +136,7 @@ fn tracked(bpf_root: &Path, protocol: u64) -> Result<Vec<u16>> {
 }
 
 fn reverse_translations(bpf_root: &Path) -> Result<usize> {
-    let pinned = bpf_root.join(pins::DIR).join(sock::REVERSE4);
-    let output = Command::new("bpftool").args(["-j", "map", "dump", "pinned"]).arg(&pinned).output()?;
-    ensure!(output.status.success(), "bpftool: {}", String::from_utf8_lossy(&output.stderr));
-    if output.stdout.trim_ascii().is_empty() {
-        return Ok(0);
-    }
-    let entries: Value = serde_json::from_slice(&output.stdout)?;
-    Ok(entries.as_array().map_or(0, Vec::len))
+    Ok(map_entries(bpf_root, sock::REVERSE4)?.len())
 }
 
 /// The pod saw the cluster IP as its peer and reached an endpoint, which saw the pod's own
