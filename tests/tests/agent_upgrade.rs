@@ -8,13 +8,20 @@
 //! (`vipr inspect drift` exits 0). docs/reliability.md, "Upgrades". Needs root and a built
 //! vipr.
 
-use std::{fs::File, net::Ipv4Addr, sync::Mutex, thread, time::Duration};
+use std::{
+    fs::File,
+    net::Ipv4Addr,
+    path::Path,
+    sync::Mutex,
+    thread,
+    time::{Duration, Instant},
+};
 
 use anyhow::Result;
 use proxy_common::{legacy, pins};
 use testbed::{
     exchange, load, locate_previous_vipr, locate_vipr, wait_for, Check, ClusterIpService, Endpoint, Lab,
-    WorkDir,
+    Vipr, WorkDir,
 };
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -48,12 +55,41 @@ fn an_upgrade_cut_short_by_a_kill_is_finished_by_the_next_agent() -> Result<()> 
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.subsec_nanos();
     let moment = Duration::from_millis(200 + u64::from(nanos % 1_600));
     eprintln!("agent_upgrade: the new agent is killed {moment:?} after its start");
-    upgrade("upgrade-kill", Some(moment))
+    upgrade("upgrade-kill", Some(Kill::After(moment)))
+}
+
+/// The new agent killed in the middle of its switch (its TC programs serve, its socket hooks
+/// are being replaced), a window of milliseconds the random moment above seldom hits: the next
+/// agent redoes the switch rather than taking the unfinished one for done.
+#[test]
+fn an_upgrade_killed_while_switching_hooks_is_redone_by_the_next_agent() -> Result<()> {
+    let _alone = testbed::exclusive();
+    upgrade("upgrade-mid", Some(Kill::AtLog("hook=\"cgroup-recvmsg4\"")))
+}
+
+/// When the first new agent is killed.
+#[derive(Clone, Copy)]
+enum Kill {
+    After(Duration),
+    /// As soon as its log has this text.
+    AtLog(&'static str),
+}
+
+/// Waits, polling closely (the window may last milliseconds), until the log at `path` has
+/// `text`.
+fn wait_for_log(path: &Path, text: &str, agent: &mut Vipr) -> Result<()> {
+    let deadline = Instant::now() + DEADLINE;
+    while !std::fs::read_to_string(path).unwrap_or_default().contains(text) {
+        agent.ensure_running()?;
+        anyhow::ensure!(Instant::now() < deadline, "{} has no {text} after {DEADLINE:?}", path.display());
+        thread::sleep(Duration::from_micros(200));
+    }
+    Ok(())
 }
 
 /// The previous vipr serving the load, then the current one started on its pins; with
-/// `kill_after`, that one is killed so long after its start and another started.
-fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
+/// `kill`, that one is killed at that moment of its start and another started.
+fn upgrade(label: &str, kill: Option<Kill>) -> Result<()> {
     let previous = locate_previous_vipr()?;
     let web = ClusterIpService::web(
         VIP,
@@ -90,10 +126,14 @@ fn upgrade(label: &str, kill_after: Option<Duration>) -> Result<()> {
             wait_tried("the sessions to be asked once", &tallies.sessions, 0, load::SESSIONS)?;
             let status = old.stop()?;
             anyhow::ensure!(status.success(), "the previous vipr exited with {status} on SIGTERM");
-            let mut new = lab.spawn_vipr(&[], &logs.path().join("vipr-current.log"))?;
-            if let Some(moment) = kill_after {
-                // The moment of the kill, not a wait for an outcome.
-                thread::sleep(moment);
+            let first_log = logs.path().join("vipr-current.log");
+            let mut new = lab.spawn_vipr(&[], &first_log)?;
+            if let Some(kill) = kill {
+                match kill {
+                    // The moment of the kill, not a wait for an outcome.
+                    Kill::After(moment) => thread::sleep(moment),
+                    Kill::AtLog(text) => wait_for_log(&first_log, text, &mut new)?,
+                }
                 new.kill()?;
                 new = lab.spawn_vipr(&[], &logs.path().join("vipr-current-2.log"))?;
             }

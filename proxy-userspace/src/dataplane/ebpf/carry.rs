@@ -14,12 +14,17 @@
 //! ([`super::EbpfDataplane`] defers attaching the new programs until the first complete sync):
 //! every entry is copied into the new map after the load, so the new programs never find it
 //! empty; right before the switch again, overwriting (the old programs were the ones serving,
-//! so their entries are the truth); and once the new programs serve, what the old ones added
-//! in between is copied without overwriting, and the old pin removed, which frees the old map.
-//! A new map too small for the old entries takes what fits, connections that cannot be
-//! evicted (established ones) before the others; how many were left out is logged. An agent
-//! that dies half way finds the aside pin (or the retired one) at its next start and copies
-//! from it then.
+//! so their entries are the truth); once the new TC programs serve, what the old ones added
+//! in between is copied without overwriting; and once every hook runs the new programs, the
+//! old pin is removed, which frees the old map. A new map too small for the old entries takes
+//! what fits, connections that cannot be evicted (established ones) before the others; how
+//! many were left out is logged.
+//!
+//! The old pin goes last because it marks the switch as unfinished: an agent that dies at any
+//! point before finds the aside pin (or the retired one) at its next start and redoes the
+//! whole switch. Had the dead agent attached its TC programs already, the redo's overwriting
+//! copy takes connections back to the old map's state of that moment (same backends; a
+//! connection closed since lives until its timeout), the price of a kill mid-switch.
 use std::{
     os::fd::{AsFd as _, BorrowedFd},
     path::PathBuf,
@@ -46,6 +51,8 @@ pub struct Carrying {
     /// Where the new maps are pinned: they are opened there, since the dataplane takes some
     /// out of the loaded object.
     dir: PathBuf,
+    /// The new TC programs serve (see [`Self::copy_added`]).
+    switched: bool,
 }
 
 struct OldMap {
@@ -135,7 +142,7 @@ impl Carrying {
                 }
             }
         }
-        Self { maps, dir: pin_dir.path().to_path_buf() }
+        Self { maps, dir: pin_dir.path().to_path_buf(), switched: false }
     }
 
     /// The new map `name`, as pinned by the loader.
@@ -163,7 +170,12 @@ impl Carrying {
     /// affinity) again, replacing those copied before: the old programs served until now, so
     /// theirs are the current ones. The maps the agent writes are left to its sync, which has
     /// written them by now (copying them again would bring back what it deleted).
+    /// Skipped once [`Self::copy_added`] ran (a switch retried after a hook failed): the new
+    /// programs serve then, and their entries are the current ones.
     pub fn refresh_connections(&self) {
+        if self.switched {
+            return;
+        }
         for old in self.maps.iter().filter(|old| written_by_datapath(old.name)) {
             self.copy(old, true);
         }
@@ -185,10 +197,11 @@ impl Carrying {
         }
     }
 
-    /// Once the new programs serve: copies the connections the old programs added since
-    /// [`Self::refresh_connections`] (never over the new programs' entries) and removes the
-    /// old pins, which frees the old maps.
-    pub fn finish(self) {
+    /// Once the new TC programs serve: copies the connections the old programs added since
+    /// [`Self::refresh_connections`] (never over the new programs' entries, which are the
+    /// newer from now on).
+    pub fn copy_added(&mut self) {
+        self.switched = true;
         for old in &self.maps {
             if let Some(new) = self.new_map(old.name).filter(|_| written_by_datapath(old.name)) {
                 match copy_entries(old, &new, false) {
@@ -199,6 +212,14 @@ impl Carrying {
                     Err(error) => warn!(map = old.name, %error, "cannot copy into the new map"),
                 }
             }
+        }
+    }
+
+    /// The last step of the switch, once every hook runs the new programs: removes the old
+    /// pins, which frees the old maps. Last, because an old pin is what tells the next agent
+    /// that the switch is unfinished: one killed before this step is redone whole by the next.
+    pub fn release(self) {
+        for old in &self.maps {
             match std::fs::remove_file(&old.aside) {
                 Ok(()) => {
                     info!(map = old.name, old = %old.aside.display(), "carried over; the old map is unpinned")

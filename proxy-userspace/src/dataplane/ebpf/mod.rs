@@ -420,11 +420,14 @@ fn attach_all(
     // Right after the TC programs (which create the connections) serve, so that a connection
     // the earlier programs opened just before finds its entries in the new map as soon as
     // possible.
-    std::mem::take(&mut pending.carrying).finish();
+    pending.carrying.copy_added();
     attach::detach_stale_links(pin_dir, &link_names(hooks, &pending.devices))?;
     let xdp = xdp_attach::XdpPath::start(ebpf, pin_dir, pending.xdp, &pending.devices)?;
     let host_traffic = HostTraffic::start(ebpf, pin_dir, &pending.host)?;
-    // The programs serve with the new layouts now; the earlier ones are unused.
+    // Every hook serves with the new layouts now; the earlier maps are unused. Their pins go
+    // last: until then, an agent killed half way leaves them for the next one, which redoes
+    // the switch.
+    std::mem::take(&mut pending.carrying).release();
     remove_pins(pin_dir, &pins::RETIRED);
     Ok((xdp, host_traffic))
 }
