@@ -106,6 +106,11 @@ pub mod flow_flags {
     /// destination; the reply entry gives replies that service address as source. The
     /// entries are each other's plain reversal.
     pub const DSR_BACKEND: u32 = 16;
+    /// The bits above hold the low 24 bits of the route generation ([`crate::pins::ROUTE_GENERATION`])
+    /// the entry's [`crate::NextHop`] was cached under; the bits below are the flags above.
+    pub const ROUTE_GENERATION_SHIFT: u32 = 8;
+    /// The flags proper, without the cached route generation.
+    pub const MASK: u32 = (1 << ROUTE_GENERATION_SHIFT) - 1;
 }
 
 /// Value of the flows map: how to rewrite the packets of one direction of a tracked
@@ -130,16 +135,17 @@ pub type Flow4 = Flow<crate::V4>;
 pub type Flow6 = Flow<crate::V6>;
 
 /// Where the packets of one direction of a connection leave the node, cached in its flow entry
-/// so that an established connection needs no FIB lookup per packet (room for it was made in
-/// the `_v4` flows layout; until the datapath fills it, every entry holds
-/// [`NextHop::default`], "not cached", and packets are routed as before). A cached hop is only
-/// valid while the routes and neighbours it came from are unchanged.
+/// so that an established connection needs no FIB lookup per packet. A cached hop is valid
+/// only while the route generation it was cached under (the upper bits of [`Flow::flags`],
+/// [`flow_flags::ROUTE_GENERATION_SHIFT`]) is the current one: the agent changes the
+/// generation whenever a route or neighbour changes. [`NextHop::default`]: nothing cached.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct NextHop {
     /// The egress interface; 0: nothing cached.
     pub ifindex: u32,
-    /// The neighbour's and the egress interface's MAC addresses.
+    /// The neighbour's and the egress interface's MAC addresses (`--bpf-forwarding=redirect`;
+    /// zero with `stack`, where the hop only says that the packet is forwarded).
     pub dst_mac: [u8; 6],
     pub src_mac: [u8; 6],
 }

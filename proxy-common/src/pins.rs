@@ -48,6 +48,11 @@ pub const DATAPATH_STATS: &str = "vipr_dstat_v2";
 /// they never completed their handshake.
 pub const EARLY_DROP4: &str = "vipr_edrop4_v1";
 pub const EARLY_DROP6: &str = "vipr_edrop6_v1";
+/// The generation of the node's routes and neighbours: array of one `u32`, which the agent
+/// changes whenever a route, neighbour, address or link of the node changes. A next hop
+/// cached in a flow entry ([`crate::NextHop`]) holds while the generation it was cached
+/// under does; 0 turns the cache off (no agent watches the routes).
+pub const ROUTE_GENERATION: &str = "vipr_rtgen_v1";
 /// Earlier layouts of the maps above. While any is pinned, the programs of the earlier
 /// vipr keep serving until the new maps hold the agent's first complete sync; then the
 /// links are switched to the new programs and the pins removed. Their content is never

@@ -52,7 +52,11 @@ pub struct Endpoint<A> {
 
 /// A flow entry found for a packet: its rewrites, and its tracking fields in place in the map.
 pub struct Tracked<A> {
+    /// The entry's rewrites; `flags` without the cached route generation.
     pub nat: Nat<A>,
+    /// The entry's tracking fields, in place; [`crate::family_maps::Maps::route_cache`] finds
+    /// its other fields from them (rather than more pointers here: this struct lives in the
+    /// packet path's frame).
     pub track: NonNull<FlowTrack>,
 }
 

@@ -5,9 +5,9 @@
 use core::ptr::NonNull;
 
 use proxy_common::{
-    Affinity4, Affinity6, AffinityKey4, AffinityKey6, BackendMember4, BackendMember6, BackendSlot, Family,
-    Flow, Flow4, Flow6, FlowKey, FlowTrack, NextHop, Prefix4, Prefix6, Service, ServiceKey4, ServiceKey6,
-    SourceRange4, SourceRange6,
+    flow_flags, Affinity4, Affinity6, AffinityKey4, AffinityKey6, BackendMember4, BackendMember6,
+    BackendSlot, Family, Flow, Flow4, Flow6, FlowKey, FlowTrack, NextHop, Prefix4, Prefix6, Service,
+    ServiceKey4, ServiceKey6, SourceRange4, SourceRange6,
 };
 
 use crate::{
@@ -27,6 +27,9 @@ const _: () = assert!(proxy_common::capacity::EARLY_DROP_RING.is_power_of_two())
 /// The maps of one family (`vipr_*4_v1` or `vipr_*6_v1`), in the datapath's terms.
 pub trait Maps: Address {
     fn flow(key: &Tuple<Self>) -> Option<Tracked<Self>>;
+    /// The flags word (whose upper bits hold the route generation) and the cached next hop
+    /// of the flow entry whose tracking fields are `track`, in place.
+    fn route_cache(track: NonNull<FlowTrack>) -> (NonNull<u32>, NonNull<NextHop>);
     /// Stores a flow entry; a failure only costs a fresh balancing decision later.
     fn record(key: &Tuple<Self>, nat: &Nat<Self>) -> Result<(), i64>;
     /// Stores a flow entry only if `key` is absent: claims it against concurrent flows.
@@ -121,7 +124,7 @@ macro_rules! family_maps {
                         src_port: flow.src_port,
                         dst: flow.dst_addr,
                         dst_port: flow.dst_port,
-                        flags: flow.flags,
+                        flags: flow.flags & flow_flags::MASK,
                         counter: flow.track.counter,
                         last_seen: 0,
                         state: flow.track.state,
@@ -131,6 +134,19 @@ macro_rules! family_maps {
                         NonNull::new_unchecked(core::ptr::addr_of_mut!((*entry.as_ptr()).track))
                     },
                 })
+            }
+
+            #[inline(always)]
+            fn route_cache(track: NonNull<FlowTrack>) -> (NonNull<u32>, NonNull<NextHop>) {
+                // SAFETY: `track` is the tracking field of a live flows map entry (from
+                // [`Self::flow`]); the entry starts at its offset before it.
+                unsafe {
+                    let entry = track.as_ptr().byte_sub(core::mem::offset_of!($flow, track)).cast::<$flow>();
+                    (
+                        NonNull::new_unchecked(core::ptr::addr_of_mut!((*entry).flags)),
+                        NonNull::new_unchecked(core::ptr::addr_of_mut!((*entry).next_hop)),
+                    )
+                }
             }
 
             #[inline(always)]

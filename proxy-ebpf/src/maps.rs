@@ -261,6 +261,14 @@ pinned! {
 const EARLY_DROP_ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_ARRAY as usize;
 
 // ---------------------------------------------------------------------------------------------
+// The route generation (route.rs): next hops cached in flow entries hold while it does.
+
+pinned! {
+    pub static ROUTE_GENERATION = "vipr_rtgen_v1" as pins::ROUTE_GENERATION:
+        PinnedMap<u32, u32, ARRAY, 1>;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Socket-level load balancing (sock.rs): the agent's settings and the reverse translation.
 
 const ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_ARRAY as usize;

@@ -31,15 +31,23 @@
 use core::mem::MaybeUninit;
 
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC},
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
+    bindings::{
+        bpf_fib_lookup, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH,
+        BPF_FIB_LOOKUP_SRC,
+    },
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
     EbpfContext as _,
 };
 
-use proxy_common::forwarding;
+use proxy_common::{flow_flags, forwarding, NextHop};
 
-use crate::family::Address;
+use crate::{
+    family::{Address, Tracked},
+    family_maps::Maps,
+    maps::ROUTE_GENERATION,
+    packet::bytes_at,
+};
 
 /// `--bpf-forwarding` ([`forwarding::STACK`] or [`forwarding::REDIRECT`]), written by the agent
 /// at load time. Read-only data: the verifier knows its value and drops the other path.
@@ -67,23 +75,15 @@ pub struct Route<A> {
     pub mtu: u32,
 }
 
+/// The hop of a packet the node does not forward (local, or unreachable).
+pub const NOT_FORWARDED: NextHop = NextHop { ifindex: 0, dst_mac: [0; 6], src_mac: [0; 6] };
+
 /// `None` when the destination is not forwarded: local to the node, or unreachable. The stack
 /// then handles the packet as it would have.
 #[inline(always)]
 pub fn route_to<A: Address>(ctx: &TcContext, destination: A) -> Option<Route<A>> {
     let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
-    let params = zeroed_fib_params(&mut params);
-    // SAFETY: ctx wraps a valid __sk_buff for the whole program run.
-    params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    A::fib_destination(params, destination);
-    let result = unsafe {
-        fib_lookup(
-            ctx.as_ptr(),
-            params,
-            size_of::<bpf_fib_lookup>() as i32,
-            BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH,
-        )
-    };
+    let (result, params) = fib(ctx, destination, &mut params, BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH);
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
         return None;
     }
@@ -93,6 +93,104 @@ pub fn route_to<A: Address>(ctx: &TcContext, destination: A) -> Option<Route<A>>
     // SAFETY: a successful lookup without `tot_len` fills `mtu_result`.
     let mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
     Some(Route { ifindex: params.ifindex, source: A::fib_source(params), via_gateway, mtu })
+}
+
+/// One FIB lookup toward `destination` from the packet's interface, with `flags`.
+#[inline(always)]
+fn fib<'p, A: Address>(
+    ctx: &TcContext,
+    destination: A,
+    params: &'p mut MaybeUninit<bpf_fib_lookup>,
+    flags: u32,
+) -> (i64, &'p mut bpf_fib_lookup) {
+    let params = zeroed_fib_params(params);
+    // SAFETY: ctx wraps a valid __sk_buff for the whole program run.
+    params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    A::fib_destination(params, destination);
+    // SAFETY: valid parameters of the size passed, for the helper's whole call.
+    let result = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, flags) };
+    (result, params)
+}
+
+/// The route generation's low 24 bits (those a flow entry keeps), 0 when no agent watches the
+/// routes: then nothing is cached.
+#[inline(always)]
+fn route_generation() -> u32 {
+    ROUTE_GENERATION
+        .get(&0)
+        .map_or(0, |generation| generation & (u32::MAX >> flow_flags::ROUTE_GENERATION_SHIFT))
+}
+
+/// The next hop of a tracked connection's packet toward `destination`: the one cached in its
+/// flow entry while the routes and neighbours are those it was cached under, else looked up
+/// and cached. [`NOT_FORWARDED`] when the destination is not forwarded (not cached: the lookup is
+/// repeated, as for an untracked packet). Only `--bpf-forwarding=redirect` needs the
+/// neighbour's address: a lookup that finds the route but no resolved neighbour yields a hop
+/// the kernel resolves (`bpf_redirect_neigh`), not cached, so that a later packet caches the
+/// neighbour once it is known. With `stack` a cached hop only says "forwarded".
+///
+/// Two CPUs caching at once for one entry write the same hop unless the routes changed between
+/// their lookups; a torn mix then lives until the next change of generation.
+#[inline(always)]
+pub fn tracked_hop<A: Address + Maps>(ctx: &TcContext, destination: A, tracked: &Tracked<A>) -> NextHop {
+    let generation = route_generation();
+    let (flags, cached) = A::route_cache(tracked.track);
+    // SAFETY: the entry's flags word, in place in the flows map.
+    if generation != 0 && unsafe { flags.as_ptr().read() } >> flow_flags::ROUTE_GENERATION_SHIFT == generation
+    {
+        // SAFETY: the entry's next hop, in place.
+        let hop = unsafe { cached.as_ptr().read() };
+        if hop.ifindex != 0 {
+            return hop;
+        }
+    }
+    let mut hop = NOT_FORWARDED;
+    match look_up_hop(ctx, &destination, &mut hop) {
+        HOP_NONE => return NOT_FORWARDED,
+        HOP_CACHEABLE if generation != 0 => {
+            // SAFETY: the entry's fields, in place; the flags below the generation never
+            // change after the entry is created.
+            unsafe {
+                cached.as_ptr().write(hop);
+                let flags = flags.as_ptr();
+                flags.write(
+                    (flags.read() & flow_flags::MASK) | generation << flow_flags::ROUTE_GENERATION_SHIFT,
+                );
+            }
+        }
+        _ => {}
+    }
+    hop
+}
+
+/// [`look_up_hop`]'s answers: no forwarded route; a hop to cache; a hop whose neighbour the
+/// kernel resolves, not to cache.
+const HOP_NONE: i32 = 0;
+const HOP_CACHEABLE: i32 = 1;
+const HOP_UNRESOLVED: i32 = 2;
+
+/// The FIB lookup of [`tracked_hop`], into `hop`. A function of its own (a BPF-to-BPF call),
+/// so that its parameters never add up with the packet path's frame (BPF's 512 bytes over a
+/// call chain); an `i32` answer, since a returned struct would travel through the caller's
+/// stack.
+#[inline(never)]
+fn look_up_hop<A: Address>(ctx: &TcContext, destination: &A, hop: &mut NextHop) -> i32 {
+    let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
+    let redirect = redirecting();
+    let flags = if redirect { 0 } else { BPF_FIB_LOOKUP_SKIP_NEIGH };
+    let (result, params) = fib(ctx, *destination, &mut params, flags);
+    hop.ifindex = params.ifindex;
+    if result == BPF_FIB_LKUP_RET_NO_NEIGH as i64 && redirect {
+        return HOP_UNRESOLVED;
+    }
+    if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        return HOP_NONE;
+    }
+    if redirect {
+        hop.dst_mac = params.dmac;
+        hop.src_mac = params.smac;
+    }
+    HOP_CACHEABLE
 }
 
 /// Zeroes FIB lookup parameters in place, one 32-bit store at a time. Any zeroing the compiler
@@ -120,3 +218,27 @@ pub fn redirect<A>(route: &Route<A>) -> i32 {
     // SAFETY: no parameters: the kernel looks the neighbour up from the packet's destination.
     unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
 }
+
+/// Sends the packet out of `hop`'s interface: to its neighbour's address when the hop has it
+/// (cached), else resolved by the kernel.
+#[inline(always)]
+pub fn redirect_to_hop(ctx: &TcContext, hop: &NextHop) -> i32 {
+    if hop.dst_mac == [0; 6] {
+        // SAFETY: no parameters: the kernel looks the neighbour up from the packet's destination.
+        return unsafe { bpf_redirect_neigh(hop.ifindex, core::ptr::null_mut(), 0, 0) as i32 };
+    }
+    // The Ethernet header's destination and source, as the neighbour's output would write them
+    // (every packet that gets here was parsed past them).
+    let (Some(dst), Some(src)) = (bytes_at::<6>(ctx, 0), bytes_at::<6>(ctx, 6)) else {
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: inside the frame, checked above.
+    unsafe {
+        *dst = hop.dst_mac;
+        *src = hop.src_mac;
+    }
+    // SAFETY: a plain helper call.
+    unsafe { bpf_redirect(hop.ifindex, 0) as i32 }
+}
+
+const TC_ACT_SHOT: i32 = 2;

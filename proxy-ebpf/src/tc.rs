@@ -3,7 +3,7 @@
 //! fragments that belong to them, and forwards the result (route.rs); `vipr_tc_egress` gives
 //! forwarded replies their frontend as source once the stack has routed them.
 use aya_ebpf::{macros::classifier, programs::TcContext};
-use proxy_common::{datapath_stat, flow_flags, proto, service_flags, unmatched, Service};
+use proxy_common::{datapath_stat, flow_flags, proto, service_flags, unmatched, NextHop, Service};
 
 use crate::{
     conntrack::{make_room, observe, touch, track, track_dsr, track_dsr_backend, track_masqueraded, Refusal},
@@ -16,7 +16,7 @@ use crate::{
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_ACK, TCP_SYN},
     reject::Reject,
-    route::{redirect, redirecting, route_to, Route},
+    route::{redirect, redirect_to_hop, redirecting, route_to, tracked_hop, Route},
     wire::ETH_HLEN,
 };
 
@@ -102,8 +102,8 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: Packet<A>) -> i32 {
         }
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
-        let route = route_to(ctx, destination);
-        return forward(ctx, &packet, &flow, route.as_ref());
+        let hop = tracked_hop(ctx, destination, &tracked);
+        return forward_tracked(ctx, &packet, &flow, &hop);
     }
     NEW_CONNECTION
 }
@@ -402,12 +402,36 @@ fn unplaced_fragment<A: Datapath>(dst: &A) -> i32 {
 /// and redirected on both paths (see route.rs).
 #[inline(always)]
 fn forward<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, route: Option<&Route<A>>) -> i32 {
-    let masqueraded = flow.flags & (flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION)
-        == flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION;
-    if route.is_some() && !redirecting() && !masqueraded && packet.first_fragment.is_none() {
+    if route.is_some() && stack_forwards(packet, flow) {
         return through_stack(ctx, packet, flow);
     }
     send(apply(ctx, packet, flow), route)
+}
+
+/// [`forward`] for a tracked connection's packet, toward `hop` (ifindex 0: not forwarded),
+/// which may be the one cached in its flow entry (route.rs [`tracked_hop`]).
+#[inline(always)]
+fn forward_tracked<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, hop: &NextHop) -> i32 {
+    let forwarded = hop.ifindex != 0;
+    if forwarded && stack_forwards(packet, flow) {
+        return through_stack(ctx, packet, flow);
+    }
+    match apply(ctx, packet, flow) {
+        Ok(()) if forwarded => redirect_to_hop(ctx, hop),
+        Ok(()) => TC_ACT_OK,
+        // Half-rewritten packets must not escape.
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// Whether a forwarded packet goes through the stack with only its destination rewritten:
+/// with `--bpf-forwarding=stack`, unless it is masqueraded or a first fragment (see
+/// [`forward`]).
+#[inline(always)]
+fn stack_forwards<A>(packet: &Packet<A>, flow: &Nat<A>) -> bool {
+    let masqueraded = flow.flags & (flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION)
+        == flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION;
+    !redirecting() && !masqueraded && packet.first_fragment.is_none()
 }
 
 /// The ingress half of a forwarded packet's NAT: toward the backend its destination, so that

@@ -297,6 +297,35 @@ impl Acknowledgement {
     }
 }
 
+/// A `NETLINK_ROUTE` socket subscribed to the multicast `groups` (`RTMGRP_*` bits) of this
+/// network namespace: every notification of those groups arrives on it.
+pub fn subscribe(groups: u32) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2); the descriptor is owned right away.
+    let fd = unsafe {
+        let raw = libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE);
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        OwnedFd::from_raw_fd(raw)
+    };
+    // SAFETY: an all-zero sockaddr_nl is valid; the fields that matter are set below.
+    let mut address: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+    address.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+    address.nl_groups = groups;
+    // SAFETY: `address` is a sockaddr_nl of the size passed.
+    let bound = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            std::ptr::addr_of!(address).cast(),
+            size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+        )
+    };
+    if bound < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
 /// A netlink socket of one protocol (`NETLINK_GENERIC`, `NETLINK_ROUTE`), in the network
 /// namespace of the thread that opened it.
 #[derive(Debug)]

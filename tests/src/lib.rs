@@ -56,7 +56,7 @@ pub use echo::EchoServer;
 pub use exclusive::{exclusive, Exclusive};
 pub use lab::{Lab, LabConfig};
 pub use manifest::{ClusterIpService, Endpoint, Frontend, Protocol, ServicePort};
-pub use maps::{PinnedMaps, ServiceEntry};
+pub use maps::{FlowEntry, PinnedMaps, ServiceEntry};
 pub use netns::Netns;
 pub use pids::PidsLimit;
 pub use topology::{create_veth, Leaf, LeafSpec, Topology, VethEnd};

@@ -112,6 +112,28 @@ impl PinnedMaps {
             .collect())
     }
 
+    /// The IPv4 flows map: each tracked direction's tuple (source, destination) and what its
+    /// entry holds of the next hop cached for it.
+    pub fn flows(&self) -> Result<Vec<FlowEntry>> {
+        Ok(self
+            .dump::<FlowKey, FlowValue>(pins::FLOWS4)?
+            .into_iter()
+            .map(|(key, flow)| FlowEntry {
+                source: SocketAddrV4::new(Ipv4Addr::from(key.src_addr), key.src_port),
+                destination: SocketAddrV4::new(Ipv4Addr::from(key.dst_addr), key.dst_port),
+                route_generation: flow.flags >> proxy_common::flow_flags::ROUTE_GENERATION_SHIFT,
+                next_hop_ifindex: flow.next_hop.ifindex,
+                next_hop_mac: flow.next_hop.dst_mac,
+            })
+            .collect())
+    }
+
+    /// The route generation next hops are cached under; 0: the cache is off.
+    pub fn route_generation(&self) -> Result<u32> {
+        let entries = self.dump::<u32, u32>(pins::ROUTE_GENERATION)?;
+        Ok(entries.first().map_or(0, |(_, generation)| *generation))
+    }
+
     fn dump<K: DeserializeOwned, V: DeserializeOwned>(&self, map: &str) -> Result<Vec<(K, V)>> {
         let path = self.path(map);
         let json = cmd::run(Command::new("bpftool").arg("-j").args(["map", "dump", "pinned"]).arg(&path))?;
@@ -142,6 +164,38 @@ struct ServiceKey {
     port: u16,
     proto: u8,
     source_class: u8,
+}
+
+/// One entry of the flows map, as [`PinnedMaps::flows`] reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlowEntry {
+    pub source: SocketAddrV4,
+    pub destination: SocketAddrV4,
+    /// The route generation its next hop was cached under (0: never cached).
+    pub route_generation: u32,
+    /// The cached egress interface (0: none) and neighbour's address.
+    pub next_hop_ifindex: u32,
+    pub next_hop_mac: [u8; 6],
+}
+
+#[derive(Deserialize)]
+struct FlowKey {
+    src_addr: [u8; 4],
+    dst_addr: [u8; 4],
+    src_port: u16,
+    dst_port: u16,
+}
+
+#[derive(Deserialize)]
+struct FlowValue {
+    flags: u32,
+    next_hop: NextHop,
+}
+
+#[derive(Deserialize)]
+struct NextHop {
+    ifindex: u32,
+    dst_mac: [u8; 6],
 }
 
 #[derive(Deserialize)]

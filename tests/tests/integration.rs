@@ -35,6 +35,7 @@ mod kube_source;
 mod map_resize;
 mod mode_switch;
 mod network_policy;
+mod next_hops;
 mod nftables_lab;
 mod packet_fixtures;
 mod packet_fixtures_v6;

@@ -3,7 +3,7 @@
 //! packet: a poll once a second would let a pod's first DNS query through unbalanced. The
 //! agent's poll stays as the fallback for notifications the kernel drops (a full socket
 //! buffer) and for kernels that refuse the socket.
-use std::{io, mem, os::fd::AsRawFd as _, sync::mpsc::Sender, thread::JoinHandle};
+use std::{io, os::fd::AsRawFd as _, sync::mpsc::Sender, thread::JoinHandle};
 
 use tracing::{debug, warn};
 
@@ -55,30 +55,7 @@ pub fn watch(mut notify: impl FnMut() -> bool + Send + 'static) -> Option<JoinHa
 }
 
 fn open() -> io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd as _;
-    // SAFETY: plain socket(2); the descriptor is owned below.
-    let fd =
-        unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
-    let socket = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-    // SAFETY: an all-zero sockaddr_nl is valid; the fields that matter are set below.
-    let mut address: libc::sockaddr_nl = unsafe { mem::zeroed() };
-    address.nl_family = libc::AF_NETLINK as libc::sa_family_t;
-    address.nl_groups = RTMGRP_LINK;
-    // SAFETY: `address` is a sockaddr_nl of the size passed.
-    let bound = unsafe {
-        libc::bind(
-            socket.as_raw_fd(),
-            std::ptr::from_ref(&address).cast(),
-            mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
-        )
-    };
-    if bound < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let socket = crate::netlink::subscribe(RTMGRP_LINK)?;
     debug!("subscribed to link notifications");
     Ok(socket)
 }

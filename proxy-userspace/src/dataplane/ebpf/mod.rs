@@ -45,6 +45,7 @@ pub mod pod_sockets;
 pub mod program_load;
 pub(crate) mod reaper;
 pub mod record;
+mod route_generation;
 mod snat;
 mod xdp_attach;
 
@@ -119,6 +120,9 @@ pub struct EbpfDataplane {
     /// An earlier vipr's programs still serve (its maps had other layouts or sizes): the
     /// new programs are attached after the first complete sync ([`Self::switch_after`]).
     switch: Option<PendingSwitch>,
+    /// Moves the route generation as the routes change; dropped, it turns the next hops'
+    /// cache off. `None`: nothing is cached.
+    _route_generation: Option<route_generation::RouteGeneration>,
 }
 
 /// What the switch from an earlier vipr's programs to this one's still has to do.
@@ -195,6 +199,8 @@ impl EbpfDataplane {
             .load(crate::EBPF_OBJECT)
             .context("cannot load vipr's eBPF object (is this a kernel with BPF and BTF?)")?;
         carrying.copy_all();
+        // Before the programs serve: until then they cache no next hop.
+        let route_generation = route_generation::RouteGeneration::start(pin_dir.path());
         // Before the program is attached: until then it would use the default range.
         let snat = snat::SnatRange::start(&mut ebpf)?;
         let pod_interfaces = pod_interfaces::PodInterfaceMap::start(&mut ebpf)?;
@@ -285,6 +291,7 @@ impl EbpfDataplane {
             record: None,
             record_stale: true,
             switch,
+            _route_generation: route_generation,
         })
     }
 

@@ -1,0 +1,124 @@
+//! Next hops cached in flow entries (issue 16, item 4): with `--bpf-forwarding=redirect`, a
+//! tracked connection's packets leave with the interface and neighbour address cached in its
+//! flow entry, without a FIB lookup; a change of the node's neighbours (or routes) moves the
+//! route generation, and the next packet looks its hop up again. Here a backend's MAC address
+//! changes under an established UDP flow: the flow must follow it (a stale cached address is
+//! one the backend's interface drops), and its entry must cache the new address; the agent's
+//! stop turns the cache off. Needs root and a built vipr.
+
+use std::{
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result};
+use testbed::{load, udp_ask, wait_for, Check, ClusterIpService, Endpoint, FlowEntry, Lab};
+
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const TIMEOUT: Duration = Duration::from_secs(20);
+/// The address the backend's interface takes in the middle of the flow.
+const NEW_MAC: [u8; 6] = [0x02, 0x76, 0x69, 0x70, 0x72, 0x02];
+
+fn mac_text(mac: [u8; 6]) -> String {
+    mac.map(|byte| format!("{byte:02x}")).join(":")
+}
+
+/// The MAC address of `interface` in the backend `name`'s namespace.
+fn mac_of(lab: &Lab, name: &str, interface: &str) -> Result<[u8; 6]> {
+    let json = lab.topology().leaf(name)?.netns.ip(&["-j", "link", "show", "dev", interface])?;
+    let links: serde_json::Value = serde_json::from_str(&json)?;
+    let text = links[0]["address"].as_str().context("no address in `ip -j link`")?;
+    let mut mac = [0u8; 6];
+    for (byte, part) in mac.iter_mut().zip(text.split(':')) {
+        *byte = u8::from_str_radix(part, 16)?;
+    }
+    Ok(mac)
+}
+
+/// The forward entry of the client's flow `from`.
+fn forward_entry(lab: &Lab, from: SocketAddr) -> Result<Option<FlowEntry>> {
+    Ok(lab.maps().flows()?.into_iter().find(|entry| SocketAddr::V4(entry.source) == from))
+}
+
+#[test]
+fn a_cached_next_hop_follows_a_neighbour_that_changes_its_address() -> Result<()> {
+    let web = ClusterIpService::web(
+        VIP,
+        (8080, 5353),
+        load::BACKENDS.iter().map(|(name, addr)| Endpoint::ready(*addr, name)).collect(),
+    );
+    let dns = web.frontend_named("dns")?.socket_addr();
+    let mut lab = load::lab("nexthop", vec![web])?;
+    lab.start_vipr_with(&["--bpf-forwarding=redirect", "--xdp=off"])?;
+    lab.wait_programmed()?;
+
+    let client = lab.client();
+    let socket = client.run(|| {
+        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        socket.set_read_timeout(Some(Duration::from_millis(500)))?;
+        Ok(socket)
+    })?;
+    let from = SocketAddr::new(lab.client_addr().into(), socket.local_addr()?.port());
+    // The same socket, so the same flow, every time; a lost datagram is asked again.
+    let ask = |what: &str| {
+        wait_for(what, TIMEOUT, || {
+            Ok(match udp_ask(&socket, dns) {
+                Ok(answer) => Check::Done(answer),
+                Err(error) => Check::NotYet(format!("{error:#}")),
+            })
+        })
+    };
+    let backend = ask("the first answer")?.backend;
+    let leaf = lab.topology().leaf(&backend)?.spec.clone();
+    let old_mac = mac_of(&lab, &backend, &leaf.leaf_interface)?;
+
+    // The flow's established packets cache their hop: the backend's interface address.
+    let cached = wait_for("the backend's address cached in the flow entry", TIMEOUT, || {
+        ask("an answer on the established flow")?;
+        Ok(match forward_entry(&lab, from)? {
+            Some(entry) if entry.next_hop_ifindex != 0 && entry.route_generation != 0 => Check::Done(entry),
+            other => Check::NotYet(format!("{other:?}")),
+        })
+    })?;
+    assert_eq!(cached.next_hop_mac, old_mac, "the cached neighbour is the backend: {cached:?}");
+
+    // The backend's interface takes another address, and the node learns it.
+    let node_ip = |args: &[&str]| lab.node().ip(args);
+    lab.topology().leaf(&backend)?.netns.ip(&[
+        "link",
+        "set",
+        "dev",
+        &leaf.leaf_interface,
+        "address",
+        &mac_text(NEW_MAC),
+    ])?;
+    node_ip(&[
+        "neigh",
+        "replace",
+        &leaf.addr.to_string(),
+        "lladdr",
+        &mac_text(NEW_MAC),
+        "dev",
+        &leaf.node_interface,
+        "nud",
+        "reachable",
+    ])?;
+
+    // The same flow still reaches its backend, through the hop looked up anew.
+    let answer = ask("an answer after the backend's address changed")?;
+    assert_eq!(answer.backend, backend, "the flow kept its backend");
+    let recached = wait_for("the new address cached in the flow entry", TIMEOUT, || {
+        ask("an answer on the established flow")?;
+        Ok(match forward_entry(&lab, from)? {
+            Some(entry) if entry.next_hop_mac == NEW_MAC => Check::Done(entry),
+            other => Check::NotYet(format!("{other:?}")),
+        })
+    })?;
+    assert!(recached.route_generation > cached.route_generation, "{cached:?} then {recached:?}");
+
+    // A stopped agent hears of no change: the datapath it leaves trusts no cached hop.
+    assert_ne!(lab.maps().route_generation()?, 0, "the cache is on while the agent runs");
+    lab.stop_vipr()?;
+    assert_eq!(lab.maps().route_generation()?, 0, "the cache is off once the agent stopped");
+    Ok(())
+}
