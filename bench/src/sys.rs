@@ -21,6 +21,7 @@ use anyhow::{bail, ensure, Context as _, Result};
 pub const NODE_IP: [u8; 4] = [172, 16, 0, 1];
 const NODE_CIDR: &str = "172.16.0.1/24";
 const GATEWAY: &str = "172.16.0.2";
+const GATEWAY_MAC: &str = "02:76:69:70:72:02";
 /// The veth pair the node has; vipr serves the first.
 pub const DEVICE: &str = "vb0";
 const PEER: &str = "vb1";
@@ -59,6 +60,11 @@ pub fn set_up_network() -> Result<()> {
     ip(&["link", "set", DEVICE, "up"])?;
     ip(&["link", "set", PEER, "up"])?;
     ip(&["route", "add", "default", "via", GATEWAY, "dev", DEVICE])?;
+    // The gateway's address resolved, as on a node that has been forwarding: the route's
+    // neighbour is what a flow entry caches (with `--bpf-forwarding=redirect`), and a
+    // neighbour the kernel does not know yet is resolved per packet instead.
+    ip(&["link", "set", PEER, "address", GATEWAY_MAC])?;
+    ip(&["neigh", "replace", GATEWAY, "lladdr", GATEWAY_MAC, "dev", DEVICE, "nud", "permanent"])?;
     // /proc/sys/net is the namespace of the thread that opens it: ours.
     fs::write("/proc/sys/net/ipv4/ip_forward", "1").context("enabling forwarding")?;
     Ok(())
