@@ -1,30 +1,41 @@
-//! Direct server return's wire format: the IPv4 option that carries a connection's service
-//! address and port from the node a request arrived at to the backend's node
-//! (`--lb-mode=dsr`). The ingress node inserts it after rewriting the destination to the
-//! backend; the backend's node reads it, stores the connection's entries (conntrack.rs) and
-//! removes it before the backend sees the packet, so that the backend's replies can leave
-//! from there with the service address as source.
+//! Direct server return's wire format: how a connection's service address and port travel
+//! from the node a request arrived at to the backend's node (`--lb-mode=dsr`). The ingress node
+//! adds them after rewriting the destination to the backend; the backend's node reads them,
+//! stores the connection's entries (conntrack.rs) and removes them before the backend sees the
+//! packet, so that the backend's replies can leave from there with the service address as
+//! source.
 //!
-//! The option is eight bytes right after the fixed 20-byte header: type, length (8), port and
-//! address in network order. Its type, 0x9a, has the copied bit set (fragments carry it too),
-//! class 0 (control) and number 26, which IANA has not assigned; Cilium's DSR uses the same
-//! layout. Linux ignores options it does not know on a received packet, so a router between
-//! the nodes forwards it, and a backend whose node runs no vipr would only see it ignored.
-//! An IPv4 option, not encapsulation: eight bytes rather than 20 (IPIP) or 50 and more
+//! IPv4: an option of eight bytes right after the fixed 20-byte header: type, length (8), port
+//! and address in network order. Its type, 0x9a, has the copied bit set (fragments carry it
+//! too), class 0 (control) and number 26, which IANA has not assigned; Cilium's DSR uses the
+//! same layout. Linux ignores options it does not know on a received packet, so a router
+//! between the nodes forwards it, and a backend whose node runs no vipr would only see it
+//! ignored. An IPv4 option, not encapsulation: eight bytes rather than 20 (IPIP) or 50 and more
 //! (GENEVE), no tunnel device on either node, and the packet stays routable as it is (its
-//! destination is the backend). IPv6 (a destination-options header) is not done: IPv6
-//! frontends keep their masquerade.
-use aya_ebpf::{bindings::bpf_adj_room_mode::BPF_ADJ_ROOM_NET, programs::TcContext};
+//! destination is the backend).
+//!
+//! IPv6: a destination-options extension header of 24 bytes right after the fixed header
+//! (wire.rs), for the same reasons: routers do not look into destination options, and a node
+//! without vipr skips an option whose type says "skip if unknown". Against IPv6-in-IPv6 (40
+//! bytes) or GENEVE, it is the smallest carrier that holds a 16-byte address.
+use aya_ebpf::{
+    bindings::bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
+    helpers::{bpf_csum_diff, bpf_csum_update},
+    programs::TcContext,
+};
 
 use crate::{
     family::{Endpoint, Ipv4, Ipv6},
-    packet::{field, Change, IpHeader, Packet},
-    wire::{ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN},
+    packet::{bytes_at, copy_address, field, parse_ipv6_carrying, Change, IpHeader, Packet},
+    wire::{
+        DSR6_HDR_EXT_LEN, DSR6_HLEN, DSR6_OPTION_DATA_LEN, DSR6_OPTION_TYPE, ETH_HLEN, IPPROTO_DSTOPTS,
+        IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_HLEN,
+    },
 };
 
-/// The option's type byte: copied, control class, number 26.
+/// The IPv4 option's type byte: copied, control class, number 26.
 pub const OPTION_TYPE: u8 = 0x9a;
-/// The option's length, type and length bytes included.
+/// The IPv4 option's length, type and length bytes included.
 pub const OPTION_LEN: usize = 8;
 /// `bpf_skb_adjust_room`: keep the skb's checksum state. The option is outside what the L4
 /// checksum covers and the header checksum is updated here, so every checksum stays right.
@@ -34,9 +45,13 @@ const IPV4_MAX_HLEN: usize = 60;
 
 /// Where a family stands on direct server return.
 pub trait Dsr: IpHeader {
-    /// Whether the family does direct server return at all: the compiler drops the paths of
-    /// a family that does not.
-    const DSR: bool;
+    /// How many bytes carrying the service address add to a packet.
+    const CARRIER_LEN: u32;
+    /// Whether a packet that carries the service address needs a parser of its own
+    /// ([`Dsr::parse_carrying`]) rather than [`IpHeader::parse`].
+    const CARRIED_APART: bool;
+    /// Parses a packet that carries the service address, where [`Dsr::CARRIED_APART`].
+    fn parse_carrying(ctx: &TcContext) -> Option<Packet<Self>>;
     /// The service address and port a request carries, if it carries vipr's option.
     fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>>;
     /// Inserts the option carrying `frontend`, after the packet's rewrite (it moves the L4
@@ -50,12 +65,19 @@ pub trait Dsr: IpHeader {
     /// Whether the packet with the option added still fits `mtu` (the egress device's).
     #[inline(always)]
     fn fits_with_option(packet: &Packet<Self>, mtu: u32) -> bool {
-        Self::ip_len(packet) + OPTION_LEN as u32 <= mtu
+        Self::ip_len(packet) + Self::CARRIER_LEN <= mtu
     }
 }
 
 impl Dsr for Ipv4 {
-    const DSR: bool = true;
+    const CARRIER_LEN: u32 = OPTION_LEN as u32;
+    // The parser takes any IPv4 header length, options included.
+    const CARRIED_APART: bool = false;
+
+    #[inline(always)]
+    fn parse_carrying(_ctx: &TcContext) -> Option<Packet<Self>> {
+        None
+    }
 
     #[inline(always)]
     fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
@@ -154,28 +176,112 @@ fn option_change(option: &[u8; OPTION_LEN], inserted: bool) -> Change {
     change
 }
 
-/// Not done for IPv6 (a destination-options extension header): its frontends never get
-/// `service_flags::DSR`, and no request carries an option the parser would see.
+/// IPv6 carries the service address in a destination-options extension header of its own
+/// (wire.rs: 24 bytes, one experimental option with the address and port), inserted right after
+/// the fixed header. IPv6 has no header checksum, and the L4 checksum's pseudo header holds the
+/// upper-layer length and protocol, which the extension header leaves as they are: only the
+/// payload length and the next header change.
 impl Dsr for Ipv6 {
-    const DSR: bool = false;
+    const CARRIER_LEN: u32 = DSR6_HLEN as u32;
+    // The parser refuses extension headers, and a second offset in it would cost the verifier
+    // every IPv6 path twice.
+    const CARRIED_APART: bool = true;
 
     #[inline(always)]
-    fn carried(_ctx: &TcContext, _packet: &Packet<Self>) -> Option<Endpoint<Self>> {
-        None
+    fn parse_carrying(ctx: &TcContext) -> Option<Packet<Self>> {
+        parse_ipv6_carrying(ctx)
     }
 
     #[inline(always)]
-    fn carry(_ctx: &TcContext, _frontend: &Endpoint<Self>) -> Result<(), i64> {
-        Err(-1)
+    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
+        // The parser went past a destination-options header only if it was vipr's.
+        if packet.l4_offset != ETH_HLEN + IPV6_HLEN + DSR6_HLEN {
+            return None;
+        }
+        // As 32-bit words (the address is word-aligned, 44 bytes into the IP header): a byte
+        // array's copy would spill to the stack byte by byte.
+        let words = unsafe { *field::<[u32; 4]>(ctx, DSR6_DATA_OFF)? };
+        let port = unsafe { *bytes_at::<2>(ctx, DSR6_DATA_OFF + 16)? };
+        // SAFETY: four words are sixteen bytes, in the packet's order.
+        let addr = unsafe { core::mem::transmute::<[u32; 4], Ipv6>(words) };
+        Some(Endpoint { addr, port: u16::from_be_bytes(port) })
     }
 
     #[inline(always)]
-    fn strip(_ctx: &TcContext) -> Result<(), i64> {
+    fn carry(ctx: &TcContext, frontend: &Endpoint<Self>) -> Result<(), i64> {
+        let old = unsafe { *bytes_at::<4>(ctx, ETH_HLEN + IPV6_LENGTH_AT).ok_or(-1i64)? };
+        let payload_len =
+            u16::from_be_bytes([old[0], old[1]]).checked_add(DSR6_HLEN as u16).ok_or(-1i64)?.to_be_bytes();
+        let new = [payload_len[0], payload_len[1], IPPROTO_DSTOPTS, old[3]];
+        ctx.adjust_room(DSR6_HLEN as i32, BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_NO_CSUM_RESET)?;
+        // The room is new: every pointer is checked again.
+        let header = field::<[u8; IPV6_HLEN + DSR6_HLEN]>(ctx, ETH_HLEN).ok_or(-1i64)?;
+        let port = frontend.port.to_be_bytes();
+        // SAFETY: bounds-checked above.
+        unsafe {
+            let header = &mut *header;
+            header[IPV6_LENGTH_AT..IPV6_LENGTH_AT + 4].copy_from_slice(&new);
+            let carrier = &mut header[IPV6_HLEN..];
+            carrier[..4].copy_from_slice(&[old[2], DSR6_HDR_EXT_LEN, DSR6_OPTION_TYPE, DSR6_OPTION_DATA_LEN]);
+            copy_address(&frontend.addr, carrier[4..20].as_mut_ptr().cast::<Ipv6>());
+            carrier[20..].copy_from_slice(&[port[0], port[1], PAD1, PAD1]);
+        }
+        let carrier = field::<[u8; DSR6_HLEN]>(ctx, ETH_HLEN + IPV6_HLEN).ok_or(-1i64)?;
+        update_complete_sum(ctx, old, new, carrier.cast::<u32>(), DSR6_HLEN as u32);
         Ok(())
     }
 
     #[inline(always)]
+    fn strip(ctx: &TcContext) -> Result<(), i64> {
+        let header = field::<[u8; IPV6_HLEN + DSR6_HLEN]>(ctx, ETH_HLEN).ok_or(-1i64)?;
+        // SAFETY: bounds-checked above. The header is rewritten before the carrier goes, since
+        // the removal starts right after the fixed header.
+        let (old, new) = unsafe {
+            let header = &mut *header;
+            let mut old = [0u8; 4];
+            old.copy_from_slice(&header[IPV6_LENGTH_AT..IPV6_LENGTH_AT + 4]);
+            // The parser saw a payload at least as long as the carrier.
+            let payload_len =
+                u16::from_be_bytes([old[0], old[1]]).wrapping_sub(DSR6_HLEN as u16).to_be_bytes();
+            let new = [payload_len[0], payload_len[1], header[IPV6_HLEN], old[3]];
+            header[IPV6_LENGTH_AT..IPV6_LENGTH_AT + 4].copy_from_slice(&new);
+            (old, new)
+        };
+        // The kernel takes the removed bytes out of a complete sum itself.
+        update_complete_sum(ctx, old, new, core::ptr::null_mut(), 0);
+        ctx.adjust_room(-(DSR6_HLEN as i32), BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_NO_CSUM_RESET)
+    }
+
+    #[inline(always)]
     fn ip_len(packet: &Packet<Self>) -> u32 {
-        packet.l4_len + crate::wire::IPV6_HLEN as u32
+        (packet.l4_offset - ETH_HLEN) as u32 + packet.l4_len
+    }
+}
+
+/// Pad1: one byte of padding in an options header.
+const PAD1: u8 = 0;
+/// Where the payload length, next header and hop limit lie in the IPv6 header: the word the
+/// carrier changes.
+const IPV6_LENGTH_AT: usize = 4;
+/// Where the carrier's option data (address, port) starts in the frame.
+const DSR6_DATA_OFF: usize = ETH_HLEN + IPV6_HLEN + 4;
+
+/// Keeps the sum of a CHECKSUM_COMPLETE skb (a NIC's checksum of the whole packet, which the
+/// stack checks the L4 checksum against) right after the IPv6 header's word `old` became `new`
+/// and `added_len` bytes at `added` came in: IPv6 has no header checksum whose update would
+/// balance the change, as IPv4's does for its option. For skbs in any other checksum state
+/// the helper does nothing and says so, which is fine.
+#[inline(always)]
+fn update_complete_sum(ctx: &TcContext, old: [u8; 4], new: [u8; 4], added: *mut u32, added_len: u32) {
+    let (mut old, mut new) = (u32::from_ne_bytes(old), u32::from_ne_bytes(new));
+    // SAFETY: four bytes each on the stack, and `added_len` bytes of packet at `added`.
+    unsafe {
+        let mut diff = bpf_csum_diff(&mut old, 4, &mut new, 4, 0);
+        if added_len != 0 && diff >= 0 {
+            diff = bpf_csum_diff(core::ptr::null_mut(), 0, added, added_len, diff as u32);
+        }
+        if diff >= 0 {
+            bpf_csum_update(ctx.skb.skb, diff as u32);
+        }
     }
 }

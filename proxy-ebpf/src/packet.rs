@@ -14,7 +14,9 @@
 //! avoids fragmentation by its own path MTU discovery), and IPv6 packets whose next header is
 //! not TCP, UDP or SCTP. That last rule covers every IPv6 extension header (hop-by-hop, routing,
 //! fragment, destination options, AH, ESP): such packets are passed to the stack as they are,
-//! so IPv6 fragments are never balanced either. Kubernetes service traffic does not carry
+//! so IPv6 fragments are never balanced either. The one exception is vipr's own
+//! direct-server-return header (dsr.rs), of one fixed shape, which TC parses past and removes.
+//! Kubernetes service traffic does not carry
 //! extension headers; walking them would cost a bounded loop per packet for nothing. A UDP/IPv6
 //! datagram with checksum 0 is left alone too: IPv6 forbids it (RFC 8200 8.1), the receiving
 //! stack drops it, and rewriting it could only keep the invalid 0.
@@ -28,7 +30,8 @@ use proxy_common::{proto, sctp};
 use crate::{
     family::{Address, Ipv4, Ipv6},
     wire::{
-        ETH_HLEN, IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_DADDR_OFF, IPV6_HLEN, IPV6_SADDR_OFF, IP_MF, IP_OFFSET,
+        DSR6_HDR_EXT_LEN, DSR6_HLEN, DSR6_OPTION_DATA_LEN, DSR6_OPTION_TYPE, ETH_HLEN, IPPROTO_DSTOPTS,
+        IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_DADDR_OFF, IPV6_HLEN, IPV6_SADDR_OFF, IP_MF, IP_OFFSET,
         TCP_CSUM_AT, TCP_FLAGS_AT, UDP_CSUM_AT,
     },
 };
@@ -198,27 +201,10 @@ impl IpHeader for Ipv4 {
 }
 
 impl IpHeader for Ipv6 {
-    /// Parses an IPv6 packet whose next header is TCP or UDP, the ethertype checked by the caller.
+    /// Parses an IPv6 packet whose next header is TCP, UDP or SCTP, the ethertype checked by the caller.
     #[inline(always)]
     fn parse(ctx: &impl Frame) -> Option<Packet<Self>> {
-        let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
-        let (version, next_header, payload_len) = unsafe {
-            let ip = &*ip;
-            (ip[0] >> 4, ip[6], u16::from_be_bytes([ip[IPV6_PAYLOAD_LEN_OFF], ip[IPV6_PAYLOAD_LEN_OFF + 1]]))
-        };
-        if version != 6 {
-            return None;
-        }
-        let src = unsafe { *bytes_at::<16>(ctx, IPV6_SADDR_OFF)? };
-        let dst = unsafe { *bytes_at::<16>(ctx, IPV6_DADDR_OFF)? };
-        let packet = transport(ctx, ETH_HLEN + IPV6_HLEN, u32::from(payload_len), next_header, src, dst)?;
-        if packet.flow.proto == proto::UDP {
-            let csum = unsafe { *bytes_at::<2>(ctx, l4_csum_offset(packet.l4_offset, proto::UDP))? };
-            if csum == [0, 0] {
-                return None;
-            }
-        }
-        Some(packet)
+        parse_ipv6::<false>(ctx)
     }
 
     /// The checksum side of an IPv6 address change: IPv6 has no header checksum, and the 16-byte
@@ -250,6 +236,59 @@ impl IpHeader for Ipv6 {
             done => done,
         }
     }
+}
+
+/// Parses an IPv6 TCP/UDP/SCTP packet behind vipr's direct-server-return header (dsr.rs), and
+/// only such a packet. Apart from [`IpHeader::parse`], which refuses every extension header:
+/// the verifier follows each path once per L4 offset it may see, and one parser that took both
+/// would have it follow every IPv6 path twice.
+#[inline(always)]
+pub fn parse_ipv6_carrying(ctx: &TcContext) -> Option<Packet<Ipv6>> {
+    parse_ipv6::<true>(ctx)
+}
+
+/// [`IpHeader::parse`] for IPv6, or with `DSR_HEADER` [`parse_ipv6_carrying`].
+#[inline(always)]
+fn parse_ipv6<const DSR_HEADER: bool>(ctx: &impl Frame) -> Option<Packet<Ipv6>> {
+    let ip = bytes_at::<IPV6_HLEN>(ctx, ETH_HLEN)?;
+    let (version, next_header, payload_len) = unsafe {
+        let ip = &*ip;
+        (ip[0] >> 4, ip[6], u16::from_be_bytes([ip[IPV6_PAYLOAD_LEN_OFF], ip[IPV6_PAYLOAD_LEN_OFF + 1]]))
+    };
+    if version != 6 {
+        return None;
+    }
+    let src = unsafe { *bytes_at::<16>(ctx, IPV6_SADDR_OFF)? };
+    let dst = unsafe { *bytes_at::<16>(ctx, IPV6_DADDR_OFF)? };
+    let (l4_offset, l4_len, protocol) = if DSR_HEADER {
+        if next_header != IPPROTO_DSTOPTS {
+            return None;
+        }
+        dsr_header(ctx, payload_len)?
+    } else {
+        (ETH_HLEN + IPV6_HLEN, u32::from(payload_len), next_header)
+    };
+    let packet = transport(ctx, l4_offset, l4_len, protocol, src, dst)?;
+    if packet.flow.proto == proto::UDP {
+        let csum = unsafe { *bytes_at::<2>(ctx, l4_csum_offset(packet.l4_offset, proto::UDP))? };
+        if csum == [0, 0] {
+            return None;
+        }
+    }
+    Some(packet)
+}
+
+/// Where the L4 header of an IPv6 packet with a destination-options header starts, its length
+/// and protocol, if the header is vipr's direct-server-return header (wire.rs): a fixed shape,
+/// so no loop over options.
+#[inline(always)]
+fn dsr_header(ctx: &impl Frame, payload_len: u16) -> Option<(usize, u32, u8)> {
+    let header = unsafe { *bytes_at::<4>(ctx, ETH_HLEN + IPV6_HLEN)? };
+    if header[1] != DSR6_HDR_EXT_LEN || header[2] != DSR6_OPTION_TYPE || header[3] != DSR6_OPTION_DATA_LEN {
+        return None;
+    }
+    let l4_len = u32::from(payload_len).checked_sub(DSR6_HLEN as u32)?;
+    Some((ETH_HLEN + IPV6_HLEN + DSR6_HLEN, l4_len, header[0]))
 }
 
 /// The L4 part of parsing, shared by both families: the ports, and the checksum field

@@ -48,6 +48,14 @@ pub fn vipr_tc_ingress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn family<A: Datapath>(ctx: &TcContext) -> i32 {
     match balance::<A>(ctx) {
+        NOT_BALANCED if A::CARRIED_APART => match carried_request::<A>(ctx, false) {
+            NOT_BALANCED => {}
+            MAP_FULL => {
+                make_room::<A>();
+                return carried_request::<A>(ctx, true);
+            }
+            verdict => return verdict,
+        },
         NOT_BALANCED => {}
         NEW_CONNECTION => {
             // A full flows map: early drop, and the decision taken anew (nothing was stored).
@@ -83,27 +91,61 @@ const MAP_FULL: i32 = i32::MIN + 2;
 #[inline(never)]
 fn balance<A: Datapath>(ctx: &TcContext) -> i32 {
     match A::parse(ctx) {
-        Some(packet) => balance_packet(ctx, packet),
+        Some(packet) => balance_packet(ctx, &packet),
         None => NOT_BALANCED,
     }
 }
 
+/// A request that carries its service address in a header the common parser refuses (IPv6's,
+/// dsr.rs), on its backend's node: the first one stored as [`balance_new`] stores one that
+/// carries it, a later one (a retransmitted SYN, a datagram) handled as [`balance_packet`]
+/// handles a DSR request. [`NOT_BALANCED`] for every other packet, [`MAP_FULL`] as
+/// [`balance_new`]. Not [`balance_packet`] itself, whose frame with [`dsr_arrived`]'s inlined
+/// would pass BPF's 512 bytes: such a packet belongs to a DSR connection or to none.
+#[inline(never)]
+fn carried_request<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
+    let Some(packet) = A::parse_carrying(ctx) else {
+        return NOT_BALANCED;
+    };
+    let Some(frontend) = A::carried(ctx, &packet) else {
+        return TC_ACT_UNSPEC;
+    };
+    let stored = match A::flow(&packet.flow) {
+        Some(tracked) => {
+            let flags = tracked.nat.flags;
+            if flags & flow_flags::DSR_BACKEND == 0 || flags & flow_flags::REPLY != 0 {
+                return TC_ACT_UNSPEC;
+            }
+            count(ctx, tracked.nat.counter);
+            observe(&packet.flow, &tracked, packet.tcp_flags);
+            true
+        }
+        None => false,
+    };
+    arrive(ctx, &packet, &frontend, stored, last_try)
+}
+
 #[inline(always)]
-fn balance_packet<A: Datapath>(ctx: &TcContext, packet: Packet<A>) -> i32 {
+fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
     if let Some(tracked) = A::flow(&packet.flow) {
-        let flow = tracked.nat;
+        let flow = &tracked.nat;
         count(ctx, flow.counter);
         observe(&packet.flow, &tracked, packet.tcp_flags);
-        if A::DSR
-            && flow.flags & (flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0
+        if flow.flags & (flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0
             && flow.flags & flow_flags::REPLY == 0
         {
-            return dsr_request(ctx, &packet, &flow);
+            // IPv6's addresses make this frame and a call's add up past BPF's 512 bytes; an
+            // IPv4 call keeps this function, and the new connections that pass through it, small.
+            return if size_of::<A>() > 4 {
+                dsr_request(ctx, packet, flow)
+            } else {
+                dsr_request_apart(ctx, packet, flow)
+            };
         }
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let hop = tracked_hop(ctx, destination, &tracked);
-        return forward_tracked(ctx, &packet, &flow, &hop);
+        return forward_tracked(ctx, packet, flow, &hop);
     }
     NEW_CONNECTION
 }
@@ -112,16 +154,18 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: Packet<A>) -> i32 {
 /// destination rewritten, the option carried again where the backend's node may need it (a
 /// retransmitted SYN, every UDP datagram: its entries there may have expired or never been
 /// stored). On the backend's node: the option, if any, removed (a retransmitted SYN renews
-/// the entries first). A function of its own, with its own route lookup: the established path
-/// of other connections keeps its code, frame and route as without DSR.
-#[inline(never)]
+/// the entries first). With its own route lookup: the established path of other connections
+/// keeps its route as without DSR.
+#[inline(always)]
 fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
     let destination =
         if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
     let route = route_to(ctx, destination);
     let route = route.as_ref();
     if flow.flags & flow_flags::DSR_BACKEND != 0 {
-        let Some(frontend) = A::carried(ctx, packet) else {
+        // A family whose carrier the common parser refuses never sees it here
+        // ([`carried_request`] has those packets).
+        let Some(frontend) = A::carried(ctx, packet).filter(|_| !A::CARRIED_APART) else {
             return forward(ctx, packet, flow, route);
         };
         if packet.tcp_flags & TCP_SYN != 0 {
@@ -138,6 +182,12 @@ fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) 
         // datagram); without a route the stack has the packet.
         _ => forward(ctx, packet, flow, route),
     }
+}
+
+/// [`dsr_request`] as a function of its own.
+#[inline(never)]
+fn dsr_request_apart<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
+    dsr_request(ctx, packet, flow)
 }
 
 /// Sends a DSR request to its backend's node: the destination rewritten, the source kept,
@@ -200,8 +250,9 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     };
     let packet = &packet;
     // A request whose service address another node's vipr carried here: this node is the
-    // backend's (direct server return).
-    if let Some(frontend) = A::carried(ctx, packet).filter(|_| A::DSR) {
+    // backend's (direct server return). A family whose carrier the common parser refuses
+    // never sees it here ([`carried_request`] has those packets).
+    if let Some(frontend) = A::carried(ctx, packet).filter(|_| !A::CARRIED_APART) {
         return dsr_arrived(ctx, packet, &frontend, last_try);
     }
     // At TC ingress the packet's device is the one it entered through.
@@ -220,7 +271,7 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     // itself directly and the reply would never be reverse-NATed.
     let hairpin = backend.addr.is(&packet.flow.src);
     let route = route_to(ctx, backend.addr);
-    if A::DSR && service.flags & service_flags::DSR != 0 && !hairpin {
+    if service.flags & service_flags::DSR != 0 && !hairpin {
         if let Some(route) = route.as_ref().filter(|route| remote(packet, &backend, route)) {
             let chosen = Chosen { service, backend, counter, now };
             let verdict = balance_dsr(ctx, packet, &chosen, route, last_try);
@@ -287,10 +338,8 @@ fn remote<A: Datapath>(packet: &Packet<A>, backend: &Endpoint<A>, route: &Route<
     route.via_gateway && packet.first_fragment.is_none() && A::in_pod_cidr(&backend.addr)
 }
 
-/// The first request of a DSR connection on its backend's node: its entries stored (the reply
-/// entry gives replies the carried frontend as source), the option removed, the request
-/// delivered. A connection whose entries could not be stored is refused as [`balance_new`]
-/// refuses: its replies would leave with the backend's address.
+/// The first request of a DSR connection on its backend's node, which carries its service
+/// address: see [`arrive`].
 #[inline(never)]
 fn dsr_arrived<A: Datapath>(
     ctx: &TcContext,
@@ -298,10 +347,31 @@ fn dsr_arrived<A: Datapath>(
     frontend: &Endpoint<A>,
     last_try: bool,
 ) -> i32 {
-    match track_dsr_backend(packet, frontend, last_try) {
-        Ok(()) => stat(datapath_stat::DSR_RECEIVED),
-        Err(Refusal::MapFull) => return MAP_FULL,
-        Err(_) => return TC_ACT_SHOT,
+    arrive(ctx, packet, frontend, false, last_try)
+}
+
+/// A request of a DSR connection on its backend's node that carries its service address: the
+/// first one's entries stored (the reply entry gives replies the carried frontend as source),
+/// or with `stored` (they were found) renewed by a SYN, which the client retransmitted; then the
+/// carrier removed and the request delivered. A connection whose entries could not be stored is
+/// refused as [`balance_new`] refuses: its replies would leave with the backend's address.
+/// Inlined into [`carried_request`], whose frame and a call's would pass BPF's 512 bytes.
+#[inline(always)]
+fn arrive<A: Datapath>(
+    ctx: &TcContext,
+    packet: &Packet<A>,
+    frontend: &Endpoint<A>,
+    stored: bool,
+    last_try: bool,
+) -> i32 {
+    if !stored {
+        match track_dsr_backend(packet, frontend, last_try) {
+            Ok(()) => stat(datapath_stat::DSR_RECEIVED),
+            Err(Refusal::MapFull) => return MAP_FULL,
+            Err(_) => return TC_ACT_SHOT,
+        }
+    } else if packet.tcp_flags & TCP_SYN != 0 {
+        let _ = track_dsr_backend(packet, frontend, true);
     }
     let route = route_to(ctx, packet.flow.dst);
     strip_and_deliver::<A>(ctx, route.as_ref())

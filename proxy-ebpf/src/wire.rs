@@ -24,3 +24,16 @@ pub const IP_MF: u16 = 0x2000;
 pub const TCP_FLAGS_AT: usize = 13;
 pub const TCP_CSUM_AT: usize = 16;
 pub const UDP_CSUM_AT: usize = 6;
+
+/// IPv6's destination-options extension header, the carrier of direct server return's
+/// service address for IPv6 (dsr.rs): vipr's is [`DSR6_HLEN`] bytes right after the fixed
+/// header: next header, length (2: 24 bytes), then one option of type [`DSR6_OPTION_TYPE`]
+/// with [`DSR6_OPTION_DATA_LEN`] bytes of data (the address, then the port), then two Pad1.
+pub const IPPROTO_DSTOPTS: u8 = 60;
+pub const DSR6_HLEN: usize = 24;
+/// The header's length field: its length in 8-byte units, not counting the first.
+pub const DSR6_HDR_EXT_LEN: u8 = (DSR6_HLEN / 8 - 1) as u8;
+/// One of RFC 4727's experimental option types: its top bits say "skip if unknown" and
+/// "does not change en route", so a router or a node without vipr passes it on untouched.
+pub const DSR6_OPTION_TYPE: u8 = 0x1e;
+pub const DSR6_OPTION_DATA_LEN: u8 = 18;

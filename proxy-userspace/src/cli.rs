@@ -192,7 +192,8 @@ pub struct Args {
     /// How the eBPF datapath sends a NodePort, load-balancer or external-IP connection from
     /// outside to a backend on another node (Cilium's `bpf-lb-mode`): `snat` masquerades it,
     /// as kube-proxy, so the replies come back through this node; `dsr` keeps the client's
-    /// address and carries the service address to the backend's node in an IPv4 option, and
+    /// address and carries the service address to the backend's node in an IPv4 option (an
+    /// IPv6 destination-options header), and
     /// the replies leave from there straight to the client (direct server return, TCP and UDP;
     /// every node must run vipr with it); `hybrid` is DSR for TCP and SNAT for UDP and SCTP.
     #[arg(long, value_enum, value_name = "MODE", default_value = "snat")]

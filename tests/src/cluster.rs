@@ -11,10 +11,22 @@
 //!     └ pod 10.244.1.10 (veth p0, node side 10.244.1.1) ...
 //! ```
 //!
+//! A dual-stack lab ([`ClusterLab::new_dual_stack`]) gives every link an IPv6 address too,
+//! routed the same way (the API server stays on IPv4):
+//!
+//! ```text
+//!  client 2001:db8:113::2 ── router (2001:db8:113::1, bridge fd00:100::fe)
+//!                                │ fd00:100::/64
+//!        ┌───────────────────────┼───────────────────────┐
+//!   node n1 fd00:100::1     node n2 fd00:100::2     node n3 fd00:100::3
+//!   pods fd00:244:0:1::/64  pods fd00:244:0:2::/64  ...    (cluster CIDR fd00:244::/48)
+//!     └ pod fd00:244:0:1::10 (veth p0, node side fd00:244:0:1::1) ...
+//! ```
+//!
 //! Every namespace, mount and process is the lab's own and goes with it (drop guards), also
 //! when a test fails.
 use std::{
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -35,6 +47,15 @@ const CLIENT_GATEWAY: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 const API_PORT: u16 = 6443;
 /// Every pod CIDR is inside it (`--cluster-cidr`).
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+
+/// The router's IPv6 address on the node network (dual-stack labs).
+pub const ROUTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, 0xfe);
+/// The external client's IPv6 address (dual-stack labs).
+pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x113, 0, 0, 0, 0, 2);
+const CLIENT_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x113, 0, 0, 0, 0, 1);
+/// Every IPv6 pod CIDR is inside it; a dual-stack lab's `--cluster-cidr` is
+/// `{CLUSTER_CIDR},{CLUSTER_CIDR6}`.
+pub const CLUSTER_CIDR6: &str = "fd00:244::/48";
 
 /// The port every pod serves on, TCP and UDP.
 pub const POD_PORT: u16 = 8080;
@@ -96,12 +117,42 @@ pub fn pod_gateway(index: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, index as u8, 1)
 }
 
+/// Node `index` (from 1)'s IPv6 pod CIDR (dual-stack labs), inside [`CLUSTER_CIDR6`].
+pub fn pod_cidr6(index: usize) -> String {
+    format!("{}/64", Ipv6Addr::new(0xfd00, 0x244, 0, index as u16, 0, 0, 0, 0))
+}
+
+/// Node `index` (from 1)'s IPv6 address on the node network (dual-stack labs).
+pub fn node_ip6(index: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x100, 0, 0, 0, 0, 0, index as u16)
+}
+
+/// The IPv6 address of pod `pod` (from 0) on node `index` (from 1) (dual-stack labs).
+pub fn pod_ip6(index: usize, pod: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x244, 0, index as u16, 0, 0, 0, 0x10 + pod as u16)
+}
+
+/// Node `index` (from 1)'s IPv6 address on its pods' links: their gateway (dual-stack labs).
+pub fn pod_gateway6(index: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x244, 0, index as u16, 0, 0, 0, 1)
+}
+
+/// A UDP socket of `to`'s family, on any address and port, that waits [`ASK`] for an answer.
+pub fn udp_socket_for(to: SocketAddr) -> Result<UdpSocket> {
+    let any: IpAddr = if to.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+    let socket = UdpSocket::bind((any, 0))?;
+    socket.set_read_timeout(Some(ASK))?;
+    Ok(socket)
+}
+
 /// One pod: its namespace and the echo servers answering as `name`.
 pub struct Pod {
     // The servers stop before their namespace goes.
     _servers: EchoServer,
     pub name: String,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address in a dual-stack lab.
+    pub ip6: Option<Ipv6Addr>,
     pub netns: Netns,
 }
 
@@ -111,6 +162,8 @@ pub struct Node {
     vipr: Option<Vipr>,
     pub name: String,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address in a dual-stack lab.
+    pub ip6: Option<Ipv6Addr>,
     pub pods: Vec<Pod>,
     bpffs: BpfFs,
     pub netns: Netns,
@@ -138,6 +191,7 @@ pub struct ClusterLab {
     api: FakeApiServer,
     kubeconfig: PathBuf,
     binary: PathBuf,
+    dual_stack: bool,
     // The router goes last: the nodes' uplinks hang off its bridge.
     pub router: Netns,
     workdir: WorkDir,
@@ -148,22 +202,60 @@ impl ClusterLab {
     /// Node object per node); no vipr yet ([`Self::start_vipr`]). Each pod serves the echo
     /// protocol as `<node>-pod<k>` on TCP and UDP `ports`.
     pub fn new(label: &str, nodes: usize, pods: usize, ports: &[u16]) -> Result<Self> {
+        Self::build(label, nodes, pods, ports, false)
+    }
+
+    /// The same lab with IPv6 beside IPv4 on every link (the module doc's second diagram): the
+    /// Node objects have both families' pod CIDRs and InternalIPs, vipr gets both cluster
+    /// CIDRs, and the pods serve on both their addresses.
+    pub fn new_dual_stack(label: &str, nodes: usize, pods: usize, ports: &[u16]) -> Result<Self> {
+        Self::build(label, nodes, pods, ports, true)
+    }
+
+    fn build(label: &str, nodes: usize, pods: usize, ports: &[u16], dual_stack: bool) -> Result<Self> {
         crate::require_root()?;
         let workdir = WorkDir::create(label)?;
         let name = |suffix: &str| unique_name(&format!("{label}-{suffix}"));
-        let router = Netns::create(&name("r"))?;
+        let create = |suffix: &str| -> Result<Netns> {
+            let netns = Netns::create(&name(suffix))?;
+            if dual_stack {
+                // Link-local addresses skip duplicate address detection too: while one is
+                // tentative, the kernel sends no neighbour solicitation for a packet it
+                // forwards out of that interface, and the first packets through a fresh lab
+                // would wait a second or two for the retry.
+                netns.set_sysctl("net.ipv6.conf.default.accept_dad", "0")?;
+            }
+            Ok(netns)
+        };
+        // IPv6 addresses skip duplicate address detection: usable at once, as IPv4 ones are.
+        let add6 = |netns: &Netns, address: String, device: &str| -> Result<()> {
+            netns.ip(&["-6", "addr", "add", &address, "dev", device, "nodad"])?;
+            Ok(())
+        };
+        let router = create("r")?;
         router.set_sysctl("net.ipv4.ip_forward", "1")?;
+        if dual_stack {
+            router.set_sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        }
         router.ip(&["link", "add", "br0", "type", "bridge"])?;
         router.ip(&["addr", "add", &format!("{ROUTER_IP}/24"), "dev", "br0"])?;
+        if dual_stack {
+            add6(&router, format!("{ROUTER_IP6}/64"), "br0")?;
+        }
         router.ip(&["link", "set", "br0", "up"])?;
 
-        let client = Netns::create(&name("c"))?;
+        let client = create("c")?;
         link(&router, "ext", &client)?;
         router.ip(&["addr", "add", &format!("{CLIENT_GATEWAY}/24"), "dev", "ext"])?;
         router.ip(&["link", "set", "ext", "up"])?;
         client.ip(&["addr", "add", &format!("{CLIENT_IP}/24"), "dev", "eth0"])?;
         client.ip(&["link", "set", "eth0", "up"])?;
         client.ip(&["route", "add", "default", "via", &CLIENT_GATEWAY.to_string()])?;
+        if dual_stack {
+            add6(&router, format!("{CLIENT_GATEWAY6}/64"), "ext")?;
+            add6(&client, format!("{CLIENT_IP6}/64"), "eth0")?;
+            client.ip(&["-6", "route", "add", "default", "via", &CLIENT_GATEWAY6.to_string()])?;
+        }
 
         let api = router.run(|| FakeApiServer::start_on(SocketAddr::from((ROUTER_IP, API_PORT))))?;
         let kubeconfig = workdir.path().join("kubeconfig");
@@ -172,14 +264,21 @@ impl ClusterLab {
         let mut built = Vec::new();
         for index in 1..=nodes {
             let node_name = format!("n{index}");
-            let netns = Netns::create(&name(&node_name))?;
+            let netns = create(&node_name)?;
             let uplink = format!("up{index}");
             link(&router, &uplink, &netns)?;
             router.ip(&["link", "set", &uplink, "master", "br0", "up"])?;
             netns.set_sysctl("net.ipv4.ip_forward", "1")?;
             netns.ip(&["addr", "add", &format!("{}/24", node_ip(index)), "dev", "eth0"])?;
+            if dual_stack {
+                netns.set_sysctl("net.ipv6.conf.all.forwarding", "1")?;
+                add6(&netns, format!("{}/64", node_ip6(index)), "eth0")?;
+            }
             netns.ip(&["link", "set", "eth0", "up"])?;
             netns.ip(&["route", "add", "default", "via", &ROUTER_IP.to_string()])?;
+            if dual_stack {
+                netns.ip(&["-6", "route", "add", "default", "via", &ROUTER_IP6.to_string()])?;
+            }
             // Host-gateway routing: every other node's pods through that node.
             for other in (1..=nodes).filter(|&other| other != index) {
                 netns.ip(&[
@@ -189,6 +288,16 @@ impl ClusterLab {
                     "via",
                     &node_ip(other).to_string(),
                 ])?;
+                if dual_stack {
+                    netns.ip(&[
+                        "-6",
+                        "route",
+                        "add",
+                        &pod_cidr6(other),
+                        "via",
+                        &node_ip6(other).to_string(),
+                    ])?;
+                }
             }
             router.ip(&[
                 "route",
@@ -197,46 +306,92 @@ impl ClusterLab {
                 "via",
                 &node_ip(index).to_string(),
             ])?;
+            if dual_stack {
+                router.ip(&["-6", "route", "add", &pod_cidr6(index), "via", &node_ip6(index).to_string()])?;
+            }
             let mut node_pods = Vec::new();
             for pod in 0..pods {
                 let pod_name = format!("{node_name}-pod{pod}");
-                let pod_netns = Netns::create(&name(&pod_name))?;
+                let pod_netns = create(&pod_name)?;
+                let ip6 = dual_stack.then(|| pod_ip6(index, pod));
                 let device = format!("p{pod}");
                 link(&netns, &device, &pod_netns)?;
                 netns.ip(&["addr", "add", &format!("{}/32", pod_gateway(index)), "dev", &device])?;
+                if dual_stack {
+                    add6(&netns, format!("{}/128", pod_gateway6(index)), &device)?;
+                }
                 netns.ip(&["link", "set", &device, "up"])?;
                 netns.ip(&["route", "add", &format!("{}/32", pod_ip(index, pod)), "dev", &device])?;
                 pod_netns.ip(&["addr", "add", &format!("{}/24", pod_ip(index, pod)), "dev", "eth0"])?;
+                if let Some(ip6) = ip6 {
+                    netns.ip(&["-6", "route", "add", &format!("{ip6}/128"), "dev", &device])?;
+                    add6(&pod_netns, format!("{ip6}/64"), "eth0")?;
+                }
                 pod_netns.ip(&["link", "set", "eth0", "up"])?;
                 pod_netns.ip(&["route", "add", "default", "via", &pod_gateway(index).to_string()])?;
-                let listen: Vec<SocketAddr> =
-                    ports.iter().map(|&port| SocketAddr::from((pod_ip(index, pod), port))).collect();
+                if dual_stack {
+                    let gateway6 = pod_gateway6(index).to_string();
+                    pod_netns.ip(&["-6", "route", "add", "default", "via", &gateway6])?;
+                }
+                let listen: Vec<SocketAddr> = ports
+                    .iter()
+                    .flat_map(|&port| {
+                        let v4 = SocketAddr::from((pod_ip(index, pod), port));
+                        [Some(v4), ip6.map(|ip6| SocketAddr::from((ip6, port)))]
+                    })
+                    .flatten()
+                    .collect();
                 let servers = EchoServer::start(&pod_netns, &pod_name, &listen, &listen)?;
                 node_pods.push(Pod {
                     _servers: servers,
                     name: pod_name,
                     ip: pod_ip(index, pod),
+                    ip6,
                     netns: pod_netns,
                 });
             }
+            let (pod_cidrs, addresses) = if dual_stack {
+                (
+                    json!([format!("10.244.{index}.0/24"), pod_cidr6(index)]),
+                    json!([
+                        {"type": "InternalIP", "address": node_ip(index).to_string()},
+                        {"type": "InternalIP", "address": node_ip6(index).to_string()},
+                    ]),
+                )
+            } else {
+                (
+                    json!([format!("10.244.{index}.0/24")]),
+                    json!([{"type": "InternalIP", "address": node_ip(index).to_string()}]),
+                )
+            };
             api.apply_json(json!({
                 "apiVersion": "v1",
                 "kind": "Node",
                 "metadata": {"name": node_name},
-                "spec": {"podCIDR": format!("10.244.{index}.0/24"), "podCIDRs": [format!("10.244.{index}.0/24")]},
-                "status": {"addresses": [{"type": "InternalIP", "address": node_ip(index).to_string()}]},
+                "spec": {"podCIDR": format!("10.244.{index}.0/24"), "podCIDRs": pod_cidrs},
+                "status": {"addresses": addresses},
             }))?;
             let bpffs = BpfFs::mount(&format!("{label}-{node_name}"))?;
             built.push(Node {
                 name: node_name,
                 ip: node_ip(index),
+                ip6: dual_stack.then(|| node_ip6(index)),
                 pods: node_pods,
                 vipr: None,
                 bpffs,
                 netns,
             });
         }
-        Ok(Self { nodes: built, client, api, kubeconfig, binary: crate::locate_vipr()?, router, workdir })
+        Ok(Self {
+            nodes: built,
+            client,
+            api,
+            kubeconfig,
+            binary: crate::locate_vipr()?,
+            dual_stack,
+            router,
+            workdir,
+        })
     }
 
     pub fn api(&self) -> &FakeApiServer {
@@ -256,7 +411,11 @@ impl ClusterLab {
                 format!("--kubeconfig={}", self.kubeconfig.display()),
                 format!("--node-name={}", node.name),
                 format!("--bpf-root={}", node.bpffs.path().display()),
-                format!("--cluster-cidr={CLUSTER_CIDR}"),
+                if self.dual_stack {
+                    format!("--cluster-cidr={CLUSTER_CIDR},{CLUSTER_CIDR6}")
+                } else {
+                    format!("--cluster-cidr={CLUSTER_CIDR}")
+                },
                 "--min-sync-period=0s".to_owned(),
                 "-v".to_owned(),
             ];
@@ -276,9 +435,45 @@ impl ClusterLab {
         target_ports: &[(&str, u16, &str)],
         endpoints: &[(usize, usize)],
     ) -> Result<()> {
-        let name = service["metadata"]["name"].as_str().context("the Service has no name")?.to_owned();
-        let namespace = service["metadata"]["namespace"].as_str().unwrap_or("default").to_owned();
+        let (name, namespace) = service_identity(&service)?;
         self.api.apply_json(service)?;
+        self.apply_slice(&name, &namespace, false, target_ports, endpoints)
+    }
+
+    /// Stores `service` made dual-stack, as the API server holds a `RequireDualStack` Service
+    /// (`ipFamilies` IPv4 and IPv6, `clusterIPs` its `clusterIP` and `cluster_ip6`), and its two
+    /// EndpointSlices, as the EndpointSlice controller writes them: one per address family, each
+    /// with the `endpoints`' addresses of its family. The lab must be dual-stack.
+    pub fn apply_dual_stack_service(
+        &self,
+        mut service: Value,
+        cluster_ip6: Ipv6Addr,
+        target_ports: &[(&str, u16, &str)],
+        endpoints: &[(usize, usize)],
+    ) -> Result<()> {
+        anyhow::ensure!(self.dual_stack, "a dual-stack Service needs a dual-stack lab");
+        let (name, namespace) = service_identity(&service)?;
+        let spec = service["spec"].as_object_mut().context("the Service has no spec")?;
+        let cluster_ip =
+            spec.get("clusterIP").and_then(Value::as_str).context("the Service has no clusterIP")?;
+        let cluster_ips = json!([cluster_ip, cluster_ip6.to_string()]);
+        spec.insert("clusterIPs".to_owned(), cluster_ips);
+        spec.insert("ipFamilyPolicy".to_owned(), json!("RequireDualStack"));
+        spec.insert("ipFamilies".to_owned(), json!(["IPv4", "IPv6"]));
+        self.api.apply_json(service)?;
+        self.apply_slice(&name, &namespace, false, target_ports, endpoints)?;
+        self.apply_slice(&name, &namespace, true, target_ports, endpoints)
+    }
+
+    /// Stores the EndpointSlice of Service `namespace/name` of one family.
+    fn apply_slice(
+        &self,
+        name: &str,
+        namespace: &str,
+        ipv6: bool,
+        target_ports: &[(&str, u16, &str)],
+        endpoints: &[(usize, usize)],
+    ) -> Result<()> {
         let ports: Vec<Value> = target_ports
             .iter()
             .map(|(port_name, port, protocol)| json!({"name": port_name, "port": port, "protocol": protocol}))
@@ -286,22 +481,26 @@ impl ClusterLab {
         let endpoints: Vec<Value> = endpoints
             .iter()
             .map(|&(node, pod)| {
+                let address =
+                    if ipv6 { pod_ip6(node, pod).to_string() } else { pod_ip(node, pod).to_string() };
                 json!({
-                    "addresses": [pod_ip(node, pod).to_string()],
+                    "addresses": [address],
                     "conditions": {"ready": true, "serving": true, "terminating": false},
                     "nodeName": format!("n{node}"),
                 })
             })
             .collect();
+        let (slice, address_type) =
+            if ipv6 { (format!("{name}-2"), "IPv6") } else { (format!("{name}-1"), "IPv4") };
         self.api.apply_json(json!({
             "apiVersion": "discovery.k8s.io/v1",
             "kind": "EndpointSlice",
             "metadata": {
-                "name": format!("{name}-1"),
+                "name": slice,
                 "namespace": namespace,
                 "labels": {"kubernetes.io/service-name": name},
             },
-            "addressType": "IPv4",
+            "addressType": address_type,
             "ports": ports,
             "endpoints": endpoints,
         }))?;
@@ -335,11 +534,7 @@ impl ClusterLab {
     /// One UDP question from the external client to `to`, once vipr answers there.
     pub fn ask_udp(&self, to: SocketAddr) -> Result<Answer> {
         wait_for(&format!("a UDP answer through {to}"), TIMEOUT, || {
-            let answer = self.client.run(|| {
-                let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
-                socket.set_read_timeout(Some(ASK))?;
-                udp_answer(&socket, to)
-            });
+            let answer = self.client.run(|| udp_answer(&udp_socket_for(to)?, to));
             Ok(match answer {
                 Ok(answer) => Check::Done(answer),
                 Err(error) => Check::NotYet(format!("{error:#}")),
@@ -382,6 +577,18 @@ impl ClusterLab {
     pub fn node_address(index: usize, port: u16) -> SocketAddr {
         SocketAddr::V4(SocketAddrV4::new(node_ip(index), port))
     }
+
+    /// `node`'s (from 1) IPv6 address and `port` (dual-stack labs).
+    pub fn node_address6(index: usize, port: u16) -> SocketAddr {
+        SocketAddr::V6(SocketAddrV6::new(node_ip6(index), port, 0, 0))
+    }
+}
+
+/// The name and namespace of `service`.
+fn service_identity(service: &Value) -> Result<(String, String)> {
+    let name = service["metadata"]["name"].as_str().context("the Service has no name")?.to_owned();
+    let namespace = service["metadata"]["namespace"].as_str().unwrap_or("default").to_owned();
+    Ok((name, namespace))
 }
 
 /// A veth pair: `name` in `a`, `eth0`-or-`peer` in `b` (named `eth0`).

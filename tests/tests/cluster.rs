@@ -4,7 +4,7 @@
 //! removing one of N backends moves about 1/N of the flows, and a node can go away.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, UdpSocket},
     ops::Range,
 };
 
@@ -12,7 +12,8 @@ use anyhow::{bail, ensure, Context as _, Result};
 use serde_json::json;
 use testbed::{
     cluster::{
-        node_port_service, pod_ip, udp_answer, ClusterLab, ASK, CLIENT_IP, POD_PORT, TARGET_PORTS, TIMEOUT,
+        node_ip, node_ip6, node_port_service, pod_ip, udp_answer, udp_socket_for, ClusterLab, ASK, CLIENT_IP,
+        CLIENT_IP6, POD_PORT, TARGET_PORTS, TIMEOUT,
     },
     http, tcp_exchange, wait_for, Check, Frontend, Protocol,
 };
@@ -26,9 +27,34 @@ fn a_node_port_on_one_node_reaches_a_pod_on_another() -> Result<()> {
         let answer = lab.ask_tcp(ClusterLab::node_address(node, 30080))?;
         assert_eq!(answer.backend, "n2-pod0", "through n{node}");
         // eTP: Cluster: the ingress node masquerades, so that the reply comes back through it.
-        assert_eq!(answer.observed_client.ip(), testbed::cluster::node_ip(node), "through n{node}");
+        assert_eq!(answer.observed_client.ip(), node_ip(node), "through n{node}");
     }
     Ok(())
+}
+
+/// The same over IPv6 in a dual-stack lab, TCP and UDP: the ingress node masquerades to its
+/// own IPv6 address.
+#[test]
+fn an_ipv6_node_port_on_one_node_reaches_a_pod_on_another() -> Result<()> {
+    let mut lab = ClusterLab::new_dual_stack("cl-np6", 3, 1, &[POD_PORT])?;
+    let service = node_port_service("web", "10.96.0.10", 30080, json!({}));
+    lab.apply_dual_stack_service(service, "fd00:96::10".parse()?, TARGET_PORTS, &[(2, 0)])?;
+    lab.start_vipr(&[])?;
+    let result = (|| -> Result<()> {
+        for node in [1, 3] {
+            let through = ClusterLab::node_address6(node, 30080);
+            let tcp = lab.ask_tcp(through)?;
+            let udp = lab.ask_udp(through)?;
+            for (protocol, answer) in [("TCP", tcp), ("UDP", udp)] {
+                ensure!(
+                    answer.backend == "n2-pod0" && answer.observed_client.ip() == node_ip6(node),
+                    "{protocol} through n{node}: {answer}"
+                );
+            }
+        }
+        Ok(())
+    })();
+    lab.with_logs(result)
 }
 
 #[test]
@@ -245,53 +271,74 @@ fn when_a_node_goes_away_the_others_balance_its_flows_to_the_remaining_pods() ->
 }
 
 const DSR_NODE_PORT: u16 = 30084;
+const DSR_CLUSTER_IP: &str = "10.96.0.40";
+const DSR_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x40);
 
-/// A NodePort with its one endpoint on n2, vipr on every node with `args` (the LB mode).
-fn dsr_lab(label: &str, args: &[&str]) -> Result<ClusterLab> {
-    let mut lab = ClusterLab::new(label, 3, 1, &[POD_PORT])?;
-    lab.apply_service(
-        node_port_service("direct", "10.96.0.40", DSR_NODE_PORT, json!({})),
-        TARGET_PORTS,
-        &[(2, 0)],
-    )?;
+/// A NodePort with its one endpoint on n2, vipr on every node with `args` (the LB mode); a
+/// dual-stack lab and Service with `dual_stack`.
+fn dsr_lab(label: &str, args: &[&str], dual_stack: bool) -> Result<ClusterLab> {
+    let service = node_port_service("direct", DSR_CLUSTER_IP, DSR_NODE_PORT, json!({}));
+    let mut lab = if dual_stack {
+        let lab = ClusterLab::new_dual_stack(label, 3, 1, &[POD_PORT])?;
+        lab.apply_dual_stack_service(service, DSR_CLUSTER_IP6, TARGET_PORTS, &[(2, 0)])?;
+        lab
+    } else {
+        let lab = ClusterLab::new(label, 3, 1, &[POD_PORT])?;
+        lab.apply_service(service, TARGET_PORTS, &[(2, 0)])?;
+        lab
+    };
     lab.start_vipr(args)?;
     Ok(lab)
 }
 
 #[test]
 fn with_dsr_a_remote_backend_sees_the_client_and_replies_straight_to_it() -> Result<()> {
-    let lab = dsr_lab("cl-dsr", &["--lb-mode=dsr"])?;
-    lab.with_logs(dsr_replies_straight(&lab))
+    let lab = dsr_lab("cl-dsr", &["--lb-mode=dsr"], false)?;
+    lab.with_logs(dsr_replies_straight(&lab, ClusterLab::node_address(1, DSR_NODE_PORT), CLIENT_IP.into()))
 }
 
 /// The same with `--bpf-forwarding=redirect`: the request redirected to node 2 with the option,
 /// node 2 redirecting it to the pod without, and the reverse-NATed reply to the router.
 #[test]
 fn with_dsr_and_redirected_forwarding_a_remote_backend_replies_straight_to_the_client() -> Result<()> {
-    let lab = dsr_lab("cl-dsrr", &["--lb-mode=dsr", "--bpf-forwarding=redirect"])?;
-    lab.with_logs(dsr_replies_straight(&lab))
+    let lab = dsr_lab("cl-dsrr", &["--lb-mode=dsr", "--bpf-forwarding=redirect"], false)?;
+    lab.with_logs(dsr_replies_straight(&lab, ClusterLab::node_address(1, DSR_NODE_PORT), CLIENT_IP.into()))
 }
 
-fn dsr_replies_straight(lab: &ClusterLab) -> Result<()> {
-    let through = ClusterLab::node_address(1, DSR_NODE_PORT);
+/// The same over IPv6, in a dual-stack lab.
+#[test]
+fn with_dsr_an_ipv6_remote_backend_sees_the_client_and_replies_straight_to_it() -> Result<()> {
+    let lab = dsr_lab("cl-dsr6", &["--lb-mode=dsr"], true)?;
+    lab.with_logs(dsr_replies_straight(&lab, ClusterLab::node_address6(1, DSR_NODE_PORT), CLIENT_IP6.into()))
+}
+
+/// IPv6 with `--bpf-forwarding=redirect`.
+#[test]
+fn with_dsr_and_redirected_forwarding_an_ipv6_remote_backend_replies_straight_to_the_client() -> Result<()> {
+    let lab = dsr_lab("cl-dsrr6", &["--lb-mode=dsr", "--bpf-forwarding=redirect"], true)?;
+    lab.with_logs(dsr_replies_straight(&lab, ClusterLab::node_address6(1, DSR_NODE_PORT), CLIENT_IP6.into()))
+}
+
+/// Through n1's address `through` (either family), from the client's address `client` of that
+/// family: the backend on n2 sees the client, and its replies do not come back through n1.
+fn dsr_replies_straight(lab: &ClusterLab, through: SocketAddr, client: IpAddr) -> Result<()> {
     // TCP: the connection to n1's address works only if the replies come from it.
     let answer = lab.ask_tcp(through)?;
-    ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "TCP: {answer}");
+    ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == client, "TCP: {answer}");
     // UDP: the answer counts only if it comes from n1's address and port.
     let answer = lab.ask_udp(through)?;
-    ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "UDP: {answer}");
+    ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == client, "UDP: {answer}");
     // n1 sent both connections by DSR, and n2 got their service address in the requests.
     lab.node_metric(1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 2.0)?;
     lab.node_metric(2, "vipr_datapath_dsr_total{event=\"connection_received\"}", 2.0)?;
 
     // The replies do not come back through n1: its uplink receives the requests only (with
     // SNAT it would receive each answer from n2 too). A little slack for the API server's
-    // traffic to n1's vipr.
+    // traffic to n1's vipr (and, over IPv6, neighbour discovery).
     const EXCHANGES: u64 = 40;
     let before = uplink_rx_packets(lab, 1)?;
     lab.client.run(|| {
-        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
-        socket.set_read_timeout(Some(ASK))?;
+        let socket = udp_socket_for(through)?;
         for _ in 0..EXCHANGES {
             udp_answer(&socket, through)?;
         }
@@ -307,7 +354,7 @@ fn dsr_replies_straight(lab: &ClusterLab) -> Result<()> {
 
 #[test]
 fn hybrid_dsr_is_direct_for_tcp_and_masqueraded_for_udp() -> Result<()> {
-    let lab = dsr_lab("cl-hyb", &["--lb-mode=hybrid"])?;
+    let lab = dsr_lab("cl-hyb", &["--lb-mode=hybrid"], false)?;
     lab.with_logs(hybrid_dsr(&lab))
 }
 
@@ -317,7 +364,7 @@ fn hybrid_dsr(lab: &ClusterLab) -> Result<()> {
     ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == CLIENT_IP, "TCP: {answer}");
     let answer = lab.ask_udp(through)?;
     ensure!(
-        answer.backend == "n2-pod0" && answer.observed_client.ip() == testbed::cluster::node_ip(1),
+        answer.backend == "n2-pod0" && answer.observed_client.ip() == node_ip(1),
         "UDP is masqueraded: {answer}"
     );
     lab.node_metric(1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 1.0)?;

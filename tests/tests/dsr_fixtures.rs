@@ -1,19 +1,21 @@
 //! Direct server return's packets (`--lb-mode=dsr`), run through vipr's TC program with
 //! BPF_PROG_TEST_RUN: on the ingress node a new connection to a remote backend leaves with its
-//! destination rewritten, its source kept and the service address in an IPv4 option (checksums
-//! right, only a forward flow entry); on the backend's node a request with the option stores the
-//! connection's entries and reaches the backend without it, and the reply gets the service
-//! address as source. Each test runs in a network namespace of its own, whose routes it sets.
-//! Needs root (BPF, mount, unshare).
+//! destination rewritten, its source kept and the service address in an IPv4 option or an IPv6
+//! destination-options header (checksums right, only a forward flow entry); on the backend's
+//! node a request with it stores the connection's entries and reaches the backend without it,
+//! and the reply gets the service address as source. Each test runs in a network namespace of
+//! its own, whose routes it sets. Needs root (BPF, mount, unshare).
 
 use anyhow::{anyhow, ensure, Context as _, Result};
 use aya::maps::{lpm_trie::Key, LpmTrie, MapData};
-use proxy_common::{datapath_stat, flow_flags, pins, service_flags, Flow4, Service};
+use proxy_common::{datapath_stat, flow_flags, pins, service_flags, source_class, Flow4, Flow6, Service};
 use testbed::fixtures::{
     frame::{
         compare_frames, ep, input_and_output, parse_ipv4, Ep, L4Checksum, Packet, IPPROTO_TCP, IPPROTO_UDP,
     },
-    harness::{flow_key, verdict_name, Harness, TC_ACT_OK},
+    frame6::{compare_frames6, ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST},
+    harness::{flow_key, verdict_name, Harness, TC_ACT_OK, TC_ACT_UNSPEC},
+    harness6::{add_pod_cidr6, add_service6, flows6},
     netns::{in_fresh_netns, ip},
 };
 
@@ -170,6 +172,173 @@ fn the_backend_node_stores_the_service_address_and_strips_the_option() {
         // Later requests carry no option and pass as they are.
         let ack = Packet::tcp(CLIENT, BACKEND).tcp_flags(0x10);
         check(&h, &ack, TC_ACT_OK, &ack).context("the client's ACK")?;
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+const CLIENT6: Ep6 = ep6(ip6([0x2001, 0xdb8, 0x113, 0], 2), 40000);
+/// Node 1's NodePort on its IPv6 address.
+const FRONTEND6: Ep6 = ep6(ip6([0xfd00, 0x100, 0, 0], 1), 30080);
+/// A pod on node 2, behind node 2's IPv6 address.
+const BACKEND6: Ep6 = ep6(ip6([0xfd00, 0x244, 0, 2], 0x10), 8080);
+
+/// The destination-options header carrying FRONTEND6, after its next-header byte: length 2
+/// (24 bytes), option 0x1e with 18 bytes of data (address, port 30080), two Pad1.
+fn carrier6() -> Vec<u8> {
+    let mut body = vec![2, 0x1e, 18];
+    body.extend_from_slice(&FRONTEND6.addr);
+    body.extend_from_slice(&[0x75, 0x80, 0, 0]);
+    body
+}
+
+/// Node 1's IPv6 network: its uplink fd00:100::1/64 and node 2's pod CIDR fd00:244:0:2::/64
+/// through node 2, MTU `mtu`.
+fn node_one6(mtu: u32) -> Result<()> {
+    ip(&["link", "set", "lo", "up"])?;
+    ip(&["link", "add", "vd0", "mtu", &mtu.to_string(), "type", "veth", "peer", "name", "vd1"])?;
+    ip(&["link", "set", "vd1", "up"])?;
+    ip(&["link", "set", "vd0", "up"])?;
+    ip(&["-6", "addr", "add", "fd00:100::1/64", "dev", "vd0", "nodad"])?;
+    ip(&["-6", "route", "add", "fd00:244:0:2::/64", "via", "fd00:100::2"])?;
+    std::fs::write("/proc/sys/net/ipv6/conf/all/forwarding", "1").context("enabling IPv6 forwarding")
+}
+
+/// The IPv6 NodePort frontend of `proto` as the agent writes it with `--lb-mode=dsr`, its one
+/// backend BACKEND6, and the cluster CIDR fd00:244::/48.
+fn dsr_frontend6(h: &Harness, proto: u8, backend_set: u32) -> Result<()> {
+    add_pod_cidr6(h, 48, ip6([0xfd00, 0x244, 0, 0], 0))?;
+    let flags = service_flags::MASQUERADE | service_flags::DSR;
+    add_service6(h, FRONTEND6, proto, source_class::OUTSIDE, backend_set, &[BACKEND6], flags)
+}
+
+/// Runs `input`, expects `verdict` and exactly `expected` out; the L4 checksum is checked on
+/// its own where the output has no extension header.
+fn check6(h: &Harness, input: &Packet6, verdict: u32, expected: &Packet6) -> Result<()> {
+    let input = input.build();
+    let (got, out) = h.run(&input)?;
+    let observed = || input_and_output(&input, &out);
+    ensure!(
+        got == verdict,
+        "verdict {} (want {})\n  {}",
+        verdict_name(got),
+        verdict_name(verdict),
+        observed()
+    );
+    if expected.extensions.is_empty() {
+        let view = parse_ipv6(&out).map_err(|e| anyhow!("output: {e}\n  {}", observed()))?;
+        ensure!(
+            view.l4_checksum == L4Checksum::Valid,
+            "L4 checksum {:?}\n  {}",
+            view.l4_checksum,
+            observed()
+        );
+    }
+    // The expected frame's checksum is computed over the pseudo header, which an extension
+    // header does not enter: an equal frame has a valid checksum.
+    compare_frames6(&expected.build(), &out).map_err(|e| anyhow!("{e}\n  {}", observed()))
+}
+
+/// IPv6 on the ingress node: the SYN leaves for node 2 with the destination rewritten, the
+/// client's address kept and vipr's destination-options header after the fixed header; the
+/// ACK without it; every UDP datagram with it. Only forward entries, marked DSR_INGRESS.
+#[test]
+fn the_ingress_node_sends_an_ipv6_request_with_the_service_address_in_a_destination_options_header() {
+    in_fresh_netns(|| {
+        node_one6(1500)?;
+        let h = Harness::new()?;
+        dsr_frontend6(&h, IPPROTO_TCP, 1)?;
+        let syn = Packet6::tcp(CLIENT6, FRONTEND6).tcp_flags(0x02).payload(b"");
+        let sent = syn.clone().to(BACKEND6).extension_bytes(NEXTHDR_DEST, &carrier6());
+        check6(&h, &syn, TC_ACT_REDIRECT, &sent).context("SYN")?;
+        let ack = Packet6::tcp(CLIENT6, FRONTEND6).tcp_flags(0x10).payload(b"");
+        check6(&h, &ack, TC_ACT_REDIRECT, &ack.clone().to(BACKEND6)).context("ACK")?;
+
+        dsr_frontend6(&h, IPPROTO_UDP, 2)?;
+        let datagram = Packet6::udp(CLIENT6, FRONTEND6);
+        let sent = datagram.clone().to(BACKEND6).extension_bytes(NEXTHDR_DEST, &carrier6());
+        for round in 0..2 {
+            check6(&h, &datagram, TC_ACT_REDIRECT, &sent).with_context(|| format!("UDP datagram {round}"))?;
+        }
+        let flows = flows6(&h)?;
+        ensure!(flows.len() == 2, "one forward entry per connection, no reply entry: {flows:?}");
+        for proto in [IPPROTO_TCP, IPPROTO_UDP] {
+            let entry: Flow6 = flows[&flow_key(CLIENT6, FRONTEND6, proto)];
+            ensure!(
+                (entry.dst_addr, entry.dst_port) == (BACKEND6.addr, BACKEND6.port)
+                    && entry.flags == flow_flags::REWRITE_DESTINATION | flow_flags::DSR_INGRESS,
+                "protocol {proto}: {entry:?}"
+            );
+        }
+        ensure!(h.datapath_stat(datapath_stat::DSR_SENT)? == 2, "DSR_SENT");
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+/// An IPv6 datagram that would exceed the uplink's MTU with the 24-byte header is masqueraded
+/// instead, and counted.
+#[test]
+fn an_ipv6_request_too_big_for_the_carrier_is_masqueraded() {
+    in_fresh_netns(|| {
+        node_one6(1280)?;
+        let h = Harness::new()?;
+        dsr_frontend6(&h, IPPROTO_UDP, 2)?;
+        // 40 + 8 + 1220 = 1268 bytes: fits the MTU, not with 24 more.
+        let big = Packet6::udp(CLIENT6, FRONTEND6).payload(&[0x5a; 1220]);
+        let (verdict, out) = h.run(&big.build())?;
+        ensure!(verdict == TC_ACT_REDIRECT, "verdict {}", verdict_name(verdict));
+        let view = parse_ipv6(&out).map_err(|e| anyhow!("output: {e}"))?;
+        ensure!(
+            view.source().addr == FRONTEND6.addr && view.destination() == BACKEND6,
+            "not masqueraded: {view:?}"
+        );
+        ensure!(h.datapath_stat(datapath_stat::DSR_MTU_SNAT)? == 1, "DSR_MTU_SNAT");
+        ensure!(h.datapath_stat(datapath_stat::DSR_SENT)? == 0, "DSR_SENT");
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+/// IPv6 on the backend's node: the request with vipr's header stores both entries of the
+/// connection and goes on to the backend without the header; the reply leaves with the service
+/// address and port as its source. Another destination-options header is not vipr's: the
+/// packet passes as it is.
+#[test]
+fn the_backend_node_stores_the_ipv6_service_address_and_strips_the_header() {
+    in_fresh_netns(|| {
+        let h = Harness::new()?;
+        let request = Packet6::tcp(CLIENT6, BACKEND6)
+            .tcp_flags(0x02)
+            .payload(b"")
+            .extension_bytes(NEXTHDR_DEST, &carrier6());
+        check6(&h, &request, TC_ACT_OK, &request.clone().without_extensions())
+            .context("SYN with the header")?;
+        let flows = flows6(&h)?;
+        let reply_entry: Flow6 = flows[&flow_key(BACKEND6, CLIENT6, IPPROTO_TCP)];
+        ensure!(
+            (reply_entry.src_addr, reply_entry.src_port) == (FRONTEND6.addr, FRONTEND6.port)
+                && reply_entry.flags
+                    == flow_flags::REPLY | flow_flags::REWRITE_SOURCE | flow_flags::DSR_BACKEND,
+            "reply entry {reply_entry:?}"
+        );
+        let forward_entry: Flow6 = flows[&flow_key(CLIENT6, BACKEND6, IPPROTO_TCP)];
+        ensure!(forward_entry.flags == flow_flags::DSR_BACKEND, "forward entry {forward_entry:?}");
+        ensure!(flows.len() == 2, "{flows:?}");
+        ensure!(h.datapath_stat(datapath_stat::DSR_RECEIVED)? == 1, "DSR_RECEIVED");
+
+        let reply = Packet6::tcp(BACKEND6, CLIENT6).tcp_flags(0x12).payload(b"");
+        check6(&h, &reply, TC_ACT_OK, &reply.clone().from(FRONTEND6)).context("the backend's reply")?;
+        let ack = Packet6::tcp(CLIENT6, BACKEND6).tcp_flags(0x10);
+        check6(&h, &ack, TC_ACT_OK, &ack).context("the client's ACK")?;
+
+        // A UDP request whose destination options are someone else's (another option type)
+        // is left alone, header and all, and stores nothing.
+        let mut foreign = carrier6();
+        foreign[1] = 0x1f;
+        let other = Packet6::udp(CLIENT6, BACKEND6).extension_bytes(NEXTHDR_DEST, &foreign);
+        check6(&h, &other, TC_ACT_UNSPEC, &other).context("another destination-options header")?;
+        ensure!(flows6(&h)?.len() == 2, "a foreign header stored entries");
         Ok(())
     })
     .unwrap_or_else(|err| panic!("{err:#}"));

@@ -219,9 +219,7 @@ impl<F: Family> FamilyWanted<F> {
         let Some(addr) = F::addr(frontend.ip) else { return };
         // Direct server return replaces the masquerade of connections from outside to a
         // NodePort, load-balancer or external IP (the datapath keeps it for local backends).
-        // IPv4 only: the option is an IPv4 header option.
         let direct_return = lb_mode.direct_return(frontend.protocol)
-            && F::BITS == 32
             && matches!(
                 entry.kind,
                 FrontendKind::NodePort | FrontendKind::LoadBalancer | FrontendKind::ExternalIp
@@ -493,9 +491,10 @@ mod tests {
     }
 
     /// `--lb-mode=dsr` and `hybrid` mark the masqueraded OUTSIDE entries of a load balancer's
-    /// IPv4 address for TCP; cluster IPs, the other source classes and IPv6 stay as with snat.
+    /// addresses, IPv4 and IPv6, for TCP; cluster IPs and the other source classes stay as
+    /// with snat.
     #[test]
-    fn direct_server_return_marks_only_external_ipv4_frontends_from_outside() {
+    fn direct_server_return_marks_only_external_frontends_from_outside() {
         let state = dual_stack(&[]);
         let dsr_keys = |lb_mode| {
             let wanted = encode_admitted(
@@ -506,7 +505,15 @@ mod tests {
                 &mut ServiceIds::default(),
                 &mut CounterIds::new(16),
             );
-            assert!(wanted.v6.services.values().all(|service| service.flags & service_flags::DSR == 0));
+            let v6: Vec<_> = wanted
+                .v6
+                .services
+                .iter()
+                .filter(|(_, service)| service.flags & service_flags::DSR != 0)
+                .map(|(key, _)| (key.addr, key.port, key.proto, key.source_class))
+                .collect();
+            let load_balancer6 = (octets6("2001:db8:ff::10"), 80, proto::TCP, source_class::OUTSIDE);
+            assert_eq!(v6, if lb_mode == LbMode::Snat { vec![] } else { vec![load_balancer6] });
             wanted
                 .v4
                 .services
