@@ -330,8 +330,9 @@ pub fn run(command: &[OsString], options: &Options) -> Result<Outcome> {
                 Some(status) => format!("the guest ended ({status}) without the command's exit code"),
                 None => format!("the guest was killed after {:?}", options.timeout),
             };
+            let hint = if console.contains("Attempted to kill init") { xstate_hint() } else { String::new() };
             Err(anyhow::anyhow!(
-                "{how}; run directory {}; stderr:\n{}\nconsole:\n{}",
+                "{how}{hint}; run directory {}; stderr:\n{}\nconsole:\n{}",
                 dir.display(),
                 read("stderr"),
                 tail.join("\n")
@@ -342,6 +343,30 @@ pub fn run(command: &[OsString], options: &Options) -> Result<Outcome> {
         let _ = fs::remove_dir_all(&dir);
     }
     outcome
+}
+
+/// The register state Linux 6.1's UML writes back to a guest process: its `struct _xstate`
+/// (FXSAVE area, XSAVE header, AVX upper halves).
+const UML_61_XSTATE_BYTES: u32 = 832;
+
+/// Why a guest's init may have died at once: on a CPU whose XSAVE area is larger than
+/// [`UML_61_XSTATE_BYTES`] (AVX-512, AMX), the host kernel refuses UML 6.1's register
+/// write-back (`PTRACE_SETREGSET` wants the whole area) and init gets SIGSEGV. UML sizes that
+/// buffer from the host since Linux 6.13; Debian 12's package is 6.1. Empty elsewhere.
+fn xstate_hint() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // EBX of CPUID leaf 0xD, sub-leaf 0: the XSAVE area's size for the enabled features.
+        let size = std::arch::x86_64::__cpuid_count(0xd, 0).ebx;
+        if size > UML_61_XSTATE_BYTES {
+            return format!(
+                " (this CPU's XSAVE area is {size} bytes, more than the {UML_61_XSTATE_BYTES} Linux 6.1's \
+                 User-Mode Linux writes back: its init dies at once on such hosts; a UML kernel of 6.13 or \
+                 later sizes it from the host)"
+            );
+        }
+    }
+    String::new()
 }
 
 /// Kills the process group `pid` leads.

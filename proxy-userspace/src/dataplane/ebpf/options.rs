@@ -46,8 +46,9 @@ pub enum LbMode {
     #[default]
     Snat,
     /// Direct server return for TCP and UDP: the client's address kept, the service address
-    /// carried to the backend's node in an IPv4 option, the replies sent from there straight
-    /// to the client (docs/architecture/ebpf-datapath.md, "Direct server return").
+    /// carried to the backend's node in an IPv4 option (IPv6: a destination-options header),
+    /// the replies sent from there straight to the client (docs/architecture/ebpf-datapath.md,
+    /// "Direct server return").
     Dsr,
     /// Direct server return for TCP, source NAT for UDP and SCTP.
     Hybrid,
