@@ -74,13 +74,20 @@ fn lab(label: &str) -> Lab {
 /// to be transparent (reply from the frontend, client address preserved); returns the set
 /// of backends that answered.
 fn backends_reached(lab: &Lab, frontend: Frontend, count: usize) -> BTreeSet<String> {
-    let exchanges = lab.client().run(|| exchanges(frontend, count, TIMEOUT)).unwrap();
+    try_backends_reached(lab, frontend, count).unwrap()
+}
+
+/// [`backends_reached`], an exchange that fails an error: while a change is being served, a
+/// connection that reached a backend just removed may be broken off (the reaper), and a poll
+/// tries again.
+fn try_backends_reached(lab: &Lab, frontend: Frontend, count: usize) -> anyhow::Result<BTreeSet<String>> {
+    let exchanges = lab.client().run(|| exchanges(frontend, count, TIMEOUT))?;
     for exchange in &exchanges {
-        exchange.verify(frontend, CLIENT).unwrap();
+        exchange.verify(frontend, CLIENT)?;
     }
     let counts = count_by_backend(&exchanges);
     eprintln!("{frontend}: {counts:?}");
-    counts.into_keys().collect()
+    Ok(counts.into_keys().collect())
 }
 
 fn names(names: &[&str]) -> BTreeSet<String> {
@@ -599,8 +606,11 @@ fn inspect_drift_follows_syncs_that_changed_a_few_entries() {
         lab.set_services(vec![web_service(endpoints)]).unwrap();
         let wanted: BTreeSet<String> = endpoints.iter().map(|name| name.to_string()).collect();
         testbed::wait_for("the change to be served", Duration::from_secs(10), || {
-            let reached = backends_reached(&lab, http(), CONNECTIONS);
-            Ok(if reached == wanted { Check::Done(()) } else { Check::NotYet(format!("{reached:?}")) })
+            Ok(match try_backends_reached(&lab, http(), CONNECTIONS) {
+                Ok(reached) if reached == wanted => Check::Done(()),
+                Ok(reached) => Check::NotYet(format!("{reached:?}")),
+                Err(error) => Check::NotYet(format!("{error:#}")),
+            })
         })
         .unwrap();
         no_drift(&lab, &format!("with endpoints {endpoints:?}"));
