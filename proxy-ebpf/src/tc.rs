@@ -9,7 +9,7 @@ use crate::{
     conntrack::{make_room, observe, touch, track, track_dsr, track_dsr_backend, track_masqueraded, Refusal},
     counters::{self, stat},
     dsr::Dsr,
-    family::{Endpoint, Ipv4, Ipv6, Nat},
+    family::{Endpoint, Ipv4, Ipv6, Nat, Tracked},
     family_maps::Maps,
     fragment::{self, Fragments, LaterFragment},
     icmp_error::{self, IcmpErrors},
@@ -116,8 +116,7 @@ fn carried_request<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
             if flags & flow_flags::DSR_BACKEND == 0 || flags & flow_flags::REPLY != 0 {
                 return TC_ACT_UNSPEC;
             }
-            count(ctx, tracked.nat.counter);
-            observe(&packet.flow, &tracked, packet.tcp_flags);
+            seen(ctx, &packet, &tracked);
             true
         }
         None => false,
@@ -129,8 +128,7 @@ fn carried_request<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
 fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
     if let Some(tracked) = A::flow(&packet.flow) {
         let flow = &tracked.nat;
-        count(ctx, flow.counter);
-        observe(&packet.flow, &tracked, packet.tcp_flags);
+        seen(ctx, packet, &tracked);
         if flow.flags & (flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0
             && flow.flags & flow_flags::REPLY == 0
         {
@@ -375,6 +373,13 @@ fn arrive<A: Datapath>(
     }
     let route = route_to(ctx, packet.flow.dst);
     strip_and_deliver::<A>(ctx, route.as_ref())
+}
+
+/// A tracked connection's packet counted and its tracking advanced (handshake, last seen).
+#[inline(always)]
+fn seen<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, tracked: &Tracked<A>) {
+    count(ctx, tracked.nat.counter);
+    observe(&packet.flow, tracked, packet.tcp_flags);
 }
 
 /// Counts the packet for its connection, by its IP length (without the Ethernet header).
