@@ -1,8 +1,9 @@
 //! The IPVS dataplane on a kernel that has IPVS. The host kernel here has none, so
-//! [`in_a_uml_guest`] boots a User-Mode Linux guest (xtask/src/uml.rs: Debian's 6.1 UML
-//! kernel, the host's / as root) once and runs this same test binary in it, restricted to the
-//! `ipvs_kernel::guest_` tests; they are `#[ignore]`d on the host and run only there. One boot (about two
-//! seconds) serves all of them. Needs root and `cargo xtask setup` (user-mode-linux).
+//! [`in_a_uml_guest`] boots a User-Mode Linux guest (xtask/src/uml.rs: vipr's build of Debian's
+//! 6.1 source with IPVS, the host's / as root) once and runs this same test binary in it,
+//! restricted to the `ipvs_kernel::guest_` tests; they are `#[ignore]`d on the host and run only
+//! there. One boot (about two seconds) serves all of them. Needs root and `cargo xtask setup`
+//! (which builds the kernel, xtask/src/uml_kernel.rs).
 
 #[path = "../../xtask/src/uml.rs"]
 #[allow(dead_code, clippy::all)]

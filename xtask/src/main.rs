@@ -11,6 +11,7 @@ mod programs;
 mod setup;
 mod steps;
 mod uml;
+mod uml_kernel;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -77,7 +78,7 @@ enum Task {
         /// Kill the guest after this many seconds.
         #[arg(long, default_value_t = 600)]
         timeout: u64,
-        /// The command and its arguments, e.g. `cargo xtask uml -- ipvsadm -Ln`.
+        /// The command and its arguments, e.g. `cargo xtask uml -- cat /proc/net/ip_vs`.
         #[arg(required = true, last = true)]
         command: Vec<OsString>,
     },

@@ -21,6 +21,8 @@ pub enum Provider {
     RustToolchain,
     /// A binary of this workspace, built by `cargo build`.
     Workspace,
+    /// Built from source by setup, off PATH (vipr's User-Mode Linux kernel, uml_kernel.rs).
+    BuiltBySetup,
 }
 
 /// Every program started by name, whether the sources name it literally (found by [`scan`]),
@@ -54,9 +56,10 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
     ("ipset", Provider::Debian("ipset")),
     // sctp_raw's router rewrites packets with nftables.
     ("nft", Provider::Debian("nftables")),
-    // The IPVS kernel for the ipvs mode's tests, and the modules its init script loads.
-    ("linux.uml", Provider::Debian("user-mode-linux")),
-    ("modprobe", Provider::Debian("kmod")),
+    // The IPVS kernel for the ipvs mode's tests, and what setup builds it with.
+    ("linux.uml", Provider::BuiltBySetup),
+    ("make", Provider::Debian("build-essential")),
+    ("dpkg-deb", Provider::Debian("dpkg")),
     // vipr's container image: building it (`cargo xtask image`) and running it in the tests;
     // podman starts runc by the name in its containers.conf.
     ("podman", Provider::Debian("podman")),

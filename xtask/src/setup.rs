@@ -8,12 +8,13 @@ use std::process::Command;
 use anyhow::{bail, Context as _, Result};
 
 use crate::cmd::{self, ProbeFailure};
+use crate::uml_kernel;
 
 /// Debian packages the tests and the demo shell out to: network namespaces and links
 /// (iproute2), the netfilter baselines vipr is compared with (iptables, ipset, nftables,
 /// conntrack), inspecting loaded programs and maps (bpftool), traffic (tcpdump, socat), process
-/// and sysctl tools (procps, kmod), a User-Mode Linux kernel with IPVS for the ipvs mode's
-/// tests (user-mode-linux, see uml.rs), the container image's tools (podman, debootstrap, see
+/// and sysctl tools (procps), building the User-Mode Linux kernel with IPVS for the
+/// ipvs mode's tests (see uml_kernel.rs), the container image's tools (podman, debootstrap, see
 /// image.rs) and the benchmarks' run metadata (git).
 /// `programs.rs` lists which program comes from which package; its tests fail when a program
 /// the code starts is missing here.
@@ -27,8 +28,13 @@ pub const DEBIAN_PACKAGES: &[&str] = &[
     "tcpdump",
     "socat",
     "procps",
-    "kmod",
-    "user-mode-linux",
+    // vipr's User-Mode Linux kernel (uml_kernel.rs): a C toolchain, the kernel build's
+    // parser generators and calculator, and xz for the source tarball.
+    "build-essential",
+    "flex",
+    "bison",
+    "bc",
+    "xz-utils",
     "git",
     // vipr's container image (`cargo xtask image`, tests/tests/image.rs): podman with runc
     // (crun refuses these machines' hybrid cgroup layout), buildah for inspecting builds,
@@ -58,7 +64,7 @@ pub enum Mode {
     CheckOnly,
 }
 
-/// Everything: toolchain, system packages, bpffs. Needs root to install.
+/// Everything: toolchain, system packages, bpffs, the UML kernel. Needs root to install.
 pub fn all(mode: Mode) -> Result<()> {
     let mut requirements = toolchain_requirements();
     requirements.extend(system_requirements());
@@ -79,7 +85,8 @@ fn toolchain_requirements() -> Vec<Box<dyn Requirement>> {
 }
 
 fn system_requirements() -> Vec<Box<dyn Requirement>> {
-    vec![Box::new(DebianPackages), Box::new(Bpffs)]
+    // The kernel is built with the packages, so it comes after them.
+    vec![Box::new(DebianPackages), Box::new(Bpffs), Box::new(UmlKernel)]
 }
 
 trait Requirement {
@@ -325,6 +332,24 @@ impl Requirement for Bpffs {
         std::fs::create_dir_all(BPFFS_MOUNT_POINT)
             .with_context(|| format!("creating {BPFFS_MOUNT_POINT}"))?;
         cmd::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS_MOUNT_POINT]))
+    }
+}
+
+/// The guest kernel of the ipvs mode's tests: built here because Debian's package does not
+/// run on every CPU (uml_kernel.rs says why).
+struct UmlKernel;
+
+impl Requirement for UmlKernel {
+    fn name(&self) -> String {
+        format!("vipr's User-Mode Linux kernel at {}", crate::uml::DEFAULT_KERNEL)
+    }
+
+    fn missing(&self) -> Result<Option<String>> {
+        Ok(uml_kernel::is_current())
+    }
+
+    fn install(&self) -> Result<()> {
+        uml_kernel::build()
     }
 }
 

@@ -1,15 +1,13 @@
-//! Running a command inside a User-Mode Linux guest: another real Linux kernel (Debian's
-//! `user-mode-linux` package, 6.1, with IPVS as modules) booted as an ordinary process, with
-//! the host's `/` as its root filesystem, so host-built binaries run in it unchanged. Used
-//! where the host kernel lacks something vipr needs to be tested with (IPVS); a boot takes
-//! about two seconds.
+//! Running a command inside a User-Mode Linux guest: another real Linux kernel (vipr's own
+//! build of Debian's 6.1 source, `uml_kernel.rs`, with IPVS, netfilter and ipset built in)
+//! booted as an ordinary process, with the host's `/` as its root filesystem, so host-built
+//! binaries run in it unchanged. Used where the host kernel lacks something vipr needs to be
+//! tested with (IPVS); a boot takes about two seconds.
 //!
 //! The guest runs vipr's own init script ([`INIT_SCRIPT`]): it mounts the kernel file
-//! systems (with private `/run` and `/dev/shm`, and a private `TMPDIR`), points module loading at Debian's
-//! UML modules so the kernel loads IPVS, schedulers, ipset and xtables modules on demand,
-//! makes `iptables` mean `iptables-legacy` (this kernel has no nf_tables for iptables-nft),
-//! runs the command in the caller's directory with the caller's `CARGO_*`, `RUST_*` and
-//! `VIPR_*` environment, and powers off. The command's exit code, stdout and stderr come back
+//! systems (with private `/run` and `/dev/shm`, and a private `TMPDIR`), runs the command in
+//! the caller's directory with the caller's `CARGO_*`, `RUST_*` and `VIPR_*` environment,
+//! and powers off. The command's exit code, stdout and stderr come back
 //! through files in a run directory on the host; output is forwarded while the guest runs.
 //!
 //! Self-contained (std and anyhow only), so that the test crate compiles this same file
@@ -32,28 +30,17 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-/// Debian's UML kernel (package `user-mode-linux`); `VIPR_UML_KERNEL` names another.
-pub const DEFAULT_KERNEL: &str = "/usr/bin/linux.uml";
+/// vipr's UML kernel, built by `cargo xtask setup` (`uml_kernel.rs`); `VIPR_UML_KERNEL`
+/// names another.
+pub const DEFAULT_KERNEL: &str = "/usr/local/lib/vipr/linux.uml";
 pub const KERNEL_ENV: &str = "VIPR_UML_KERNEL";
 /// Set to `1` in the guest's environment: a program can tell it runs inside.
 pub const GUEST_ENV: &str = "VIPR_UML_GUEST";
 /// Keep the run directory (console log, output) after the guest exits.
 pub const KEEP_ENV: &str = "VIPR_UML_KEEP";
-/// Debian's package of the kernel, and what the init script needs besides.
-pub const PACKAGES: [&str; 2] = ["user-mode-linux", "kmod"];
-
-/// Modules loaded at boot in one `modprobe -a` (the kernel loads any other on demand): IPVS
-/// and its schedulers, conntrack and NAT, ipset types, the xtables matches and targets vipr's
-/// rules use, and the links the tests build.
-pub const BOOT_MODULES: &str = "ip_vs ip_vs_rr ip_vs_wrr ip_vs_lc ip_vs_wlc ip_vs_sh ip_vs_sed ip_vs_nq \
-     nf_conntrack nf_conntrack_netlink nf_nat nf_reject_ipv4 nf_reject_ipv6 \
-     ip_set ip_set_hash_ip ip_set_hash_ipport ip_set_hash_ipportip ip_set_hash_ipportnet \
-     ip_set_hash_net ip_set_bitmap_port xt_set iptable_nat iptable_filter iptable_mangle iptable_raw \
-     ip6table_nat ip6table_filter ip6table_mangle ip6table_raw ipt_REJECT ip6t_REJECT xt_MASQUERADE \
-     xt_mark xt_comment xt_conntrack xt_addrtype xt_multiport xt_ipvs xt_nat veth dummy";
 
 /// vipr's PID 1 in the guest. `VIPR_UML_DIR` (from the kernel command line) is the run
-/// directory: `cmd`, `cwd`, `env` and `modules` in, `stdout`, `stderr` and `rc` out.
+/// directory: `cmd`, `cwd` and `env` in, `stdout`, `stderr` and `rc` out.
 pub const INIT_SCRIPT: &str = r#"#!/bin/sh
 # vipr's init for a User-Mode Linux guest whose root is the host's / (written by xtask/src/uml.rs).
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root
@@ -72,32 +59,6 @@ mkdir -p /run/netns /run/tmp
 export TMPDIR=/run/tmp
 mount -t bpf bpf /sys/fs/bpf 2>/dev/null
 mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null
-if [ -d /usr/lib/uml/modules/$(uname -r) ]; then
-  # Debian's UML modules are in /usr/lib/uml/modules/<version>: point modprobe there, for the
-  # kernel's on-demand loading and for userspace (iptables, ipset) alike.
-  mkdir -p $D/modroot/lib && ln -sfn /usr/lib/uml/modules $D/modroot/lib/modules
-  # The kernel's requests for modules go through this; it refuses the ones listed in refuse.
-  cat > $D/modprobe <<EOF
-#!/bin/sh
-for name in "\$@"; do
-  for refused in $(cat $D/refuse); do
-    case "\$name" in *\$refused*) exit 1;; esac
-  done
-done
-exec /usr/sbin/modprobe -d $D/modroot "\$@"
-EOF
-  chmod +x $D/modprobe
-  echo $D/modprobe > /proc/sys/kernel/modprobe
-  export MODPROBE_OPTIONS="-d $D/modroot"
-  modprobe -a $(cat $D/modules) || echo "vipr-uml-init: some modules did not load" >&2
-  # This kernel has no nf_tables for iptables-nft: make plain iptables the legacy one,
-  # through a guest-private copy of the alternatives.
-  mkdir -p /run/alternatives && cp -a /etc/alternatives/. /run/alternatives/
-  for tool in iptables ip6tables; do for suffix in "" -restore -save; do
-    [ -e /usr/sbin/$tool-legacy$suffix ] && ln -sfn /usr/sbin/$tool-legacy$suffix /run/alternatives/$tool$suffix
-  done; done
-  mount --bind /run/alternatives /etc/alternatives
-fi
 ip link set lo up
 # The kernel-wide budget of ICMP errors (1000/s, bursts of 50, shared by every namespace) would
 # silently drop some REJECTs of a busy test run.
@@ -134,9 +95,6 @@ pub struct Options {
     pub interrupt: Option<Arc<AtomicBool>>,
     /// Lines of the guest's stdout not to forward while streaming (they are still returned).
     pub hide_line: Option<fn(&str) -> bool>,
-    /// Modules the kernel must not load on demand: a request whose name or alias contains
-    /// one of these fails (e.g. `sctp` and `proto-132`, to keep SCTP out of the guest).
-    pub refuse_modules: Vec<String>,
 }
 
 impl Default for Options {
@@ -148,7 +106,6 @@ impl Default for Options {
             stream: true,
             run_base: None,
             interrupt: None,
-            refuse_modules: Vec::new(),
             hide_line: None,
         }
     }
@@ -241,8 +198,7 @@ fn follow(file: &Path, offset: &mut u64) -> Vec<u8> {
 pub fn run(command: &[OsString], options: &Options) -> Result<Outcome> {
     let Some(kernel) = kernel() else {
         bail!(
-            "no User-Mode Linux kernel at {DEFAULT_KERNEL} (or ${KERNEL_ENV}): `cargo xtask setup` installs Debian's {}",
-            PACKAGES[0]
+            "no User-Mode Linux kernel at {DEFAULT_KERNEL} (or ${KERNEL_ENV}): `cargo xtask setup` builds it"
         );
     };
     if command.is_empty() {
@@ -262,8 +218,6 @@ pub fn run(command: &[OsString], options: &Options) -> Result<Outcome> {
     let cwd = std::env::current_dir().context("no current directory")?;
     write("cwd", &format!("{}\n", cwd.display()))?;
     write("env", &env_script(&options.env))?;
-    write("modules", BOOT_MODULES)?;
-    write("refuse", &options.refuse_modules.join(" "))?;
     write("init", INIT_SCRIPT)?;
     fs::set_permissions(dir.join("init"), fs::Permissions::from_mode(0o755))?;
     fs::create_dir_all(dir.join("umldir"))?;
@@ -330,9 +284,8 @@ pub fn run(command: &[OsString], options: &Options) -> Result<Outcome> {
                 Some(status) => format!("the guest ended ({status}) without the command's exit code"),
                 None => format!("the guest was killed after {:?}", options.timeout),
             };
-            let hint = if console.contains("Attempted to kill init") { xstate_hint() } else { String::new() };
             Err(anyhow::anyhow!(
-                "{how}{hint}; run directory {}; stderr:\n{}\nconsole:\n{}",
+                "{how}; run directory {}; stderr:\n{}\nconsole:\n{}",
                 dir.display(),
                 read("stderr"),
                 tail.join("\n")
@@ -343,30 +296,6 @@ pub fn run(command: &[OsString], options: &Options) -> Result<Outcome> {
         let _ = fs::remove_dir_all(&dir);
     }
     outcome
-}
-
-/// The register state Linux 6.1's UML writes back to a guest process: its `struct _xstate`
-/// (FXSAVE area, XSAVE header, AVX upper halves).
-const UML_61_XSTATE_BYTES: u32 = 832;
-
-/// Why a guest's init may have died at once: on a CPU whose XSAVE area is larger than
-/// [`UML_61_XSTATE_BYTES`] (AVX-512, AMX), the host kernel refuses UML 6.1's register
-/// write-back (`PTRACE_SETREGSET` wants the whole area) and init gets SIGSEGV. UML sizes that
-/// buffer from the host since Linux 6.13; Debian 12's package is 6.1. Empty elsewhere.
-fn xstate_hint() -> String {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // EBX of CPUID leaf 0xD, sub-leaf 0: the XSAVE area's size for the enabled features.
-        let size = std::arch::x86_64::__cpuid_count(0xd, 0).ebx;
-        if size > UML_61_XSTATE_BYTES {
-            return format!(
-                " (this CPU's XSAVE area is {size} bytes, more than the {UML_61_XSTATE_BYTES} Linux 6.1's \
-                 User-Mode Linux writes back: its init dies at once on such hosts; a UML kernel of 6.13 or \
-                 later sizes it from the host)"
-            );
-        }
-    }
-    String::new()
 }
 
 /// Kills the process group `pid` leads.
@@ -403,13 +332,7 @@ mod tests {
 
     #[test]
     fn the_init_script_reports_through_the_run_directory() {
-        for needle in [
-            "$D/stdout",
-            "$D/stderr",
-            "echo $? > $D/rc",
-            "/proc/sys/kernel/modprobe",
-            "export TMPDIR=/run/tmp",
-        ] {
+        for needle in ["$D/stdout", "$D/stderr", "echo $? > $D/rc", "export TMPDIR=/run/tmp"] {
             assert!(INIT_SCRIPT.contains(needle), "{needle}");
         }
     }

@@ -1,6 +1,6 @@
 //! What is particular to `--mode=ipvs`:
 //! - on a machine whose kernel has no IPVS, the runner moves into User-Mode Linux guests
-//!   (xtask/src/uml.rs, Debian's 6.1 UML kernel with IPVS) and runs the cases there, one
+//!   (xtask/src/uml.rs, vipr's build of Debian's 6.1 source with IPVS) and runs the cases there, one
 //!   boot per case file, each case on its own lab as usual; the guests' output is forwarded
 //!   as it comes and their counts become this run's;
 //! - the flows where ipvs mode does what kube-proxy's IPVS mode does rather than what the
@@ -295,10 +295,6 @@ fn run_file_in_guest(file: &Path, options: &Options) -> Result<Summary> {
         memory_mb: 1536,
         stream: true,
         interrupt: Some(options.interrupted.clone()),
-        // The runner speaks SCTP over raw sockets (crate::sctp), which IPVS and conntrack
-        // handle without the kernel's SCTP stack; loaded, that stack would abort the
-        // associations it does not know, so the guest must not load it on demand.
-        refuse_modules: vec!["sctp".to_owned(), "proto-132".to_owned()],
         // This run prints the counts of all files at its end.
         hide_line: Some(|line| parse_summary(line).is_some()),
         ..uml::Options::default()
