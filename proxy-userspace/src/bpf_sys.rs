@@ -338,18 +338,21 @@ pub fn update_batch<K: Copy, V: Copy>(map: BorrowedFd<'_>, keys: &[K], values: &
     }
 }
 
+/// A map created directly, for tests (needs root).
+#[cfg(test)]
+pub fn test_map(map_type: u32, key_size: u32, value_size: u32, max_entries: u32, map_flags: u32) -> OwnedFd {
+    let mut attr = MapCreateAttr { map_type, key_size, value_size, max_entries, map_flags };
+    // SAFETY: the attribute holds no pointers.
+    unsafe { bpf(cmd::MAP_CREATE, &mut attr) }.and_then(owned_fd).expect("BPF_MAP_CREATE")
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsFd as _;
 
     use super::*;
 
-    /// A map created directly (needs root).
-    fn map(map_type: u32, key_size: u32, value_size: u32, max_entries: u32, map_flags: u32) -> OwnedFd {
-        let mut attr = MapCreateAttr { map_type, key_size, value_size, max_entries, map_flags };
-        // SAFETY: the attribute holds no pointers.
-        unsafe { bpf(cmd::MAP_CREATE, &mut attr) }.and_then(owned_fd).expect("BPF_MAP_CREATE")
-    }
+    use test_map as map;
 
     #[test]
     fn maps_are_counted_in_batches_and_key_by_key_alike() {

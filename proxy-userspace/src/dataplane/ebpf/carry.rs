@@ -22,9 +22,10 @@
 //!
 //! The old pin goes last because it marks the switch as unfinished: an agent that dies at any
 //! point before finds the aside pin (or the retired one) at its next start and redoes the
-//! whole switch. Had the dead agent attached its TC programs already, the redo's overwriting
-//! copy takes connections back to the old map's state of that moment (same backends; a
-//! connection closed since lives until its timeout), the price of a kill mid-switch.
+//! whole switch. Had the dead agent attached its TC programs already, they served with the new
+//! maps since: the redo's overwriting copy then replaces an entry only with a fresher one (a
+//! later `last_seen`, or affinity `since`), so a connection those programs opened, even on the
+//! address and port of an older one the old map still holds, keeps its backend.
 use std::{
     os::fd::{AsFd as _, BorrowedFd},
     path::PathBuf,
@@ -34,7 +35,7 @@ use aya::maps::{MapData, MapType};
 use proxy_common::{
     flow_state,
     legacy::{self, Flow4V3, Flow6V3},
-    pins, Flow4, Flow6,
+    pins, Affinity4, Affinity6, Flow4, Flow6,
 };
 use tracing::{info, warn};
 
@@ -76,6 +77,8 @@ struct Copied {
     copied: u64,
     /// Entries the new map had no room for.
     dropped: u64,
+    /// Entries an overwriting copy left alone: the new map's were fresher.
+    kept_fresher: u64,
 }
 
 impl Carrying {
@@ -168,7 +171,8 @@ impl Carrying {
 
     /// Right before the switch: copies the entries the old programs created (connections,
     /// affinity) again, replacing those copied before: the old programs served until now, so
-    /// theirs are the current ones. The maps the agent writes are left to its sync, which has
+    /// theirs are the current ones, unless the new map's entry is fresher (an agent killed
+    /// mid-switch left its TC programs serving with the new maps; see the module's doc). The maps the agent writes are left to its sync, which has
     /// written them by now (copying them again would bring back what it deleted).
     /// Skipped once [`Self::copy_added`] ran (a switch retried after a hook failed): the new
     /// programs serve then, and their entries are the current ones.
@@ -184,10 +188,10 @@ impl Carrying {
     fn copy(&self, old: &OldMap, overwrite: bool) {
         let Some(new) = self.new_map(old.name) else { return };
         match copy_entries(old, &new, overwrite) {
-            Ok(Copied { copied, dropped: 0 }) => {
-                info!(map = old.name, from = %old.aside.display(), copied, "copied into the new map")
+            Ok(Copied { copied, dropped: 0, kept_fresher }) => {
+                info!(map = old.name, from = %old.aside.display(), copied, kept_fresher, "copied into the new map")
             }
-            Ok(Copied { copied, dropped }) => warn!(
+            Ok(Copied { copied, dropped, .. }) => warn!(
                 map = old.name,
                 copied,
                 dropped,
@@ -231,13 +235,15 @@ impl Carrying {
 }
 
 /// Copies `old`'s entries into `new`, converted to its layout, replacing an entry `new` has
-/// only with `overwrite` (otherwise the new programs' entries are the newer). Array entries
+/// only with `overwrite` (otherwise the new programs' entries are the newer), and then only
+/// with one at least as fresh where the entries say when they were used. Array entries
 /// beyond `new`'s size, and hash entries `new` has no room for, are dropped; into a smaller
 /// flows map, connections that cannot be evicted go first.
 fn copy_entries(from_map: &OldMap, new: &MapData, overwrite: bool) -> anyhow::Result<Copied> {
     let (name, old) = (from_map.name, &from_map.map);
     let info = old.info()?;
-    let new_size = new.info()?.max_entries();
+    let new_info = new.info()?;
+    let new_size = new_info.max_entries();
     let (from, to): (BorrowedFd<'_>, BorrowedFd<'_>) = (old.fd().as_fd(), new.fd().as_fd());
     let map_type = info.map_type()?;
     let per_cpu = matches!(map_type, MapType::PerCpuArray | MapType::PerCpuHash | MapType::LruPerCpuHash);
@@ -272,8 +278,18 @@ fn copy_entries(from_map: &OldMap, new: &MapData, overwrite: bool) -> anyhow::Re
     if let Some(evictable) = flow_evictable(name) {
         entries.sort_by_key(|(_, value)| evictable(value));
     }
+    // Only hash maps the programs write have a freshness (not per-CPU): the new map's value,
+    // of the new layout, is read whole (the kernel writes its value size).
+    let fresher = if overwrite { freshness(name) } else { None };
+    let mut current = vec![0u8; new_info.value_size() as usize];
     let mut copied = Copied::default();
     for (key, value) in &entries {
+        if let Some(used_at) = fresher {
+            if bpf_sys::lookup(to, key, &mut current)? && used_at(&current) > used_at(value) {
+                copied.kept_fresher += 1;
+                continue;
+            }
+        }
         if array {
             let index = u32::from_ne_bytes(key[..4].try_into()?);
             if index >= new_size {
@@ -301,19 +317,33 @@ fn written_by_datapath(name: &str) -> bool {
     [pins::FLOWS4, pins::FLOWS6, pins::AFFINITY4, pins::AFFINITY6].contains(&name)
 }
 
+/// A raw map value as the plain `#[repr(C)]` value `T`, if it is long enough.
+fn read_value<T: Copy>(value: &[u8]) -> Option<T> {
+    // SAFETY: `value` holds at least a `T`, valid for any bytes; the read is unaligned.
+    (value.len() >= size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(value.as_ptr().cast()) })
+}
+
 /// For a flows map, whether a raw value is a connection that may be evicted (copied last).
 fn flow_evictable(name: &str) -> Option<fn(&[u8]) -> bool> {
-    fn state<T: Copy>(value: &[u8], track: impl Fn(&T) -> u32) -> bool {
-        if value.len() < size_of::<T>() {
-            return true;
-        }
-        // SAFETY: `value` holds at least a `T`, a plain `#[repr(C)]` map value; unaligned read.
-        let flow: T = unsafe { std::ptr::read_unaligned(value.as_ptr().cast()) };
-        flow_state::evictable(track(&flow))
-    }
     match name {
-        pins::FLOWS4 => Some(|value| state::<Flow4>(value, |flow| flow.track.state)),
-        pins::FLOWS6 => Some(|value| state::<Flow6>(value, |flow| flow.track.state)),
+        pins::FLOWS4 => Some(|value| {
+            read_value::<Flow4>(value).is_none_or(|flow| flow_state::evictable(flow.track.state))
+        }),
+        pins::FLOWS6 => Some(|value| {
+            read_value::<Flow6>(value).is_none_or(|flow| flow_state::evictable(flow.track.state))
+        }),
+        _ => None,
+    }
+}
+
+/// For a map the programs write, when a raw value was last used (`bpf_ktime_get_coarse_ns`):
+/// a connection's latest packet, an affinity's latest new connection.
+fn freshness(name: &str) -> Option<fn(&[u8]) -> u64> {
+    match name {
+        pins::FLOWS4 => Some(|value| read_value::<Flow4>(value).map_or(0, |flow| flow.track.last_seen)),
+        pins::FLOWS6 => Some(|value| read_value::<Flow6>(value).map_or(0, |flow| flow.track.last_seen)),
+        pins::AFFINITY4 => Some(|value| read_value::<Affinity4>(value).map_or(0, |affinity| affinity.since)),
+        pins::AFFINITY6 => Some(|value| read_value::<Affinity6>(value).map_or(0, |affinity| affinity.since)),
         _ => None,
     }
 }
@@ -350,6 +380,70 @@ mod tests {
     fn bytes<T>(value: &T) -> Vec<u8> {
         // SAFETY: plain `#[repr(C)]` map values without implicit padding.
         unsafe { std::slice::from_raw_parts(std::ptr::from_ref(value).cast::<u8>(), size_of::<T>()) }.to_vec()
+    }
+
+    /// The overwriting copy right before a switch takes the old map's entries, except where the
+    /// new map's are fresher: those an agent killed mid-switch left its programs writing. The
+    /// old map has the retired layout, whose values are smaller than the new map's.
+    #[test]
+    fn an_overwriting_copy_keeps_the_new_map_s_fresher_entries() {
+        const BPF_MAP_TYPE_HASH: u32 = 1;
+        let old_flow = |backend: u8, last_seen: u64| Flow4V3 {
+            src_addr: [10, 10, 0, 2],
+            dst_addr: [10, 20, backend, 2],
+            src_port: 40000,
+            dst_port: 8080,
+            flags: flow_flags::REWRITE_DESTINATION,
+            track: FlowTrack { counter: 1, state: flow_state::ESTABLISHED, last_seen },
+        };
+        // The same connection in the new layout, as the conversion writes it.
+        let flow = |backend: u8, last_seen: u64| Flow4 {
+            src_addr: [10, 10, 0, 2],
+            dst_addr: [10, 20, backend, 2],
+            src_port: 40000,
+            dst_port: 8080,
+            flags: flow_flags::REWRITE_DESTINATION,
+            track: FlowTrack { counter: 1, state: flow_state::ESTABLISHED, last_seen },
+            next_hop: NextHop::default(),
+        };
+        let map = |value_size: usize| {
+            let fd = bpf_sys::test_map(BPF_MAP_TYPE_HASH, 4, value_size as u32, 16, 0);
+            MapData::from_fd(fd).expect("a map from its descriptor")
+        };
+        let value_of = |map: &MapData, key: u32| {
+            let mut value = vec![0u8; size_of::<Flow4>()];
+            assert!(bpf_sys::lookup(map.fd().as_fd(), &key.to_ne_bytes(), &mut value).unwrap(), "key {key}");
+            value
+        };
+        let (old, new) = (map(size_of::<Flow4V3>()), map(size_of::<Flow4>()));
+        // Key 1: the old entry is fresher; 2: the new one is (a connection the new programs
+        // opened on an old one's address and port); 3: equally fresh; 4: only in the old map.
+        for (key, old_flow, new_flow) in [
+            (1, old_flow(1, 200), Some(flow(2, 100))),
+            (2, old_flow(1, 100), Some(flow(2, 300))),
+            (3, old_flow(1, 100), Some(flow(2, 100))),
+            (4, old_flow(1, 100), None),
+        ] {
+            bpf_sys::update(old.fd().as_fd(), &u32::to_ne_bytes(key), &bytes(&old_flow), 0).unwrap();
+            if let Some(new_flow) = new_flow {
+                bpf_sys::update(new.fd().as_fd(), &u32::to_ne_bytes(key), &bytes(&new_flow), 0).unwrap();
+            }
+        }
+        let convert = Some(converter(legacy::FLOWS4_V3));
+        let old = OldMap { name: pins::FLOWS4, map: old, aside: PathBuf::new(), convert };
+
+        let added = copy_entries(&old, &new, false).unwrap();
+        assert_eq!(
+            added,
+            Copied { copied: 1, dropped: 0, kept_fresher: 0 },
+            "without overwriting, only key 4"
+        );
+        let refreshed = copy_entries(&old, &new, true).unwrap();
+        assert_eq!(refreshed, Copied { copied: 3, dropped: 0, kept_fresher: 1 });
+        assert_eq!(value_of(&new, 1), bytes(&flow(1, 200)));
+        assert_eq!(value_of(&new, 2), bytes(&flow(2, 300)), "the fresher connection keeps its backend");
+        assert_eq!(value_of(&new, 3), bytes(&flow(1, 100)), "as fresh: the old programs' entry is taken");
+        assert_eq!(value_of(&new, 4), bytes(&flow(1, 100)));
     }
 
     #[test]
