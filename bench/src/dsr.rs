@@ -17,10 +17,13 @@
 //!
 //! Every node of the lab shares this machine's CPUs, so the node's CPU is stated as the work
 //! only it does (its program's run time and its packets), not as a share of a CPU.
+//!
+//! `--family ipv6` runs the same through the dual-stack lab to the node's and pods' IPv6
+//! addresses, where DSR carries the service address in a destination-options header.
 
 use std::{
     io::{self, Read as _, Write as _},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     path::Path,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -33,7 +36,10 @@ use std::{
 use anyhow::{bail, ensure, Context as _, Result};
 use serde::Serialize;
 use serde_json::json;
-use testbed::{cluster::ClusterLab, tcp_exchange, wait_for, Check, Netns};
+use testbed::{
+    cluster::{udp_socket_for, ClusterLab},
+    tcp_exchange, wait_for, Check, Netns,
+};
 
 use crate::stats::Summary;
 
@@ -44,11 +50,23 @@ const STREAM_POD_PORT: u16 = 8081;
 const STREAM_NODE_PORT: u16 = 30091;
 const INGRESS: usize = 1;
 const ASK: Duration = Duration::from_secs(1);
+/// The Service's cluster IPs (inside the lab's service ranges).
+const CLUSTER_IP: &str = "10.96.0.90";
+const CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x90);
 
 pub struct Settings {
     /// Seconds of each measurement (TCP and UDP each, per round and mode).
     pub seconds: u64,
     pub rounds: usize,
+    pub family: Family,
+}
+
+/// The address family of the client's traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    Ipv4,
+    Ipv6,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -122,6 +140,7 @@ pub struct ModeResult {
 pub struct Results {
     pub seconds: u64,
     pub rounds: usize,
+    pub family: Family,
     pub modes: Vec<ModeResult>,
 }
 
@@ -158,7 +177,7 @@ pub fn run(settings: &Settings) -> Result<Results> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Results { seconds: settings.seconds, rounds: settings.rounds, modes })
+    Ok(Results { seconds: settings.seconds, rounds: settings.rounds, family: settings.family, modes })
 }
 
 fn summarize(windows: &[Window]) -> Result<Traffic> {
@@ -193,14 +212,24 @@ fn summarize_stream(windows: &[StreamWindow]) -> Result<Stream> {
 }
 
 /// A fresh lab in `mode`: three nodes with a pod each, the NodePort's endpoints on the two
-/// nodes that are not the ingress node.
+/// nodes that are not the ingress node; dual-stack for IPv6.
 fn measure_mode(mode: LbMode, settings: &Settings) -> Result<(Window, Window, StreamWindow)> {
-    let mut lab = ClusterLab::new("bdsr", 3, 1, &[POD_PORT])?;
+    let ipv6 = settings.family == Family::Ipv6;
+    let mut lab = if ipv6 {
+        ClusterLab::new_dual_stack("bdsr", 3, 1, &[POD_PORT])?
+    } else {
+        ClusterLab::new("bdsr", 3, 1, &[POD_PORT])?
+    };
     // Stopped (dropped) before the lab: declared after it.
     let _sources = [2, 3]
         .map(|node: usize| {
             let pod = &lab.nodes[node - 1].pods[0];
-            StreamSource::start(&pod.netns, SocketAddr::from((pod.ip, STREAM_POD_PORT)))
+            let ip: IpAddr = if ipv6 {
+                pod.ip6.context("a dual-stack pod has an IPv6 address")?.into()
+            } else {
+                pod.ip.into()
+            };
+            StreamSource::start(&pod.netns, SocketAddr::new(ip, STREAM_POD_PORT))
         })
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
@@ -210,8 +239,8 @@ fn measure_mode(mode: LbMode, settings: &Settings) -> Result<(Window, Window, St
         "metadata": {"name": "far", "namespace": "default"},
         "spec": {
             "type": "NodePort",
-            "clusterIP": "10.96.0.90",
-            "clusterIPs": ["10.96.0.90"],
+            "clusterIP": CLUSTER_IP,
+            "clusterIPs": [CLUSTER_IP],
             "ports": [
                 {"name": "tcp", "port": 80, "protocol": "TCP", "targetPort": POD_PORT, "nodePort": NODE_PORT},
                 {"name": "udp", "port": 80, "protocol": "UDP", "targetPort": POD_PORT, "nodePort": NODE_PORT},
@@ -219,13 +248,17 @@ fn measure_mode(mode: LbMode, settings: &Settings) -> Result<(Window, Window, St
             ],
         },
     });
-    lab.apply_service(
-        service,
-        &[("tcp", POD_PORT, "TCP"), ("udp", POD_PORT, "UDP"), ("stream", STREAM_POD_PORT, "TCP")],
-        &[(2, 0), (3, 0)],
-    )?;
+    let target_ports =
+        [("tcp", POD_PORT, "TCP"), ("udp", POD_PORT, "UDP"), ("stream", STREAM_POD_PORT, "TCP")];
+    let endpoints = [(2, 0), (3, 0)];
+    if ipv6 {
+        lab.apply_dual_stack_service(service, CLUSTER_IP6, &target_ports, &endpoints)?;
+    } else {
+        lab.apply_service(service, &target_ports, &endpoints)?;
+    }
     lab.start_vipr(&[mode.flag()])?;
-    let target = ClusterLab::node_address(INGRESS, NODE_PORT);
+    let node_address = if ipv6 { ClusterLab::node_address6 } else { ClusterLab::node_address };
+    let target = node_address(INGRESS, NODE_PORT);
     wait_for(&format!("{mode:?}: an answer through {target}"), Duration::from_secs(30), || {
         Ok(match lab.client.run(|| tcp_exchange(target, ASK)) {
             Ok(_) => Check::Done(()),
@@ -237,15 +270,11 @@ fn measure_mode(mode: LbMode, settings: &Settings) -> Result<(Window, Window, St
     let tcp = window(&lab, program, duration, |client_ok| {
         client_ok(tcp_exchange(target, ASK).is_ok());
     })?;
-    let udp = lab.client.run(|| {
-        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
-        socket.set_read_timeout(Some(ASK))?;
-        Ok(socket)
-    })?;
+    let udp = lab.client.run(|| udp_socket_for(target))?;
     let udp = window(&lab, program, duration, |client_ok| {
         client_ok(udp_ask(&udp, target).is_ok());
     })?;
-    let stream = stream_window(&lab, program, duration, ClusterLab::node_address(INGRESS, STREAM_NODE_PORT))?;
+    let stream = stream_window(&lab, program, duration, node_address(INGRESS, STREAM_NODE_PORT))?;
     Ok((tcp, udp, stream))
 }
 

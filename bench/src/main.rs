@@ -71,6 +71,9 @@ enum Cmd {
         seconds: u64,
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// The client's traffic: IPv4, or IPv6 through the dual-stack lab.
+        #[arg(long, value_enum, default_value_t = dsr::Family::Ipv4)]
+        family: dsr::Family,
     },
     /// One repetition of one control-plane size (run by `control-plane`, one process each).
     #[command(hide = true)]
@@ -144,9 +147,9 @@ fn run(command: Cmd) -> Result<()> {
             println!("{}", serde_json::to_string(&result)?);
             return Ok(());
         }
-        Cmd::Dsr { seconds, rounds } => {
+        Cmd::Dsr { seconds, rounds, family } => {
             prepare()?;
-            let results = dsr::run(&dsr::Settings { seconds, rounds })?;
+            let results = dsr::run(&dsr::Settings { seconds, rounds, family })?;
             println!("{}", dsr::table(&results));
             println!("{}", serde_json::to_string(&results)?);
             return Ok(());
