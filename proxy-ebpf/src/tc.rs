@@ -129,8 +129,12 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
     if let Some(tracked) = A::flow(&packet.flow) {
         let flow = &tracked.nat;
         seen(ctx, packet, &tracked);
+        // A direct-server-return request that carries (or may carry) the service address
+        // has its own path; the others (a TCP connection's packets after its SYN) are plain
+        // destination rewrites, which go the established way with the flow's cached next hop.
         if flow.flags & (flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0
             && flow.flags & flow_flags::REPLY == 0
+            && dsr_carries(packet)
         {
             // IPv6's addresses make this frame and a call's add up past BPF's 512 bytes; an
             // IPv4 call keeps this function, and the new connections that pass through it, small.
@@ -148,12 +152,13 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
     NEW_CONNECTION
 }
 
-/// A request of a direct-server-return connection with a flow entry. On the ingress node: the
-/// destination rewritten, the option carried again where the backend's node may need it (a
-/// retransmitted SYN, every UDP datagram: its entries there may have expired or never been
-/// stored). On the backend's node: the option, if any, removed (a retransmitted SYN renews
-/// the entries first). With its own route lookup: the established path of other connections
-/// keeps its route as without DSR.
+/// A request of a direct-server-return connection with a flow entry that carries (or may
+/// carry) the service address ([`dsr_carries`]). On the ingress node: the destination
+/// rewritten, the option carried again where the backend's node may need it (a retransmitted
+/// SYN, every UDP datagram: its entries there may have expired or never been stored). On the
+/// backend's node: the option, if any, removed (a retransmitted SYN renews the entries first).
+/// With its own route lookup, whose MTU the option must fit: the other requests take the
+/// established path and its cached next hop.
 #[inline(always)]
 fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
     let destination =
@@ -173,13 +178,19 @@ fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) 
     }
     match route {
         Some(route) if packet.first_fragment.is_none() => {
-            let carry = packet.flow.proto != proto::TCP || packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-            send_dsr(ctx, packet, flow, route, carry)
+            send_dsr(ctx, packet, flow, route, dsr_carries(packet))
         }
         // A first fragment leaves without the option (fragment.rs places the rest of its
         // datagram); without a route the stack has the packet.
         _ => forward(ctx, packet, flow, route),
     }
+}
+
+/// Whether a DSR request carries the service address to the backend's node: a TCP SYN (a
+/// retransmitted one too) and every datagram, whose entries there may have expired.
+#[inline(always)]
+fn dsr_carries<A>(packet: &Packet<A>) -> bool {
+    packet.flow.proto != proto::TCP || packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
 }
 
 /// [`dsr_request`] as a function of its own.

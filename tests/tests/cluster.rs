@@ -325,6 +325,14 @@ fn dsr_replies_straight(lab: &ClusterLab, through: SocketAddr, client: IpAddr) -
     // TCP: the connection to n1's address works only if the replies come from it.
     let answer = lab.ask_tcp(through)?;
     ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == client, "TCP: {answer}");
+    if let SocketAddr::V4(through) = through {
+        // After its SYN a DSR connection's requests are plain destination rewrites: they go
+        // the established way, with the next hop cached in n1's flow entry (no FIB lookup a
+        // packet). The testbed reads IPv4 flow entries only.
+        let flows = lab.nodes[0].maps().flows()?;
+        let cached = flows.iter().filter(|entry| entry.destination == through && entry.next_hop_ifindex != 0);
+        ensure!(cached.count() == 1, "n1 cached no next hop for the DSR connection: {flows:?}");
+    }
     // UDP: the answer counts only if it comes from n1's address and port.
     let answer = lab.ask_udp(through)?;
     ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == client, "UDP: {answer}");
