@@ -177,9 +177,7 @@ fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) 
         return strip_and_deliver::<A>(ctx, route);
     }
     match route {
-        Some(route) if packet.first_fragment.is_none() => {
-            send_dsr(ctx, packet, flow, route, dsr_carries(packet))
-        }
+        Some(route) if packet.first_fragment.is_none() => send_dsr(ctx, packet, flow, route),
         // A first fragment leaves without the option (fragment.rs places the rest of its
         // datagram); without a route the stack has the packet.
         _ => forward(ctx, packet, flow, route),
@@ -199,26 +197,17 @@ fn dsr_request_apart<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Na
     dsr_request(ctx, packet, flow)
 }
 
-/// Sends a DSR request to its backend's node: the destination rewritten, the source kept,
-/// and with `carry` the option with the frontend (the packet's destination before the
-/// rewrite), unless that would exceed the egress device's MTU (counted: the packet leaves
-/// without it). Through the stack or redirected, as `--bpf-forwarding` says: with the source
+/// Sends a DSR request that carries the service address ([`dsr_carries`]) to its backend's
+/// node: the destination rewritten, the source kept, and the option with the frontend (the
+/// packet's destination before the rewrite) added, unless that would exceed the egress
+/// device's MTU (counted: the packet leaves without it). Through the stack or redirected, as `--bpf-forwarding` says: with the source
 /// kept, netfilter sees client -> backend either way.
 #[inline(always)]
-fn send_dsr<A: Datapath>(
-    ctx: &TcContext,
-    packet: &Packet<A>,
-    flow: &Nat<A>,
-    route: &Route<A>,
-    carry: bool,
-) -> i32 {
-    let carry = carry && {
-        let fits = A::fits_with_option(packet, route.mtu);
-        if !fits {
-            stat(datapath_stat::DSR_MTU_NO_OPTION);
-        }
-        fits
-    };
+fn send_dsr<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, route: &Route<A>) -> i32 {
+    let carry = A::fits_with_option(packet, route.mtu);
+    if !carry {
+        stat(datapath_stat::DSR_MTU_NO_OPTION);
+    }
     if rewrite(ctx, packet, Side::Destination, flow.dst, flow.dst_port).is_err() {
         return TC_ACT_SHOT;
     }
@@ -330,7 +319,7 @@ fn balance_dsr<A: Datapath>(
         Ok(forward) => {
             stat(datapath_stat::DSR_SENT);
             count(ctx, chosen.counter);
-            send_dsr(ctx, packet, &forward, route, true)
+            send_dsr(ctx, packet, &forward, route)
         }
         Err(Refusal::MapFull) => MAP_FULL,
         Err(_) => TC_ACT_SHOT,

@@ -397,15 +397,7 @@ mod tests {
             track: FlowTrack { counter: 1, state: flow_state::ESTABLISHED, last_seen },
         };
         // The same connection in the new layout, as the conversion writes it.
-        let flow = |backend: u8, last_seen: u64| Flow4 {
-            src_addr: [10, 10, 0, 2],
-            dst_addr: [10, 20, backend, 2],
-            src_port: 40000,
-            dst_port: 8080,
-            flags: flow_flags::REWRITE_DESTINATION,
-            track: FlowTrack { counter: 1, state: flow_state::ESTABLISHED, last_seen },
-            next_hop: NextHop::default(),
-        };
+        let flow = |backend: u8, last_seen: u64| Flow4::from(old_flow(backend, last_seen));
         let map = |value_size: usize| {
             let fd = bpf_sys::test_map(BPF_MAP_TYPE_HASH, 4, value_size as u32, 16, 0);
             MapData::from_fd(fd).expect("a map from its descriptor")
