@@ -243,23 +243,8 @@ const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
 /// A TC classifier that only returns TC_ACT_UNSPEC: `r0 = -1; exit`. Loaded from two raw
 /// instructions, so the baseline needs no BPF object of its own.
 pub fn load_empty_tc_program() -> Result<OwnedFd> {
-    // struct bpf_insn { u8 code; u8 dst:4, src:4; s16 off; s32 imm; } little-endian.
-    let insn = |code: u8, imm: i32| -> u64 { u64::from(code) | (u64::from(imm as u32) << 32) };
-    let insns = [insn(0xb7, -1), insn(0x95, 0)]; // BPF_ALU64|BPF_MOV|BPF_K r0; BPF_JMP|BPF_EXIT
-    let license = c"GPL";
-    let mut name = [0u8; 16];
-    name[..10].copy_from_slice(b"bench_noop");
-    let mut attr = ProgLoadAttr {
-        prog_type: BPF_PROG_TYPE_SCHED_CLS,
-        insn_cnt: insns.len() as u32,
-        insns: insns.as_ptr() as u64,
-        license: license.as_ptr() as u64,
-        prog_name: name,
-        ..ProgLoadAttr::default()
-    };
-    // SAFETY: the instructions, license and name outlive the call.
-    let fd = unsafe { bpf(cmd::PROG_LOAD, &mut attr) }.and_then(bpf_sys::owned_fd);
-    fd.context("loading the empty TC program")
+    bpf_sys::load_program(BPF_PROG_TYPE_SCHED_CLS, 0, &bpf_sys::returning(-1), "bench_noop")
+        .context("loading the empty TC program")
 }
 
 /// The floor: a TC classifier that does only the work no load balancer can avoid for an

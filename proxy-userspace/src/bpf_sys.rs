@@ -67,6 +67,54 @@ pub struct ProgLoadAttr {
     pub expected_attach_type: u32,
 }
 
+/// One `struct bpf_insn` without registers but r0 and without offset, as the kernel reads it:
+/// enough for the programs probes, benchmarks and tests load (`r0 = value; exit`).
+pub const fn instruction(code: u8, imm: i32) -> u64 {
+    u64::from_le_bytes([code, 0, 0, 0, 0, 0, 0, 0]) | ((imm as u32 as u64) << 32)
+}
+
+/// `r0 = value; exit`: a program that answers `value` to everything.
+pub const fn returning(value: i32) -> [u64; 2] {
+    [instruction(0xb7, value), instruction(0x95, 0)]
+}
+
+/// `BPF_PROG_LOAD` of `insns` under the GPL, named `name` (up to 15 bytes are kept).
+pub fn load_program(
+    prog_type: u32,
+    expected_attach_type: u32,
+    insns: &[u64],
+    name: &str,
+) -> io::Result<OwnedFd> {
+    let license = c"GPL";
+    let mut prog_name = [0u8; 16];
+    let kept = name.len().min(15);
+    prog_name[..kept].copy_from_slice(&name.as_bytes()[..kept]);
+    let mut attr = ProgLoadAttr {
+        prog_type,
+        insn_cnt: insns.len() as u32,
+        insns: insns.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        prog_name,
+        expected_attach_type,
+        ..ProgLoadAttr::default()
+    };
+    // SAFETY: the instructions, license and name outlive the call.
+    unsafe { bpf(cmd::PROG_LOAD, &mut attr) }.and_then(owned_fd)
+}
+
+/// `BPF_LINK_CREATE`, the fields vipr uses.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct LinkCreateAttr {
+    pub prog_fd: u32,
+    /// The interface, or the cgroup's descriptor.
+    pub target: u32,
+    pub attach_type: u32,
+    pub flags: u32,
+    pub relative_fd: u32,
+    pub expected_revision: u64,
+}
+
 /// `BPF_MAP_CREATE`.
 #[repr(C)]
 #[derive(Debug, Default)]

@@ -291,7 +291,7 @@ impl Collector for ProxyModeInfo {
 /// The raw `bpf()` calls of the probes: a handful of attributes, not worth a loader.
 mod raw {
     use super::*;
-    use crate::bpf_sys::{self, cmd, MapCreateAttr, ProgLoadAttr};
+    use crate::bpf_sys::{self, cmd, LinkCreateAttr, MapCreateAttr};
 
     pub const PROG_TYPE_SCHED_CLS: u32 = 3;
     pub const PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
@@ -306,25 +306,9 @@ mod raw {
     const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
     /// `r0 = 0; exit`: TC_ACT_OK, leaves every packet alone.
-    pub const RETURN_0: [u64; 2] = [instruction(0xb7, 0), instruction(0x95, 0)];
+    pub const RETURN_0: [u64; 2] = bpf_sys::returning(0);
     /// `r0 = 1; exit`: a sock_addr program that lets every call through.
-    pub const RETURN_1: [u64; 2] = [instruction(0xb7, 1), instruction(0x95, 0)];
-
-    /// One `struct bpf_insn` (no registers but r0, no offset), as the kernel reads it.
-    const fn instruction(code: u8, imm: i32) -> u64 {
-        u64::from_le_bytes([code, 0, 0, 0, 0, 0, 0, 0]) | ((imm as u32 as u64) << 32)
-    }
-
-    #[repr(C)]
-    #[derive(Default)]
-    struct LinkCreate {
-        prog_fd: u32,
-        target_ifindex: u32,
-        attach_type: u32,
-        flags: u32,
-        relative_fd: u32,
-        expected_revision: u64,
-    }
+    pub const RETURN_1: [u64; 2] = bpf_sys::returning(1);
 
     /// `bpf(command, attr)` for a command that returns a new descriptor.
     fn bpf_fd<T>(command: libc::c_long, attr: &mut T) -> io::Result<OwnedFd> {
@@ -337,20 +321,11 @@ mod raw {
         expected_attach_type: u32,
         code: [u64; 2],
     ) -> Result<OwnedFd, String> {
-        let license = c"GPL";
-        let mut attr = ProgLoadAttr {
-            prog_type,
-            insn_cnt: code.len() as u32,
-            insns: code.as_ptr() as u64,
-            license: license.as_ptr() as u64,
-            expected_attach_type,
-            ..ProgLoadAttr::default()
-        };
         let name = match prog_type {
             PROG_TYPE_SCHED_CLS => "SCHED_CLS",
             _ => "CGROUP_SOCK_ADDR",
         };
-        bpf_fd(cmd::PROG_LOAD, &mut attr)
+        bpf_sys::load_program(prog_type, expected_attach_type, &code, "")
             .map_err(|error| format!("bpf(BPF_PROG_LOAD {name}): {}", describe(&error)))
     }
 
@@ -366,10 +341,10 @@ mod raw {
     /// looks for that interface and answers ENODEV; one without rejects the attach type
     /// (EINVAL). Nothing is attached either way.
     pub fn tcx_supported(program: &OwnedFd) -> Result<bool, String> {
-        let mut attr = LinkCreate {
+        let mut attr = LinkCreateAttr {
             prog_fd: program.as_raw_fd() as u32,
             attach_type: ATTACH_TCX_INGRESS,
-            ..LinkCreate::default()
+            ..LinkCreateAttr::default()
         };
         match bpf_fd(cmd::LINK_CREATE, &mut attr) {
             Err(error) if error.raw_os_error() == Some(libc::ENODEV) => Ok(true),

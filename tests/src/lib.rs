@@ -23,6 +23,7 @@ mod cmd;
 pub mod conformance;
 pub mod container;
 mod echo;
+pub mod ethtool;
 mod exclusive;
 pub mod fixtures;
 pub mod http;
