@@ -20,13 +20,16 @@
 //! bytes) or GENEVE, it is the smallest carrier that holds a 16-byte address.
 use aya_ebpf::{
     bindings::bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
-    helpers::{bpf_csum_diff, bpf_csum_update},
-    programs::TcContext,
+    helpers::{bpf_csum_diff, bpf_csum_update, bpf_xdp_adjust_head},
+    programs::{TcContext, XdpContext},
 };
+use proxy_common::proto;
 
 use crate::{
     family::{Endpoint, Ipv4, Ipv6},
-    packet::{bytes_at, copy_address, field, parse_ipv6_carrying, Change, IpHeader, Packet},
+    packet::{
+        bytes_at, copy_address, field, parse_ipv6_carrying, Change, Frame, IpHeader, Packet, TCP_ACK, TCP_SYN,
+    },
     wire::{
         DSR6_HDR_EXT_LEN, DSR6_HLEN, DSR6_OPTION_DATA_LEN, DSR6_OPTION_TYPE, ETH_HLEN, IPPROTO_DSTOPTS,
         IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_HLEN,
@@ -43,6 +46,63 @@ const BPF_F_ADJ_ROOM_NO_CSUM_RESET: u64 = 1 << 5;
 /// The largest IPv4 header (IHL 15).
 const IPV4_MAX_HLEN: usize = 60;
 
+/// Whether a DSR request carries the service address to the backend's node: a TCP SYN (a
+/// retransmitted one too) and every datagram, whose entries there may have expired. A TCP
+/// connection's later requests are plain destination rewrites.
+#[inline(always)]
+pub fn carries<A>(packet: &Packet<A>) -> bool {
+    packet.flow.proto != proto::TCP || packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+}
+
+/// A program context that can make room for the carrier right after the fixed IP header: TC
+/// (`bpf_skb_adjust_room`) and XDP (`bpf_xdp_adjust_head`), so one [`Dsr::carry`] serves
+/// both. Options or extension headers the packet already has stay behind the room.
+pub trait Room: Frame {
+    /// Opens `len` bytes right after the frame's first `HEADERS` bytes (Ethernet and the
+    /// family's fixed IP header), which keep their content. `Err`: the packet is as it was,
+    /// or (XDP, after a failed move, which its bounds make impossible) to be dropped.
+    fn open_room<const HEADERS: usize>(&self, len: u32) -> Result<(), i64>;
+    /// Keeps the packet's checksum state right after a header word without a header checksum
+    /// (IPv6's) changed from `old` to `new` and `added_len` bytes at `added` came in.
+    fn header_changed(&self, old: [u8; 4], new: [u8; 4], added: *mut u32, added_len: u32);
+}
+
+impl Room for TcContext {
+    #[inline(always)]
+    fn open_room<const HEADERS: usize>(&self, len: u32) -> Result<(), i64> {
+        // BPF_ADJ_ROOM_NET opens the room right after the family's fixed header.
+        self.adjust_room(len as i32, BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_NO_CSUM_RESET)
+    }
+
+    #[inline(always)]
+    fn header_changed(&self, old: [u8; 4], new: [u8; 4], added: *mut u32, added_len: u32) {
+        update_complete_sum(self, old, new, added, added_len);
+    }
+}
+
+impl Room for XdpContext {
+    /// The frame grows at its front, into the headroom every XDP frame has, and its headers
+    /// move there: the room is left where they were.
+    #[inline(always)]
+    fn open_room<const HEADERS: usize>(&self, len: u32) -> Result<(), i64> {
+        // SAFETY: the kernel checks the headroom and moves only the data pointer.
+        let grown = unsafe { bpf_xdp_adjust_head(self.ctx, -(len as i32)) };
+        if grown != 0 {
+            return Err(grown);
+        }
+        // Every packet pointer is checked again after the helper.
+        let from = field::<[u8; HEADERS]>(self, len as usize).ok_or(-1i64)?;
+        let to = field::<[u8; HEADERS]>(self, 0).ok_or(-1i64)?;
+        // SAFETY: both bounds-checked above; read whole before written, since they overlap.
+        unsafe { core::ptr::write_unaligned(to, core::ptr::read_unaligned(from)) };
+        Ok(())
+    }
+
+    /// An XDP frame has no checksum state beside its headers.
+    #[inline(always)]
+    fn header_changed(&self, _old: [u8; 4], _new: [u8; 4], _added: *mut u32, _added_len: u32) {}
+}
+
 /// Where a family stands on direct server return.
 pub trait Dsr: IpHeader {
     /// How many bytes carrying the service address add to a packet.
@@ -55,8 +115,8 @@ pub trait Dsr: IpHeader {
     /// The service address and port a request carries, if it carries vipr's option.
     fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>>;
     /// Inserts the option carrying `frontend`, after the packet's rewrite (it moves the L4
-    /// header, and with it every offset of a parsed packet). `Err` leaves the packet as it was.
-    fn carry(ctx: &TcContext, frontend: &Endpoint<Self>) -> Result<(), i64>;
+    /// header, and with it every offset of a parsed packet). `Err`: drop the packet.
+    fn carry(ctx: &impl Room, frontend: &Endpoint<Self>) -> Result<(), i64>;
     /// Removes the option [`Dsr::carried`] found.
     fn strip(ctx: &TcContext) -> Result<(), i64>;
     /// The IP packet's length (header and payload, as the header says).
@@ -98,7 +158,7 @@ impl Dsr for Ipv4 {
     }
 
     #[inline(always)]
-    fn carry(ctx: &TcContext, frontend: &Endpoint<Self>) -> Result<(), i64> {
+    fn carry(ctx: &impl Room, frontend: &Endpoint<Self>) -> Result<(), i64> {
         let header = field::<[u8; IPV4_MIN_HLEN]>(ctx, ETH_HLEN).ok_or(-1i64)?;
         // SAFETY: bounds-checked above.
         let (first, total) = unsafe {
@@ -108,7 +168,7 @@ impl Dsr for Ipv4 {
         if usize::from(first >> 8 & 0x0f) * 4 + OPTION_LEN > IPV4_MAX_HLEN {
             return Err(-1);
         }
-        ctx.adjust_room(OPTION_LEN as i32, BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_NO_CSUM_RESET)?;
+        ctx.open_room::<{ ETH_HLEN + IPV4_MIN_HLEN }>(OPTION_LEN as u32)?;
         let port = frontend.port.to_be_bytes();
         let addr = frontend.addr;
         let option = [OPTION_TYPE, OPTION_LEN as u8, port[0], port[1], addr[0], addr[1], addr[2], addr[3]];
@@ -208,12 +268,12 @@ impl Dsr for Ipv6 {
     }
 
     #[inline(always)]
-    fn carry(ctx: &TcContext, frontend: &Endpoint<Self>) -> Result<(), i64> {
+    fn carry(ctx: &impl Room, frontend: &Endpoint<Self>) -> Result<(), i64> {
         let old = unsafe { *bytes_at::<4>(ctx, ETH_HLEN + IPV6_LENGTH_AT).ok_or(-1i64)? };
         let payload_len =
             u16::from_be_bytes([old[0], old[1]]).checked_add(DSR6_HLEN as u16).ok_or(-1i64)?.to_be_bytes();
         let new = [payload_len[0], payload_len[1], IPPROTO_DSTOPTS, old[3]];
-        ctx.adjust_room(DSR6_HLEN as i32, BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_NO_CSUM_RESET)?;
+        ctx.open_room::<{ ETH_HLEN + IPV6_HLEN }>(DSR6_HLEN as u32)?;
         // The room is new: every pointer is checked again.
         let header = field::<[u8; IPV6_HLEN + DSR6_HLEN]>(ctx, ETH_HLEN).ok_or(-1i64)?;
         let port = frontend.port.to_be_bytes();
@@ -227,7 +287,7 @@ impl Dsr for Ipv6 {
             carrier[20..].copy_from_slice(&[port[0], port[1], PAD1, PAD1]);
         }
         let carrier = field::<[u8; DSR6_HLEN]>(ctx, ETH_HLEN + IPV6_HLEN).ok_or(-1i64)?;
-        update_complete_sum(ctx, old, new, carrier.cast::<u32>(), DSR6_HLEN as u32);
+        ctx.header_changed(old, new, carrier.cast::<u32>(), DSR6_HLEN as u32);
         Ok(())
     }
 

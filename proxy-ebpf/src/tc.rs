@@ -3,18 +3,18 @@
 //! fragments that belong to them, and forwards the result (route.rs); `vipr_tc_egress` gives
 //! forwarded replies their frontend as source once the stack has routed them.
 use aya_ebpf::{macros::classifier, programs::TcContext};
-use proxy_common::{datapath_stat, flow_flags, proto, service_flags, unmatched, NextHop, Service};
+use proxy_common::{datapath_stat, flow_flags, service_flags, unmatched, NextHop, Service};
 
 use crate::{
     conntrack::{make_room, observe, touch, track, track_dsr, track_dsr_backend, track_masqueraded, Refusal},
     counters::{self, stat},
-    dsr::Dsr,
+    dsr::{self, Dsr},
     family::{Endpoint, Ipv4, Ipv6, Nat, Tracked},
     family_maps::Maps,
     fragment::{self, Fragments, LaterFragment},
     icmp_error::{self, IcmpErrors},
     lb::{classify, decide, Chosen, Decision, Pick},
-    packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_ACK, TCP_SYN},
+    packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_SYN},
     reject::Reject,
     route::{redirect, redirect_to_hop, redirecting, route_to, tracked_hop, Route},
     wire::ETH_HLEN,
@@ -134,7 +134,7 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
         // destination rewrites, which go the established way with the flow's cached next hop.
         if flow.flags & (flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0
             && flow.flags & flow_flags::REPLY == 0
-            && dsr_carries(packet)
+            && dsr::carries(packet)
         {
             // IPv6's addresses make this frame and a call's add up past BPF's 512 bytes; an
             // IPv4 call keeps this function, and the new connections that pass through it, small.
@@ -153,7 +153,7 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
 }
 
 /// A request of a direct-server-return connection with a flow entry that carries (or may
-/// carry) the service address ([`dsr_carries`]). On the ingress node: the destination
+/// carry) the service address ([`dsr::carries`]). On the ingress node: the destination
 /// rewritten, the option carried again where the backend's node may need it (a retransmitted
 /// SYN, every UDP datagram: its entries there may have expired or never been stored). On the
 /// backend's node: the option, if any, removed (a retransmitted SYN renews the entries first).
@@ -184,20 +184,13 @@ fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) 
     }
 }
 
-/// Whether a DSR request carries the service address to the backend's node: a TCP SYN (a
-/// retransmitted one too) and every datagram, whose entries there may have expired.
-#[inline(always)]
-fn dsr_carries<A>(packet: &Packet<A>) -> bool {
-    packet.flow.proto != proto::TCP || packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-}
-
 /// [`dsr_request`] as a function of its own.
 #[inline(never)]
 fn dsr_request_apart<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
     dsr_request(ctx, packet, flow)
 }
 
-/// Sends a DSR request that carries the service address ([`dsr_carries`]) to its backend's
+/// Sends a DSR request that carries the service address ([`dsr::carries`]) to its backend's
 /// node: the destination rewritten, the source kept, and the option with the frontend (the
 /// packet's destination before the rewrite) added, unless that would exceed the egress
 /// device's MTU (counted: the packet leaves without it). Through the stack or redirected, as `--bpf-forwarding` says: with the source

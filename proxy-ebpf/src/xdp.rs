@@ -14,6 +14,12 @@
 //! - only the client-to-backend direction (replies from backends pass to TC);
 //! - a new connection only when a backend is chosen and no drop or reject is due (TC answers
 //!   those), not for a hairpin, and with `MASQUERADE` only when a masquerade port is claimed;
+//! - direct server return's requests on the ingress node (`--lb-mode=dsr|hybrid`): a new
+//!   connection to a pod on another node, and a tracked one's later requests, with the
+//!   service address carried (dsr.rs) where TC would carry it; the frame grows at its front
+//!   for the carrier. When the carrier would not fit the egress MTU the request passes to TC,
+//!   which sends it masqueraded or without the carrier and counts that. On the backend's node
+//!   the carried requests are TC's (it removes the carrier on the way to the pod);
 //! - only when the FIB has a complete route *with* its neighbour (MACs), and the egress is the
 //!   ingress device (`XDP_TX`) or a device vipr attached XDP to (`XDP_REDIRECT` through the
 //!   `vipr_xdptx` device map, whose targets can transmit XDP frames).
@@ -34,16 +40,17 @@ use aya_ebpf::{
     bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC},
     helpers::bpf_fib_lookup as fib_lookup,
     macros::{map, xdp},
-    maps::DevMapHash,
+    maps::{DevMapHash, PerCpuArray},
     programs::XdpContext,
     EbpfContext as _,
 };
-use proxy_common::{flow_flags, proto, service_flags, source_class};
+use proxy_common::{datapath_stat, flow_flags, proto, service_flags, source_class};
 
 use crate::{
-    conntrack::{observe, track, track_masqueraded, Refusal},
-    counters,
-    family::{Address, Ipv4, Ipv6, Nat},
+    conntrack::{observe, track, track_dsr, track_masqueraded, Refusal},
+    counters::{self, stat},
+    dsr::{self, Dsr},
+    family::{Address, Endpoint, Ipv4, Ipv6, Nat},
     family_maps::Maps,
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{copy_address, ethertype, field, Change, IpHeader, Packet, ETH_P_IP, ETH_P_IPV6},
@@ -60,35 +67,45 @@ const _: () = assert!(crate::maps::same_name("vipr_xdptx", proxy_common::pins::X
 #[map(name = "vipr_xdptx")]
 static XDP_TX_DEVICES: DevMapHash = DevMapHash::with_max_entries(1024, 0);
 
+/// A FIB lookup's parameters and the destination it asked for (the lookup overwrites it with
+/// the gateway, if any), one set per CPU: an XDP program runs to its end on one CPU, and
+/// [`egress`] fills them anew each time. In [`egress`]'s frame they would push IPv6's
+/// new-connection chain of calls past BPF's 512 bytes of stack. Not pinned: nothing outlives
+/// a lookup.
+#[repr(C)]
+struct FibScratch {
+    params: bpf_fib_lookup,
+    /// The lookup's destination field as it was asked, in the field's own words.
+    asked: [u32; 4],
+}
+
+#[map(name = "vipr_xdpfib")]
+static FIB_SCRATCH: PerCpuArray<FibScratch> = PerCpuArray::with_max_entries(1, 0);
+
 #[xdp]
 pub fn vipr_xdp(ctx: XdpContext) -> u32 {
     match ethertype(&ctx) {
         Some(ETH_P_IP) => fast_path::<Ipv4>(&ctx),
         Some(ETH_P_IPV6) => fast_path::<Ipv6>(&ctx),
-        _ => xdp_action::XDP_PASS,
+        _ => XDP_PASS,
     }
 }
 
-/// What [`established`] did with a packet.
-enum Outcome {
-    /// Finished: the XDP action.
-    Done(u32),
-    /// Left to TC.
-    Pass,
-    /// No flow entry: a new connection's first packet.
-    New,
-}
+/// [`established`]'s answer for a packet without a flow entry: a new connection's first. The
+/// steps answer in plain `u32`s, `XDP_PASS` for "left to TC": an enum can come back through the
+/// caller's stack with the stack pointer left in R0, which the verifier refuses.
+const NEW_CONNECTION: u32 = u32::MAX - 1;
+const XDP_PASS: u32 = xdp_action::XDP_PASS;
 
 /// A family's path, in steps that are BPF functions of their own: the verifier allows 512
 /// bytes of stack along a chain of calls, and IPv6's addresses, the FIB lookup's parameters and
 /// the new flow entries inlined into one frame pass that. The new-connection step parses the
 /// packet again (bounds checks do not cross a call), as TC's `balance_new` does.
 #[inline(always)]
-fn fast_path<A: Maps + IpHeader>(ctx: &XdpContext) -> u32 {
+fn fast_path<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     match established::<A>(ctx) {
-        Outcome::Done(action) => action,
-        Outcome::Pass => xdp_action::XDP_PASS,
-        Outcome::New => new_connection::<A>(ctx).unwrap_or(xdp_action::XDP_PASS),
+        NEW_CONNECTION => new_connection::<A>(ctx),
+        action => action,
     }
 }
 
@@ -96,14 +113,14 @@ fn fast_path<A: Maps + IpHeader>(ctx: &XdpContext) -> u32 {
 /// (packet.rs), and its IP length (header and payload) for the FIB's MTU check. First
 /// fragments and SCTP are TC's; the IPv6 parser already refuses extension headers.
 #[inline(always)]
-fn parse<A: IpHeader>(ctx: &XdpContext) -> Option<(Packet<A>, u16)> {
+fn parse<A: IpHeader>(ctx: &XdpContext) -> Option<(Packet<A>, u32)> {
     let packet = A::parse(ctx)?;
     if packet.first_fragment.is_some() || !matches!(packet.flow.proto, proto::TCP | proto::UDP) {
         return None;
     }
     // The IP header and the payload it says it has.
     let tot_len = (packet.l4_offset - ETH_HLEN) as u32 + packet.l4_len;
-    Some((packet, u16::try_from(tot_len).ok()?))
+    Some((packet, tot_len))
 }
 
 /// Where a finished packet goes: its next hop's MACs and the action that sends it there.
@@ -114,19 +131,43 @@ struct Egress<A> {
     dmac: [u8; 6],
     /// The route's preferred source, the address a masqueraded connection takes.
     source: A,
+    /// Whether the next hop is a gateway rather than the destination itself (non-zero). Not a
+    /// `bool`: `Option<Egress>` would keep its discriminant in the bool's spare values, a
+    /// layout BTF cannot describe (the kernel then refuses the object's BTF).
+    via_gateway: u8,
 }
 
-/// `None` (pass to TC) unless the FIB forwards `destination` with a resolved neighbour out of
-/// a device XDP can send on.
+/// Where `destination` goes: `false` (pass to TC) unless the FIB forwards it with a resolved
+/// neighbour out of a device XDP can send on, with room for `tot_len` bytes of IP packet; else
+/// `true` with `out` written. An out-parameter, not an `Option`: a returned struct comes back
+/// through the caller's stack, and the verifier refuses the stack pointer LLVM then may leave
+/// in R0.
 #[inline(never)]
-fn egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u16) -> Option<Egress<A>> {
-    let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
-    let params = zeroed_fib_params(&mut params);
+fn egress<A: Address>(
+    ctx: &XdpContext,
+    destination: A,
+    tot_len: u32,
+    out: &mut MaybeUninit<Egress<A>>,
+) -> bool {
+    look_up_egress(ctx, destination, tot_len).map(|found| out.write(found)).is_some()
+}
+
+/// [`egress`]'s lookup, inlined into it.
+#[inline(always)]
+fn look_up_egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u32) -> Option<Egress<A>> {
+    // SAFETY: this CPU's element, which nothing else uses while this program runs.
+    let scratch = unsafe { &mut *FIB_SCRATCH.get_ptr_mut(0)? };
+    // SAFETY: a `MaybeUninit` of the same layout, zeroed here before every lookup.
+    let params = zeroed_fib_params(unsafe {
+        &mut *core::ptr::from_mut(&mut scratch.params).cast::<MaybeUninit<bpf_fib_lookup>>()
+    });
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
     params.ifindex = ingress;
     // With the length the lookup checks the egress MTU: a packet too big passes to the stack.
-    params.__bindgen_anon_1.tot_len = tot_len;
+    params.__bindgen_anon_1.tot_len = u16::try_from(tot_len).ok()?;
     A::fib_destination(params, destination);
+    // SAFETY: all 16 bytes of the field, as set (or zeroed) above.
+    scratch.asked = unsafe { params.__bindgen_anon_4.ipv6_dst };
     let result =
         unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, BPF_FIB_LOOKUP_SRC) };
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
@@ -145,77 +186,175 @@ fn egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u16) -> Option<
         smac: params.smac,
         dmac: params.dmac,
         source: A::fib_source(params),
+        // The field changes (to the gateway, of either family) only for a route via one.
+        via_gateway: u8::from(unsafe { params.__bindgen_anon_4.ipv6_dst } != scratch.asked),
     })
 }
 
 /// A packet from outside of a connection with a flow entry is finished here.
 #[inline(never)]
-fn established<A: Maps + IpHeader>(ctx: &XdpContext) -> Outcome {
+fn established<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     let Some((packet, tot_len)) = parse::<A>(ctx) else {
-        return Outcome::Pass;
+        return XDP_PASS;
     };
     // Only traffic from outside carries complete checksums (see the module's documentation).
     // The interface index fits in 32 bits (the kernel's own type for it).
     if classify(&packet.flow.src, ctx.ingress_ifindex() as u32) != source_class::OUTSIDE {
-        return Outcome::Pass;
+        return XDP_PASS;
     }
     let Some(tracked) = A::flow(&packet.flow) else {
-        return Outcome::New;
+        return NEW_CONNECTION;
     };
     let flow = tracked.nat;
-    // Replies, and direct server return's requests (their option is TC's), pass to TC.
-    if flow.flags & (flow_flags::REPLY | flow_flags::DSR_INGRESS | flow_flags::DSR_BACKEND) != 0 {
-        return Outcome::Pass;
+    // Replies, and the requests that reach a DSR backend's node (the carrier is removed
+    // there), pass to TC.
+    if flow.flags & (flow_flags::REPLY | flow_flags::DSR_BACKEND) != 0 {
+        return XDP_PASS;
     }
+    // A DSR request carries the service address again where the backend's node may need it.
+    let carrying = flow.flags & flow_flags::DSR_INGRESS != 0 && dsr::carries(&packet);
     let destination =
         if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
-    let Some(out) = egress(ctx, destination, tot_len) else {
-        return Outcome::Pass;
-    };
+    let mut out = MaybeUninit::uninit();
+    if !egress(ctx, destination, tot_len + if carrying { A::CARRIER_LEN } else { 0 }, &mut out) {
+        return XDP_PASS;
+    }
+    // SAFETY: written by `egress`, which said so.
+    let out = unsafe { out.assume_init_ref() };
     observe(&packet.flow, &tracked, packet.tcp_flags);
     count(ctx, flow.counter);
-    match finish(ctx, &packet, &flow, &out) {
-        Some(action) => Outcome::Done(action),
-        None => Outcome::Pass,
+    if carrying {
+        finish_carrying(ctx, &packet, &flow, out)
+    } else {
+        finish(ctx, &packet, &flow, out)
     }
 }
 
 /// The first packet of a connection from outside (its source class checked by
 /// [`established`]): the service decision, the flow entries and the rewrite.
 #[inline(never)]
-fn new_connection<A: Maps + IpHeader>(ctx: &XdpContext) -> Option<u32> {
-    let (packet, tot_len) = parse::<A>(ctx)?;
-    let Decision::Backend(Chosen { service, backend, counter, now }) =
+fn new_connection<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
+    let Some((packet, tot_len)) = parse::<A>(ctx) else {
+        return XDP_PASS;
+    };
+    let Decision::Backend(chosen) =
         decide(&packet.flow, source_class::OUTSIDE, &packet.flow.src, Pick::Flow(&packet.flow))
     else {
         // Unmatched destinations, source-range drops and empty services are TC's (it answers
         // with ICMP errors), and so is a set retired meanwhile.
-        return None;
+        return XDP_PASS;
     };
-    // A hairpin, and a DSR frontend's connections (TC carries the option), are TC's.
-    if backend.addr.is(&packet.flow.src) || service.flags & service_flags::DSR != 0 {
-        return None;
+    // A hairpin is TC's.
+    if chosen.backend.addr.is(&packet.flow.src) {
+        return XDP_PASS;
     }
-    let out = egress(ctx, backend.addr, tot_len)?;
+    // A DSR frontend's route must have room for the carrier (else TC masquerades, counted).
+    let dsr = chosen.service.flags & service_flags::DSR != 0;
+    let mut out = MaybeUninit::uninit();
+    if !egress(ctx, chosen.backend.addr, tot_len + if dsr { A::CARRIER_LEN } else { 0 }, &mut out) {
+        return XDP_PASS;
+    }
+    // SAFETY: written by `egress`, which said so.
+    let out = unsafe { out.assume_init_ref() };
+    if dsr && out.via_gateway != 0 {
+        let action = dsr_connection(ctx, &packet, &chosen, out);
+        if action != NOT_DSR {
+            return action;
+        }
+    }
+    connection(ctx, &packet, &chosen, out)
+}
+
+/// A new connection tracked (its two entries, masqueraded as its service says) and its first
+/// packet sent. A call of its own, as [`dsr_connection`].
+#[inline(always)]
+fn connection<A: Maps + Dsr>(
+    ctx: &XdpContext,
+    packet: &Packet<A>,
+    chosen: &Chosen<A>,
+    out: &Egress<A>,
+) -> u32 {
+    let Chosen { service, backend, counter, now } = chosen;
     let forward = if service.flags & service_flags::MASQUERADE != 0 {
-        track_masqueraded(&packet, &backend, counter, out.source, now, false)
+        track_masqueraded(packet, backend, *counter, out.source, *now, false)
     } else {
-        track(&packet, &backend, counter, now, false)
+        track(packet, backend, *counter, *now, false)
     };
     let forward = match forward {
         Ok(forward) => forward,
         // A full flows map: TC makes room (early drop) or refuses.
-        Err(Refusal::MapFull) => return None,
+        Err(Refusal::MapFull) => return XDP_PASS,
         // Counted by the tracking; TC would drop it the same way.
-        Err(_) => return Some(xdp_action::XDP_DROP),
+        Err(_) => return xdp_action::XDP_DROP,
     };
-    count(ctx, counter);
-    finish(ctx, &packet, &forward, &out)
+    count(ctx, *counter);
+    finish(ctx, packet, &forward, out)
 }
 
-/// Rewrites the packet as `flow` says, with its new MACs, and sends it.
+/// [`dsr_connection`]'s answer for a backend that takes no direct server return.
+const NOT_DSR: u32 = u32::MAX;
+
+/// A new connection of a DSR frontend whose backend is reached through a gateway: to a pod
+/// (the cluster CIDRs), that is behind another node, as TC's `remote` decides, its forward
+/// entry only (the replies never come back here), and its first packet sent with the service
+/// address carried; to any other address [`NOT_DSR`] (masqueraded as without DSR). A call of
+/// its own: inlined, the IPv6 frame of [`new_connection`] passes BPF's 512 bytes.
+#[inline(always)]
+fn dsr_connection<A: Maps + Dsr>(
+    ctx: &XdpContext,
+    packet: &Packet<A>,
+    chosen: &Chosen<A>,
+    out: &Egress<A>,
+) -> u32 {
+    let Chosen { backend, counter, now, .. } = chosen;
+    if !A::in_pod_cidr(&backend.addr) {
+        return NOT_DSR;
+    }
+    let forward = match track_dsr(packet, backend, *counter, *now, false) {
+        Ok(forward) => forward,
+        // A full flows map: TC makes room (early drop) or refuses.
+        Err(Refusal::MapFull) => return XDP_PASS,
+        Err(_) => return xdp_action::XDP_DROP,
+    };
+    stat(datapath_stat::DSR_SENT);
+    count(ctx, *counter);
+    finish_carrying(ctx, packet, &forward, out)
+}
+
+/// [`finish`] for a DSR request that carries its service address (the packet's destination
+/// before the rewrite) to the backend's node: rewritten, the carrier added, sent.
 #[inline(never)]
-fn finish<A: Address>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: &Egress<A>) -> Option<u32> {
+fn finish_carrying<A: Dsr>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: &Egress<A>) -> u32 {
+    if rewrite_in_place(ctx, packet, flow, out).is_none() {
+        return XDP_PASS;
+    }
+    let frontend = Endpoint { addr: packet.flow.dst, port: packet.flow.dst_port };
+    if A::carry(ctx, &frontend).is_err() {
+        // Rewritten already: a half-made request must not escape.
+        return xdp_action::XDP_DROP;
+    }
+    transmit(out)
+}
+
+/// Rewrites the packet as `flow` says, with its new MACs, and sends it (`XDP_PASS`, untouched,
+/// when the packet is shorter than its parse said).
+#[inline(never)]
+fn finish<A: Address>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: &Egress<A>) -> u32 {
+    match rewrite_in_place(ctx, packet, flow, out) {
+        Some(()) => transmit(out),
+        None => XDP_PASS,
+    }
+}
+
+/// Rewrites the packet as `flow` says, with its new MACs; `None` (nothing changed) when the
+/// packet is shorter than its parse said.
+#[inline(always)]
+fn rewrite_in_place<A: Address>(
+    ctx: &XdpContext,
+    packet: &Packet<A>,
+    flow: &Nat<A>,
+    out: &Egress<A>,
+) -> Option<()> {
     let l4 = packet.l4_offset;
     let old = &packet.flow;
     let rewrite_source = flow.flags & flow_flags::REWRITE_SOURCE != 0;
@@ -267,14 +406,20 @@ fn finish<A: Address>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: 
         eth[..6].copy_from_slice(&out.dmac);
         eth[6..].copy_from_slice(&out.smac);
     }
+    Some(())
+}
+
+/// The action that sends a finished packet out of its egress device.
+#[inline(always)]
+fn transmit<A>(out: &Egress<A>) -> u32 {
     if out.action == xdp_action::XDP_TX {
-        return Some(xdp_action::XDP_TX);
+        return xdp_action::XDP_TX;
     }
     // `XDP_PASS` if the device left the map meanwhile: the rewritten packet then goes through
     // the stack's forwarding like any routed packet.
-    Some(match XDP_TX_DEVICES.redirect(out.ifindex, u64::from(xdp_action::XDP_PASS)) {
+    match XDP_TX_DEVICES.redirect(out.ifindex, u64::from(XDP_PASS)) {
         Ok(action) | Err(action) => action,
-    })
+    }
 }
 
 /// Counts the packet for its connection, by its IP length, as TC counts.

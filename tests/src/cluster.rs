@@ -27,6 +27,7 @@
 //! when a test fails.
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket},
+    os::fd::{AsRawFd as _, OwnedFd},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -35,8 +36,8 @@ use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
 use crate::{
-    tcp_exchange, unique_name, wait_for, Answer, BpfFs, Check, EchoServer, FakeApiServer, Netns, PinnedMaps,
-    Vipr, WorkDir,
+    ethtool, tcp_exchange, unique_name, wait_for, Answer, BpfFs, Check, EchoServer, FakeApiServer, Netns,
+    PinnedMaps, Vipr, WorkDir,
 };
 
 /// The router's address on the node network, where the API server listens too.
@@ -186,6 +187,8 @@ impl Node {
 }
 
 pub struct ClusterLab {
+    /// The links of [`ClusterLab::prepare_for_xdp`]'s programs (detached when dropped).
+    xdp_links: Vec<OwnedFd>,
     pub nodes: Vec<Node>,
     pub client: Netns,
     api: FakeApiServer,
@@ -383,6 +386,7 @@ impl ClusterLab {
             });
         }
         Ok(Self {
+            xdp_links: Vec::new(),
             nodes: built,
             client,
             api,
@@ -400,6 +404,31 @@ impl ClusterLab {
 
     pub fn workdir(&self) -> &Path {
         self.workdir.path()
+    }
+
+    /// Sets the lab's veths up as XDP needs them (docs/architecture/xdp.md): the client sends
+    /// with tx checksum offload off, as frames from a NIC carry complete checksums (a veth
+    /// would otherwise hand XDP checksums it must not update), and the router's ends of the
+    /// nodes' uplinks get an XDP program that passes everything: a veth delivers the frames its
+    /// peer's XDP program sends back (`XDP_TX`) only to an end with an XDP program of its own.
+    pub fn prepare_for_xdp(&mut self) -> Result<()> {
+        self.client.run(|| ethtool::set(ethtool::TX_CHECKSUM, "eth0", false))?;
+        for index in 1..=self.nodes.len() {
+            let link = self.router.run(|| xdp_pass_link(&format!("up{index}")))?;
+            self.xdp_links.push(link);
+        }
+        Ok(())
+    }
+
+    /// Frames node `index`'s (from 1) XDP program sent back out of its uplink (`XDP_TX`),
+    /// by the veth driver's statistics: nothing else counts there.
+    pub fn uplink_xdp_tx(&self, index: usize) -> Result<u64> {
+        let stats = self.nodes[index - 1].netns.run(|| ethtool::stats("eth0"))?;
+        Ok(stats
+            .iter()
+            .filter(|(name, _)| name.starts_with("rx_queue_") && name.ends_with("_xdp_tx"))
+            .map(|(_, count)| count)
+            .sum())
     }
 
     /// Starts vipr in ebpf mode on every node, against the API server, with `extra_args`.
@@ -595,4 +624,29 @@ fn service_identity(service: &Value) -> Result<(String, String)> {
 fn link(a: &Netns, name: &str, b: &Netns) -> Result<()> {
     a.ip(&["link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", b.name()])?;
     Ok(())
+}
+
+/// Attaches `r0 = XDP_PASS; exit` to `device` of the calling thread's network namespace, by a
+/// BPF link that lasts as long as the descriptor returned.
+fn xdp_pass_link(device: &str) -> Result<OwnedFd> {
+    use vipr::bpf_sys::{bpf, cmd, load_program, owned_fd, returning, LinkCreateAttr};
+    const PROG_TYPE_XDP: u32 = 6;
+    const ATTACH_XDP: u32 = 37;
+    const XDP_PASS: i32 = 2;
+    let program = load_program(PROG_TYPE_XDP, ATTACH_XDP, &returning(XDP_PASS), "lab_xdp_pass")
+        .context("loading an XDP pass program")?;
+    let name = std::ffi::CString::new(device)?;
+    // SAFETY: a NUL-terminated name.
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    anyhow::ensure!(ifindex != 0, "no device {device}");
+    let mut link = LinkCreateAttr {
+        prog_fd: program.as_raw_fd() as u32,
+        target: ifindex,
+        attach_type: ATTACH_XDP,
+        ..LinkCreateAttr::default()
+    };
+    // SAFETY: BPF_LINK_CREATE's attribute, without pointers.
+    unsafe { bpf(cmd::LINK_CREATE, &mut link) }
+        .and_then(owned_fd)
+        .with_context(|| format!("attaching XDP to {device}"))
 }

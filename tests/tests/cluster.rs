@@ -293,39 +293,91 @@ fn dsr_lab(label: &str, args: &[&str], dual_stack: bool) -> Result<ClusterLab> {
 
 #[test]
 fn with_dsr_a_remote_backend_sees_the_client_and_replies_straight_to_it() -> Result<()> {
-    let lab = dsr_lab("cl-dsr", &["--lb-mode=dsr"], false)?;
-    lab.with_logs(dsr_replies_straight(&lab, ClusterLab::node_address(1, DSR_NODE_PORT), CLIENT_IP.into()))
+    dsr_through_n1("cl-dsr", &["--lb-mode=dsr"], false)
 }
 
 /// The same with `--bpf-forwarding=redirect`: the request redirected to node 2 with the option,
 /// node 2 redirecting it to the pod without, and the reverse-NATed reply to the router.
 #[test]
 fn with_dsr_and_redirected_forwarding_a_remote_backend_replies_straight_to_the_client() -> Result<()> {
-    let lab = dsr_lab("cl-dsrr", &["--lb-mode=dsr", "--bpf-forwarding=redirect"], false)?;
-    lab.with_logs(dsr_replies_straight(&lab, ClusterLab::node_address(1, DSR_NODE_PORT), CLIENT_IP.into()))
+    dsr_through_n1("cl-dsrr", &["--lb-mode=dsr", "--bpf-forwarding=redirect"], false)
 }
 
 /// The same over IPv6, in a dual-stack lab.
 #[test]
 fn with_dsr_an_ipv6_remote_backend_sees_the_client_and_replies_straight_to_it() -> Result<()> {
-    let lab = dsr_lab("cl-dsr6", &["--lb-mode=dsr"], true)?;
-    lab.with_logs(dsr_replies_straight(&lab, ClusterLab::node_address6(1, DSR_NODE_PORT), CLIENT_IP6.into()))
+    dsr_through_n1("cl-dsr6", &["--lb-mode=dsr"], true)
 }
 
 /// IPv6 with `--bpf-forwarding=redirect`.
 #[test]
 fn with_dsr_and_redirected_forwarding_an_ipv6_remote_backend_replies_straight_to_the_client() -> Result<()> {
-    let lab = dsr_lab("cl-dsrr6", &["--lb-mode=dsr", "--bpf-forwarding=redirect"], true)?;
-    lab.with_logs(dsr_replies_straight(&lab, ClusterLab::node_address6(1, DSR_NODE_PORT), CLIENT_IP6.into()))
+    dsr_through_n1("cl-dsrr6", &["--lb-mode=dsr", "--bpf-forwarding=redirect"], true)
 }
 
+/// Direct server return sent from n1's XDP program (`--xdp=native`, with the redirected
+/// forwarding XDP needs, on veths set up as NICs deliver frames): the same, and every request
+/// of the client's exchanges left n1 by `XDP_TX`, the carrier added there.
+#[test]
+fn with_dsr_from_xdp_a_remote_backend_replies_straight_to_the_client() -> Result<()> {
+    dsr_through_n1("cl-dsrx", &["--lb-mode=dsr", "--bpf-forwarding=redirect", XDP], false)
+}
+
+/// IPv6 from XDP, in a dual-stack lab.
+#[test]
+fn with_dsr_from_xdp_an_ipv6_remote_backend_replies_straight_to_the_client() -> Result<()> {
+    dsr_through_n1("cl-dsrx6", &["--lb-mode=dsr", "--bpf-forwarding=redirect", XDP], true)
+}
+
+const XDP: &str = "--xdp=native";
+
+/// [`dsr_replies_straight`] through n1 in a [`dsr_lab`] with `args` (a dual-stack one, through
+/// n1's IPv6 address, with `ipv6`); with [`XDP`] among `args` from n1's XDP program
+/// ([`dsr_from_xdp`]).
+fn dsr_through_n1(label: &str, args: &[&str], ipv6: bool) -> Result<()> {
+    let mut lab = dsr_lab(label, args, ipv6)?;
+    let (through, client): (SocketAddr, IpAddr) = if ipv6 {
+        (ClusterLab::node_address6(1, DSR_NODE_PORT), CLIENT_IP6.into())
+    } else {
+        (ClusterLab::node_address(1, DSR_NODE_PORT), CLIENT_IP.into())
+    };
+    let result = if args.contains(&XDP) {
+        dsr_from_xdp(&mut lab, through, client)
+    } else {
+        dsr_replies_straight(&lab, through, client, true)
+    };
+    lab.with_logs(result)
+}
+
+fn dsr_from_xdp(lab: &mut ClusterLab, through: SocketAddr, client: IpAddr) -> Result<()> {
+    lab.prepare_for_xdp()?;
+    let before = lab.uplink_xdp_tx(1)?;
+    // XDP looks the route up a packet; only TC caches next hops in flow entries.
+    dsr_replies_straight(lab, through, client, false)?;
+    let sent = lab.uplink_xdp_tx(1)? - before;
+    ensure!(
+        sent >= DSR_EXCHANGES,
+        "n1's XDP sent {sent} frames for {DSR_EXCHANGES} UDP exchanges and more: TC sent them"
+    );
+    Ok(())
+}
+
+/// The UDP exchanges of [`dsr_replies_straight`]'s count of packets n1 receives.
+const DSR_EXCHANGES: u64 = 40;
+
 /// Through n1's address `through` (either family), from the client's address `client` of that
-/// family: the backend on n2 sees the client, and its replies do not come back through n1.
-fn dsr_replies_straight(lab: &ClusterLab, through: SocketAddr, client: IpAddr) -> Result<()> {
+/// family: the backend on n2 sees the client, and its replies do not come back through n1. With
+/// `tc_caches_hop` n1's TC program serves the connection and caches its next hop.
+fn dsr_replies_straight(
+    lab: &ClusterLab,
+    through: SocketAddr,
+    client: IpAddr,
+    tc_caches_hop: bool,
+) -> Result<()> {
     // TCP: the connection to n1's address works only if the replies come from it.
     let answer = lab.ask_tcp(through)?;
     ensure!(answer.backend == "n2-pod0" && answer.observed_client.ip() == client, "TCP: {answer}");
-    if let SocketAddr::V4(through) = through {
+    if let (SocketAddr::V4(through), true) = (through, tc_caches_hop) {
         // After its SYN a DSR connection's requests are plain destination rewrites: they go
         // the established way, with the next hop cached in n1's flow entry (no FIB lookup a
         // packet). The testbed reads IPv4 flow entries only.
@@ -343,7 +395,7 @@ fn dsr_replies_straight(lab: &ClusterLab, through: SocketAddr, client: IpAddr) -
     // The replies do not come back through n1: its uplink receives the requests only (with
     // SNAT it would receive each answer from n2 too). A little slack for the API server's
     // traffic to n1's vipr (and, over IPv6, neighbour discovery).
-    const EXCHANGES: u64 = 40;
+    const EXCHANGES: u64 = DSR_EXCHANGES;
     let before = uplink_rx_packets(lab, 1)?;
     lab.client.run(|| {
         let socket = udp_socket_for(through)?;

@@ -13,7 +13,7 @@ use testbed::fixtures::{
     frame::{
         compare_frames, ep, input_and_output, parse_ipv4, Ep, L4Checksum, Packet, IPPROTO_TCP, IPPROTO_UDP,
     },
-    frame6::{compare_frames6, ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST},
+    frame6::{compare_frames6, dsr_carrier6, ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST},
     harness::{flow_key, verdict_name, Harness, TC_ACT_OK, TC_ACT_UNSPEC},
     harness6::{add_pod_cidr6, add_service6, flows6},
     netns::{in_fresh_netns, ip},
@@ -183,13 +183,9 @@ const FRONTEND6: Ep6 = ep6(ip6([0xfd00, 0x100, 0, 0], 1), 30080);
 /// A pod on node 2, behind node 2's IPv6 address.
 const BACKEND6: Ep6 = ep6(ip6([0xfd00, 0x244, 0, 2], 0x10), 8080);
 
-/// The destination-options header carrying FRONTEND6, after its next-header byte: length 2
-/// (24 bytes), option 0x1e with 18 bytes of data (address, port 30080), two Pad1.
+/// The destination-options header carrying FRONTEND6.
 fn carrier6() -> Vec<u8> {
-    let mut body = vec![2, 0x1e, 18];
-    body.extend_from_slice(&FRONTEND6.addr);
-    body.extend_from_slice(&[0x75, 0x80, 0, 0]);
-    body
+    dsr_carrier6(FRONTEND6)
 }
 
 /// Node 1's IPv6 network: its uplink fd00:100::1/64 and node 2's pod CIDR fd00:244:0:2::/64

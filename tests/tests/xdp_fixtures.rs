@@ -13,16 +13,16 @@ use testbed::fixtures::{frame, frame6, harness};
 
 use anyhow::{ensure, Context as _, Result};
 use aya::{
-    maps::HashMap,
+    maps::{lpm_trie::Key, HashMap, LpmTrie, PerCpuArray},
     programs::{TestRun as _, TestRunOptions, Xdp},
     Ebpf, EbpfLoader,
 };
 use frame::{ep, hex, parse_ipv4, Ep, Packet, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
-use frame6::{ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST};
+use frame6::{dsr_carrier6, ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST};
 use harness::{flow_key, nat_entries, PrivateBpffs};
 use proxy_common::{
-    flow_flags, pins, service_flags, source_class, Backend4, Backend6, BackendSlot, Family, Flow, Flow4,
-    Flow6, FlowKey, FlowKey4, FlowKey6, FlowTrack, Service, ServiceKey4, ServiceKey6,
+    datapath_stat, flow_flags, pins, service_flags, source_class, Backend4, Backend6, BackendSlot, Family,
+    Flow, Flow4, Flow6, FlowKey, FlowKey4, FlowKey6, FlowTrack, Service, ServiceKey4, ServiceKey6,
 };
 use testbed::{unique_name, Netns};
 
@@ -39,10 +39,18 @@ const BACKEND_MAC: [u8; 6] = [0x02, 0xbb, 0, 0, 0, 0x02];
 const NIC_MAC: [u8; 6] = [0x02, 0xaa, 0, 0, 0, 0x01];
 const SET: u32 = 7;
 
+/// A pod behind node 2 (10.0.0.3), as direct server return's remote backend.
+const POD: Ep = ep([10, 244, 2, 10], 8080);
+const NODE2_MAC: [u8; 6] = [0x02, 0xcc, 0, 0, 0, 0x03];
+/// vipr's IPv4 option carrying NODE_PORT: type 0x9a, length 8, port 30080, 10.0.0.1.
+const NODE_PORT_OPTION: [u8; 8] = [0x9a, 8, 0x75, 0x80, 10, 0, 0, 1];
+
 const CLIENT6: Ep6 = ep6(ip6([0xfd00, 1, 0, 0], 0x100), 40000);
 const NODE6: [u8; 16] = ip6([0xfd00, 0, 0, 0], 1);
 const NODE_PORT6: Ep6 = ep6(NODE6, 30080);
 const BACKEND6: Ep6 = ep6(ip6([0xfd00, 0, 0, 0], 2), 8080);
+/// A pod behind node 2 (fd00::3).
+const POD6: Ep6 = ep6(ip6([0xfd00, 0x244, 0, 2], 0x10), 8080);
 
 /// The XDP program loaded with private maps, inside a namespace with the dummy NIC.
 struct World {
@@ -91,6 +99,11 @@ impl World {
     }
 
     fn service(&mut self, proto: u8, flags: u32) -> Result<()> {
+        self.service_to(proto, flags, BACKEND)
+    }
+
+    /// The NodePort frontend of `proto` with `flags`, its one backend `backend`.
+    fn service_to(&mut self, proto: u8, flags: u32, backend: Ep) -> Result<()> {
         let key = ServiceKey4 {
             addr: NODE_PORT.addr,
             port: NODE_PORT.port,
@@ -101,26 +114,59 @@ impl World {
             Service { backend_set: SET, backend_count: 1, service_id: 11, flags, ..Service::default() };
         HashMap::<_, ServiceKey4, Service>::try_from(self.ebpf.map_mut(pins::SERVICES4).context("svc")?)?
             .insert(key, service, 0)?;
-        let backend = Backend4 { addr: BACKEND.addr, port: BACKEND.port, pad: 0, counter: 3 };
+        let backend = Backend4 { addr: backend.addr, port: backend.port, pad: 0, counter: 3 };
         HashMap::<_, BackendSlot, Backend4>::try_from(self.ebpf.map_mut(pins::BACKENDS4).context("back")?)?
             .insert(BackendSlot { backend_set: SET, slot: 0 }, backend, 0)?;
         Ok(())
     }
 
     fn service6(&mut self, proto: u8) -> Result<()> {
+        self.service6_to(proto, 0, BACKEND6)
+    }
+
+    /// [`World::service_to`] for IPv6.
+    fn service6_to(&mut self, proto: u8, flags: u32, backend: Ep6) -> Result<()> {
         let key = ServiceKey6 {
             addr: NODE_PORT6.addr,
             port: NODE_PORT6.port,
             proto,
             source_class: source_class::OUTSIDE,
         };
-        let service = Service { backend_set: SET, backend_count: 1, service_id: 11, ..Service::default() };
+        let service =
+            Service { backend_set: SET, backend_count: 1, service_id: 11, flags, ..Service::default() };
         HashMap::<_, ServiceKey6, Service>::try_from(self.ebpf.map_mut(pins::SERVICES6).context("svc")?)?
             .insert(key, service, 0)?;
-        let backend = Backend6 { addr: BACKEND6.addr, port: BACKEND6.port, pad: 0, counter: 3 };
+        let backend = Backend6 { addr: backend.addr, port: backend.port, pad: 0, counter: 3 };
         HashMap::<_, BackendSlot, Backend6>::try_from(self.ebpf.map_mut(pins::BACKENDS6).context("back")?)?
             .insert(BackendSlot { backend_set: SET, slot: 0 }, backend, 0)?;
         Ok(())
+    }
+
+    /// Node 2 on the NIC's link (10.0.0.3, fd00::3, resolved), with the pods behind it, and
+    /// the cluster's pod CIDRs as the agent writes `--cluster-cidr`: what makes a backend
+    /// remote for direct server return.
+    fn node_two(&mut self) -> Result<()> {
+        let mac = frame_mac(&NODE2_MAC);
+        for (gateway, pods) in [("10.0.0.3", "10.244.2.0/24"), ("fd00::3", "fd00:244:0:2::/64")] {
+            self.netns.ip(&["neigh", "add", gateway, "lladdr", &mac, "dev", "xdp0", "nud", "permanent"])?;
+            self.netns.ip(&["route", "add", pods, "via", gateway])?;
+        }
+        LpmTrie::<_, [u8; 4], u8>::try_from(self.ebpf.map_mut(pins::POD_CIDRS4).context("pods4")?)?.insert(
+            &Key::new(16, [10, 244, 0, 0]),
+            1,
+            0,
+        )?;
+        LpmTrie::<_, [u8; 16], u8>::try_from(self.ebpf.map_mut(pins::POD_CIDRS6).context("pods6")?)?.insert(
+            &Key::new(32, ip6([0xfd00, 0x244, 0, 0], 0)),
+            1,
+            0,
+        )?;
+        Ok(())
+    }
+
+    fn datapath_stat(&self, index: u32) -> Result<u64> {
+        let map = self.ebpf.map(pins::DATAPATH_STATS).context("stats")?;
+        Ok(PerCpuArray::<_, u64>::try_from(map)?.get(&index, 0)?.iter().sum())
     }
 
     fn flows(&self) -> Result<Vec<(FlowKey4, Flow4)>> {
@@ -380,5 +426,139 @@ fn ipv6_packets_xdp_does_not_finish_pass_to_tc_untouched() -> Result<()> {
         ensure!(out == frame, "{what}: frame changed");
     }
     ensure!(world.flows6()?.is_empty(), "nothing recorded for passed packets");
+    Ok(())
+}
+
+/// What node 2 receives from the NIC: `packet` with node 2's MAC as destination.
+fn to_node_two(frame: Vec<u8>) -> Vec<u8> {
+    let mut frame = frame;
+    frame[..6].copy_from_slice(&NODE2_MAC);
+    frame[6..12].copy_from_slice(&NIC_MAC);
+    frame
+}
+
+/// The flow entries of `connections` sent by direct server return: a forward entry each
+/// (destination rewritten, source kept), no reply entry, as TC stores them.
+fn dsr_entries<A: Family + Ord>(
+    connections: &[(frame::Ep<A>, u8)],
+    frontend: frame::Ep<A>,
+    pod: frame::Ep<A>,
+) -> Vec<(FlowKey<A>, Flow<A>)> {
+    let mut entries: Vec<_> = connections
+        .iter()
+        .map(|&(client, proto)| {
+            let mut entry = forward_entry(pod);
+            entry.flags |= flow_flags::DSR_INGRESS;
+            (flow_key(client, frontend, proto), entry)
+        })
+        .collect();
+    entries.sort_by_key(|(key, _)| key.proto);
+    entries
+}
+
+/// [`World::flows`]' entries in [`dsr_entries`]' order.
+fn by_protocol<A: Family>(mut entries: Vec<(FlowKey<A>, Flow<A>)>) -> Vec<(FlowKey<A>, Flow<A>)> {
+    entries.sort_by_key(|(key, _)| key.proto);
+    entries
+}
+
+/// [`expect_same6`] for a frame with vipr's destination-options header, which the checking
+/// parser refuses. The expected frame's L4 checksum is computed over the pseudo header, which
+/// the extension header does not enter: an equal frame has a valid checksum.
+fn expect_carried6(actual: &[u8], expected: &[u8]) -> Result<()> {
+    ensure!(actual == expected, "output frame\n  expected {}\n  actual   {}", hex(expected), hex(actual));
+    Ok(())
+}
+
+/// Direct server return from XDP (`--lb-mode=dsr`): a new TCP connection to a pod behind
+/// another node leaves for that node with its destination rewritten, its source kept and the
+/// service address in vipr's IPv4 option (the frame grown at its front); the ACK that follows
+/// is a plain rewrite; every UDP datagram carries the option. Only forward entries are stored,
+/// as TC stores them, and the connections are counted as sent by DSR.
+#[test]
+fn dsr_requests_leave_for_the_backend_s_node_with_the_service_address() -> Result<()> {
+    let mut world = World::new("dsr")?;
+    world.node_two()?;
+    world.service_to(IPPROTO_TCP, service_flags::MASQUERADE | service_flags::DSR, POD)?;
+    let syn = Packet::tcp(CLIENT, NODE_PORT).tcp_flags(0x02).payload(b"");
+    let (verdict, out) = world.run(&syn.build())?;
+    ensure!(verdict == XDP_TX, "SYN: verdict {verdict}, expected XDP_TX");
+    expect_same(&out, &to_node_two(syn.clone().to(POD).ip_options(&NODE_PORT_OPTION).build()))
+        .context("SYN")?;
+    let ack = Packet::tcp(CLIENT, NODE_PORT).tcp_flags(0x10).payload(b"data");
+    let (verdict, out) = world.run(&ack.build())?;
+    ensure!(verdict == XDP_TX, "ACK: verdict {verdict}");
+    expect_same(&out, &to_node_two(ack.to(POD).build())).context("ACK")?;
+
+    world.service_to(IPPROTO_UDP, service_flags::MASQUERADE | service_flags::DSR, POD)?;
+    let datagram = Packet::udp(CLIENT, NODE_PORT);
+    for round in 0..2 {
+        let (verdict, out) = world.run(&datagram.build())?;
+        ensure!(verdict == XDP_TX, "datagram {round}: verdict {verdict}");
+        expect_same(&out, &to_node_two(datagram.clone().to(POD).ip_options(&NODE_PORT_OPTION).build()))
+            .with_context(|| format!("datagram {round}"))?;
+    }
+    let expected = dsr_entries(&[(CLIENT, IPPROTO_TCP), (CLIENT, IPPROTO_UDP)], NODE_PORT, POD);
+    ensure!(by_protocol(world.flows()?) == expected, "flows {:?}", world.flows()?);
+    ensure!(world.datapath_stat(datapath_stat::DSR_SENT)? == 2, "DSR_SENT");
+    Ok(())
+}
+
+/// The same over IPv6: the service address in a destination-options header of 24 bytes.
+#[test]
+fn ipv6_dsr_requests_leave_with_the_service_address_in_a_destination_options_header() -> Result<()> {
+    let mut world = World::new("dsr6")?;
+    world.node_two()?;
+    world.service6_to(IPPROTO_TCP, service_flags::MASQUERADE | service_flags::DSR, POD6)?;
+    let carrier = dsr_carrier6(NODE_PORT6);
+    let syn = Packet6::tcp(CLIENT6, NODE_PORT6).tcp_flags(0x02).payload(b"");
+    let (verdict, out) = world.run(&syn.build())?;
+    ensure!(verdict == XDP_TX, "SYN: verdict {verdict}, expected XDP_TX");
+    let sent = syn.clone().to(POD6).extension_bytes(NEXTHDR_DEST, &carrier);
+    expect_carried6(&out, &to_node_two(sent.build())).context("SYN")?;
+    let ack = Packet6::tcp(CLIENT6, NODE_PORT6).tcp_flags(0x10).payload(b"data");
+    let (verdict, out) = world.run(&ack.build())?;
+    ensure!(verdict == XDP_TX, "ACK: verdict {verdict}");
+    expect_same6(&out, &to_node_two(ack.to(POD6).build())).context("ACK")?;
+
+    world.service6_to(IPPROTO_UDP, service_flags::MASQUERADE | service_flags::DSR, POD6)?;
+    let datagram = Packet6::udp(CLIENT6, NODE_PORT6).payload(b"ask");
+    let (verdict, out) = world.run(&datagram.build())?;
+    ensure!(verdict == XDP_TX, "datagram: verdict {verdict}");
+    let sent = datagram.to(POD6).extension_bytes(NEXTHDR_DEST, &carrier);
+    expect_carried6(&out, &to_node_two(sent.build())).context("datagram")?;
+    let expected = dsr_entries(&[(CLIENT6, IPPROTO_TCP), (CLIENT6, IPPROTO_UDP)], NODE_PORT6, POD6);
+    ensure!(by_protocol(world.flows6()?) == expected, "flows {:?}", world.flows6()?);
+    ensure!(world.datapath_stat(datapath_stat::DSR_SENT)? == 2, "DSR_SENT");
+    Ok(())
+}
+
+/// A request that would not fit the egress MTU with the option is TC's (it masquerades a new
+/// connection instead, and counts that), untouched and unrecorded; a DSR frontend's backend on
+/// the node's own link (no gateway: no vipr behind it to restore the service address) is
+/// masqueraded by XDP, without the option.
+#[test]
+fn dsr_requests_without_room_or_a_remote_backend_are_not_sent_direct() -> Result<()> {
+    let mut world = World::new("dsrmtu")?;
+    world.node_two()?;
+    world.netns.ip(&["link", "set", "xdp0", "mtu", "1280"])?;
+    world.service_to(IPPROTO_UDP, service_flags::MASQUERADE | service_flags::DSR, POD)?;
+    // 20 + 8 + 1248 = 1276 bytes: fits the MTU, not with the option's eight more.
+    let big = Packet::udp(CLIENT, NODE_PORT).payload(&[0x5a; 1248]).build();
+    let (verdict, out) = world.run(&big)?;
+    ensure!(verdict == XDP_PASS && out == big, "too big: verdict {verdict}, expected XDP_PASS untouched");
+    ensure!(world.flows()?.is_empty(), "nothing recorded for a passed packet");
+
+    world.service_to(IPPROTO_TCP, service_flags::MASQUERADE | service_flags::DSR, BACKEND)?;
+    let (verdict, out) = world.run(&Packet::tcp(CLIENT, NODE_PORT).build())?;
+    ensure!(verdict == XDP_TX, "local backend: verdict {verdict}");
+    let view = parse_ipv4(&out).map_err(|error| anyhow::anyhow!("output: {error}"))?;
+    ensure!(
+        view.source().addr == NODE
+            && view.destination() == BACKEND
+            && out.len() == Packet::tcp(CLIENT, NODE_PORT).build().len(),
+        "not masqueraded without the option: {view:?}"
+    );
+    ensure!(world.datapath_stat(datapath_stat::DSR_SENT)? == 0, "DSR_SENT");
     Ok(())
 }
