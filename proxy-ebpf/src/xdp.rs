@@ -266,7 +266,7 @@ fn new_connection<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
 }
 
 /// A new connection tracked (its two entries, masqueraded as its service says) and its first
-/// packet sent. A call of its own, as [`dsr_connection`].
+/// packet sent. Inlined, as [`dsr_connection`] is.
 #[inline(always)]
 fn connection<A: Maps + Dsr>(
     ctx: &XdpContext,
@@ -297,8 +297,10 @@ const NOT_DSR: u32 = u32::MAX;
 /// A new connection of a DSR frontend whose backend is reached through a gateway: to a pod
 /// (the cluster CIDRs), that is behind another node, as TC's `remote` decides, its forward
 /// entry only (the replies never come back here), and its first packet sent with the service
-/// address carried; to any other address [`NOT_DSR`] (masqueraded as without DSR). A call of
-/// its own: inlined, the IPv6 frame of [`new_connection`] passes BPF's 512 bytes.
+/// address carried; to any other address [`NOT_DSR`] (masqueraded as without DSR). Inlined into
+/// [`new_connection`], where the compiler shares one stack area between this and
+/// [`connection`]: as calls of their own, either frame added to [`new_connection`]'s passes
+/// BPF's 512 bytes along the chain of calls.
 #[inline(always)]
 fn dsr_connection<A: Maps + Dsr>(
     ctx: &XdpContext,
