@@ -248,7 +248,9 @@ fn new_connection<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     if chosen.backend.addr.is(&packet.flow.src) {
         return XDP_PASS;
     }
-    // A DSR frontend's route must have room for the carrier (else TC masquerades, counted).
+    // A DSR frontend's route is asked for room for the carrier too: a request without it passes
+    // to TC, which masquerades it (counted). Its backends on this node's link (no carrier) pass
+    // too when fewer than the carrier's bytes short of the MTU: TC serves them the same way.
     let dsr = chosen.service.flags & service_flags::DSR != 0;
     let mut out = MaybeUninit::uninit();
     if !egress(ctx, chosen.backend.addr, tot_len + if dsr { A::CARRIER_LEN } else { 0 }, &mut out) {
