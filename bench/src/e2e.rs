@@ -38,7 +38,7 @@
 //! slow phases fall on all cells alike. The traffic itself is in `load.rs`.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket},
     os::{fd::AsRawFd as _, unix::fs::PermissionsExt as _},
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -74,6 +74,14 @@ const UDP_NODE_PORT: u16 = 30053;
 const STREAM_PORT: u16 = 54;
 const STREAM_TARGET_PORT: u16 = 5454;
 const STREAM_NODE_PORT: u16 = 30054;
+/// The IPv6 frame stream (ebpf cells): the external client's and the node's addresses on their
+/// link, the backends' (beside their IPv4 ones), and the IPv6 service the frames go to.
+const EXTERNAL6: Ipv6Addr = Ipv6Addr::new(0xfd77, 0, 0, 0, 0, 0, 0, 2);
+const NODE_EXTERNAL6: Ipv6Addr = Ipv6Addr::new(0xfd77, 0, 0, 0, 0, 0, 0, 1);
+/// Every backend's IPv6 address is inside it (`--cluster-cidr`).
+const CLUSTER_CIDR6: &str = "fd00::/32";
+const STREAM6_CLUSTER_IP: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0x54);
+const STREAM6_NODE_PORT: u16 = 30056;
 /// The veth end inside every leaf namespace (see `LeafSpec::new`).
 const LEAF_INTERFACE: &str = "eth0";
 /// Server threads per backend socket.
@@ -81,6 +89,11 @@ const SERVER_THREADS: usize = 4;
 
 fn backend_addr(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 0, 2 + u8::try_from(i).expect("few backends"), 2)
+}
+
+/// Backend `i`'s IPv6 address, and the node's on their link (`::1`, its gateway).
+fn backend_addr6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0, 2 + u16::try_from(i).expect("few backends"), 0, 0, 0, 0, 2)
 }
 
 fn cluster_ip(service: usize) -> Ipv4Addr {
@@ -423,6 +436,10 @@ pub struct Cell {
     /// instead of delivered to sockets: the node's own cost (issue 16).
     #[serde(default)]
     pub dropped_frames: Option<Stream>,
+    /// The same for IPv6: frames from the external client's IPv6 address to the IPv6 stream
+    /// service's NodePort (ebpf cells).
+    #[serde(default)]
+    pub dropped_frames6: Option<Stream>,
     /// XDP cells: the XDP mode vipr attached in ("native", or "generic" after a fallback).
     #[serde(default)]
     pub xdp_attached: Option<String>,
@@ -513,7 +530,7 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
         for kind in Kind::ALL.into_iter().filter(|&kind| lab.mode.measures(kind)) {
             let _ = lab.measure(kind, &settings, warm_up);
         }
-        for source in Source::ALL {
+        for source in Source::ALL.into_iter().filter(|&source| lab.streams(source)) {
             let _ = lab.measure_stream(&settings, source, warm_up);
         }
     }
@@ -536,6 +553,9 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
                 }
             }
             for (s, source) in Source::ALL.into_iter().enumerate() {
+                if !lab.streams(source) {
+                    continue;
+                }
                 match lab.measure_stream(&settings, source, settings.duration()) {
                     Ok(outcome) => {
                         eprintln!(
@@ -570,6 +590,7 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
             stream: summarize_stream(lab.mode, &streams[0]),
             frames: summarize_stream(lab.mode, &streams[1]),
             dropped_frames: summarize_stream(lab.mode, &streams[2]),
+            dropped_frames6: summarize_stream(lab.mode, &streams[3]),
             xdp_attached: lab.programs.as_ref().and_then(|programs| programs.xdp_mode.clone()),
             notes,
         });
@@ -616,17 +637,21 @@ enum Source {
     Frames,
     /// Those frames, counted and dropped at the backends' veths by an XDP program.
     DroppedFrames,
+    /// The same over IPv6 (ebpf cells).
+    DroppedFrames6,
 }
 
 impl Source {
-    /// In the order of `Cell::stream`, `Cell::frames`, `Cell::dropped_frames`.
-    const ALL: [Self; 3] = [Self::Sockets, Self::Frames, Self::DroppedFrames];
+    /// In the order of `Cell::stream`, `Cell::frames`, `Cell::dropped_frames`,
+    /// `Cell::dropped_frames6`.
+    const ALL: [Self; 4] = [Self::Sockets, Self::Frames, Self::DroppedFrames, Self::DroppedFrames6];
 
     fn label(self) -> &'static str {
         match self {
             Self::Sockets => "packet stream",
             Self::Frames => "frame stream",
             Self::DroppedFrames => "frame stream into drop sinks",
+            Self::DroppedFrames6 => "IPv6 frame stream into drop sinks",
         }
     }
 }
@@ -715,6 +740,8 @@ struct Lab {
     /// ebpf cells: vipr's programs, whose run counts each measurement records.
     programs: Option<Programs>,
     frames: FrameSource,
+    /// ebpf cells: the IPv6 frame stream's frames.
+    frames6: Option<FrameSource>,
     drop_sink: DropSink,
 }
 
@@ -743,21 +770,41 @@ struct FrameSource {
     ifindex: u32,
 }
 
-/// Frames from the external client to the stream's NodePort, `flows` source ports, with the
-/// MAC addresses of the external client's veth pair.
-fn frame_source(topology: &Topology, flows: usize) -> Result<FrameSource> {
+/// Frames from the external client's address `from` to the NodePort `to`, `flows` source
+/// ports, with the MAC addresses of the external client's veth pair.
+fn frame_source(topology: &Topology, flows: usize, from: IpAddr, to: SocketAddr) -> Result<FrameSource> {
     let ext = topology.leaf("ext")?;
     let (ifindex, ext_mac) = link(&ext.netns, LEAF_INTERFACE)?;
     let (_, node_mac) = link(topology.node(), &ext.spec.node_interface)?;
     let frames = (0..flows)
         .map(|i| {
             let port = 40_000 + u16::try_from(i).expect("few flows");
-            let src = std::net::SocketAddrV4::new(EXTERNAL, port);
-            let dst = std::net::SocketAddrV4::new(NODE_EXTERNAL, STREAM_NODE_PORT);
-            load::udp_frame(ext_mac, node_mac, src, dst)
+            load::udp_frame(ext_mac, node_mac, SocketAddr::new(from, port), to)
         })
         .collect();
     Ok(FrameSource { frames, ifindex })
+}
+
+/// IPv6 beside IPv4 in an ebpf cell's lab, for the IPv6 frame stream: addresses on the
+/// external client's and the backends' links (no duplicate address detection: usable at
+/// once), their default routes through the node, and forwarding on the node (its namespace's
+/// own setting).
+fn add_ipv6(topology: &Topology) -> Result<()> {
+    let node = topology.node();
+    node.set_sysctl("net.ipv6.conf.all.forwarding", "1")?;
+    let mut links = vec![("ext", EXTERNAL6, NODE_EXTERNAL6)];
+    for i in 0..BACKENDS {
+        let addr = backend_addr6(i);
+        let gateway = Ipv6Addr::from(u128::from(addr) - 1);
+        links.push((["b0", "b1", "b2"][i], addr, gateway));
+    }
+    for (name, addr, gateway) in links {
+        let leaf = topology.leaf(name)?;
+        node.ip(&["-6", "addr", "add", &format!("{gateway}/64"), "dev", &leaf.spec.node_interface, "nodad"])?;
+        leaf.netns.ip(&["-6", "addr", "add", &format!("{addr}/64"), "dev", LEAF_INTERFACE, "nodad"])?;
+        leaf.netns.ip(&["-6", "route", "add", "default", "via", &gateway.to_string()])?;
+    }
+    Ok(())
 }
 
 /// A device's index and MAC address, from `ip -o link show`.
@@ -818,7 +865,23 @@ impl Lab {
             .node()
             .run(|| set_offload(&ext_device, Offload::Gro, true))
             .with_context(|| format!("turning GRO on for {ext_device}"))?;
-        let frames = frame_source(&topology, settings.stream_flows)?;
+        let frames = frame_source(
+            &topology,
+            settings.stream_flows,
+            EXTERNAL.into(),
+            (NODE_EXTERNAL, STREAM_NODE_PORT).into(),
+        )?;
+        let frames6 = if mode.is_ebpf() {
+            add_ipv6(&topology)?;
+            Some(frame_source(
+                &topology,
+                settings.stream_flows,
+                EXTERNAL6.into(),
+                (NODE_EXTERNAL6, STREAM6_NODE_PORT).into(),
+            )?)
+        } else {
+            None
+        };
         let sinks = (0..BACKENDS)
             .map(|i| {
                 let addr = backend_addr(i);
@@ -829,13 +892,22 @@ impl Lab {
             })
             .collect::<Result<Vec<_>>>()?;
         let services_file = workdir.path().join("services.yaml");
-        write_atomically(&services_file, &manifests(services))?;
+        let ipv6 = frames6.is_some();
+        write_atomically(&services_file, &manifests(services, ipv6))?;
 
         let mut args = vec![
             format!("--services-file={}", services_file.display()),
             "--node-name=bench-node".to_owned(),
-            format!("--cluster-cidr={CLUSTER_CIDR}"),
-            format!("--nodeport-addresses={NODE_EXTERNAL}/32"),
+            if ipv6 {
+                format!("--cluster-cidr={CLUSTER_CIDR},{CLUSTER_CIDR6}")
+            } else {
+                format!("--cluster-cidr={CLUSTER_CIDR}")
+            },
+            if ipv6 {
+                format!("--nodeport-addresses={NODE_EXTERNAL}/32,{NODE_EXTERNAL6}/128")
+            } else {
+                format!("--nodeport-addresses={NODE_EXTERNAL}/32")
+            },
             "--healthz-bind-address=".to_owned(),
             "--metrics-bind-address=".to_owned(),
             // No periodic resync in the middle of a measurement.
@@ -908,8 +980,25 @@ impl Lab {
             sync_ms,
             programs,
             frames,
+            frames6,
             drop_sink: DropSink::new()?,
         };
+        if lab.frames6.is_some() {
+            // Until the node has the backends' IPv6 neighbours, XDP passes the frames to TC.
+            testbed::wait_for(
+                "the IPv6 frame stream to reach the backends",
+                Duration::from_secs(10),
+                || {
+                    Ok(
+                        match lab.measure_stream(settings, Source::DroppedFrames6, Duration::from_millis(20))
+                        {
+                            Ok(_) => testbed::Check::Done(()),
+                            Err(error) => testbed::Check::NotYet(format!("{error:#}")),
+                        },
+                    )
+                },
+            )?;
+        }
         for kind in Kind::ALL.into_iter().filter(|&kind| mode.measures(kind)) {
             let netns = lab.source(kind)?;
             let target = kind.target(services);
@@ -921,6 +1010,11 @@ impl Lab {
             })?;
         }
         Ok(lab)
+    }
+
+    /// Whether this cell measures `source`: the IPv6 stream only where the lab has IPv6.
+    fn streams(&self, source: Source) -> bool {
+        source != Source::DroppedFrames6 || self.frames6.is_some()
     }
 
     fn source(&self, kind: Kind) -> Result<&Netns> {
@@ -963,7 +1057,7 @@ impl Lab {
         let cpu_before = CpuTimes::read()?;
         let sinks_before = self.sink_cpu_ns();
         let ksoftirqd_before = ksoftirqd_cpu_ns();
-        let dropping = source == Source::DroppedFrames;
+        let dropping = matches!(source, Source::DroppedFrames | Source::DroppedFrames6);
         if dropping {
             self.attach_drop_sinks(true)?;
         }
@@ -972,6 +1066,10 @@ impl Lab {
             Source::Sockets => load::stream(target, settings.stream_flows, settings.stream_senders, duration),
             Source::Frames | Source::DroppedFrames => {
                 load::inject(&self.frames.frames, self.frames.ifindex, duration)
+            }
+            Source::DroppedFrames6 => {
+                let frames = self.frames6.as_ref().context("this lab has no IPv6")?;
+                load::inject(&frames.frames, frames.ifindex, duration)
             }
         });
         if dropping {
@@ -1251,7 +1349,9 @@ fn took_ms(line: &str) -> Option<f64> {
 /// never reached), then the target (NodePort, TCP, UDP and the stream's UDP port, the backends
 /// as endpoints). One
 /// JSON document per object: JSON is YAML, and much faster to write and read at 30k.
-fn manifests(services: usize) -> String {
+/// The services file: `services - 1` fillers, then (with `ipv6`) the IPv6 frame stream's
+/// service, then the target.
+fn manifests(services: usize, ipv6: bool) -> String {
     let mut out = String::with_capacity(services * 900);
     let mut push = |value: serde_json::Value| {
         out.push_str(&value.to_string());
@@ -1273,6 +1373,28 @@ fn manifests(services: usize) -> String {
             "addressType": "IPv4",
             "ports": [{"name": "http", "protocol": "TCP", "port": TCP_TARGET_PORT}],
             "endpoints": [{"addresses": [filler_endpoint(i).to_string()], "conditions": {"ready": true}}]
+        }));
+    }
+    if ipv6 {
+        let ip = STREAM6_CLUSTER_IP.to_string();
+        push(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "stream6", "namespace": "bench"},
+            "spec": {"type": "NodePort", "clusterIP": ip, "clusterIPs": [ip],
+                     "ipFamilies": ["IPv6"], "ipFamilyPolicy": "SingleStack",
+                     "ports": [{"name": "stream", "protocol": "UDP", "port": STREAM_PORT,
+                                "targetPort": STREAM_TARGET_PORT, "nodePort": STREAM6_NODE_PORT}]}
+        }));
+        let endpoints: Vec<_> = (0..BACKENDS)
+            .map(|i| json!({"addresses": [backend_addr6(i).to_string()], "conditions": {"ready": true}}))
+            .collect();
+        push(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "stream6-1", "namespace": "bench",
+                         "labels": {"kubernetes.io/service-name": "stream6"}},
+            "addressType": "IPv6",
+            "ports": [{"name": "stream", "protocol": "UDP", "port": STREAM_TARGET_PORT}],
+            "endpoints": endpoints
         }));
     }
     let ip = cluster_ip(services - 1).to_string();
@@ -1330,11 +1452,17 @@ mod tests {
 
     #[test]
     fn the_manifests_parse_and_the_target_comes_last() {
-        let objects = vipr::source::file::parse_manifests(Path::new("x"), &manifests(3)).unwrap();
+        let objects = vipr::source::file::parse_manifests(Path::new("x"), &manifests(3, false)).unwrap();
         assert!(objects.rejected.is_empty());
         assert_eq!(objects.services.len(), 3);
         assert_eq!(objects.slices.len(), 3);
         assert_eq!(objects.services[2].metadata.name.as_deref(), Some("target"));
+        let objects = vipr::source::file::parse_manifests(Path::new("x"), &manifests(3, true)).unwrap();
+        assert!(objects.rejected.is_empty());
+        assert_eq!(objects.services.len(), 4);
+        assert_eq!(objects.slices.len(), 4);
+        assert_eq!(objects.services[2].metadata.name.as_deref(), Some("stream6"));
+        assert_eq!(objects.services[3].metadata.name.as_deref(), Some("target"));
         assert_eq!(took_ms("INFO synced: frontends=4 took_ms=12 x"), Some(12.0));
     }
 }

@@ -21,7 +21,7 @@
 
 use std::{
     io::{ErrorKind, Read as _, Write as _},
-    net::{Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::AsRawFd as _,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -507,41 +507,63 @@ fn send_until(sockets: &[UdpSocket], deadline: Instant) -> u64 {
 // ---------------------------------------------------------------------------------------------
 // Frames injected as a NIC hands them over.
 
-/// An Ethernet frame carrying a 16-byte UDP datagram from `src` to `dst`, with complete IPv4
-/// and UDP checksums (what a NIC receives off the wire).
-pub fn udp_frame(src_mac: [u8; 6], dst_mac: [u8; 6], src: SocketAddrV4, dst: SocketAddrV4) -> Vec<u8> {
+/// An Ethernet frame carrying a 16-byte UDP datagram from `src` to `dst` (both of one family),
+/// with complete IPv4 and UDP checksums, or IPv6's UDP checksum (what a NIC receives off the
+/// wire).
+pub fn udp_frame(src_mac: [u8; 6], dst_mac: [u8; 6], src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
     let payload = REQUEST;
     let udp_len = 8 + payload.len();
-    let ip_len = 20 + udp_len;
-    let mut frame = Vec::with_capacity(14 + ip_len);
-    frame.extend_from_slice(&dst_mac);
-    frame.extend_from_slice(&src_mac);
-    frame.extend_from_slice(&0x0800u16.to_be_bytes());
-    let mut ip = [0u8; 20];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&(ip_len as u16).to_be_bytes());
-    ip[6] = 0x40; // DF
-    ip[8] = 64;
-    ip[9] = 17;
-    ip[12..16].copy_from_slice(&src.ip().octets());
-    ip[16..20].copy_from_slice(&dst.ip().octets());
-    let ip_csum = checksum(&[&ip]);
-    ip[10..12].copy_from_slice(&ip_csum.to_be_bytes());
-    frame.extend_from_slice(&ip);
     let mut udp = [0u8; 8];
     udp[0..2].copy_from_slice(&src.port().to_be_bytes());
     udp[2..4].copy_from_slice(&dst.port().to_be_bytes());
     udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
-    let mut pseudo = [0u8; 12];
-    pseudo[0..4].copy_from_slice(&src.ip().octets());
-    pseudo[4..8].copy_from_slice(&dst.ip().octets());
-    pseudo[9] = 17;
-    pseudo[10..12].copy_from_slice(&(udp_len as u16).to_be_bytes());
+    // The network header, and the pseudo header the UDP checksum covers.
+    let (ethertype, ip, pseudo): (u16, Vec<u8>, Vec<u8>) = match (src.ip(), dst.ip()) {
+        (IpAddr::V4(src), IpAddr::V4(dst)) => {
+            let mut ip = [0u8; 20];
+            ip[0] = 0x45;
+            ip[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
+            ip[6] = 0x40; // DF
+            ip[8] = 64;
+            ip[9] = 17;
+            ip[12..16].copy_from_slice(&src.octets());
+            ip[16..20].copy_from_slice(&dst.octets());
+            let ip_csum = checksum(&[&ip]);
+            ip[10..12].copy_from_slice(&ip_csum.to_be_bytes());
+            let mut pseudo = [0u8; 12];
+            pseudo[0..4].copy_from_slice(&src.octets());
+            pseudo[4..8].copy_from_slice(&dst.octets());
+            pseudo[9] = 17;
+            pseudo[10..12].copy_from_slice(&(udp_len as u16).to_be_bytes());
+            (0x0800, ip.to_vec(), pseudo.to_vec())
+        }
+        (IpAddr::V6(src), IpAddr::V6(dst)) => {
+            let mut ip = [0u8; 40];
+            ip[0] = 0x60;
+            ip[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+            ip[6] = 17; // next header: UDP
+            ip[7] = 64; // hop limit
+            ip[8..24].copy_from_slice(&src.octets());
+            ip[24..40].copy_from_slice(&dst.octets());
+            let mut pseudo = [0u8; 40];
+            pseudo[0..16].copy_from_slice(&src.octets());
+            pseudo[16..32].copy_from_slice(&dst.octets());
+            pseudo[34..36].copy_from_slice(&(udp_len as u16).to_be_bytes());
+            pseudo[39] = 17;
+            (0x86dd, ip.to_vec(), pseudo.to_vec())
+        }
+        _ => panic!("a frame from {src} to {dst}: the addresses are of two families"),
+    };
     let udp_csum = match checksum(&[&pseudo, &udp, payload]) {
         0 => 0xffff,
         sum => sum,
     };
     udp[6..8].copy_from_slice(&udp_csum.to_be_bytes());
+    let mut frame = Vec::with_capacity(14 + ip.len() + udp_len);
+    frame.extend_from_slice(&dst_mac);
+    frame.extend_from_slice(&src_mac);
+    frame.extend_from_slice(&ethertype.to_be_bytes());
+    frame.extend_from_slice(&ip);
     frame.extend_from_slice(&udp);
     frame.extend_from_slice(payload);
     frame
@@ -577,8 +599,12 @@ const LIVE_BATCH: u32 = 256;
 /// headers every time is needed: in live-frame mode the kernel recycles the frame's page
 /// without restoring its data, and the node's NAT rewrote them on the way.
 fn load_generator(frame: &[u8], ifindex: u32) -> Result<std::os::fd::OwnedFd> {
-    const HEADERS: usize = 42; // Ethernet, IPv4 without options, UDP
-    anyhow::ensure!(frame.len() >= HEADERS, "a frame of {} bytes has no UDP header", frame.len());
+    // Ethernet, then IPv4 without options or IPv6 without extension headers, then UDP.
+    let headers = match frame.get(12..14) {
+        Some([0x86, 0xdd]) => 14 + 40 + 8,
+        _ => 14 + 20 + 8,
+    };
+    anyhow::ensure!(frame.len() >= headers, "a frame of {} bytes has no UDP header", frame.len());
     let insn = |code: u8, dst: u8, src: u8, off: i16, imm: i32| -> u64 {
         u64::from(code)
             | (u64::from(dst & 0xf) << 8)
@@ -590,18 +616,29 @@ fn load_generator(frame: &[u8], ifindex: u32) -> Result<std::os::fd::OwnedFd> {
         insn(0x61, 2, 1, 0, 0),              // r2 = ctx->data
         insn(0x61, 3, 1, 4, 0),              // r3 = ctx->data_end
         insn(0xbf, 4, 2, 0, 0),              // r4 = r2
-        insn(0x07, 4, 0, 0, HEADERS as i32), // r4 += HEADERS
+        insn(0x07, 4, 0, 0, headers as i32), // r4 += headers
         0,                                   // if r4 > r3 goto drop (offset filled in below)
     ];
     let check = insns.len() - 1;
-    for (i, chunk) in frame[..40].chunks(8).enumerate() {
+    // The headers in 8-byte stores, then what is left in 4- and 2-byte ones (both lengths
+    // are even).
+    let whole = headers / 8 * 8;
+    for (i, chunk) in frame[..whole].chunks(8).enumerate() {
         let value = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
         insns.push(insn(0x18, 5, 0, 0, value as u32 as i32)); // r5 = value (ld_imm64, low half)
         insns.push(insn(0, 0, 0, 0, (value >> 32) as u32 as i32)); // (high half)
         insns.push(insn(0x7b, 2, 5, (i * 8) as i16, 0)); // *(u64 *)(r2 + 8i) = r5
     }
-    let last = i32::from(u16::from_le_bytes([frame[40], frame[41]]));
-    insns.push(insn(0x6a, 2, 0, 40, last)); // *(u16 *)(r2 + 40) = last two bytes
+    let mut at = whole;
+    if headers - at >= 4 {
+        let value = i32::from_le_bytes(frame[at..at + 4].try_into().expect("4 bytes"));
+        insns.push(insn(0x62, 2, 0, at as i16, value)); // *(u32 *)(r2 + at) = value
+        at += 4;
+    }
+    if headers - at == 2 {
+        let value = i32::from(u16::from_le_bytes([frame[at], frame[at + 1]]));
+        insns.push(insn(0x6a, 2, 0, at as i16, value)); // *(u16 *)(r2 + at) = value
+    }
     insns.push(insn(0xb7, 1, 0, 0, ifindex as i32)); // r1 = ifindex
     insns.push(insn(0xb7, 2, 0, 0, 0)); // r2 = 0
     insns.push(insn(0x85, 0, 0, 0, 23)); // call bpf_redirect

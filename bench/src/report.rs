@@ -441,22 +441,30 @@ fn e2e_targets(results: Option<&e2e::Results>) -> Vec<Target> {
         ),
         at_least(
             "e2e: the node's own cost: XDP ≥ 2× TC packets per CPU-second (frames into XDP drop sinks at the backends)",
-            results.and_then(xdp_node_cost_ratio),
+            results.and_then(|results| xdp_node_cost_ratio(results, |cell| cell.dropped_frames.as_ref())),
+            2.0,
+        ),
+        at_least(
+            "e2e: the same for IPv6: XDP ≥ 2× TC packets per CPU-second",
+            results.and_then(|results| xdp_node_cost_ratio(results, |cell| cell.dropped_frames6.as_ref())),
             2.0,
         ),
     ]
 }
 
-/// Issue 16: the frame stream counted and dropped at the backends' veths, so no socket or
-/// receive path of theirs is in it: TC's CPU time per packet over XDP's (the worst over the
-/// services axis), with the rates beside it.
-fn xdp_node_cost_ratio(results: &e2e::Results) -> Option<(f64, String)> {
+/// Issue 16: a frame stream (`stream`: IPv4's or IPv6's) counted and dropped at the backends'
+/// veths, so no socket or receive path of theirs is in it: TC's CPU time per packet over XDP's
+/// (the worst over the services axis), with the rates beside it.
+fn xdp_node_cost_ratio(
+    results: &e2e::Results,
+    stream: fn(&e2e::Cell) -> Option<&e2e::Stream>,
+) -> Option<(f64, String)> {
     let points: Vec<(usize, f64, f64)> = results
         .settings
         .services_axis
         .iter()
         .filter_map(|&services| {
-            let of = |mode| results.cell(mode, services)?.dropped_frames.as_ref();
+            let of = |mode| stream(results.cell(mode, services)?);
             let (tc, xdp) = (of(e2e::Mode::Ebpf)?, of(e2e::Mode::EbpfXdp)?);
             let (tc_ns, xdp_ns) =
                 (tc.cpu_ns_per_packet.as_ref()?.median, xdp.cpu_ns_per_packet.as_ref()?.median);
@@ -1046,10 +1054,20 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
          node's own cost)",
         |cell| cell.dropped_frames.as_ref(),
     );
+    render_stream_table(
+        w,
+        results,
+        &modes,
+        &hook_label,
+        "NodePort IPv6 frame stream into drop sinks (packets/s counted at the backends' veths)",
+        "the same over IPv6 (ebpf cells: their labs are dual-stack), from the external client's IPv6 \
+         address to an IPv6 NodePort service with the same three backends",
+        |cell| cell.dropped_frames6.as_ref(),
+    );
     let _ = writeln!(
         w,
         "*hook*: where the node handles the packets from the client: vipr's TC ingress program, its XDP \
-         program (`--xdp=native`: IPv4 TCP/UDP from outside the node, so only the NodePort rows; the \
+         program (`--xdp=native`: TCP/UDP from outside the node, so only the NodePort rows; the \
          replies still go through TC), or netfilter (iptables' nat rules and conntrack).\n"
     );
     if plots.contains(&plot::E2E) {

@@ -396,14 +396,17 @@ impl XdpCountDrop {
     }
 }
 
-/// The drop sink's instructions (see [`XdpCountDrop`]).
+/// The drop sink's instructions (see [`XdpCountDrop`]): UDP over IPv4 without options or over
+/// IPv6 without extension headers.
 fn count_drop_instructions(map_fd: i32, udp_port: u16) -> Vec<u64> {
     use op::*;
     const XDP_DROP: i32 = 1;
     const XDP_PASS: i32 = 2;
     let (r0, r1, r2, r3, r4, r5, fp) = (0, 1, 2, 3, 4, 5, 10);
-    // The port as it lies in the packet (network order), read as a little-endian half word.
+    // The port as it lies in the packet (network order), read as a little-endian half word;
+    // IPv6's ethertype the same way.
     let port = i32::from(u16::from_le_bytes(udp_port.to_be_bytes()));
+    let ipv6 = i32::from(u16::from_le_bytes(0x86ddu16.to_be_bytes()));
     let mut code = vec![
         insn(LDX_W, r2, r1, 0, 0), // xdp_md.data
         insn(LDX_W, r3, r1, 4, 0), // xdp_md.data_end
@@ -411,30 +414,46 @@ fn count_drop_instructions(map_fd: i32, udp_port: u16) -> Vec<u64> {
         insn(ADD_K, r4, 0, 0, 42), // Ethernet, IPv4 without options, UDP
         insn(JGT_X, r4, r3, 0, 0), // 4: short: pass
         insn(LDX_H, r5, r2, 12, 0),
-        insn(JNE_K, r5, 0, 0, 0x0008), // 6: not IPv4
+        insn(JEQ_K, r5, 0, 0, ipv6),   // 6: IPv6
+        insn(JNE_K, r5, 0, 0, 0x0008), // 7: not IPv4
         insn(LDX_B, r5, r2, 14, 0),
-        insn(JNE_K, r5, 0, 0, 0x45), // 8: IPv4 options
+        insn(JNE_K, r5, 0, 0, 0x45), // 9: IPv4 options
         insn(LDX_B, r5, r2, 23, 0),
-        insn(JNE_K, r5, 0, 0, 17), // 10: not UDP
+        insn(JNE_K, r5, 0, 0, 17), // 11: not UDP
         insn(LDX_H, r5, r2, 36, 0),
-        insn(JNE_K, r5, 0, 0, port), // 12: another port
+        insn(JNE_K, r5, 0, 0, port), // 13: another port
+        insn(JA, 0, 0, 0, 0),        // 14: count
+    ];
+    let v6 = code.len();
+    code.extend([
+        insn(ADD_K, r4, 0, 0, 20), // Ethernet, IPv6, UDP: 20 bytes more
+        insn(JGT_X, r4, r3, 0, 0), // 16: short: pass
+        insn(LDX_B, r5, r2, 20, 0),
+        insn(JNE_K, r5, 0, 0, 17), // 18: not UDP (or an extension header)
+        insn(LDX_H, r5, r2, 56, 0),
+        insn(JNE_K, r5, 0, 0, port), // 20: another port
+    ]);
+    let counting = code.len();
+    code.extend([
         insn(ST_W, fp, 0, -4, 0),
         insn(LD_IMM64, r1, PSEUDO_MAP_FD, 0, map_fd),
         0,
         insn(MOV_X, r2, fp, 0, 0),
         insn(ADD_K, r2, 0, 0, -4),
         insn(CALL, 0, 0, 0, MAP_LOOKUP_ELEM),
-        insn(JEQ_K, r0, 0, 0, 0), // 19
+        insn(JEQ_K, r0, 0, 0, 0), // counting + 6
         insn(LDX_DW, r1, r0, 0, 0),
         insn(ADD_K, r1, 0, 0, 1),
         insn(STX_DW, r0, r1, 0, 0),
         insn(MOV_K, r0, 0, 0, XDP_DROP),
         insn(EXIT, 0, 0, 0, 0),
-    ];
+    ]);
     let pass = code.len();
     code.push(insn(MOV_K, r0, 0, 0, XDP_PASS));
     code.push(insn(EXIT, 0, 0, 0, 0));
-    jump_to(&mut code, &[4, 6, 8, 10, 12, 19], pass);
+    jump_to(&mut code, &[6], v6);
+    jump_to(&mut code, &[14], counting);
+    jump_to(&mut code, &[4, 7, 9, 11, 13, 16, 18, 20, counting + 6], pass);
     code
 }
 
@@ -454,6 +473,7 @@ mod op {
     pub const JGT_X: u8 = 0x2d;
     pub const JNE_K: u8 = 0x55;
     pub const JEQ_K: u8 = 0x15;
+    pub const JA: u8 = 0x05;
     pub const CALL: u8 = 0x85;
     pub const EXIT: u8 = 0x95;
     /// Two instruction slots: a 64-bit immediate (with `PSEUDO_MAP_FD`, a map's descriptor).
@@ -758,7 +778,7 @@ pub fn load_average() -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
-    use std::net::Ipv4Addr;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
     use super::*;
     use crate::{frame, load};
@@ -795,8 +815,13 @@ mod tests {
     fn the_drop_sink_counts_and_drops_the_stream_and_passes_the_rest() {
         let sink = XdpCountDrop::load(5454).expect("loading the drop sink");
         let udp = |port| {
-            let src = std::net::SocketAddrV4::new(Ipv4Addr::new(192, 168, 77, 2), 40_000);
-            let dst = std::net::SocketAddrV4::new(Ipv4Addr::new(10, 1, 0, 2), port);
+            let src = (Ipv4Addr::new(192, 168, 77, 2), 40_000).into();
+            let dst = (Ipv4Addr::new(10, 1, 0, 2), port).into();
+            load::udp_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], src, dst)
+        };
+        let udp6 = |port| {
+            let src = (Ipv6Addr::new(0xfd77, 0, 0, 0, 0, 0, 0, 2), 40_000).into();
+            let dst = (Ipv6Addr::new(0xfd00, 0, 2, 0, 0, 0, 0, 2), port).into();
             load::udp_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], src, dst)
         };
         let mut out = vec![0u8; 256];
@@ -805,9 +830,15 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(test_run(sink.program.as_fd(), &udp(5454), &mut out, 1).unwrap().verdict, XDP_DROP);
         }
+        for _ in 0..2 {
+            assert_eq!(test_run(sink.program.as_fd(), &udp6(5454), &mut out, 1).unwrap().verdict, XDP_DROP);
+        }
         assert_eq!(test_run(sink.program.as_fd(), &udp(53), &mut out, 1).unwrap().verdict, XDP_PASS);
+        assert_eq!(test_run(sink.program.as_fd(), &udp6(53), &mut out, 1).unwrap().verdict, XDP_PASS);
+        // Shorter than its headers.
+        assert_eq!(test_run(sink.program.as_fd(), &udp6(5454)[..60], &mut out, 1).unwrap().verdict, XDP_PASS);
         let tcp = frame::tcp((Ipv4Addr::new(10, 1, 0, 1), 5454), (Ipv4Addr::new(10, 1, 0, 2), 5454));
         assert_eq!(test_run(sink.program.as_fd(), &tcp, &mut out, 1).unwrap().verdict, XDP_PASS);
-        assert_eq!(sink.count().unwrap(), 3);
+        assert_eq!(sink.count().unwrap(), 5);
     }
 }
