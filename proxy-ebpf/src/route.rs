@@ -115,10 +115,41 @@ fn fib<'p, A: Address>(
 /// The route generation's low 24 bits (those a flow entry keeps), 0 when no agent watches the
 /// routes: then nothing is cached.
 #[inline(always)]
-fn route_generation() -> u32 {
+pub fn route_generation() -> u32 {
     ROUTE_GENERATION
         .get(&0)
         .map_or(0, |generation| generation & (u32::MAX >> flow_flags::ROUTE_GENERATION_SHIFT))
+}
+
+/// The next hop cached in a tracked connection's flow entry, if it was cached under
+/// `generation` (the current one, from [`route_generation`]; 0: nothing is cached).
+#[inline(always)]
+pub fn cached_hop<A: Maps>(tracked: &Tracked<A>, generation: u32) -> Option<NextHop> {
+    let (flags, cached) = A::route_cache(tracked.track);
+    // SAFETY: the entry's flags word, in place in the flows map.
+    if generation == 0 || unsafe { flags.as_ptr().read() } >> flow_flags::ROUTE_GENERATION_SHIFT != generation
+    {
+        return None;
+    }
+    // SAFETY: the entry's next hop, in place.
+    let hop = unsafe { cached.as_ptr().read() };
+    (hop.ifindex != 0).then_some(hop)
+}
+
+/// Caches `hop` in a tracked connection's flow entry under `generation` (non-zero).
+///
+/// Two CPUs caching at once for one entry write the same hop unless the routes changed between
+/// their lookups; a torn mix then lives until the next change of generation.
+#[inline(always)]
+pub fn cache_hop<A: Maps>(tracked: &Tracked<A>, hop: NextHop, generation: u32) {
+    let (flags, cached) = A::route_cache(tracked.track);
+    // SAFETY: the entry's fields, in place; the flags below the generation never change after
+    // the entry is created.
+    unsafe {
+        cached.as_ptr().write(hop);
+        let flags = flags.as_ptr();
+        flags.write((flags.read() & flow_flags::MASK) | generation << flow_flags::ROUTE_GENERATION_SHIFT);
+    }
 }
 
 /// The next hop of a tracked connection's packet toward `destination`: the one cached in its
@@ -127,37 +158,18 @@ fn route_generation() -> u32 {
 /// repeated, as for an untracked packet). Only `--bpf-forwarding=redirect` needs the
 /// neighbour's address: a lookup that finds the route but no resolved neighbour yields a hop
 /// the kernel resolves (`bpf_redirect_neigh`), not cached, so that a later packet caches the
-/// neighbour once it is known. With `stack` a cached hop only says "forwarded".
-///
-/// Two CPUs caching at once for one entry write the same hop unless the routes changed between
-/// their lookups; a torn mix then lives until the next change of generation.
+/// neighbour once it is known. With `stack` a cached hop only says "forwarded" (XDP, which
+/// needs the neighbour, then looks it up and caches it with the neighbour: xdp.rs).
 #[inline(always)]
 pub fn tracked_hop<A: Address + Maps>(ctx: &TcContext, destination: A, tracked: &Tracked<A>) -> NextHop {
     let generation = route_generation();
-    let (flags, cached) = A::route_cache(tracked.track);
-    // SAFETY: the entry's flags word, in place in the flows map.
-    if generation != 0 && unsafe { flags.as_ptr().read() } >> flow_flags::ROUTE_GENERATION_SHIFT == generation
-    {
-        // SAFETY: the entry's next hop, in place.
-        let hop = unsafe { cached.as_ptr().read() };
-        if hop.ifindex != 0 {
-            return hop;
-        }
+    if let Some(hop) = cached_hop(tracked, generation) {
+        return hop;
     }
     let mut hop = NOT_FORWARDED;
     match look_up_hop(ctx, &destination, &mut hop) {
         HOP_NONE => return NOT_FORWARDED,
-        HOP_CACHEABLE if generation != 0 => {
-            // SAFETY: the entry's fields, in place; the flags below the generation never
-            // change after the entry is created.
-            unsafe {
-                cached.as_ptr().write(hop);
-                let flags = flags.as_ptr();
-                flags.write(
-                    (flags.read() & flow_flags::MASK) | generation << flow_flags::ROUTE_GENERATION_SHIFT,
-                );
-            }
-        }
+        HOP_CACHEABLE if generation != 0 => cache_hop(tracked, hop, generation),
         _ => {}
     }
     hop

@@ -22,7 +22,9 @@
 //!   the carried requests are TC's (it removes the carrier on the way to the pod);
 //! - only when the FIB has a complete route *with* its neighbour (MACs), and the egress is the
 //!   ingress device (`XDP_TX`) or a device vipr attached XDP to (`XDP_REDIRECT` through the
-//!   `vipr_xdptx` device map, whose targets can transmit XDP frames).
+//!   `vipr_xdptx` device map, whose targets can transmit XDP frames). A tracked connection's
+//!   packets take the hop cached in its flow entry instead, while the route generation it was
+//!   cached under holds (route.rs), with the device's MTU checked per packet.
 //!
 //! Both families take the same steps, written once over [`Address`]: the flow entries, the
 //! service decision and the FIB lookup are the family's, and only the header rewrite differs
@@ -38,23 +40,23 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SRC},
-    helpers::bpf_fib_lookup as fib_lookup,
+    helpers::{bpf_check_mtu, bpf_fib_lookup as fib_lookup},
     macros::{map, xdp},
     maps::{DevMapHash, PerCpuArray},
     programs::XdpContext,
     EbpfContext as _,
 };
-use proxy_common::{datapath_stat, flow_flags, proto, service_flags, source_class};
+use proxy_common::{datapath_stat, flow_flags, proto, service_flags, source_class, NextHop};
 
 use crate::{
     conntrack::{observe, track, track_dsr, track_masqueraded, Refusal},
     counters::{self, stat},
     dsr::{self, Dsr},
-    family::{Address, Endpoint, Ipv4, Ipv6, Nat},
+    family::{Address, Endpoint, Ipv4, Ipv6, Nat, Tracked},
     family_maps::Maps,
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{copy_address, ethertype, field, Change, IpHeader, Packet, ETH_P_IP, ETH_P_IPV6},
-    route::zeroed_fib_params,
+    route::{cache_hop, cached_hop, route_generation, zeroed_fib_params},
     wire::{ETH_HLEN, IPV4_CSUM_AT, TCP_CSUM_AT, UDP_CSUM_AT},
 };
 
@@ -124,11 +126,17 @@ fn parse<A: IpHeader>(ctx: &XdpContext) -> Option<(Packet<A>, u32)> {
 }
 
 /// Where a finished packet goes: its next hop's MACs and the action that sends it there.
-struct Egress<A> {
+#[derive(Clone, Copy)]
+struct Hop {
     action: u32,
     ifindex: u32,
     smac: [u8; 6],
     dmac: [u8; 6],
+}
+
+/// What a FIB lookup says of a destination: the hop, and what a new connection needs besides.
+struct Egress<A> {
+    hop: Hop,
     /// The route's preferred source, the address a masqueraded connection takes.
     source: A,
     /// Whether the next hop is a gateway rather than the destination itself (non-zero). Not a
@@ -173,25 +181,62 @@ fn look_up_egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u32) ->
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
         return None;
     }
-    let action = if params.ifindex == ingress {
-        xdp_action::XDP_TX
-    } else if XDP_TX_DEVICES.get_ifindex(params.ifindex).is_some() {
-        xdp_action::XDP_REDIRECT
-    } else {
-        return None;
-    };
+    let action = sending_action(ingress, params.ifindex)?;
     Some(Egress {
-        action,
-        ifindex: params.ifindex,
-        smac: params.smac,
-        dmac: params.dmac,
+        hop: Hop { action, ifindex: params.ifindex, smac: params.smac, dmac: params.dmac },
         source: A::fib_source(params),
         // The field changes (to the gateway, of either family) only for a route via one.
         via_gateway: u8::from(unsafe { params.__bindgen_anon_4.ipv6_dst } != scratch.asked),
     })
 }
 
-/// A packet from outside of a connection with a flow entry is finished here.
+/// The action that sends a frame received on `ingress` out of `egress`: `XDP_TX` back out of
+/// the same device, `XDP_REDIRECT` to a device vipr attached XDP to; `None` for any other.
+#[inline(always)]
+fn sending_action(ingress: u32, egress: u32) -> Option<u32> {
+    if egress == ingress {
+        Some(xdp_action::XDP_TX)
+    } else if XDP_TX_DEVICES.get_ifindex(egress).is_some() {
+        Some(xdp_action::XDP_REDIRECT)
+    } else {
+        None
+    }
+}
+
+/// The hop cached in a tracked connection's flow entry (route.rs), if it was cached under the
+/// current route `generation` with its neighbour's MAC (TC with `--bpf-forwarding=stack`
+/// caches the interface alone), XDP can send out of its device, and `tot_len` bytes of IP
+/// packet fit that device's MTU, checked on every packet (`bpf_check_mtu`, cheap beside a FIB
+/// lookup): a change of the device's MTU applies at once. A smaller MTU of the route itself
+/// (a locked route MTU) is checked only when the hop is looked up.
+#[inline(always)]
+fn cached_egress<A: Maps>(
+    ctx: &XdpContext,
+    tracked: &Tracked<A>,
+    generation: u32,
+    tot_len: u32,
+    out: &mut MaybeUninit<Hop>,
+) -> bool {
+    let Some(cached) = cached_hop(tracked, generation) else {
+        return false;
+    };
+    if cached.dst_mac == [0; 6] {
+        return false;
+    }
+    let Some(action) = sending_action(ctx.ingress_ifindex() as u32, cached.ifindex) else {
+        return false;
+    };
+    let mut mtu_len = tot_len;
+    // SAFETY: a plain helper call; `mtu_len` lives across it.
+    if unsafe { bpf_check_mtu(ctx.as_ptr(), cached.ifindex, &mut mtu_len, 0, 0) } != 0 {
+        return false;
+    }
+    out.write(Hop { action, ifindex: cached.ifindex, smac: cached.src_mac, dmac: cached.dst_mac });
+    true
+}
+
+/// A packet from outside of a connection with a flow entry is finished here, toward the next
+/// hop cached in the entry, else the FIB's (then cached for the next packets).
 #[inline(never)]
 fn established<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     let Some((packet, tot_len)) = parse::<A>(ctx) else {
@@ -213,20 +258,32 @@ fn established<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     }
     // A DSR request carries the service address again where the backend's node may need it.
     let carrying = flow.flags & flow_flags::DSR_INGRESS != 0 && dsr::carries(&packet);
-    let destination =
-        if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
-    let mut out = MaybeUninit::uninit();
-    if !egress(ctx, destination, tot_len + if carrying { A::CARRIER_LEN } else { 0 }, &mut out) {
-        return XDP_PASS;
+    let tot_len = tot_len + if carrying { A::CARRIER_LEN } else { 0 };
+    let generation = route_generation();
+    let mut hop = MaybeUninit::uninit();
+    if !cached_egress(ctx, &tracked, generation, tot_len, &mut hop) {
+        let destination =
+            if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
+        let mut out = MaybeUninit::uninit();
+        if !egress(ctx, destination, tot_len, &mut out) {
+            return XDP_PASS;
+        }
+        // SAFETY: written by `egress`, which said so.
+        let found = unsafe { out.assume_init_ref() }.hop;
+        if generation != 0 {
+            let next = NextHop { ifindex: found.ifindex, dst_mac: found.dmac, src_mac: found.smac };
+            cache_hop(&tracked, next, generation);
+        }
+        hop.write(found);
     }
-    // SAFETY: written by `egress`, which said so.
-    let out = unsafe { out.assume_init_ref() };
+    // SAFETY: written by `cached_egress` or above.
+    let hop = unsafe { hop.assume_init_ref() };
     observe(&packet.flow, &tracked, packet.tcp_flags);
     count(ctx, flow.counter);
     if carrying {
-        finish_carrying(ctx, &packet, &flow, out)
+        finish_carrying(ctx, &packet, &flow, hop)
     } else {
-        finish(ctx, &packet, &flow, out)
+        finish(ctx, &packet, &flow, hop)
     }
 }
 
@@ -290,7 +347,7 @@ fn connection<A: Maps + Dsr>(
         Err(_) => return xdp_action::XDP_DROP,
     };
     count(ctx, *counter);
-    finish(ctx, packet, &forward, out)
+    finish(ctx, packet, &forward, &out.hop)
 }
 
 /// [`dsr_connection`]'s answer for a backend that takes no direct server return.
@@ -322,13 +379,13 @@ fn dsr_connection<A: Maps + Dsr>(
     };
     stat(datapath_stat::DSR_SENT);
     count(ctx, *counter);
-    finish_carrying(ctx, packet, &forward, out)
+    finish_carrying(ctx, packet, &forward, &out.hop)
 }
 
 /// [`finish`] for a DSR request that carries its service address (the packet's destination
 /// before the rewrite) to the backend's node: rewritten, the carrier added, sent.
 #[inline(never)]
-fn finish_carrying<A: Dsr>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: &Egress<A>) -> u32 {
+fn finish_carrying<A: Dsr>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: &Hop) -> u32 {
     if rewrite_in_place(ctx, packet, flow, out).is_none() {
         return XDP_PASS;
     }
@@ -343,7 +400,7 @@ fn finish_carrying<A: Dsr>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, 
 /// Rewrites the packet as `flow` says, with its new MACs, and sends it (`XDP_PASS`, untouched,
 /// when the packet is shorter than its parse said).
 #[inline(never)]
-fn finish<A: Address>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: &Egress<A>) -> u32 {
+fn finish<A: Address>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, out: &Hop) -> u32 {
     match rewrite_in_place(ctx, packet, flow, out) {
         Some(()) => transmit(out),
         None => XDP_PASS,
@@ -357,7 +414,7 @@ fn rewrite_in_place<A: Address>(
     ctx: &XdpContext,
     packet: &Packet<A>,
     flow: &Nat<A>,
-    out: &Egress<A>,
+    out: &Hop,
 ) -> Option<()> {
     let l4 = packet.l4_offset;
     let old = &packet.flow;
@@ -415,7 +472,7 @@ fn rewrite_in_place<A: Address>(
 
 /// The action that sends a finished packet out of its egress device.
 #[inline(always)]
-fn transmit<A>(out: &Egress<A>) -> u32 {
+fn transmit(out: &Hop) -> u32 {
     if out.action == xdp_action::XDP_TX {
         return xdp_action::XDP_TX;
     }

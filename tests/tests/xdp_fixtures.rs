@@ -13,7 +13,7 @@ use testbed::fixtures::{frame, frame6, harness};
 
 use anyhow::{ensure, Context as _, Result};
 use aya::{
-    maps::{lpm_trie::Key, HashMap, LpmTrie, PerCpuArray},
+    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, PerCpuArray},
     programs::{TestRun as _, TestRunOptions, Xdp},
     Ebpf, EbpfLoader,
 };
@@ -22,7 +22,7 @@ use frame6::{dsr_carrier6, ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST};
 use harness::{flow_key, nat_entries, PrivateBpffs};
 use proxy_common::{
     datapath_stat, flow_flags, pins, service_flags, source_class, Backend4, Backend6, BackendSlot, Family,
-    Flow, Flow4, Flow6, FlowKey, FlowKey4, FlowKey6, FlowTrack, Service, ServiceKey4, ServiceKey6,
+    Flow, Flow4, Flow6, FlowKey, FlowKey4, FlowKey6, FlowTrack, NextHop, Service, ServiceKey4, ServiceKey6,
 };
 use testbed::{unique_name, Netns};
 
@@ -162,6 +162,25 @@ impl World {
             0,
         )?;
         Ok(())
+    }
+
+    /// The route generation, as the agent writes it when it watches the node's routes and
+    /// neighbours (0, the map's initial value: nothing is cached).
+    fn set_route_generation(&mut self, generation: u32) -> Result<()> {
+        Array::<_, u32>::try_from(self.ebpf.map_mut(pins::ROUTE_GENERATION).context("generation")?)?
+            .set(0, generation, 0)?;
+        Ok(())
+    }
+
+    /// The flow entry of `key` with its cached next hop and route generation (not cleared, as
+    /// [`World::flows`] clears the tracking state).
+    fn flow_entry<A: Family>(&self, name: &str, key: FlowKey<A>) -> Result<Flow<A>>
+    where
+        FlowKey<A>: aya::Pod,
+        Flow<A>: aya::Pod,
+    {
+        let map = HashMap::<_, FlowKey<A>, Flow<A>>::try_from(self.ebpf.map(name).context("flows")?)?;
+        Ok(map.get(&key, 0)?)
     }
 
     fn datapath_stat(&self, index: u32) -> Result<u64> {
@@ -560,5 +579,123 @@ fn dsr_requests_without_room_or_a_remote_backend_are_not_sent_direct() -> Result
         "not masqueraded without the option: {view:?}"
     );
     ensure!(world.datapath_stat(datapath_stat::DSR_SENT)? == 0, "DSR_SENT");
+    Ok(())
+}
+
+/// Issue 16, item 4: an established connection's packets leave toward the next hop cached in
+/// its flow entry, with no FIB lookup, while the route generation it was cached under is the
+/// current one; a new generation (the agent's, on any route or neighbour change) makes the next
+/// packet look the hop up again and cache what it finds. The device's MTU is checked on every
+/// packet, cached hop or not; a hop TC cached without its neighbour (`--bpf-forwarding=stack`)
+/// is looked up and cached with it.
+#[test]
+fn established_flows_leave_by_the_next_hop_cached_in_their_entry_until_the_routes_change() -> Result<()> {
+    const NEW_MAC: [u8; 6] = [0x02, 0xbb, 0, 0, 0, 0x22];
+    let mut world = World::new("hop")?;
+    world.set_route_generation(5)?;
+    let other = ep([10, 0, 0, 2], 9090);
+    let key = flow_key(CLIENT, NODE_PORT, IPPROTO_TCP);
+    HashMap::<_, FlowKey4, Flow4>::try_from(world.ebpf.map_mut(pins::FLOWS4).context("flows")?)?.insert(
+        key,
+        forward_entry(other),
+        0,
+    )?;
+    let payload = [7u8; 100];
+    let packet = Packet::tcp(CLIENT, NODE_PORT).payload(&payload).build();
+    let expected = forwarded(Packet::tcp(CLIENT, other).payload(&payload));
+    let (verdict, out) = world.run(&packet)?;
+    ensure!(verdict == XDP_TX, "first: verdict {verdict}");
+    expect_same(&out, &expected)?;
+    let cached = NextHop { ifindex: world.ifindex, dst_mac: BACKEND_MAC, src_mac: NIC_MAC };
+    let entry = world.flow_entry(pins::FLOWS4, key)?;
+    ensure!(entry.next_hop == cached, "cached {:?}, expected {cached:?}", entry.next_hop);
+    ensure!(entry.flags >> flow_flags::ROUTE_GENERATION_SHIFT == 5, "flags {:#x}", entry.flags);
+
+    // The backend's address changes; under the same generation the packet still takes the
+    // cached hop: no lookup was made.
+    let new_mac = frame_mac(&NEW_MAC);
+    world.netns.ip(&[
+        "neigh",
+        "replace",
+        "10.0.0.2",
+        "lladdr",
+        &new_mac,
+        "dev",
+        "xdp0",
+        "nud",
+        "permanent",
+    ])?;
+    let (verdict, out) = world.run(&packet)?;
+    ensure!(verdict == XDP_TX, "cached: verdict {verdict}");
+    expect_same(&out, &expected)?;
+
+    // A new generation: the packet follows the neighbour, and the entry caches it.
+    world.set_route_generation(6)?;
+    let mut moved = expected.clone();
+    moved[..6].copy_from_slice(&NEW_MAC);
+    let (verdict, out) = world.run(&packet)?;
+    ensure!(verdict == XDP_TX, "after the change: verdict {verdict}");
+    expect_same(&out, &moved)?;
+    let entry = world.flow_entry(pins::FLOWS4, key)?;
+    ensure!(entry.next_hop.dst_mac == NEW_MAC, "cached {:?}", entry.next_hop);
+    ensure!(entry.flags >> flow_flags::ROUTE_GENERATION_SHIFT == 6, "flags {:#x}", entry.flags);
+
+    // IPv6 takes the same steps (before the MTU below, which IPv6 would not survive).
+    let key6 = flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP);
+    let other6 = ep6(BACKEND6.addr, 9090);
+    HashMap::<_, FlowKey6, Flow6>::try_from(world.ebpf.map_mut(pins::FLOWS6).context("flows")?)?.insert(
+        key6,
+        forward_entry(other6),
+        0,
+    )?;
+    let packet6 = Packet6::tcp(CLIENT6, NODE_PORT6).build();
+    let expected6 = with_backend_macs(Packet6::tcp(CLIENT6, other6).build());
+    let (verdict, out) = world.run(&packet6)?;
+    ensure!(verdict == XDP_TX, "IPv6: verdict {verdict}");
+    expect_same6(&out, &expected6)?;
+    let entry = world.flow_entry(pins::FLOWS6, key6)?;
+    ensure!(entry.next_hop == cached, "IPv6: cached {:?}, expected {cached:?}", entry.next_hop);
+    world.netns.ip(&[
+        "-6",
+        "neigh",
+        "replace",
+        "fd00::2",
+        "lladdr",
+        &new_mac,
+        "dev",
+        "xdp0",
+        "nud",
+        "permanent",
+    ])?;
+    let (verdict, out) = world.run(&packet6)?;
+    ensure!(verdict == XDP_TX, "IPv6 cached: verdict {verdict}");
+    expect_same6(&out, &expected6)?;
+
+    // The device's MTU drops below the packet (no new generation): it passes to TC untouched.
+    let ip_len = packet.len() - 14;
+    world.netns.ip(&["link", "set", "xdp0", "mtu", &(ip_len - 1).to_string()])?;
+    let (verdict, out) = world.run(&packet)?;
+    ensure!(verdict == XDP_PASS && out == packet, "too big: verdict {verdict}");
+    world.netns.ip(&["link", "set", "xdp0", "mtu", &ip_len.to_string()])?;
+    let (verdict, out) = world.run(&packet)?;
+    ensure!(verdict == XDP_TX, "fits again: verdict {verdict}");
+    expect_same(&out, &moved)?;
+
+    // TC's hop without the neighbour, under the current generation: XDP looks the neighbour
+    // up and caches it.
+    let mut entry = world.flow_entry(pins::FLOWS4, key)?;
+    entry.next_hop = NextHop { ifindex: world.ifindex, ..NextHop::default() };
+    HashMap::<_, FlowKey4, Flow4>::try_from(world.ebpf.map_mut(pins::FLOWS4).context("flows")?)?
+        .insert(key, entry, 0)?;
+    let (verdict, out) = world.run(&packet)?;
+    ensure!(verdict == XDP_TX, "TC's hop: verdict {verdict}");
+    expect_same(&out, &moved)?;
+    let entry = world.flow_entry(pins::FLOWS4, key)?;
+    ensure!(
+        entry.next_hop.dst_mac == NEW_MAC && entry.next_hop.src_mac == NIC_MAC,
+        "cached {:?}",
+        entry.next_hop
+    );
+
     Ok(())
 }
