@@ -20,8 +20,9 @@
 //! bytes) or GENEVE, it is the smallest carrier that holds a 16-byte address.
 use aya_ebpf::{
     bindings::bpf_adj_room_mode::BPF_ADJ_ROOM_NET,
-    helpers::{bpf_csum_diff, bpf_csum_update, bpf_xdp_adjust_head},
+    helpers::{bpf_check_mtu, bpf_csum_diff, bpf_csum_update, bpf_xdp_adjust_head},
     programs::{TcContext, XdpContext},
+    EbpfContext as _,
 };
 use proxy_common::proto;
 
@@ -126,6 +127,18 @@ pub trait Dsr: IpHeader {
     #[inline(always)]
     fn fits_with_option(packet: &Packet<Self>, mtu: u32) -> bool {
         Self::ip_len(packet) + Self::CARRIER_LEN <= mtu
+    }
+
+    /// [`Dsr::fits_with_option`] for the device `ifindex`, asked of the kernel
+    /// (`bpf_check_mtu`): for a tracked connection's request, whose next hop may be the one
+    /// cached in its flow entry, which holds the device but not its MTU.
+    #[inline(always)]
+    fn fits_with_option_on(ctx: &TcContext, packet: &Packet<Self>, ifindex: u32) -> bool {
+        // The IP length asked for, as the FIB lookup's `tot_len`: the skb's own length would
+        // count a GSO packet whole.
+        let mut mtu_len = Self::ip_len(packet);
+        // SAFETY: a plain helper call; `mtu_len` lives across it.
+        unsafe { bpf_check_mtu(ctx.as_ptr(), ifindex, &mut mtu_len, Self::CARRIER_LEN as i32, 0) == 0 }
     }
 }
 

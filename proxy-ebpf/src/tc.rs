@@ -136,13 +136,9 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
             && flow.flags & flow_flags::REPLY == 0
             && dsr::carries(packet)
         {
-            // IPv6's addresses make this frame and a call's add up past BPF's 512 bytes; an
-            // IPv4 call keeps this function, and the new connections that pass through it, small.
-            return if size_of::<A>() > 4 {
-                dsr_request(ctx, packet, flow)
-            } else {
-                dsr_request_apart(ctx, packet, flow)
-            };
+            // Inlined for both families: as a call of its own, its frame, this one's and the
+            // next-hop lookup's add up past BPF's 512 bytes.
+            return dsr_request(ctx, packet, &tracked);
         }
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
@@ -157,57 +153,74 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
 /// rewritten, the option carried again where the backend's node may need it (a retransmitted
 /// SYN, every UDP datagram: its entries there may have expired or never been stored). On the
 /// backend's node: the option, if any, removed (a retransmitted SYN renews the entries first).
-/// With its own route lookup, whose MTU the option must fit: the other requests take the
-/// established path and its cached next hop.
+/// Toward the next hop cached in its flow entry, as every tracked packet: the option's room is
+/// checked against that device's MTU on every request (`bpf_check_mtu`), since the cache holds
+/// the device but not its MTU.
 #[inline(always)]
-fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
+fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, tracked: &Tracked<A>) -> i32 {
+    let flow = &tracked.nat;
     let destination =
         if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
-    let route = route_to(ctx, destination);
-    let route = route.as_ref();
+    let hop = tracked_hop(ctx, destination, tracked);
     if flow.flags & flow_flags::DSR_BACKEND != 0 {
         // A family whose carrier the common parser refuses never sees it here
         // ([`carried_request`] has those packets).
         let Some(frontend) = A::carried(ctx, packet).filter(|_| !A::CARRIED_APART) else {
-            return forward(ctx, packet, flow, route);
+            return forward_tracked(ctx, packet, flow, &hop);
         };
         if packet.tcp_flags & TCP_SYN != 0 {
             let _ = track_dsr_backend(packet, &frontend, true);
         }
-        return strip_and_deliver::<A>(ctx, route);
+        if A::strip(ctx).is_err() {
+            // A packet half rewritten must not escape.
+            return TC_ACT_SHOT;
+        }
+        return deliver_to_hop(ctx, &hop);
     }
-    match route {
-        Some(route) if packet.first_fragment.is_none() => send_dsr(ctx, packet, flow, route),
-        // A first fragment leaves without the option (fragment.rs places the rest of its
-        // datagram); without a route the stack has the packet.
-        _ => forward(ctx, packet, flow, route),
+    // A first fragment leaves without the option (fragment.rs places the rest of its
+    // datagram); a packet not forwarded (ifindex 0) is the stack's.
+    if hop.ifindex == 0 || packet.first_fragment.is_some() {
+        return forward_tracked(ctx, packet, flow, &hop);
     }
+    send_dsr(ctx, packet, flow, &hop)
 }
 
-/// [`dsr_request`] as a function of its own.
-#[inline(never)]
-fn dsr_request_apart<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>) -> i32 {
-    dsr_request(ctx, packet, flow)
-}
-
-/// Sends a DSR request that carries the service address ([`dsr::carries`]) to its backend's
-/// node: the destination rewritten, the source kept, and the option with the frontend (the
-/// packet's destination before the rewrite) added, unless that would exceed the egress
-/// device's MTU (counted: the packet leaves without it). Through the stack or redirected, as `--bpf-forwarding` says: with the source
+/// Sends a tracked DSR request that carries the service address ([`dsr::carries`]) to its
+/// backend's node by `hop`: rewritten and carrying the service address ([`carrying`]), unless
+/// the option would exceed the MTU of the hop's device (counted: the packet leaves without
+/// it). Through the stack or redirected to `hop`, as `--bpf-forwarding` says: with the source
 /// kept, netfilter sees client -> backend either way.
 #[inline(always)]
-fn send_dsr<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, route: &Route<A>) -> i32 {
-    let carry = A::fits_with_option(packet, route.mtu);
+fn send_dsr<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, hop: &NextHop) -> i32 {
+    let carry = A::fits_with_option_on(ctx, packet, hop.ifindex);
     if !carry {
         stat(datapath_stat::DSR_MTU_NO_OPTION);
     }
-    if rewrite(ctx, packet, Side::Destination, flow.dst, flow.dst_port).is_err() {
-        return TC_ACT_SHOT;
+    match carrying(ctx, packet, flow, carry) {
+        Ok(()) => deliver_to_hop(ctx, hop),
+        Err(_) => TC_ACT_SHOT,
     }
-    if carry && A::carry(ctx, &Endpoint { addr: packet.flow.dst, port: packet.flow.dst_port }).is_err() {
-        return TC_ACT_SHOT;
+}
+
+/// A DSR request's destination rewritten, the source kept, and (when `carry`) the option with
+/// the frontend (the packet's destination before the rewrite) added. `Err`: drop the packet.
+#[inline(always)]
+fn carrying<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, carry: bool) -> Result<(), i64> {
+    rewrite(ctx, packet, Side::Destination, flow.dst, flow.dst_port)?;
+    if carry {
+        A::carry(ctx, &Endpoint { addr: packet.flow.dst, port: packet.flow.dst_port })?;
     }
-    deliver(Some(route))
+    Ok(())
+}
+
+/// [`deliver`] toward a tracked connection's hop (ifindex 0: not forwarded).
+#[inline(always)]
+fn deliver_to_hop(ctx: &TcContext, hop: &NextHop) -> i32 {
+    if hop.ifindex != 0 && redirecting() {
+        redirect_to_hop(ctx, hop)
+    } else {
+        TC_ACT_OK
+    }
 }
 
 /// A DSR request on its backend's node: the option removed (a packet half rewritten must not
@@ -312,7 +325,10 @@ fn balance_dsr<A: Datapath>(
         Ok(forward) => {
             stat(datapath_stat::DSR_SENT);
             count(ctx, chosen.counter);
-            send_dsr(ctx, packet, &forward, route)
+            match carrying(ctx, packet, &forward, true) {
+                Ok(()) => deliver(Some(route)),
+                Err(_) => TC_ACT_SHOT,
+            }
         }
         Err(Refusal::MapFull) => MAP_FULL,
         Err(_) => TC_ACT_SHOT,

@@ -7,7 +7,7 @@
 //! its own, whose routes it sets. Needs root (BPF, mount, unshare).
 
 use anyhow::{anyhow, ensure, Context as _, Result};
-use aya::maps::{lpm_trie::Key, LpmTrie, MapData};
+use aya::maps::{lpm_trie::Key, Array, LpmTrie, MapData};
 use proxy_common::{datapath_stat, flow_flags, pins, service_flags, source_class, Flow4, Flow6, Service};
 use testbed::fixtures::{
     frame::{
@@ -172,6 +172,84 @@ fn the_backend_node_stores_the_service_address_and_strips_the_option() {
         // Later requests carry no option and pass as they are.
         let ack = Packet::tcp(CLIENT, BACKEND).tcp_flags(0x10);
         check(&h, &ack, TC_ACT_OK, &ack).context("the client's ACK")?;
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+/// The route generation, as the agent writes it when it watches the node's routes and
+/// neighbours (0, the map's initial value: nothing is cached).
+fn set_route_generation(h: &Harness, generation: u32) -> Result<()> {
+    let path = h.bpffs().join(pins::ROUTE_GENERATION);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    let mut array: Array<_, u32> = aya::maps::Map::Array(data).try_into()?;
+    array.set(0, generation, 0)?;
+    Ok(())
+}
+
+/// A tracked DSR connection's requests that carry the service address (every UDP datagram)
+/// leave by the next hop cached in its flow entry, as every tracked packet does: no FIB lookup
+/// per datagram while the route generation holds (a new neighbour address is not seen until
+/// it moves). The option's room is checked against the cached device's MTU on every datagram:
+/// the device's MTU lowered under the same generation sends the datagram without it (counted).
+#[test]
+fn tracked_requests_carrying_the_service_address_leave_by_the_cached_next_hop() {
+    const NODE2_MAC: [u8; 6] = [0x02, 0xcc, 0, 0, 0, 0x02];
+    const NEW_MAC: [u8; 6] = [0x02, 0xcc, 0, 0, 0, 0x22];
+    let text = |mac: [u8; 6]| mac.map(|byte| format!("{byte:02x}")).join(":");
+    in_fresh_netns(|| {
+        node_one(1500)?;
+        ip(&["neigh", "add", "192.168.100.2", "lladdr", &text(NODE2_MAC), "dev", "vd0", "nud", "permanent"])?;
+        let mut h = Harness::new()?;
+        cluster_cidr(&h)?;
+        set_route_generation(&h, 3)?;
+        dsr_frontend(&mut h, IPPROTO_UDP, 2)?;
+        let datagram = Packet::udp(CLIENT, FRONTEND).payload(&[0x5a; 100]);
+        let carried = datagram.clone().to(BACKEND).ip_options(&OPTION);
+        // The first datagram balances the connection; the second caches its hop.
+        for round in 0..2 {
+            let (verdict, out) = h.run(&datagram.build())?;
+            ensure!(verdict == TC_ACT_REDIRECT, "datagram {round}: verdict {}", verdict_name(verdict));
+            compare_frames(&carried.build()[12..], &out[12..])
+                .map_err(|e| anyhow!("datagram {round}: {e}"))?;
+        }
+        let entry: Flow4 = h.flows()?[&flow_key(CLIENT, FRONTEND, IPPROTO_UDP)];
+        ensure!(entry.next_hop.dst_mac == NODE2_MAC, "cached {:?}", entry.next_hop);
+        ensure!(entry.flags >> flow_flags::ROUTE_GENERATION_SHIFT == 3, "flags {:#x}", entry.flags);
+
+        // Node 2's address changes; under the same generation the cached hop still serves.
+        ip(&[
+            "neigh",
+            "replace",
+            "192.168.100.2",
+            "lladdr",
+            &text(NEW_MAC),
+            "dev",
+            "vd0",
+            "nud",
+            "permanent",
+        ])?;
+        let (verdict, out) = h.run(&datagram.build())?;
+        ensure!(verdict == TC_ACT_REDIRECT, "cached: verdict {}", verdict_name(verdict));
+        ensure!(out[..6] == NODE2_MAC, "cached: to {:02x?}", &out[..6]);
+        compare_frames(&carried.build()[12..], &out[12..]).map_err(|e| anyhow!("cached: {e}"))?;
+
+        // The device's MTU drops below the datagram with the option (same generation): it
+        // leaves without the option, counted.
+        let ip_len = 20 + 8 + 100;
+        ip(&["link", "set", "vd0", "mtu", &(ip_len + 4).to_string()])?;
+        let (verdict, out) = h.run(&datagram.build())?;
+        ensure!(verdict == TC_ACT_REDIRECT, "too big: verdict {}", verdict_name(verdict));
+        compare_frames(&datagram.clone().to(BACKEND).build()[12..], &out[12..])
+            .map_err(|e| anyhow!("too big: {e}"))?;
+        ensure!(h.datapath_stat(datapath_stat::DSR_MTU_NO_OPTION)? == 1, "DSR_MTU_NO_OPTION");
+
+        // A new generation: the datagram follows node 2's new address.
+        ip(&["link", "set", "vd0", "mtu", "1500"])?;
+        set_route_generation(&h, 4)?;
+        let (verdict, out) = h.run(&datagram.build())?;
+        ensure!(verdict == TC_ACT_REDIRECT, "new generation: verdict {}", verdict_name(verdict));
+        ensure!(out[..6] == NEW_MAC, "new generation: to {:02x?}", &out[..6]);
         Ok(())
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
