@@ -91,7 +91,7 @@ fn backend_addr(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 0, 2 + u8::try_from(i).expect("few backends"), 2)
 }
 
-/// Backend `i`'s IPv6 address, and the node's on their link (`::1`, its gateway).
+/// Backend `i`'s IPv6 address: `::2` of its link, where the node is `::1` (its gateway).
 fn backend_addr6(i: usize) -> Ipv6Addr {
     Ipv6Addr::new(0xfd00, 0, 2 + u16::try_from(i).expect("few backends"), 0, 0, 0, 0, 2)
 }
@@ -792,14 +792,13 @@ fn frame_source(topology: &Topology, flows: usize, from: IpAddr, to: SocketAddr)
 fn add_ipv6(topology: &Topology) -> Result<()> {
     let node = topology.node();
     node.set_sysctl("net.ipv6.conf.all.forwarding", "1")?;
-    let mut links = vec![("ext", EXTERNAL6, NODE_EXTERNAL6)];
+    let mut links = vec![("ext".to_owned(), EXTERNAL6, NODE_EXTERNAL6)];
     for i in 0..BACKENDS {
         let addr = backend_addr6(i);
-        let gateway = Ipv6Addr::from(u128::from(addr) - 1);
-        links.push((["b0", "b1", "b2"][i], addr, gateway));
+        links.push((format!("b{i}"), addr, Ipv6Addr::from(u128::from(addr) - 1)));
     }
     for (name, addr, gateway) in links {
-        let leaf = topology.leaf(name)?;
+        let leaf = topology.leaf(&name)?;
         node.ip(&["-6", "addr", "add", &format!("{gateway}/64"), "dev", &leaf.spec.node_interface, "nodad"])?;
         leaf.netns.ip(&["-6", "addr", "add", &format!("{addr}/64"), "dev", LEAF_INTERFACE, "nodad"])?;
         leaf.netns.ip(&["-6", "route", "add", "default", "via", &gateway.to_string()])?;

@@ -1261,7 +1261,10 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
          No socket, sink thread or receive path of the backends is in it: a packet's CPU time is the \
          generator's and the node's (and the drop program's, the same in every cell). On veth the TC \
          path still pays one thing a NIC would not: the backend's veth hands its XDP program an skb \
-         turned into a frame.\n\
+         turned into a frame. The ebpf cells' labs are dual-stack (IPv6 addresses without duplicate \
+         address detection on the external client's and the backends' links, forwarding on in the \
+         node's namespace), and the same is measured over IPv6: frames to an IPv6 NodePort service \
+         with the same three backends, counted by the same drop program.\n\
          - The packet stream's sinks have 16 MiB receive buffers (`SO_RCVBUFFORCE`) and the backends' \
          UDP RcvbufErrors are read, so losses at the sinks show apart from the node's. Delivered counts \
          include what was still in flight 50 ms after the sender stopped.\n\

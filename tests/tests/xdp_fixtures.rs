@@ -172,6 +172,13 @@ impl World {
         Ok(())
     }
 
+    /// The NIC's neighbour `address` (either family), now at `mac`.
+    fn set_neighbour(&self, address: &str, mac: &[u8; 6]) -> Result<()> {
+        let mac = frame_mac(mac);
+        self.netns.ip(&["neigh", "replace", address, "lladdr", &mac, "dev", "xdp0", "nud", "permanent"])?;
+        Ok(())
+    }
+
     /// The flow entry of `key` with its cached next hop and route generation (not cleared, as
     /// [`World::flows`] clears the tracking state).
     fn flow_entry<A: Family>(&self, name: &str, key: FlowKey<A>) -> Result<Flow<A>>
@@ -613,18 +620,7 @@ fn established_flows_leave_by_the_next_hop_cached_in_their_entry_until_the_route
 
     // The backend's address changes; under the same generation the packet still takes the
     // cached hop: no lookup was made.
-    let new_mac = frame_mac(&NEW_MAC);
-    world.netns.ip(&[
-        "neigh",
-        "replace",
-        "10.0.0.2",
-        "lladdr",
-        &new_mac,
-        "dev",
-        "xdp0",
-        "nud",
-        "permanent",
-    ])?;
+    world.set_neighbour("10.0.0.2", &NEW_MAC)?;
     let (verdict, out) = world.run(&packet)?;
     ensure!(verdict == XDP_TX, "cached: verdict {verdict}");
     expect_same(&out, &expected)?;
@@ -655,18 +651,7 @@ fn established_flows_leave_by_the_next_hop_cached_in_their_entry_until_the_route
     expect_same6(&out, &expected6)?;
     let entry = world.flow_entry(pins::FLOWS6, key6)?;
     ensure!(entry.next_hop == cached, "IPv6: cached {:?}, expected {cached:?}", entry.next_hop);
-    world.netns.ip(&[
-        "-6",
-        "neigh",
-        "replace",
-        "fd00::2",
-        "lladdr",
-        &new_mac,
-        "dev",
-        "xdp0",
-        "nud",
-        "permanent",
-    ])?;
+    world.set_neighbour("fd00::2", &NEW_MAC)?;
     let (verdict, out) = world.run(&packet6)?;
     ensure!(verdict == XDP_TX, "IPv6 cached: verdict {verdict}");
     expect_same6(&out, &expected6)?;
