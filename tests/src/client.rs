@@ -5,7 +5,7 @@
 use std::{
     collections::BTreeMap,
     fmt,
-    io::{BufRead, BufReader, Write},
+    io::{BufRead, BufReader, Read as _, Write},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     str::FromStr,
     time::Duration,
@@ -101,6 +101,35 @@ impl TcpSession {
             .get_mut()
             .write_all(b"who are you?\n")
             .with_context(|| format!("cannot send to {peer}"))?;
+        self.answer_line(peer)
+    }
+
+    /// Asks for `size` bytes before the answer (the echo protocol's `bytes N`): replies in
+    /// segments as large as the path lets them be. Each read waits the session's timeout.
+    pub fn ask_bulk(&mut self, size: usize) -> Result<Answer> {
+        let peer = self.peer_addr()?;
+        let request = format!("bytes {size}\n");
+        self.reader
+            .get_mut()
+            .write_all(request.as_bytes())
+            .with_context(|| format!("cannot send to {peer}"))?;
+        let mut bulk = vec![0u8; size];
+        let mut received = 0;
+        while received < size {
+            match self.reader.read(&mut bulk[received..]) {
+                Ok(0) => bail!("{peer} closed the connection after {received} of {size} bytes"),
+                Ok(read) => received += read,
+                Err(error) => {
+                    return Err(error)
+                        .with_context(|| format!("{received} of {size} bytes from {peer}, then none"))
+                }
+            }
+        }
+        ensure!(bulk.iter().all(|&byte| byte == b'x'), "{peer} sent other bytes than asked for");
+        self.answer_line(peer)
+    }
+
+    fn answer_line(&mut self, peer: SocketAddr) -> Result<Answer> {
         let mut line = String::new();
         let read = self.reader.read_line(&mut line).with_context(|| format!("no answer from {peer}"))?;
         if read == 0 {

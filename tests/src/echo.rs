@@ -2,7 +2,8 @@
 //!
 //! Protocol: every request (a line over TCP, a datagram over UDP) is answered with an
 //! [`Answer`] (plus a newline over TCP): the server's name and the client address as the
-//! backend observed it.
+//! backend observed it. A TCP line `bytes N` is answered with N bytes `x` before the answer:
+//! replies larger than a path's MTU, for path MTU discovery through the load balancer.
 
 use std::{
     io::{BufRead, BufReader, ErrorKind, Write},
@@ -115,6 +116,11 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, name: &str, stop: &Atom
         match reader.read_line(&mut line) {
             Ok(0) => return,
             Ok(_) if line.ends_with('\n') => {
+                if let Some(bulk) = bulk_size(&line) {
+                    if writer.write_all(&vec![b'x'; bulk]).is_err() {
+                        return;
+                    }
+                }
                 if writer.write_all(reply.as_bytes()).is_err() {
                     return;
                 }
@@ -129,6 +135,14 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, name: &str, stop: &Atom
             Err(_) => return,
         }
     }
+}
+
+/// The largest `bytes N` request served.
+pub const MAX_BULK: usize = 16 << 20;
+
+/// N of a `bytes N` request line, up to [`MAX_BULK`].
+fn bulk_size(line: &str) -> Option<usize> {
+    line.trim_end().strip_prefix("bytes ")?.parse().ok().filter(|&size| size <= MAX_BULK)
 }
 
 fn serve_udp(socket: &UdpSocket, name: &str, stop: &AtomicBool) {

@@ -6,6 +6,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, UdpSocket},
     ops::Range,
+    time::Duration,
 };
 
 use anyhow::{bail, ensure, Context as _, Result};
@@ -15,7 +16,7 @@ use testbed::{
         node_ip, node_ip6, node_port_service, pod_ip, udp_answer, udp_socket_for, ClusterLab, ASK, CLIENT_IP,
         CLIENT_IP6, POD_PORT, TARGET_PORTS, TIMEOUT,
     },
-    http, tcp_exchange, wait_for, Check, Frontend, Protocol,
+    http, tcp_exchange, wait_for, Check, Frontend, Protocol, TcpSession,
 };
 
 #[test]
@@ -410,6 +411,49 @@ fn dsr_replies_straight(
         "n1's uplink received {received_by_n1} packets for {EXCHANGES} exchanges: the replies came back through it"
     );
     Ok(())
+}
+
+/// Path MTU discovery of a DSR connection's replies: the router's link to the client is
+/// narrower than the cluster's links, so the router answers the backend's full-sized reply
+/// segments with an ICMP fragmentation needed, addressed to the address they left with: the
+/// service's, n1's. n1 holds only the connection's forward entry; it must pass the error on to
+/// the backend, quoting the segment as the backend sent it, or the backend never learns the
+/// path's MTU and the bulk answer never arrives.
+#[test]
+fn with_dsr_a_router_s_fragmentation_needed_about_a_reply_reaches_the_backend() -> Result<()> {
+    dsr_path_mtu("cl-dsrm", &["--lb-mode=dsr"], false)
+}
+
+/// The same over IPv6 (packet too big), with redirected forwarding.
+#[test]
+fn with_dsr_an_ipv6_router_s_packet_too_big_about_a_reply_reaches_the_backend() -> Result<()> {
+    dsr_path_mtu("cl-dsrm6", &["--lb-mode=dsr", "--bpf-forwarding=redirect"], true)
+}
+
+/// [`with_dsr_a_router_s_fragmentation_needed_about_a_reply_reaches_the_backend`] in a
+/// [`dsr_lab`] with `args`, over IPv6 with `ipv6`.
+fn dsr_path_mtu(label: &str, args: &[&str], ipv6: bool) -> Result<()> {
+    /// Many segments of the cluster's MTU (1500), each too large for the client's link.
+    const BULK: usize = 64 << 10;
+    /// The client's link: IPv6's minimum MTU.
+    const NARROW_MTU: &str = "1280";
+    /// How long each read of the answer waits: the backend retransmits a lost segment of the
+    /// same size after 200 ms and more, so a path that never learns the MTU runs out of it.
+    const READ_WAIT: Duration = Duration::from_secs(5);
+    let lab = dsr_lab(label, args, ipv6)?;
+    let through = if ipv6 {
+        ClusterLab::node_address6(1, DSR_NODE_PORT)
+    } else {
+        ClusterLab::node_address(1, DSR_NODE_PORT)
+    };
+    let result = (|| {
+        lab.ask_tcp(through)?;
+        lab.router.ip(&["link", "set", "ext", "mtu", NARROW_MTU])?;
+        let answer = lab.client.run(|| TcpSession::connect(through, READ_WAIT)?.ask_bulk(BULK))?;
+        ensure!(answer.backend == "n2-pod0", "the bulk answer came from {answer}");
+        lab.node_metric(1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 2.0)
+    })();
+    lab.with_logs(result.map(|_| ()))
 }
 
 #[test]
