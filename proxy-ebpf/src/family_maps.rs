@@ -90,9 +90,21 @@ impl<A: Family> From<&Nat<A>> for Flow<A> {
             flags: nat.flags,
             track: FlowTrack { counter: nat.counter, state: nat.state, last_seen: nat.last_seen },
             // Not cached: the packets of the flow are routed by the stack or a FIB lookup.
-            next_hop: NextHop { ifindex: 0, dst_mac: [0; 6], src_mac: [0; 6] },
+            next_hop: no_hop(),
         }
     }
+}
+
+/// A [`NextHop`] with nothing cached, read as four 32-bit words. Written as constant zeros, its
+/// byte-aligned MAC arrays merge with the entry's other zeros into a `memset` of byte alignment,
+/// which BPF calls as a function that stores a byte an iteration, for each of a new
+/// connection's two entries; loaded words are no constant to merge.
+#[inline(always)]
+pub fn no_hop() -> NextHop {
+    static NO_HOP: [u32; 4] = [0; 4];
+    // SAFETY: a static's words; the same size as `NextHop` (checked by `transmute`), and zero
+    // is a valid value of every field.
+    unsafe { core::mem::transmute::<[u32; 4], NextHop>(core::ptr::read_volatile(&NO_HOP)) }
 }
 
 /// Implements [`Maps`] for one family: its address type and bit count, and its maps and their

@@ -44,7 +44,7 @@ use proxy_common::{flow_flags, forwarding, NextHop};
 
 use crate::{
     family::{Address, Tracked},
-    family_maps::Maps,
+    family_maps::{no_hop, Maps},
     maps::ROUTE_GENERATION,
     packet::bytes_at,
 };
@@ -166,7 +166,7 @@ pub fn tracked_hop<A: Address + Maps>(ctx: &TcContext, destination: A, tracked: 
     if let Some(hop) = cached_hop(tracked, generation) {
         return hop;
     }
-    let mut hop = NOT_FORWARDED;
+    let mut hop = no_hop();
     match look_up_hop(ctx, &destination, &mut hop) {
         HOP_NONE => return NOT_FORWARDED,
         HOP_CACHEABLE if generation != 0 => cache_hop(tracked, hop, generation),
