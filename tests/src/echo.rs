@@ -138,7 +138,7 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, name: &str, stop: &Atom
 }
 
 /// The largest `bytes N` request served.
-pub const MAX_BULK: usize = 16 << 20;
+const MAX_BULK: usize = 16 << 20;
 
 /// N of a `bytes N` request line, up to [`MAX_BULK`].
 fn bulk_size(line: &str) -> Option<usize> {

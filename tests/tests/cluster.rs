@@ -1,7 +1,9 @@
 //! Several vipr nodes against one API server (issue 16's lab, `testbed::cluster`): a NodePort on
 //! one node reaches a pod on another, an external load balancer sees eTP:Local's health checks
 //! where the endpoints are, and with Maglev a flow reaches the same backend through any node,
-//! removing one of N backends moves about 1/N of the flows, and a node can go away.
+//! removing one of N backends moves about 1/N of the flows, and a node can go away; direct
+//! server return in every forwarding mode, from XDP, hybrid, and path MTU discovery of its
+//! replies.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, UdpSocket},
