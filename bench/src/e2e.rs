@@ -1365,14 +1365,8 @@ fn manifests(services: usize, ipv6: bool) -> String {
             "spec": {"type": "ClusterIP", "clusterIP": ip, "clusterIPs": [ip],
                      "ports": [{"name": "http", "protocol": "TCP", "port": TCP_PORT, "targetPort": TCP_TARGET_PORT}]}
         }));
-        push(json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": format!("{name}-1"), "namespace": "bench",
-                         "labels": {"kubernetes.io/service-name": name}},
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "protocol": "TCP", "port": TCP_TARGET_PORT}],
-            "endpoints": [{"addresses": [filler_endpoint(i).to_string()], "conditions": {"ready": true}}]
-        }));
+        let ports = json!([{"name": "http", "protocol": "TCP", "port": TCP_TARGET_PORT}]);
+        push(endpoint_slice(&name, "IPv4", ports, [IpAddr::V4(filler_endpoint(i))]));
     }
     if ipv6 {
         let ip = STREAM6_CLUSTER_IP.to_string();
@@ -1384,17 +1378,8 @@ fn manifests(services: usize, ipv6: bool) -> String {
                      "ports": [{"name": "stream", "protocol": "UDP", "port": STREAM_PORT,
                                 "targetPort": STREAM_TARGET_PORT, "nodePort": STREAM6_NODE_PORT}]}
         }));
-        let endpoints: Vec<_> = (0..BACKENDS)
-            .map(|i| json!({"addresses": [backend_addr6(i).to_string()], "conditions": {"ready": true}}))
-            .collect();
-        push(json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": "stream6-1", "namespace": "bench",
-                         "labels": {"kubernetes.io/service-name": "stream6"}},
-            "addressType": "IPv6",
-            "ports": [{"name": "stream", "protocol": "UDP", "port": STREAM_TARGET_PORT}],
-            "endpoints": endpoints
-        }));
+        let ports = json!([{"name": "stream", "protocol": "UDP", "port": STREAM_TARGET_PORT}]);
+        push(endpoint_slice("stream6", "IPv6", ports, (0..BACKENDS).map(|i| IpAddr::V6(backend_addr6(i)))));
     }
     let ip = cluster_ip(services - 1).to_string();
     push(json!({
@@ -1409,20 +1394,33 @@ fn manifests(services: usize, ipv6: bool) -> String {
                      {"name": "stream", "protocol": "UDP", "port": STREAM_PORT,
                       "targetPort": STREAM_TARGET_PORT, "nodePort": STREAM_NODE_PORT}]}
     }));
-    let endpoints: Vec<_> = (0..BACKENDS)
-        .map(|i| json!({"addresses": [backend_addr(i).to_string()], "conditions": {"ready": true}}))
-        .collect();
-    push(json!({
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": "target-1", "namespace": "bench",
-                     "labels": {"kubernetes.io/service-name": "target"}},
-        "addressType": "IPv4",
-        "ports": [{"name": "tcp", "protocol": "TCP", "port": TCP_TARGET_PORT},
-                  {"name": "udp", "protocol": "UDP", "port": UDP_TARGET_PORT},
-                  {"name": "stream", "protocol": "UDP", "port": STREAM_TARGET_PORT}],
-        "endpoints": endpoints
-    }));
+    let ports = json!([{"name": "tcp", "protocol": "TCP", "port": TCP_TARGET_PORT},
+                       {"name": "udp", "protocol": "UDP", "port": UDP_TARGET_PORT},
+                       {"name": "stream", "protocol": "UDP", "port": STREAM_TARGET_PORT}]);
+    push(endpoint_slice("target", "IPv4", ports, (0..BACKENDS).map(|i| IpAddr::V4(backend_addr(i)))));
     out
+}
+
+/// The one EndpointSlice (`<service>-1`) of Service `service` in the bench namespace: `ports`,
+/// and a ready endpoint at each of `addresses` (of `address_type`'s family).
+fn endpoint_slice(
+    service: &str,
+    address_type: &str,
+    ports: serde_json::Value,
+    addresses: impl IntoIterator<Item = IpAddr>,
+) -> serde_json::Value {
+    let endpoints: Vec<_> = addresses
+        .into_iter()
+        .map(|address| json!({"addresses": [address.to_string()], "conditions": {"ready": true}}))
+        .collect();
+    json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("{service}-1"), "namespace": "bench",
+                     "labels": {"kubernetes.io/service-name": service}},
+        "addressType": address_type,
+        "ports": ports,
+        "endpoints": endpoints
+    })
 }
 
 /// Which iptables programs this machine has, for the report: the system's `iptables` and the

@@ -75,9 +75,6 @@ pub struct Route<A> {
     pub mtu: u32,
 }
 
-/// The hop of a packet the node does not forward (local, or unreachable).
-pub const NOT_FORWARDED: NextHop = NextHop { ifindex: 0, dst_mac: [0; 6], src_mac: [0; 6] };
-
 /// `None` when the destination is not forwarded: local to the node, or unreachable. The stack
 /// then handles the packet as it would have.
 #[inline(always)]
@@ -154,7 +151,7 @@ pub fn cache_hop<A: Maps>(tracked: &Tracked<A>, hop: NextHop, generation: u32) {
 
 /// The next hop of a tracked connection's packet toward `destination`: the one cached in its
 /// flow entry while the routes and neighbours are those it was cached under, else looked up
-/// and cached. [`NOT_FORWARDED`] when the destination is not forwarded (not cached: the lookup is
+/// and cached. An empty hop ([`no_hop`]) when the destination is not forwarded (not cached: the lookup is
 /// repeated, as for an untracked packet). Only `--bpf-forwarding=redirect` needs the
 /// neighbour's address: a lookup that finds the route but no resolved neighbour yields a hop
 /// the kernel resolves (`bpf_redirect_neigh`), not cached, so that a later packet caches the
@@ -168,7 +165,7 @@ pub fn tracked_hop<A: Address + Maps>(ctx: &TcContext, destination: A, tracked: 
     }
     let mut hop = no_hop();
     match look_up_hop(ctx, &destination, &mut hop) {
-        HOP_NONE => return NOT_FORWARDED,
+        HOP_NONE => return no_hop(),
         HOP_CACHEABLE if generation != 0 => cache_hop(tracked, hop, generation),
         _ => {}
     }

@@ -125,13 +125,12 @@ fn parse<A: IpHeader>(ctx: &XdpContext) -> Option<(Packet<A>, u32)> {
     Some((packet, tot_len))
 }
 
-/// Where a finished packet goes: its next hop's MACs and the action that sends it there.
+/// Where a finished packet goes: its next hop (device and MACs, as a flow entry caches it) and
+/// the action that sends it there.
 #[derive(Clone, Copy)]
 struct Hop {
     action: u32,
-    ifindex: u32,
-    smac: [u8; 6],
-    dmac: [u8; 6],
+    next: NextHop,
 }
 
 /// What a FIB lookup says of a destination: the hop, and what a new connection needs besides.
@@ -183,7 +182,10 @@ fn look_up_egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u32) ->
     }
     let action = sending_action(ingress, params.ifindex)?;
     Some(Egress {
-        hop: Hop { action, ifindex: params.ifindex, smac: params.smac, dmac: params.dmac },
+        hop: Hop {
+            action,
+            next: NextHop { ifindex: params.ifindex, dst_mac: params.dmac, src_mac: params.smac },
+        },
         source: A::fib_source(params),
         // The field changes (to the gateway, of either family) only for a route via one.
         via_gateway: u8::from(unsafe { params.__bindgen_anon_4.ipv6_dst } != scratch.asked),
@@ -231,7 +233,7 @@ fn cached_egress<A: Maps>(
     if unsafe { bpf_check_mtu(ctx.as_ptr(), cached.ifindex, &mut mtu_len, 0, 0) } != 0 {
         return false;
     }
-    out.write(Hop { action, ifindex: cached.ifindex, smac: cached.src_mac, dmac: cached.dst_mac });
+    out.write(Hop { action, next: cached });
     true
 }
 
@@ -271,8 +273,7 @@ fn established<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
         // SAFETY: written by `egress`, which said so.
         let found = unsafe { out.assume_init_ref() }.hop;
         if generation != 0 {
-            let next = NextHop { ifindex: found.ifindex, dst_mac: found.dmac, src_mac: found.smac };
-            cache_hop(&tracked, next, generation);
+            cache_hop(&tracked, found.next, generation);
         }
         hop.write(found);
     }
@@ -464,8 +465,8 @@ fn rewrite_in_place<A: Address>(
             *l4_csum = updated.to_be_bytes();
         }
         let eth = &mut *eth;
-        eth[..6].copy_from_slice(&out.dmac);
-        eth[6..].copy_from_slice(&out.smac);
+        eth[..6].copy_from_slice(&out.next.dst_mac);
+        eth[6..].copy_from_slice(&out.next.src_mac);
     }
     Some(())
 }
@@ -478,7 +479,7 @@ fn transmit(out: &Hop) -> u32 {
     }
     // `XDP_PASS` if the device left the map meanwhile: the rewritten packet then goes through
     // the stack's forwarding like any routed packet.
-    match XDP_TX_DEVICES.redirect(out.ifindex, u64::from(XDP_PASS)) {
+    match XDP_TX_DEVICES.redirect(out.next.ifindex, u64::from(XDP_PASS)) {
         Ok(action) | Err(action) => action,
     }
 }
