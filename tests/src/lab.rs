@@ -204,6 +204,18 @@ impl Lab {
         self.spawn_binary_on(binary, self.topology.node_interfaces(), extra_args, log)
     }
 
+    /// [`Self::spawn_vipr`] through `wrapper`, a command line that ends by exec'ing the vipr
+    /// command line appended to it (one that changes the agent's namespaces or cgroup first).
+    pub fn spawn_vipr_through(&self, wrapper: &[&str], extra_args: &[&str], log: &Path) -> Result<Vipr> {
+        let (program, wrapper_args) = wrapper.split_first().context("an empty wrapper")?;
+        let mut command = self.node().command(program)?;
+        command
+            .args(wrapper_args)
+            .arg(&self.binary)
+            .args(self.vipr_args(self.topology.node_interfaces(), extra_args));
+        Vipr::start_command(command, log)
+    }
+
     fn spawn_vipr_on(&self, devices: Vec<String>, extra_args: &[&str], log: &Path) -> Result<Vipr> {
         self.spawn_binary_on(&self.binary, devices, extra_args, log)
     }
@@ -215,6 +227,11 @@ impl Lab {
         extra_args: &[&str],
         log: &Path,
     ) -> Result<Vipr> {
+        Vipr::start_with_args(binary, self.node(), &self.vipr_args(devices, extra_args), log)
+    }
+
+    /// vipr's command line in this lab, without the binary.
+    fn vipr_args(&self, devices: Vec<String>, extra_args: &[&str]) -> Vec<String> {
         let config = ViprConfig {
             services_file: self.services_file.clone(),
             node_name: self.node().name().to_owned(),
@@ -224,7 +241,7 @@ impl Lab {
         };
         let mut args = config.args();
         args.extend(extra_args.iter().map(|arg| (*arg).to_owned()));
-        Vipr::start_with_args(binary, self.node(), &args, log)
+        args
     }
 
     /// The backends that answered `count` new connections from the client to `frontend`, each

@@ -18,8 +18,8 @@ use std::{
 use proxy_common::{pins, sock};
 use serde_json::Value;
 use testbed::{
-    exchange, locate_vipr, manifest, tcp_exchange, wait_for, write_atomically, Answer, Check,
-    ClusterIpService, EchoServer, Endpoint, Frontend, Lab, LabConfig, LeafSpec, TcpSession,
+    container::Cgroup2Dir, exchange, locate_vipr, manifest, tcp_exchange, wait_for, write_atomically, Answer,
+    Check, ClusterIpService, EchoServer, Endpoint, Frontend, Lab, LabConfig, LeafSpec, TcpSession,
 };
 
 /// Bound on every connect, request and reply.
@@ -110,23 +110,28 @@ fn dns() -> Frontend {
 
 /// A lab with `backends`, serving all its endpoints, vipr started and the service programmed.
 fn running_lab(label: &str, backends: Backends) -> Lab {
+    let mut lab = new_lab(label, backends);
+    lab.start_vipr().unwrap();
+    lab.wait_programmed().unwrap();
+    lab
+}
+
+/// A lab with `backends`, serving all its endpoints, vipr not started.
+fn new_lab(label: &str, backends: Backends) -> Lab {
     let leaves = backends
         .endpoints
         .iter()
         .chain([&backends.decoy])
         .map(|name| LeafSpec::in_own_slash24(name, backends.addr(name)).unwrap())
         .collect();
-    let mut lab = Lab::new(LabConfig {
+    Lab::new(LabConfig {
         label: label.to_owned(),
         vipr_binary: locate_vipr().unwrap(),
         client: LeafSpec::in_own_slash24("client", CLIENT).unwrap(),
         backends: leaves,
         services: vec![backends.service(backends.endpoints)],
     })
-    .unwrap();
-    lab.start_vipr().unwrap();
-    lab.wait_programmed().unwrap();
-    lab
+    .unwrap()
 }
 
 /// How a node socket met the service.
@@ -291,17 +296,21 @@ fn link_ids() -> BTreeSet<u64> {
     bpftool(&["link", "show"]).as_array().unwrap().iter().filter_map(|link| link["id"].as_u64()).collect()
 }
 
-/// Program ids attached to the cgroup v2 root (`bpftool cgroup show`), any owner.
-fn root_cgroup_programs() -> BTreeSet<u64> {
+/// Where the cgroup v2 hierarchy is mounted (its root, in the tests' cgroup namespace).
+fn cgroup2_mount() -> String {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
-    let root = mounts
+    mounts
         .lines()
         .find_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
             (fields.get(2) == Some(&"cgroup2")).then(|| fields[1].to_owned())
         })
-        .expect("a cgroup2 mount");
-    bpftool(&["cgroup", "show", &root])
+        .expect("a cgroup2 mount")
+}
+
+/// Program ids attached to the cgroup v2 root (`bpftool cgroup show`), any owner.
+fn root_cgroup_programs() -> BTreeSet<u64> {
+    bpftool(&["cgroup", "show", &cgroup2_mount()])
         .as_array()
         .unwrap()
         .iter()
@@ -378,6 +387,53 @@ fn node_sockets_reach_the_endpoints_and_see_the_frontend() {
     // The node's connections never pass TC: nothing of them is in the flows map.
     let flows = map_entries(lab.bpf_root(), pins::FLOWS4);
     assert!(flows.is_empty(), "node connections were tracked by the TC program: {flows:?}");
+    // The tests' cgroup2 mount is the hierarchy's root: no warning that it is not.
+    let said = std::fs::read_to_string(lab.vipr().unwrap().log_path()).unwrap();
+    assert!(!said.contains(NOT_THE_ROOT), "a warning on the hierarchy's root: {said}");
+}
+
+/// What the agent says when the cgroup2 mount it finds is not the hierarchy's root.
+const NOT_THE_ROOT: &str = "the cgroup2 mount is not the root of the node's cgroup hierarchy";
+
+/// A pod whose cgroup namespace is private (containerd's and CRI-O's default on cgroup v2) and
+/// that lacks the host's `/sys/fs/cgroup` finds only its namespace's own cgroup2 mount, rooted
+/// at its own cgroup: hooks there would balance nothing but the agent. The agent says so, and
+/// its TC datapath serves as ever. (Its counterpart, no such warning on the real root, is
+/// checked by [`node_sockets_reach_the_endpoints_and_see_the_frontend`].)
+#[test]
+fn an_agent_in_a_cgroup_namespace_says_its_hooks_cover_only_that_and_serves_on() {
+    let cgroup = Cgroup2Dir::create().unwrap();
+    let lab = new_lab("host-cgns", WEB);
+    let log = lab.services_file().with_file_name("vipr-cgns.log");
+    let procs = cgroup.path().join("cgroup.procs");
+    let mount = cgroup2_mount();
+    // Into the lab's cgroup, then a cgroup namespace rooted there (unshare's is rooted at the
+    // caller's cgroup) with a mount namespace of its own, where the tests' cgroup2 mount gives
+    // way to a fresh one that shows that namespace's subtree only, as a pod's own
+    // /sys/fs/cgroup does. (The kernel refuses the hierarchy mounted over itself.)
+    let script = "echo $$ > \"$0\" && exec unshare --cgroup --mount --propagation private \
+                  sh -c 'umount -l \"$0\" && mount -t cgroup2 cgroup2 \"$0\" && exec \"$@\"' \"$@\"";
+    let wrapper = ["sh", "-c", script, procs.to_str().unwrap(), mount.as_str()];
+    let mut agent = lab.spawn_vipr_through(&wrapper, &[], &log).unwrap();
+    wait_for("the agent to warn of its cgroup namespace", PROGRAMMING_TIMEOUT, || {
+        agent.ensure_running()?;
+        let said = std::fs::read_to_string(&log)?;
+        Ok(match said.lines().find(|line| line.contains(NOT_THE_ROOT)) {
+            Some(line) => Check::Done(line.to_owned()),
+            None => Check::NotYet(said.lines().last().unwrap_or_default().to_owned()),
+        })
+    })
+    .unwrap();
+    let reached = wait_for("the client to reach every endpoint by TC", PROGRAMMING_TIMEOUT, || {
+        agent.ensure_running()?;
+        Ok(match lab.backends_reached(http(), CONNECTIONS, TIMEOUT) {
+            Ok(reached) if reached == WEB.all() => Check::Done(reached),
+            Ok(reached) => Check::NotYet(format!("{reached:?}")),
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    });
+    agent.stop().unwrap();
+    reached.unwrap();
 }
 
 #[test]

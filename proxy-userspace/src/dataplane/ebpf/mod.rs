@@ -732,7 +732,10 @@ impl HostTraffic {
         let cgroup_root = match &options.cgroup_root {
             Some(root) => root.clone(),
             None => match cgroup2_mount().context("cannot read /proc/self/mounts")? {
-                Some(root) => root,
+                Some(root) => {
+                    warn_unless_hierarchy_root(&root);
+                    root
+                }
                 None => {
                     warn!(
                         "no cgroup2 file system is mounted: connections from the node itself to services are \
@@ -855,6 +858,32 @@ impl HostTraffic {
             }
             Err(error) => warn!(%error, "cannot update the socket load balancer's settings"),
         }
+    }
+}
+
+/// The cgroup id of a cgroup v2 hierarchy's root (a cgroup's id is its directory's inode
+/// number).
+const CGROUP2_ROOT_ID: u64 = 1;
+
+/// Warns when the cgroup2 mount the hooks would attach to by default is not the root of the
+/// node's hierarchy. A pod whose cgroup namespace is private (containerd's and CRI-O's default on
+/// cgroup v2) and that lacks the host's `/sys/fs/cgroup` sees only its namespace's subtree,
+/// rooted at its own cgroup: hooks attached there balance the agent's own sockets and nothing
+/// else, and nothing else would say so. They are attached all the same (an explicit
+/// `--cgroup-root` below the root is a choice, and not checked).
+fn warn_unless_hierarchy_root(mount: &Path) {
+    match std::fs::metadata(mount).map(|metadata| std::os::unix::fs::MetadataExt::ino(&metadata)) {
+        Ok(CGROUP2_ROOT_ID) => {}
+        Ok(cgroup_id) => warn!(
+            mount = %mount.display(),
+            cgroup_id,
+            "the cgroup2 mount is not the root of the node's cgroup hierarchy (a cgroup namespace's \
+             own mount, or a subtree's): only sockets of processes below it are balanced at the socket \
+             level; the node's other processes' connections to services are not balanced, and pods' \
+             are balanced per packet by TC. Mount the host's cgroup2 hierarchy (deploy/daemonset.yaml \
+             mounts the host's /sys/fs/cgroup) or pass --cgroup-root"
+        ),
+        Err(error) => warn!(mount = %mount.display(), %error, "cannot read the cgroup2 mount's cgroup id"),
     }
 }
 
