@@ -305,7 +305,9 @@ impl FloorProgram {
         value[0..4].copy_from_slice(&new_to.0);
         value[4..6].copy_from_slice(&new_to.1.to_be_bytes());
         value[8..12].copy_from_slice(&ifindex.to_ne_bytes());
-        bpf_sys::update(self.map.as_fd(), &key, &value, 0).context("filling the floor program's map")
+        // SAFETY: a `FloorKey` and a `FloorValue`, the sizes the map was created with.
+        unsafe { bpf_sys::update(self.map.as_fd(), &key, &value, 0) }
+            .context("filling the floor program's map")
     }
 }
 
@@ -390,7 +392,8 @@ impl XdpCountDrop {
     pub fn count(&self) -> Result<u64> {
         let cpus = aya::util::nr_cpus().map_err(|(what, error)| anyhow::anyhow!("{what}: {error}"))?;
         let mut values = vec![0u8; 8 * cpus];
-        bpf_sys::lookup(self.map.as_fd(), &0u32.to_ne_bytes(), &mut values)
+        // SAFETY: the per-CPU array's u32 index and u64 counter, one per possible CPU.
+        unsafe { bpf_sys::lookup(self.map.as_fd(), &0u32.to_ne_bytes(), &mut values) }
             .context("reading the drop sink's counter")?;
         Ok(values.chunks_exact(8).map(|value| u64::from_ne_bytes(value.try_into().expect("8 bytes"))).sum())
     }

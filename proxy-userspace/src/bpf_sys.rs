@@ -164,16 +164,19 @@ struct MapElemAttr {
 /// `BPF_NOEXIST`: an update that never replaces an existing entry.
 pub const BPF_NOEXIST: u64 = 1;
 
-/// The key after `key` (the first key with `None`) into `next`, whose length is the map's key
-/// size; `false` after the last key.
-pub fn next_key(map: BorrowedFd<'_>, key: Option<&[u8]>, next: &mut [u8]) -> io::Result<bool> {
+/// The key after `key` (the first key with `None`) into `next`; `false` after the last key.
+///
+/// # Safety
+/// `key` and `next` must each hold at least the map's key size: the kernel reads and writes
+/// that many bytes, whatever the slices' lengths.
+pub unsafe fn next_key(map: BorrowedFd<'_>, key: Option<&[u8]>, next: &mut [u8]) -> io::Result<bool> {
     let mut attr = MapNextKeyAttr {
         map_fd: map.as_raw_fd() as u32,
         pad: 0,
         key: key.map_or(0, |key| key.as_ptr() as u64),
         next_key: next.as_mut_ptr() as u64,
     };
-    // SAFETY: the caller sized both buffers to the map's key size; they outlive the call.
+    // SAFETY: the caller's promise: both buffers hold the map's key size; they outlive the call.
     match unsafe { bpf(cmd::MAP_GET_NEXT_KEY, &mut attr) } {
         Ok(_) => Ok(true),
         Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
@@ -181,16 +184,21 @@ pub fn next_key(map: BorrowedFd<'_>, key: Option<&[u8]>, next: &mut [u8]) -> io:
     }
 }
 
-/// The value of `key` into `value` (the map's value size; for a per-CPU map one 8-byte aligned
-/// value per possible CPU); `false` if there is no such key.
-pub fn lookup(map: BorrowedFd<'_>, key: &[u8], value: &mut [u8]) -> io::Result<bool> {
+/// The value of `key` into `value`; `false` if there is no such key.
+///
+/// # Safety
+/// `key` must hold at least the map's key size, and `value` its value size (for a per-CPU map
+/// one 8-byte aligned value per possible CPU, [`EntryLayout`]): the kernel reads and writes
+/// that many bytes, whatever the slices' lengths.
+pub unsafe fn lookup(map: BorrowedFd<'_>, key: &[u8], value: &mut [u8]) -> io::Result<bool> {
     let mut attr = MapElemAttr {
         map_fd: map.as_raw_fd() as u32,
         key: key.as_ptr() as u64,
         value: value.as_mut_ptr() as u64,
         ..MapElemAttr::default()
     };
-    // SAFETY: the caller sized both buffers as the map's key and value; they outlive the call.
+    // SAFETY: the caller's promise: the buffers hold the map's key and value; they outlive the
+    // call.
     match unsafe { bpf(cmd::MAP_LOOKUP_ELEM, &mut attr) } {
         Ok(_) => Ok(true),
         Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
@@ -198,8 +206,11 @@ pub fn lookup(map: BorrowedFd<'_>, key: &[u8], value: &mut [u8]) -> io::Result<b
     }
 }
 
-/// Stores `key` → `value` (sized as for [`lookup`]) with the update `flags`.
-pub fn update(map: BorrowedFd<'_>, key: &[u8], value: &[u8], flags: u64) -> io::Result<()> {
+/// Stores `key` → `value` with the update `flags`.
+///
+/// # Safety
+/// As [`lookup`]'s: the kernel reads the map's key and value size from the buffers.
+pub unsafe fn update(map: BorrowedFd<'_>, key: &[u8], value: &[u8], flags: u64) -> io::Result<()> {
     let mut attr = MapElemAttr {
         map_fd: map.as_raw_fd() as u32,
         pad: 0,
@@ -207,17 +218,18 @@ pub fn update(map: BorrowedFd<'_>, key: &[u8], value: &[u8], flags: u64) -> io::
         value: value.as_ptr() as u64,
         flags,
     };
-    // SAFETY: the caller sized both buffers as the map's key and value; the kernel only reads
-    // them during the call.
+    // SAFETY: the caller's promise: the buffers hold the map's key and value; the kernel only
+    // reads them during the call.
     unsafe { bpf(cmd::MAP_UPDATE_ELEM, &mut attr) }.map(drop)
 }
 
-/// How a map's entries are laid out, for [`count_keys`].
+/// How a map's entries are laid out, for [`count_keys`]: taken from the kernel's description
+/// of the map ([`EntryLayout::of`]) and nowhere else, since the kernel writes that many bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct EntryLayout {
-    pub key_size: u32,
+    key_size: u32,
     /// The value's size; for a per-CPU map, the kernel's copy for every possible CPU.
-    pub value_bytes: usize,
+    value_bytes: usize,
 }
 
 impl EntryLayout {
@@ -258,10 +270,14 @@ pub fn count_keys(map: BorrowedFd<'_>, layout: EntryLayout, limit: u64) -> io::R
 /// [`count_keys`] by batches; `None` where the kernel has no batch lookup for the map.
 fn count_batched(map: BorrowedFd<'_>, layout: EntryLayout, limit: u64) -> Option<u64> {
     let mut count = 0;
-    lookup_batches::<u8, u8>(map, COUNT_BATCH, layout.key_size as usize, layout.value_bytes, |keys, _| {
+    let each = |keys: &[u8], _: &[u8]| {
         count += keys.len() as u64 / u64::from(layout.key_size.max(1));
         count < limit
-    })?;
+    };
+    // SAFETY: the layout is the map's own (`EntryLayout::of`).
+    unsafe {
+        lookup_batches::<u8, u8>(map, COUNT_BATCH, layout.key_size as usize, layout.value_bytes, each)
+    }?;
     Some(count.min(limit))
 }
 
@@ -270,7 +286,11 @@ fn count_batched(map: BorrowedFd<'_>, layout: EntryLayout, limit: u64) -> Option
 /// `V`s: a per-CPU value is one per possible CPU) until it returns false or the map ends.
 /// `None` when the kernel refuses a batch: no batch lookups for this map type, or the map
 /// changed under the walk (a hash bucket grew past the batch).
-pub fn lookup_batches<K: Copy + Default, V: Copy + Default>(
+///
+/// # Safety
+/// `key_units` `K`s must be the map's key size and `value_units` `V`s its value size (per-CPU:
+/// [`EntryLayout`]): the kernel writes `batch` entries of those sizes into buffers sized so.
+pub unsafe fn lookup_batches<K: Copy + Default, V: Copy + Default>(
     map: BorrowedFd<'_>,
     batch: u32,
     key_units: usize,
@@ -364,7 +384,15 @@ pub struct TestRunAttr {
 /// (Linux 5.6), instead of a system call per entry. For a per-CPU map, `values` holds one value
 /// per possible CPU for each key, CPU after CPU. On an error the kernel may have written a
 /// prefix of the entries; callers fall back to single updates, which name the failing entry.
-pub fn update_batch<K: Copy, V: Copy>(map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> io::Result<()> {
+///
+/// # Safety
+/// `K` must be the map's key and `V` its value (for a per-CPU map, one value per possible CPU
+/// in `values` for each key): the kernel reads `keys.len()` entries of the map's sizes.
+pub unsafe fn update_batch<K: Copy, V: Copy>(
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> io::Result<()> {
     if keys.is_empty() {
         return Ok(());
     }
@@ -411,7 +439,8 @@ mod tests {
         let hash = map(BPF_MAP_TYPE_HASH, 4, 8, 5_000, 0);
         let keys: Vec<u32> = (0..3 * COUNT_BATCH + 17).collect();
         let values: Vec<u64> = keys.iter().map(|key| u64::from(*key) * 3).collect();
-        update_batch(hash.as_fd(), &keys, &values).expect("update batch");
+        // SAFETY (the updates below too): keys and values of the maps' sizes, as created.
+        unsafe { update_batch(hash.as_fd(), &keys, &values) }.expect("update batch");
         let layout = EntryLayout { key_size: 4, value_bytes: 8 };
         assert_eq!(count_batched(hash.as_fd(), layout, 5_000), Some(u64::from(3 * COUNT_BATCH + 17)));
         assert_eq!(count_keys(hash.as_fd(), layout, 5_000).unwrap(), u64::from(3 * COUNT_BATCH + 17));
@@ -423,7 +452,7 @@ mod tests {
         let trie = map(BPF_MAP_TYPE_LPM_TRIE, 8, 1, 64, BPF_F_NO_PREALLOC);
         for last in 0..10u8 {
             let key = [32, 0, 0, 0, 10, 0, 0, last];
-            update(trie.as_fd(), &key, &[1], 0).expect("trie insert");
+            unsafe { update(trie.as_fd(), &key, &[1], 0) }.expect("trie insert");
         }
         let layout = EntryLayout { key_size: 8, value_bytes: 1 };
         assert_eq!(count_keys(trie.as_fd(), layout, 64).unwrap(), 10);
@@ -437,7 +466,7 @@ mod tests {
             key[0] = 128;
             key[4] = 0xfd;
             key[19] = last;
-            update(trie6.as_fd(), &key, &[1], 0).expect("trie insert");
+            unsafe { update(trie6.as_fd(), &key, &[1], 0) }.expect("trie insert");
         }
         let layout = EntryLayout { key_size: 20, value_bytes: 1 };
         assert_eq!(count_keys(trie6.as_fd(), layout, 64).unwrap(), 3);

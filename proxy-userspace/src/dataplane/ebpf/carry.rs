@@ -249,12 +249,22 @@ fn copy_entries(from_map: &OldMap, new: &MapData, overwrite: bool) -> anyhow::Re
     let per_cpu = matches!(map_type, MapType::PerCpuArray | MapType::PerCpuHash | MapType::LruPerCpuHash);
     let array = matches!(map_type, MapType::Array | MapType::PerCpuArray);
     let cpus = if per_cpu { aya::util::nr_cpus().map_err(|(_, error)| error)? } else { 1 };
-    let value_len = if per_cpu {
-        (info.value_size() as usize).next_multiple_of(8) * cpus
-    } else {
-        info.value_size() as usize
+    // The bytes the kernel reads and writes for one value: a per-CPU map's, one 8-byte aligned
+    // copy per possible CPU.
+    let value_bytes = |value_size: u32| {
+        if per_cpu {
+            (value_size as usize).next_multiple_of(8) * cpus
+        } else {
+            value_size as usize
+        }
     };
+    let (value_len, new_value_len) = (value_bytes(info.value_size()), value_bytes(new_info.value_size()));
     let key_len = info.key_size() as usize;
+    // Versioned pin names keep a layout's keys, and its values unless converted; a pin of
+    // another layout under the name (by hand, or a bug) is refused, not read past its end.
+    if new_info.key_size() != info.key_size() {
+        anyhow::bail!("the new map's keys are {} bytes, the old one's {}", new_info.key_size(), key_len);
+    }
 
     // Read everything first: the walk of a map the old programs still write may restart, so
     // it stops after twice the old capacity.
@@ -262,11 +272,13 @@ fn copy_entries(from_map: &OldMap, new: &MapData, overwrite: bool) -> anyhow::Re
     let mut key: Option<Vec<u8>> = None;
     let mut next = vec![0u8; key_len];
     for _ in 0..u64::from(info.max_entries()) * 2 {
-        if !bpf_sys::next_key(from, key.as_deref(), &mut next)? {
+        // SAFETY (the old map's calls): the buffers are sized from the map's own description
+        // (`info`), per-CPU values one per possible CPU.
+        if !unsafe { bpf_sys::next_key(from, key.as_deref(), &mut next) }? {
             break;
         }
         let mut value = vec![0u8; value_len];
-        if bpf_sys::lookup(from, &next, &mut value)? {
+        if unsafe { bpf_sys::lookup(from, &next, &mut value) }? {
             let value = match from_map.convert {
                 Some(convert) => convert(&value),
                 None => value,
@@ -281,11 +293,16 @@ fn copy_entries(from_map: &OldMap, new: &MapData, overwrite: bool) -> anyhow::Re
     // Only hash maps the programs write have a freshness (not per-CPU): the new map's value,
     // of the new layout, is read whole (the kernel writes its value size).
     let fresher = if overwrite { freshness(name) } else { None };
-    let mut current = vec![0u8; new_info.value_size() as usize];
+    let mut current = vec![0u8; new_value_len];
     let mut copied = Copied::default();
     for (key, value) in &entries {
+        if value.len() != new_value_len {
+            anyhow::bail!("an entry of {} bytes for the new map's values of {new_value_len}", value.len());
+        }
         if let Some(used_at) = fresher {
-            if bpf_sys::lookup(to, key, &mut current)? && used_at(&current) > used_at(value) {
+            // SAFETY: `current` has the new map's value size, and the keys are of both maps'
+            // key size (checked above).
+            if unsafe { bpf_sys::lookup(to, key, &mut current) }? && used_at(&current) > used_at(value) {
                 copied.kept_fresher += 1;
                 continue;
             }
@@ -299,7 +316,8 @@ fn copy_entries(from_map: &OldMap, new: &MapData, overwrite: bool) -> anyhow::Re
         }
         // Arrays have every index already: only a plain update writes them.
         let flags = if array || overwrite { 0 } else { BPF_NOEXIST };
-        match bpf_sys::update(to, key, value, flags) {
+        // SAFETY: as for the lookup above; the value has the new map's size (checked above).
+        match unsafe { bpf_sys::update(to, key, value, flags) } {
             Ok(()) => copied.copied += 1,
             Err(error) if error.raw_os_error() == Some(libc::EEXIST) => {}
             Err(error) if matches!(error.raw_os_error(), Some(libc::E2BIG | libc::ENOSPC | libc::ENOMEM)) => {
@@ -404,7 +422,9 @@ mod tests {
         };
         let value_of = |map: &MapData, key: u32| {
             let mut value = vec![0u8; size_of::<Flow4>()];
-            assert!(bpf_sys::lookup(map.fd().as_fd(), &key.to_ne_bytes(), &mut value).unwrap(), "key {key}");
+            // SAFETY: a u32 key and a value of the map's size.
+            let found = unsafe { bpf_sys::lookup(map.fd().as_fd(), &key.to_ne_bytes(), &mut value) };
+            assert!(found.unwrap(), "key {key}");
             value
         };
         let (old, new) = (map(size_of::<Flow4V3>()), map(size_of::<Flow4>()));
@@ -416,9 +436,12 @@ mod tests {
             (3, old_flow(1, 100), Some(flow(2, 100))),
             (4, old_flow(1, 100), None),
         ] {
-            bpf_sys::update(old.fd().as_fd(), &u32::to_ne_bytes(key), &bytes(&old_flow), 0).unwrap();
+            // SAFETY: u32 keys and values of each map's size.
+            unsafe { bpf_sys::update(old.fd().as_fd(), &u32::to_ne_bytes(key), &bytes(&old_flow), 0) }
+                .unwrap();
             if let Some(new_flow) = new_flow {
-                bpf_sys::update(new.fd().as_fd(), &u32::to_ne_bytes(key), &bytes(&new_flow), 0).unwrap();
+                unsafe { bpf_sys::update(new.fd().as_fd(), &u32::to_ne_bytes(key), &bytes(&new_flow), 0) }
+                    .unwrap();
             }
         }
         let convert = Some(converter(legacy::FLOWS4_V3));
@@ -436,6 +459,28 @@ mod tests {
         assert_eq!(value_of(&new, 2), bytes(&flow(2, 300)), "the fresher connection keeps its backend");
         assert_eq!(value_of(&new, 3), bytes(&flow(1, 100)), "as fresh: the old programs' entry is taken");
         assert_eq!(value_of(&new, 4), bytes(&flow(1, 100)));
+    }
+
+    /// A pin of another layout under a map's name (by hand, or a bug) is refused: the copy reads
+    /// and writes each map's own sizes, never past the end of a buffer sized for the other.
+    #[test]
+    fn a_map_of_another_layout_under_the_name_is_refused() {
+        const BPF_MAP_TYPE_HASH: u32 = 1;
+        let map = |key_size: u32, value_size: u32| {
+            let fd = bpf_sys::test_map(BPF_MAP_TYPE_HASH, key_size, value_size, 16, 0);
+            MapData::from_fd(fd).expect("a map from its descriptor")
+        };
+        let old = map(4, 8);
+        // SAFETY: a u32 key and an 8-byte value, the map's sizes.
+        unsafe { bpf_sys::update(old.fd().as_fd(), &1u32.to_ne_bytes(), &[7; 8], 0) }.unwrap();
+        let old = OldMap { name: pins::FLOWS4, map: old, aside: PathBuf::new(), convert: None };
+        let wider_keys = copy_entries(&old, &map(16, 8), false);
+        assert!(wider_keys.is_err(), "keys of 4 bytes copied into a map of 16-byte keys: {wider_keys:?}");
+        let wider_values = copy_entries(&old, &map(4, 64), false);
+        assert!(
+            wider_values.is_err(),
+            "values of 8 bytes copied into a map of 64-byte values: {wider_values:?}"
+        );
     }
 
     #[test]

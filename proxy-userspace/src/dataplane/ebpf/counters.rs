@@ -294,7 +294,9 @@ impl CounterMap {
         let Ok(cpus) = aya::util::nr_cpus() else { return };
         for chunk in indices.chunks(BATCH as usize) {
             let zeros = vec![Counters::default(); chunk.len() * cpus];
-            if update_batch(self.fd(), chunk, &zeros).is_ok() {
+            // SAFETY: the counters array's u32 index and per-CPU `Counters` (aya checked the
+            // value size when it opened it), one per possible CPU for each index.
+            if unsafe { update_batch(self.fd(), chunk, &zeros) }.is_ok() {
                 continue;
             }
             for &index in chunk {
@@ -317,7 +319,7 @@ fn read_batched(fd: BorrowedFd<'_>, highest: u32) -> Option<Vec<Counters>> {
     const _: () = assert!(size_of::<Counters>().is_multiple_of(8));
     let mut sums = Vec::with_capacity(highest as usize + 1);
     let mut in_order = true;
-    bpf_sys::lookup_batches::<u32, Counters>(fd, BATCH, 1, cpus, |keys, values| {
+    let each = |keys: &[u32], values: &[Counters]| {
         for (key, per_cpu) in keys.iter().zip(values.chunks(cpus)) {
             if *key as usize != sums.len() {
                 in_order = false;
@@ -329,7 +331,10 @@ fn read_batched(fd: BorrowedFd<'_>, highest: u32) -> Option<Vec<Counters>> {
             }));
         }
         sums.len() <= highest as usize
-    })?;
+    };
+    // SAFETY: the counters array's u32 index and per-CPU `Counters` (asserted 8-byte sized
+    // above; aya checked the value size when it opened the map), one per possible CPU.
+    unsafe { bpf_sys::lookup_batches::<u32, Counters>(fd, BATCH, 1, cpus, each) }?;
     if !in_order {
         return None;
     }

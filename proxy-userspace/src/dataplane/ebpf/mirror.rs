@@ -66,7 +66,8 @@ impl<K: Pod + Ord, V: Pod + Eq> KeyedMap for LpmTrie<MapData, K, V> {
         let keys: Vec<lpm_trie::Key<K>> =
             entries.iter().map(|((prefix_len, data), _)| lpm_trie::Key::new(*prefix_len, *data)).collect();
         let values: Vec<V> = entries.iter().map(|(_, value)| **value).collect();
-        crate::bpf_sys::update_batch(self.map().fd().as_fd(), &keys, &values).is_ok()
+        // SAFETY: aya opened the trie with these key and value types, checking their sizes.
+        unsafe { crate::bpf_sys::update_batch(self.map().fd().as_fd(), &keys, &values) }.is_ok()
     }
 
     fn entries(&self) -> Vec<(Self::Key, V)> {

@@ -535,17 +535,16 @@ fn walk_flows<F: TrackedFlow>(
     mut visit: impl FnMut(&[F::Key], &[F]),
 ) -> anyhow::Result<()> {
     let mut delivered = false;
-    let batched = crate::bpf_sys::lookup_batches::<F::Key, F>(
-        flows.map().fd().as_fd(),
-        FLOW_BATCH,
-        1,
-        1,
-        |keys, values| {
-            delivered = true;
-            visit(keys, values);
-            true
-        },
-    );
+    let each = |keys: &[F::Key], values: &[F]| {
+        delivered = true;
+        visit(keys, values);
+        true
+    };
+    // SAFETY: aya opened the flows map as a HashMap of these key and value types, checking
+    // their sizes against the map's.
+    let batched = unsafe {
+        crate::bpf_sys::lookup_batches::<F::Key, F>(flows.map().fd().as_fd(), FLOW_BATCH, 1, 1, each)
+    };
     match batched {
         Some(()) => Ok(()),
         // Part of the map was handed over already: a walk from the start would show it twice.
