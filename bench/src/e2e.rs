@@ -781,7 +781,7 @@ fn frame_source(topology: &Topology, flows: usize, from: IpAddr, to: SocketAddr)
             let port = 40_000 + u16::try_from(i).expect("few flows");
             load::udp_frame(ext_mac, node_mac, SocketAddr::new(from, port), to)
         })
-        .collect();
+        .collect::<Result<_>>()?;
     Ok(FrameSource { frames, ifindex })
 }
 

@@ -507,10 +507,10 @@ fn send_until(sockets: &[UdpSocket], deadline: Instant) -> u64 {
 // ---------------------------------------------------------------------------------------------
 // Frames injected as a NIC hands them over.
 
-/// An Ethernet frame carrying a 16-byte UDP datagram from `src` to `dst` (both of one family),
-/// with complete IPv4 and UDP checksums, or IPv6's UDP checksum (what a NIC receives off the
-/// wire).
-pub fn udp_frame(src_mac: [u8; 6], dst_mac: [u8; 6], src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
+/// An Ethernet frame carrying a 16-byte UDP datagram from `src` to `dst`, with complete IPv4
+/// and UDP checksums, or IPv6's UDP checksum (what a NIC receives off the wire); an error for
+/// addresses of two families.
+pub fn udp_frame(src_mac: [u8; 6], dst_mac: [u8; 6], src: SocketAddr, dst: SocketAddr) -> Result<Vec<u8>> {
     let payload = REQUEST;
     let udp_len = 8 + payload.len();
     let mut udp = [0u8; 8];
@@ -552,7 +552,7 @@ pub fn udp_frame(src_mac: [u8; 6], dst_mac: [u8; 6], src: SocketAddr, dst: Socke
             pseudo[39] = 17;
             (0x86dd, ip.to_vec(), pseudo.to_vec())
         }
-        _ => panic!("a frame from {src} to {dst}: the addresses are of two families"),
+        _ => bail!("no frame from {src} to {dst}: the addresses are of two families"),
     };
     let udp_csum = match checksum(&[&pseudo, &udp, payload]) {
         0 => 0xffff,
@@ -566,7 +566,7 @@ pub fn udp_frame(src_mac: [u8; 6], dst_mac: [u8; 6], src: SocketAddr, dst: Socke
     frame.extend_from_slice(&ip);
     frame.extend_from_slice(&udp);
     frame.extend_from_slice(payload);
-    frame
+    Ok(frame)
 }
 
 /// The Internet checksum of the concatenated parts (each of even length but the last).

@@ -820,12 +820,12 @@ mod tests {
         let udp = |port| {
             let src = (Ipv4Addr::new(192, 168, 77, 2), 40_000).into();
             let dst = (Ipv4Addr::new(10, 1, 0, 2), port).into();
-            load::udp_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], src, dst)
+            load::udp_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], src, dst).unwrap()
         };
         let udp6 = |port| {
             let src = (Ipv6Addr::new(0xfd77, 0, 0, 0, 0, 0, 0, 2), 40_000).into();
             let dst = (Ipv6Addr::new(0xfd00, 0, 2, 0, 0, 0, 0, 2), port).into();
-            load::udp_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], src, dst)
+            load::udp_frame([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], src, dst).unwrap()
         };
         let mut out = vec![0u8; 256];
         const XDP_DROP: u32 = 1;
@@ -843,5 +843,10 @@ mod tests {
         let tcp = frame::tcp((Ipv4Addr::new(10, 1, 0, 1), 5454), (Ipv4Addr::new(10, 1, 0, 2), 5454));
         assert_eq!(test_run(sink.program.as_fd(), &tcp, &mut out, 1).unwrap().verdict, XDP_PASS);
         assert_eq!(sink.count().unwrap(), 5);
+        // A frame needs one family; two are refused, not a panic.
+        let mixed = (Ipv6Addr::new(0xfd00, 0, 2, 0, 0, 0, 0, 2), 53).into();
+        let two_families =
+            load::udp_frame([2; 6], [2; 6], (Ipv4Addr::new(192, 168, 77, 2), 40_000).into(), mixed);
+        assert!(two_families.is_err(), "{two_families:?}");
     }
 }
