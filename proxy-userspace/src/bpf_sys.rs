@@ -387,7 +387,8 @@ pub struct TestRunAttr {
 ///
 /// # Safety
 /// `K` must be the map's key and `V` its value (for a per-CPU map, one value per possible CPU
-/// in `values` for each key): the kernel reads `keys.len()` entries of the map's sizes.
+/// in `values` for each key): the kernel reads `keys.len()` entries of the map's sizes. (Fewer
+/// values than keys are refused here.)
 pub unsafe fn update_batch<K: Copy, V: Copy>(
     map: BorrowedFd<'_>,
     keys: &[K],
@@ -395,6 +396,13 @@ pub unsafe fn update_batch<K: Copy, V: Copy>(
 ) -> io::Result<()> {
     if keys.is_empty() {
         return Ok(());
+    }
+    // The kernel reads a value for every key: fewer would have it read past `values`.
+    if values.len() < keys.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} values for {} keys", values.len(), keys.len()),
+        ));
     }
     let count = u32::try_from(keys.len()).map_err(io::Error::other)?;
     let mut attr = MapBatchAttr {
@@ -441,6 +449,12 @@ mod tests {
         let values: Vec<u64> = keys.iter().map(|key| u64::from(*key) * 3).collect();
         // SAFETY (the updates below too): keys and values of the maps' sizes, as created.
         unsafe { update_batch(hash.as_fd(), &keys, &values) }.expect("update batch");
+        let short = unsafe { update_batch(hash.as_fd(), &keys[..2], &values[..1]) };
+        assert_eq!(
+            short.map_err(|error| error.kind()),
+            Err(io::ErrorKind::InvalidInput),
+            "fewer values than keys"
+        );
         let layout = EntryLayout { key_size: 4, value_bytes: 8 };
         assert_eq!(count_batched(hash.as_fd(), layout, 5_000), Some(u64::from(3 * COUNT_BATCH + 17)));
         assert_eq!(count_keys(hash.as_fd(), layout, 5_000).unwrap(), u64::from(3 * COUNT_BATCH + 17));

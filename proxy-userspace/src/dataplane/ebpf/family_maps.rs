@@ -319,8 +319,8 @@ impl<F: Family> FamilyMaps<F> {
             .copied()
             .unzip();
         // Each entry is one atomic switch whether it is written alone or in a batch.
-        // SAFETY (here and below): aya opened each map as a HashMap of these key and value
-        // types, checking their sizes against the map's.
+        // SAFETY (and the other batches of this file): aya opened each map as a HashMap of
+        // these key and value types, checking their sizes against the map's.
         if unsafe { update_batch(self.services.map().fd().as_fd(), &store_keys, &store_values) }.is_ok() {
             for (key, service) in store_keys.iter().zip(&store_values) {
                 self.store_entry(*key, Some(*service), &mut unused, &mut without_affinity);
@@ -419,6 +419,7 @@ impl<F: Family> FamilyMaps<F> {
                 }
             }
         }
+        // SAFETY: as in `sync_services`' batch.
         unsafe { update_batch(self.backends.map().fd().as_fd(), &keys, &values) }.is_ok()
             && unsafe { update_batch(self.members.map().fd().as_fd(), &members, &first) }.is_ok()
     }
@@ -429,7 +430,7 @@ impl<F: Family> FamilyMaps<F> {
     fn fill_set(&mut self, set: u32, backends: &[Backend<F>], members: bool) -> anyhow::Result<()> {
         let slots: Vec<BackendSlot> =
             (0..backends.len() as u32).map(|slot| BackendSlot { backend_set: set, slot }).collect();
-        // SAFETY: as in `store_services`' batch.
+        // SAFETY: as in `sync_services`' batch.
         if unsafe { update_batch(self.backends.map().fd().as_fd(), &slots, backends) }.is_err() {
             for (slot, backend) in slots.iter().zip(backends) {
                 self.backends
@@ -448,7 +449,7 @@ impl<F: Family> FamilyMaps<F> {
     fn write_members(&mut self, set: u32, backends: &[Backend<F>]) -> anyhow::Result<()> {
         let (members, first): (Vec<BackendMember<F>>, Vec<u32>) =
             first_slots::<F>(set, backends).into_iter().unzip();
-        // SAFETY: as in `store_services`' batch.
+        // SAFETY: as in `sync_services`' batch.
         if unsafe { update_batch(self.members.map().fd().as_fd(), &members, &first) }.is_err() {
             for (member, slot) in members.iter().zip(first) {
                 self.members
