@@ -283,8 +283,7 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     // later packets are, as before.)
     let needs_route = hairpin
         || service.flags & (service_flags::DSR | service_flags::MASQUERADE) != 0
-        || redirecting()
-        || packet.first_fragment.is_some();
+        || redirected_whatever_its_flow(packet);
     let route = if needs_route { route_to(ctx, backend.addr) } else { None };
     if service.flags & service_flags::DSR != 0 && !hairpin {
         if let Some(route) = route.as_ref().filter(|route| remote(packet, &backend, route)) {
@@ -527,7 +526,14 @@ fn forward_tracked<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<
 fn stack_forwards<A>(packet: &Packet<A>, flow: &Nat<A>) -> bool {
     let masqueraded = flow.flags & (flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION)
         == flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION;
-    !redirecting() && !masqueraded && packet.first_fragment.is_none()
+    !redirected_whatever_its_flow(packet) && !masqueraded
+}
+
+/// Whether a forwarded packet is redirected past the stack whatever its flow entry says:
+/// with `--bpf-forwarding=redirect`, or as a first fragment (see [`forward`]).
+#[inline(always)]
+fn redirected_whatever_its_flow<A>(packet: &Packet<A>) -> bool {
+    redirecting() || packet.first_fragment.is_some()
 }
 
 /// The ingress half of a forwarded packet's NAT: toward the backend its destination, so that

@@ -260,8 +260,9 @@ impl Drop for Cgroup2Dir {
     }
 }
 
-/// Where cgroup v2 is mounted (/sys/fs/cgroup/unified on these hybrid machines).
-fn cgroup2_mount() -> Result<PathBuf> {
+/// Where cgroup v2 is mounted (/sys/fs/cgroup/unified on these hybrid machines): the first
+/// cgroup2 mount, as vipr finds it.
+pub fn cgroup2_mount() -> Result<PathBuf> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").context("cannot read /proc/self/mounts")?;
     mounts
         .lines()

@@ -18,8 +18,9 @@ use std::{
 use proxy_common::{pins, sock};
 use serde_json::Value;
 use testbed::{
-    container::Cgroup2Dir, exchange, locate_vipr, manifest, tcp_exchange, wait_for, write_atomically, Answer,
-    Check, ClusterIpService, EchoServer, Endpoint, Frontend, Lab, LabConfig, LeafSpec, TcpSession,
+    container::{cgroup2_mount, Cgroup2Dir},
+    exchange, locate_vipr, manifest, tcp_exchange, wait_for, write_atomically, Answer, Check,
+    ClusterIpService, EchoServer, Endpoint, Frontend, Lab, LabConfig, LeafSpec, TcpSession,
 };
 
 /// Bound on every connect, request and reply.
@@ -296,21 +297,10 @@ fn link_ids() -> BTreeSet<u64> {
     bpftool(&["link", "show"]).as_array().unwrap().iter().filter_map(|link| link["id"].as_u64()).collect()
 }
 
-/// Where the cgroup v2 hierarchy is mounted (its root, in the tests' cgroup namespace).
-fn cgroup2_mount() -> String {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
-    mounts
-        .lines()
-        .find_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            (fields.get(2) == Some(&"cgroup2")).then(|| fields[1].to_owned())
-        })
-        .expect("a cgroup2 mount")
-}
-
 /// Program ids attached to the cgroup v2 root (`bpftool cgroup show`), any owner.
 fn root_cgroup_programs() -> BTreeSet<u64> {
-    bpftool(&["cgroup", "show", &cgroup2_mount()])
+    let root = cgroup2_mount().unwrap();
+    bpftool(&["cgroup", "show", root.to_str().unwrap()])
         .as_array()
         .unwrap()
         .iter()
@@ -406,14 +396,14 @@ fn an_agent_in_a_cgroup_namespace_says_its_hooks_cover_only_that_and_serves_on()
     let lab = new_lab("host-cgns", WEB);
     let log = lab.services_file().with_file_name("vipr-cgns.log");
     let procs = cgroup.path().join("cgroup.procs");
-    let mount = cgroup2_mount();
+    let mount = cgroup2_mount().unwrap();
     // Into the lab's cgroup, then a cgroup namespace rooted there (unshare's is rooted at the
     // caller's cgroup) with a mount namespace of its own, where the tests' cgroup2 mount gives
     // way to a fresh one that shows that namespace's subtree only, as a pod's own
     // /sys/fs/cgroup does. (The kernel refuses the hierarchy mounted over itself.)
     let script = "echo $$ > \"$0\" && exec unshare --cgroup --mount --propagation private \
                   sh -c 'umount -l \"$0\" && mount -t cgroup2 cgroup2 \"$0\" && exec \"$@\"' \"$@\"";
-    let wrapper = ["sh", "-c", script, procs.to_str().unwrap(), mount.as_str()];
+    let wrapper = ["sh", "-c", script, procs.to_str().unwrap(), mount.to_str().unwrap()];
     let mut agent = lab.spawn_vipr_through(&wrapper, &[], &log).unwrap();
     wait_for("the agent to warn of its cgroup namespace", PROGRAMMING_TIMEOUT, || {
         agent.ensure_running()?;
