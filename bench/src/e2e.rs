@@ -31,7 +31,10 @@
 //! client, which the frame stream is redirected into (without XDP there, in TC cells). In ebpf cells the run counts and run times of
 //! vipr's programs are recorded with every measurement (`BPF_ENABLE_STATS`), which shows
 //! which hook handled the packets: an XDP cell whose XDP program saw nothing, or passed the
-//! stream on to TC, fails.
+//! stream on to TC, fails. The streams into drop sinks, which measure the node's own cost per
+//! packet, run with those statistics off (two clock reads per program run, which no node
+//! pays in production); their XDP cells are checked by the node's veth counting every
+//! delivered datagram as redirected by XDP instead.
 //!
 //! All cells are set up first, one after the other (programming time is one of the results),
 //! then measured round robin, one repetition of every cell after the other, so the machine's
@@ -483,14 +486,7 @@ fn nft_cap_reason(max: usize) -> String {
 
 pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
     let binary = locate_vipr()?;
-    // Run counts and times of BPF programs while this descriptor is open, restored (to the
-    // kernel.bpf_stats_enabled sysctl's setting) however the suite ends. On for the whole run
-    // so that TC and XDP cells pay its cost (two clock reads per program run) alike.
-    let _bpf_stats = if settings.modes.iter().any(|mode| mode.is_ebpf()) {
-        Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF_ENABLE_STATS")?)
-    } else {
-        None
-    };
+    let mut bpf_stats = RunStatistics::new(settings.modes.iter().any(|mode| mode.is_ebpf()))?;
     let cgroup = PrivateCgroup::new()?;
     // The clients are pods: in ebpf mode their connections to cluster IPs are balanced at the
     // socket level (vipr's default on a node with a pod cgroup).
@@ -531,7 +527,7 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
             let _ = lab.measure(kind, &settings, warm_up);
         }
         for source in Source::ALL.into_iter().filter(|&source| lab.streams(source)) {
-            let _ = lab.measure_stream(&settings, source, warm_up);
+            let _ = bpf_stats.unless_costing(source, || lab.measure_stream(&settings, source, warm_up))?;
         }
     }
     let mut outcomes: Vec<Vec<Vec<Measured>>> = vec![vec![Vec::new(); Kind::ALL.len()]; labs.len()];
@@ -556,7 +552,9 @@ pub fn run(mut meta: RunMeta, settings: Settings) -> Result<Results> {
                 if !lab.streams(source) {
                     continue;
                 }
-                match lab.measure_stream(&settings, source, settings.duration()) {
+                let measured = bpf_stats
+                    .unless_costing(source, || lab.measure_stream(&settings, source, settings.duration()))?;
+                match measured {
                     Ok(outcome) => {
                         eprintln!(
                             "e2e:   {} at {}: {} {:.0}/s delivered",
@@ -645,6 +643,12 @@ impl Source {
     /// In the order of `Cell::stream`, `Cell::frames`, `Cell::dropped_frames`,
     /// `Cell::dropped_frames6`.
     const ALL: [Self; 4] = [Self::Sockets, Self::Frames, Self::DroppedFrames, Self::DroppedFrames6];
+
+    /// Whether the stream measures the node's own cost per packet (into the drop sinks), which
+    /// BPF run statistics would add to.
+    fn measures_node_cost(self) -> bool {
+        matches!(self, Self::DroppedFrames | Self::DroppedFrames6)
+    }
 
     fn label(self) -> &'static str {
         match self {
@@ -1056,7 +1060,8 @@ impl Lab {
         let cpu_before = CpuTimes::read()?;
         let sinks_before = self.sink_cpu_ns();
         let ksoftirqd_before = ksoftirqd_cpu_ns();
-        let dropping = matches!(source, Source::DroppedFrames | Source::DroppedFrames6);
+        let dropping = source.measures_node_cost();
+        let redirected_before = self.xdp_redirected()?;
         if dropping {
             self.attach_drop_sinks(true)?;
         }
@@ -1085,10 +1090,22 @@ impl Lab {
         } else {
             self.delivered() - delivered_before
         };
-        let bpf = self.bpf_runs()?.zip(bpf_before).map(|(after, before)| after.since(before));
+        // The drop sinks' streams run without BPF run statistics (`RunStatistics`): no counts.
+        let bpf = if dropping {
+            None
+        } else {
+            self.bpf_runs()?.zip(bpf_before).map(|(after, before)| after.since(before))
+        };
         let rcvbuf_drops = self.rcvbuf_errors()?.saturating_sub(drops_before);
         if delivered == 0 {
             bail!("none of the {} datagrams sent reached a backend", sent.datagrams);
+        }
+        if let (Some(before), Some(after)) = (redirected_before, self.xdp_redirected()?) {
+            let redirected = after.saturating_sub(before);
+            ensure!(
+                redirected >= delivered,
+                "XDP redirected {redirected} frames for {delivered} datagrams delivered: the rest went through TC"
+            );
         }
         if let Some(BpfRuns { xdp_runs: Some(xdp), tc_runs, .. }) = bpf {
             ensure!(xdp >= delivered, "vipr_xdp ran {xdp} times for {delivered} datagrams delivered");
@@ -1112,6 +1129,17 @@ impl Lab {
 
     fn delivered(&self) -> u64 {
         self.sinks.iter().map(load::Sink::received).sum()
+    }
+
+    /// XDP cells: the frames vipr's XDP program redirected so far, by the counters of the
+    /// node's veth toward the external client (kept by the driver, BPF statistics or not).
+    fn xdp_redirected(&self) -> Result<Option<u64>> {
+        if self.mode != Mode::EbpfXdp {
+            return Ok(None);
+        }
+        let device = &self.topology.leaf("ext")?.spec.node_interface;
+        let redirected = self.topology.node().run(|| testbed::ethtool::xdp_counter(device, "xdp_redirect"));
+        Ok(Some(redirected.with_context(|| format!("the XDP counters of {device}"))?))
     }
 
     /// Puts the drop sink on every backend's veth (native XDP), or takes it off.
@@ -1145,6 +1173,44 @@ impl Lab {
 
 // ---------------------------------------------------------------------------------------------
 // What the node and its programs did.
+
+/// BPF run statistics (`BPF_ENABLE_STATS`): run counts and times of every program while the
+/// descriptor is held, restored to the kernel.bpf_stats_enabled sysctl's setting however the
+/// suite ends. They cost two clock reads per program run (`sched_clock`, a paravirtual clock
+/// read on a VM: in a profile of an XDP cell as many samples as vipr's XDP program itself), a
+/// cost the TC and XDP cells pay alike but no node pays in production.
+struct RunStatistics {
+    wanted: bool,
+    held: Option<std::os::fd::OwnedFd>,
+}
+
+impl RunStatistics {
+    /// On (if `wanted`: the run has ebpf cells) until dropped.
+    fn new(wanted: bool) -> Result<Self> {
+        let mut stats = Self { wanted, held: None };
+        stats.resume()?;
+        Ok(stats)
+    }
+
+    fn resume(&mut self) -> Result<()> {
+        if self.wanted && self.held.is_none() {
+            self.held = Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF_ENABLE_STATS")?);
+        }
+        Ok(())
+    }
+
+    /// Runs `measure`, with the statistics off if `source` measures the node's own cost per
+    /// packet (unless the sysctl keeps them on), and on again after.
+    fn unless_costing<T>(&mut self, source: Source, measure: impl FnOnce() -> T) -> Result<T> {
+        if !source.measures_node_cost() {
+            return Ok(measure());
+        }
+        self.held = None;
+        let measured = measure();
+        self.resume()?;
+        Ok(measured)
+    }
+}
 
 /// vipr's programs in an ebpf lab, found through the links vipr pinned for the external
 /// client's device (each vipr loads its own programs, so the counts are this lab's).

@@ -92,3 +92,18 @@ pub fn stats(device: &str) -> Result<BTreeMap<String, u64>> {
         })
         .collect())
 }
+
+/// The sum over a device's receive queues of one of its XDP counters (veth's
+/// `rx_queue_N_<counter>`: `xdp_redirect`, `xdp_tx`, `xdp_drops`, ...), which the driver keeps
+/// whether or not BPF run statistics are on.
+pub fn xdp_counter(device: &str, counter: &str) -> Result<u64> {
+    let stats = stats(device)?;
+    let suffix = format!("_{counter}");
+    let queues: Vec<u64> = stats
+        .iter()
+        .filter(|(name, _)| name.starts_with("rx_queue_") && name.ends_with(&suffix))
+        .map(|(_, value)| *value)
+        .collect();
+    ensure!(!queues.is_empty(), "{device} has no {counter} counters: {stats:?}");
+    Ok(queues.iter().sum())
+}

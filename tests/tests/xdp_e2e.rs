@@ -485,17 +485,9 @@ fn sent(netns: &Netns, protocol: Protocol) -> Result<u64> {
         .context("a counter")
 }
 
-/// The sum of a veth's per-queue XDP counters named `rx_queue_N_<counter>`.
+/// [`ethtool::xdp_counter`] of `device` in `netns`.
 fn xdp_counter(netns: &Netns, device: &str, counter: &str) -> Result<u64> {
-    let stats = netns.run(|| ethtool::stats(device))?;
-    let suffix = format!("_{counter}");
-    let queues: Vec<u64> = stats
-        .iter()
-        .filter(|(name, _)| name.starts_with("rx_queue_") && name.ends_with(&suffix))
-        .map(|(_, value)| *value)
-        .collect();
-    ensure!(!queues.is_empty(), "{device} has no {counter} counters: {stats:?}");
-    Ok(queues.iter().sum())
+    netns.run(|| ethtool::xdp_counter(device, counter))
 }
 
 /// Runs `traffic` from the external client and checks that the node's XDP program redirected
