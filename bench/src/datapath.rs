@@ -235,6 +235,12 @@ pub struct Cell {
     /// method, ns per packet less the empty program: what no load balancer can avoid.
     #[serde(default)]
     pub floor: Option<Summary>,
+    /// The new-flow floor (`sys::FloorProgram::load_new_flow`: the floor plus a connection
+    /// table's miss and insert) on the chain method's packets, ns per packet less the empty
+    /// program: what no load balancer that keeps its connections on their backends can avoid
+    /// for a connection's first packet.
+    #[serde(default)]
+    pub new_flow_floor: Option<Summary>,
 }
 
 impl Cell {
@@ -333,6 +339,15 @@ pub fn run(meta: RunMeta, settings: Settings) -> Result<Results> {
                 cell.path(PathKind::Established).map_or(f64::NAN, |path| path.program.median / floor.median),
                 cell.path(PathKind::NewFlow).map_or(f64::NAN, |path| path.program.median / floor.median),
             );
+            if let Some(new_flow_floor) = &cell.new_flow_floor {
+                eprintln!(
+                    "  new-flow floor {:.1} ns/packet ({:.2}x the floor); vipr's new flow {:.2}x it",
+                    new_flow_floor.median,
+                    new_flow_floor.median / floor.median,
+                    cell.path(PathKind::NewFlow)
+                        .map_or(f64::NAN, |path| path.program.median / new_flow_floor.median),
+                );
+            }
         }
     }
     let mut meta = meta;
@@ -408,6 +423,10 @@ struct CellBench<'a> {
     /// what it measured (program ns per repetition).
     floor: sys::FloorProgram,
     floor_ns: Vec<f64>,
+    /// The new-flow floor, its service table holding the chain (frontend k to frontend k + 1),
+    /// and what it measured.
+    new_flow_floor: sys::FloorProgram,
+    new_flow_floor_ns: Vec<f64>,
 }
 
 impl<'a> CellBench<'a> {
@@ -528,6 +547,18 @@ impl<'a> CellBench<'a> {
             let to = (cluster_ip(service).octets(), SERVICE_PORT);
             floor.insert((client_end.0.octets(), client_end.1), to, to, 1)?;
         }
+        let links = u32::try_from(settings.chain)?;
+        let new_flow_floor = sys::FloorProgram::load_new_flow(links + 16, links + 16)?;
+        let client = chain_client();
+        for link in 0..settings.chain {
+            let (this, next) = (chain_frontend(link), chain_frontend(link + 1));
+            new_flow_floor.insert(
+                (client.0.octets(), client.1),
+                (this.octets(), SERVICE_PORT),
+                (next.octets(), SERVICE_PORT),
+                1,
+            )?;
+        }
         let baseline = match baseline_object {
             Some(object) => Some((
                 Bench::load(object, bpffs.path(), sizes, empty, settings)
@@ -556,6 +587,8 @@ impl<'a> CellBench<'a> {
             paths: measurements(),
             floor,
             floor_ns: Vec::new(),
+            new_flow_floor,
+            new_flow_floor_ns: Vec::new(),
         })
     }
 
@@ -575,7 +608,8 @@ impl<'a> CellBench<'a> {
                 self.measure_baseline(i, kind)?;
             }
         }
-        self.measure_floor()
+        self.measure_floor()?;
+        self.measure_new_flow_floor()
     }
 
     /// One repetition of the floor program on the established packet (repeat method: its
@@ -591,6 +625,35 @@ impl<'a> CellBench<'a> {
             "the floor program changed the established packet (its entry maps it to itself)"
         );
         self.floor_ns.push(f64::from(run.ns) - f64::from(empty.ns));
+        Ok(())
+    }
+
+    /// One repetition of the new-flow floor by the chain method, as vipr's warm new flow: a
+    /// first uncounted run brings the chain into the caches, then one counted. After each,
+    /// the packet must be addressed to the chain's end and the connection table must have
+    /// recorded every link, which is then emptied for the next run.
+    fn measure_new_flow_floor(&mut self) -> Result<()> {
+        let links = self.bench.settings.chain;
+        let repeat = u32::try_from(links)?;
+        let client = chain_client();
+        let input = frame::tcp(client, (chain_frontend(0), SERVICE_PORT));
+        let recorded: Vec<([u8; 4], u16)> =
+            (0..links).map(|link| (chain_frontend(link).octets(), SERVICE_PORT)).collect();
+        for counted in [false, true] {
+            let out = &mut self.bench.out;
+            let empty = sys::test_run(self.bench.empty, &input, out, repeat)?;
+            let run = sys::test_run(self.new_flow_floor.program.as_fd(), &input, out, repeat)?;
+            ensure!(run.verdict == TC_ACT_REDIRECT, "the new-flow floor returned {}", run.verdict);
+            let dst = frame::addr(&out[..run.out_len.min(out.len())], frame::DST_ADDR);
+            ensure!(
+                dst == Some(chain_frontend(links)),
+                "after {links} runs the new-flow floor's packet goes to {dst:?}, not to the end of the chain"
+            );
+            self.new_flow_floor.forget_connections((client.0.octets(), client.1), &recorded)?;
+            if counted {
+                self.new_flow_floor_ns.push(f64::from(run.ns) - f64::from(empty.ns));
+            }
+        }
         Ok(())
     }
 
@@ -692,6 +755,7 @@ impl<'a> CellBench<'a> {
                 None => Vec::new(),
             },
             floor: Summary::of(&self.floor_ns),
+            new_flow_floor: Summary::of(&self.new_flow_floor_ns),
         })
     }
 }
@@ -887,7 +951,7 @@ impl<'a> Bench<'a> {
     fn chain_once(&mut self, kind: PathKind, baselines: &mut Baselines) -> Result<(f64, f64)> {
         let links = self.settings.chain;
         let repeat = u32::try_from(links)?;
-        let client = (client_ip(7), 33_333);
+        let client = chain_client();
         let input = frame::tcp(client, (chain_frontend(0), SERVICE_PORT));
         let empty = sys::test_run(self.empty, &input, &mut self.out, repeat)?;
         let run = self.run_program(&input, repeat)?;
@@ -981,6 +1045,11 @@ fn frame_key(frame: &[u8], reverse: bool) -> Result<FlowKey4> {
 const CHAIN_SETS: u32 = 0xc000_0000;
 
 /// Frontend `link` of the chain: 10.112.0.0/12, outside the service CIDR and the cluster's.
+/// The pod the chain method's packets come from.
+fn chain_client() -> (Ipv4Addr, u16) {
+    (client_ip(7), 33_333)
+}
+
 fn chain_frontend(link: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 112, 0, 1)) + link as u32)
 }

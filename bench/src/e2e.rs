@@ -33,8 +33,8 @@
 //! which hook handled the packets: an XDP cell whose XDP program saw nothing, or passed the
 //! stream on to TC, fails. The streams into drop sinks, which measure the node's own cost per
 //! packet, run with those statistics off (two clock reads per program run, which no node
-//! pays in production); their XDP cells are checked by the node's veth counting every
-//! delivered datagram as redirected by XDP instead.
+//! pays in production); their XDP cells are checked by the node's veth counting the
+//! delivered datagrams (all but a tenth at most) as redirected by XDP instead.
 //!
 //! All cells are set up first, one after the other (programming time is one of the results),
 //! then measured round robin, one repetition of every cell after the other, so the machine's
@@ -1100,10 +1100,12 @@ impl Lab {
         if delivered == 0 {
             bail!("none of the {} datagrams sent reached a backend", sent.datagrams);
         }
+        // As the run counts below: a few frames may pass to TC (a neighbour being confirmed, a
+        // route generation moving on), not a tenth of them.
         if let (Some(before), Some(after)) = (redirected_before, self.xdp_redirected()?) {
             let redirected = after.saturating_sub(before);
             ensure!(
-                redirected >= delivered,
+                redirected >= delivered - delivered / 10,
                 "XDP redirected {redirected} frames for {delivered} datagrams delivered: the rest went through TC"
             );
         }

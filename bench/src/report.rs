@@ -107,6 +107,15 @@ fn num(x: f64) -> String {
     format!("{x:.decimals$}")
 }
 
+/// Where a datapath cell keeps a reference program's cost.
+type ReferenceOf = fn(&datapath::Cell) -> Option<&Summary>;
+
+/// A datapath cost: ns per packet with its spread, and the packets per second one core would
+/// sustain at that cost.
+fn per_packet(ns: &Summary) -> String {
+    format!("{} · {} Mpps", with_spread(ns), num(1e3 / ns.median))
+}
+
 fn with_spread(s: &Summary) -> String {
     format!("{} ({}–{})", num(s.median), num(s.min), num(s.max))
 }
@@ -251,12 +260,13 @@ fn targets(
 fn floor_targets(datapath: Option<&datapath::Results>) -> Vec<Target> {
     let ratios = |kind: PathKind| -> Option<(f64, String)> {
         let results = datapath?;
+        let cell = |services: usize| results.cell(services, results.settings.default_backends);
         let points: Vec<(usize, f64, f64)> = results
             .settings
             .services_axis
             .iter()
             .filter_map(|&services| {
-                let cell = results.cell(services, results.settings.default_backends)?;
+                let cell = cell(services)?;
                 let floor = cell.floor.as_ref()?.median;
                 (floor > 0.0).then_some((services, cell.path(kind)?.program.median / floor, floor))
             })
@@ -264,10 +274,23 @@ fn floor_targets(datapath: Option<&datapath::Results>) -> Vec<Target> {
         let &(services, worst, floor) = points.iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
         let all: Vec<String> =
             points.iter().map(|(s, ratio, _)| format!("{}: {ratio:.2}×", short(*s))).collect();
+        // A new flow beside the least any load balancer that keeps connections does for one.
+        let new_flow_floor = cell(services)
+            .and_then(|cell| cell.new_flow_floor.as_ref())
+            .filter(|_| kind == PathKind::NewFlow)
+            .map_or(String::new(), |new_flow_floor| {
+                let new_flow_floor = new_flow_floor.median;
+                format!(
+                    "; the new-flow floor there {} ns, {:.2}× the floor, and vipr's new flow {:.2}× it",
+                    num(new_flow_floor),
+                    new_flow_floor / floor,
+                    worst * floor / new_flow_floor
+                )
+            });
         Some((
             worst,
             format!(
-                "{worst:.2}× at {} services (floor {} ns there; by services: {})",
+                "{worst:.2}× at {} services (floor {} ns there; by services: {}){new_flow_floor}",
                 short(services),
                 num(floor),
                 all.join(", ")
@@ -712,8 +735,31 @@ fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], 
             for cell in &cells {
                 match cell.path(kind) {
                     Some(path) => {
-                        let mpps = 1e3 / path.program.median;
-                        let _ = write!(w, " {} · {} Mpps |", with_spread(&path.program), num(mpps));
+                        let _ = write!(w, " {} |", per_packet(&path.program));
+                    }
+                    None => {
+                        let _ = write!(w, " — |");
+                    }
+                }
+            }
+            let _ = writeln!(w);
+        }
+        // The reference programs measured beside vipr's paths (issue 16).
+        let references: [(&str, datapath::Method, ReferenceOf); 2] = [
+            ("the floor (reference program)", datapath::Method::Repeat, |cell| cell.floor.as_ref()),
+            ("the new-flow floor (reference program)", datapath::Method::Chain, |cell| {
+                cell.new_flow_floor.as_ref()
+            }),
+        ];
+        for (label, method, of) in references {
+            if cells.iter().all(|cell| of(cell).is_none()) {
+                continue;
+            }
+            let _ = write!(w, "| {label} | {} |", method.label());
+            for cell in &cells {
+                match of(cell) {
+                    Some(summary) => {
+                        let _ = write!(w, " {} |", per_packet(summary));
                     }
                     None => {
                         let _ = write!(w, " — |");
@@ -829,7 +875,14 @@ fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], 
          destination address and port rewritten with the kernel's checksum helpers, `bpf_redirect`. \
          No state, counters or route lookup. It runs on the established packet with the repeat \
          method in every repetition of every cell, beside vipr's paths; the targets state vipr's \
-         established and new-flow costs as multiples of it.\n",
+         established and new-flow costs as multiples of it.\n\
+         - The new-flow floor: the floor's instructions with its map as the service table, and a \
+         connection table (the same kind of preallocated hash map) before it: one lookup there (a \
+         miss), the service's entry, the connection recorded with one insert (no reply entry, no \
+         reverse NAT, no state), the rewrite and the redirect. The least a load balancer that keeps \
+         its connections on their backends does for a connection's first packet. It runs with the \
+         chain method on a chain of its own (a first run uncounted, as vipr's), and its table is \
+         emptied after each run (every link must have been recorded).\n",
         s.services_axis.iter().map(|n| short(*n)).collect::<Vec<_>>().join(", "),
         s.default_backends,
         short(s.backends_axis_services),
@@ -1258,8 +1311,9 @@ fn render_e2e(w: &mut String, results: &e2e::Results, plots: &[&str], plot_dir: 
          sinks are the exception: they measure the node's own cost per packet, and the statistics' two \
          clock reads per program run (a paravirtual clock on a VM; no node runs with them in \
          production) cost as much as vipr's XDP program, so they run with the statistics off, and an \
-         XDP cell fails unless the node's veth toward the external client counts every delivered \
-         datagram as redirected by XDP (its `rx_queue_N_xdp_redirect` counters).\n\
+         XDP cell fails unless the node's veth toward the external client counts the delivered \
+         datagrams, all but a tenth at most, as redirected by XDP (its `rx_queue_N_xdp_redirect` \
+         counters).\n\
          - The frame stream: an XDP program of the suite's own (raw instructions) run by \
          BPF_PROG_TEST_RUN in live-frame mode in the external client's namespace, 65,536 frames per \
          call, one flow's frame per call in turn, redirected out of the client's veth. It writes the \

@@ -254,10 +254,18 @@ pub fn load_empty_tc_program() -> Result<OwnedFd> {
 /// as vipr rewrites them; `bpf_redirect` to the interface the entry names. vipr's paths are
 /// stated as multiples of it (issue 16). Assembled from raw instructions like the empty
 /// program, so that neither the compiler nor vipr's object shapes it.
+///
+/// The new-flow floor ([`FloorProgram::load_new_flow`]) is the least a load balancer that
+/// keeps its connections on their backends does for a connection's first packet: the floor's
+/// work, with its map as the service table, plus a connection table looked up first (a miss)
+/// and the connection recorded in it (one insert, no reply entry, no reverse NAT). A
+/// connection it already recorded goes on as the floor's established packet.
 pub struct FloorProgram {
-    // The program holds its own reference to the map; both close on drop.
+    // The program holds its own reference to the maps; all close on drop.
     pub program: OwnedFd,
     map: OwnedFd,
+    /// The new-flow floor's connection table.
+    connections: Option<OwnedFd>,
 }
 
 /// The floor map's key: the packet's 5-tuple as it lies in the headers (addresses and ports
@@ -268,22 +276,41 @@ pub type FloorKey = [u8; 16];
 pub type FloorValue = [u8; 12];
 
 impl FloorProgram {
+    /// The floor, with room for `max_entries` connections in its map.
     pub fn load(max_entries: u32) -> Result<Self> {
-        const BPF_MAP_TYPE_HASH: u32 = 1;
-        let mut attr = bpf_sys::MapCreateAttr {
-            map_type: BPF_MAP_TYPE_HASH,
-            key_size: size_of::<FloorKey>() as u32,
-            value_size: size_of::<FloorValue>() as u32,
-            max_entries,
-            map_flags: 0,
-        };
-        // SAFETY: a plain attribute struct, read by the kernel during the call.
-        let map = unsafe { bpf(cmd::MAP_CREATE, &mut attr) }
-            .and_then(bpf_sys::owned_fd)
-            .context("creating the floor program's map")?;
-        let program =
-            load_raw_program(BPF_PROG_TYPE_SCHED_CLS, "bench_floor", &floor_instructions(map.as_raw_fd()))?;
-        Ok(Self { program, map })
+        let map = floor_map(max_entries).context("creating the floor program's map")?;
+        let program = load_raw_program(
+            BPF_PROG_TYPE_SCHED_CLS,
+            "bench_floor",
+            &floor_instructions(map.as_raw_fd(), None),
+        )?;
+        Ok(Self { program, map, connections: None })
+    }
+
+    /// The new-flow floor, with room for `max_entries` entries in its service table (filled by
+    /// [`FloorProgram::insert`]) and `connections` in its connection table.
+    pub fn load_new_flow(max_entries: u32, connections: u32) -> Result<Self> {
+        let map = floor_map(max_entries).context("creating the new-flow floor's service table")?;
+        let table = floor_map(connections).context("creating the new-flow floor's connection table")?;
+        let program = load_raw_program(
+            BPF_PROG_TYPE_SCHED_CLS,
+            "bench_floor_new",
+            &floor_instructions(map.as_raw_fd(), Some(table.as_raw_fd())),
+        )?;
+        Ok(Self { program, map, connections: Some(table) })
+    }
+
+    /// Removes the new-flow floor's connections from `from` to each of `to` (TCP); an error
+    /// unless every one of them was there.
+    pub fn forget_connections(&self, from: ([u8; 4], u16), to: &[([u8; 4], u16)]) -> Result<()> {
+        let table = self.connections.as_ref().context("the floor program has no connection table")?;
+        for &to in to {
+            // SAFETY: a `FloorKey`, the table's key size.
+            let found = unsafe { bpf_sys::delete(table.as_fd(), &floor_key(from, to)) }
+                .context("removing a connection of the new-flow floor")?;
+            ensure!(found, "the new-flow floor recorded no connection from {from:?} to {to:?}");
+        }
+        Ok(())
     }
 
     /// Maps the TCP connection `from` -> `to` to the destination `new_to`, sent out of
@@ -295,12 +322,7 @@ impl FloorProgram {
         new_to: ([u8; 4], u16),
         ifindex: u32,
     ) -> Result<()> {
-        let mut key = [0u8; 16];
-        key[0..4].copy_from_slice(&from.0);
-        key[4..8].copy_from_slice(&to.0);
-        key[8..10].copy_from_slice(&from.1.to_be_bytes());
-        key[10..12].copy_from_slice(&to.1.to_be_bytes());
-        key[12] = 6; // TCP
+        let key = floor_key(from, to);
         let mut value = [0u8; 12];
         value[0..4].copy_from_slice(&new_to.0);
         value[4..6].copy_from_slice(&new_to.1.to_be_bytes());
@@ -309,6 +331,31 @@ impl FloorProgram {
         unsafe { bpf_sys::update(self.map.as_fd(), &key, &value, 0) }
             .context("filling the floor program's map")
     }
+}
+
+/// A hash map of [`FloorKey`] to [`FloorValue`] (preallocated, as vipr's flows map).
+fn floor_map(max_entries: u32) -> Result<OwnedFd> {
+    const BPF_MAP_TYPE_HASH: u32 = 1;
+    let mut attr = bpf_sys::MapCreateAttr {
+        map_type: BPF_MAP_TYPE_HASH,
+        key_size: size_of::<FloorKey>() as u32,
+        value_size: size_of::<FloorValue>() as u32,
+        max_entries,
+        map_flags: 0,
+    };
+    // SAFETY: a plain attribute struct, read by the kernel during the call.
+    Ok(unsafe { bpf(cmd::MAP_CREATE, &mut attr) }.and_then(bpf_sys::owned_fd)?)
+}
+
+/// The floor maps' key of the TCP connection `from` -> `to`.
+fn floor_key(from: ([u8; 4], u16), to: ([u8; 4], u16)) -> FloorKey {
+    let mut key = [0u8; 16];
+    key[0..4].copy_from_slice(&from.0);
+    key[4..8].copy_from_slice(&to.0);
+    key[8..10].copy_from_slice(&from.1.to_be_bytes());
+    key[10..12].copy_from_slice(&to.1.to_be_bytes());
+    key[12] = 6; // TCP
+    key
 }
 
 /// Loads a program from raw instructions; the verifier's log is in the error.
@@ -483,6 +530,7 @@ mod op {
     pub const LD_IMM64: u8 = 0x18;
     pub const PSEUDO_MAP_FD: u8 = 1;
     pub const MAP_LOOKUP_ELEM: i32 = 1;
+    pub const MAP_UPDATE_ELEM: i32 = 2;
 }
 
 /// Points the conditional jumps at indexes `at` to instruction `target` (offsets count from
@@ -502,8 +550,9 @@ fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
         | (u64::from(imm as u32) << 32)
 }
 
-/// The floor program's instructions (see [`FloorProgram`]), its map's descriptor built in.
-fn floor_instructions(map_fd: i32) -> Vec<u64> {
+/// The floor program's instructions (see [`FloorProgram`]), its map's descriptor built in;
+/// with a connection table's, the new-flow floor's.
+fn floor_instructions(map_fd: i32, connections: Option<i32>) -> Vec<u64> {
     use op::*;
     // Helpers.
     const SKB_STORE_BYTES: i32 = 9;
@@ -548,13 +597,39 @@ fn floor_instructions(map_fd: i32) -> Vec<u64> {
         insn(STX_W, fp, r5, -8, 0),
         insn(ST_W, fp, 0, -4, 6),
         insn(LDX_H, r8, r2, DPORT, 0), // r8 = old destination port
-        insn(LD_IMM64, r1, PSEUDO_MAP_FD, 0, map_fd),
-        0,
-        insn(MOV_X, r2, fp, 0, 0),
-        insn(ADD_K, r2, 0, 0, -16),
-        insn(CALL, 0, 0, 0, MAP_LOOKUP_ELEM),
-        insn(JEQ_K, r0, 0, 0, 0),  // 25: no entry: pass
-        insn(MOV_X, r9, r0, 0, 0), // r9 = the entry
+    ];
+    // Conditional jumps to `pass`: too short, not IPv4, IPv4 options, not TCP.
+    let mut to_pass = vec![5, 7, 9, 11];
+    // r1 = the map, r2 = the key on the stack.
+    let map_and_key = |map: i32| {
+        [insn(LD_IMM64, r1, PSEUDO_MAP_FD, 0, map), 0, insn(MOV_X, r2, fp, 0, 0), insn(ADD_K, r2, 0, 0, -16)]
+    };
+    let mut to_rewrite = Vec::new();
+    if let Some(table) = connections {
+        code.extend(map_and_key(table));
+        code.push(insn(CALL, 0, 0, 0, MAP_LOOKUP_ELEM));
+        // A connection recorded: its entry, as the floor's.
+        code.push(insn(JEQ_K, r0, 0, 2, 0));
+        code.push(insn(MOV_X, r9, r0, 0, 0));
+        to_rewrite.push(code.len());
+        code.push(insn(JA, 0, 0, 0, 0));
+    }
+    code.extend(map_and_key(map_fd));
+    code.push(insn(CALL, 0, 0, 0, MAP_LOOKUP_ELEM));
+    to_pass.push(code.len());
+    code.push(insn(JEQ_K, r0, 0, 0, 0)); // no entry: pass
+    code.push(insn(MOV_X, r9, r0, 0, 0)); // r9 = the entry
+    if let Some(table) = connections {
+        // The new connection recorded with the service's entry (BPF_ANY); a full table passes.
+        code.extend(map_and_key(table));
+        code.push(insn(MOV_X, r3, r9, 0, 0));
+        code.push(insn(MOV_K, r4, 0, 0, 0));
+        code.push(insn(CALL, 0, 0, 0, MAP_UPDATE_ELEM));
+        to_pass.push(code.len());
+        code.push(insn(JNE_K, r0, 0, 0, 0));
+    }
+    let rewrite = code.len();
+    code.extend([
         // The IPv4 header checksum, then the TCP checksum (pseudo header), for the address.
         insn(MOV_X, r1, r6, 0, 0),
         insn(MOV_K, r2, 0, 0, IP_CSUM),
@@ -594,13 +669,13 @@ fn floor_instructions(map_fd: i32) -> Vec<u64> {
         insn(MOV_K, r2, 0, 0, 0),
         insn(CALL, 0, 0, 0, REDIRECT),
         insn(EXIT, 0, 0, 0, 0),
-    ];
+    ]);
     // pass: TC_ACT_OK.
     let pass = code.len();
     code.push(insn(MOV_K, r0, 0, 0, 0));
     code.push(insn(EXIT, 0, 0, 0, 0));
-    // Every conditional jump above goes to `pass`.
-    jump_to(&mut code, &[5, 7, 9, 11, 25], pass);
+    jump_to(&mut code, &to_pass, pass);
+    jump_to(&mut code, &to_rewrite, rewrite);
     code
 }
 
@@ -811,6 +886,44 @@ mod tests {
         let run = test_run(floor.program.as_fd(), &other, &mut out, 1).unwrap();
         assert_eq!(run.verdict, 0, "TC_ACT_OK");
         assert_eq!(out[..run.out_len], other[..]);
+    }
+
+    /// The new-flow floor records a connection's first packet and sends its later packets by
+    /// that record, even when the service's entry changes.
+    #[test]
+    fn the_new_flow_floor_records_a_connection_and_keeps_it_on_its_backend() {
+        let floor = FloorProgram::load_new_flow(4, 4).expect("loading the new-flow floor");
+        let client = (Ipv4Addr::new(10, 1, 0, 1), 40_001);
+        let frontend = (Ipv4Addr::new(10, 96, 0, 1), 80);
+        let (first, second) = ((Ipv4Addr::new(10, 2, 0, 7), 8080), (Ipv4Addr::new(10, 2, 0, 8), 8080));
+        let to = |backend: (Ipv4Addr, u16)| {
+            floor.insert(
+                (client.0.octets(), client.1),
+                (frontend.0.octets(), frontend.1),
+                (backend.0.octets(), backend.1),
+                1,
+            )
+        };
+        let connection = [(frontend.0.octets(), frontend.1)];
+        let mut out = vec![0u8; 256];
+        let run =
+            |out: &mut [u8]| test_run(floor.program.as_fd(), &frame::tcp(client, frontend), out, 1).unwrap();
+        // Nothing recorded before the first packet.
+        let forgotten = floor.forget_connections((client.0.octets(), client.1), &connection);
+        assert!(forgotten.is_err(), "no connection yet");
+        to(first).unwrap();
+        let first_run = run(&mut out);
+        assert_eq!(first_run.verdict, 7, "TC_ACT_REDIRECT");
+        // The service moves on; the recorded connection does not.
+        to(second).unwrap();
+        run(&mut out);
+        assert_eq!(out[..first_run.out_len], frame::tcp(client, first)[..]);
+        floor
+            .forget_connections((client.0.octets(), client.1), &connection)
+            .expect("one connection recorded");
+        // Forgotten, the next packet is a new connection to the service's backend now.
+        run(&mut out);
+        assert_eq!(out[..first_run.out_len], frame::tcp(client, second)[..]);
     }
 
     /// The drop sink drops and counts the stream's datagrams, and passes anything else.

@@ -14,6 +14,7 @@ pub mod cmd {
     pub const MAP_CREATE: c_long = 0;
     pub const MAP_LOOKUP_ELEM: c_long = 1;
     pub const MAP_UPDATE_ELEM: c_long = 2;
+    pub const MAP_DELETE_ELEM: c_long = 3;
     pub const MAP_GET_NEXT_KEY: c_long = 4;
     pub const PROG_LOAD: c_long = 5;
     pub const OBJ_GET: c_long = 7;
@@ -150,7 +151,7 @@ struct MapNextKeyAttr {
     next_key: u64,
 }
 
-/// `BPF_MAP_LOOKUP_ELEM` and `BPF_MAP_UPDATE_ELEM`.
+/// `BPF_MAP_LOOKUP_ELEM`, `BPF_MAP_UPDATE_ELEM` and `BPF_MAP_DELETE_ELEM`.
 #[repr(C)]
 #[derive(Debug, Default)]
 struct MapElemAttr {
@@ -221,6 +222,21 @@ pub unsafe fn update(map: BorrowedFd<'_>, key: &[u8], value: &[u8], flags: u64) 
     // SAFETY: the caller's promise: the buffers hold the map's key and value; the kernel only
     // reads them during the call.
     unsafe { bpf(cmd::MAP_UPDATE_ELEM, &mut attr) }.map(drop)
+}
+
+/// Removes `key`; `false` if there was no such key.
+///
+/// # Safety
+/// `key` must hold at least the map's key size: the kernel reads that many bytes.
+pub unsafe fn delete(map: BorrowedFd<'_>, key: &[u8]) -> io::Result<bool> {
+    let mut attr =
+        MapElemAttr { map_fd: map.as_raw_fd() as u32, key: key.as_ptr() as u64, ..MapElemAttr::default() };
+    // SAFETY: the caller's promise: the buffer holds the map's key; it outlives the call.
+    match unsafe { bpf(cmd::MAP_DELETE_ELEM, &mut attr) } {
+        Ok(_) => Ok(true),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(error) => Err(error),
+    }
 }
 
 /// How a map's entries are laid out, for [`count_keys`]: taken from the kernel's description
@@ -484,5 +500,18 @@ mod tests {
         }
         let layout = EntryLayout { key_size: 20, value_bytes: 1 };
         assert_eq!(count_keys(trie6.as_fd(), layout, 64).unwrap(), 3);
+    }
+
+    #[test]
+    fn a_deleted_key_is_gone_and_deleting_it_again_says_so() {
+        const BPF_MAP_TYPE_HASH: u32 = 1;
+        let hash = map(BPF_MAP_TYPE_HASH, 4, 8, 16, 0);
+        let key = 7u32.to_ne_bytes();
+        let mut value = [0u8; 8];
+        // SAFETY (all four calls): a 4-byte key and an 8-byte value, as the map was created.
+        unsafe { update(hash.as_fd(), &key, &9u64.to_ne_bytes(), 0) }.expect("insert");
+        assert!(unsafe { delete(hash.as_fd(), &key) }.expect("delete"), "the key was there");
+        assert!(!unsafe { lookup(hash.as_fd(), &key, &mut value) }.expect("lookup"), "the key is gone");
+        assert!(!unsafe { delete(hash.as_fd(), &key) }.expect("delete again"), "nothing left to delete");
     }
 }
