@@ -1044,12 +1044,12 @@ fn frame_key(frame: &[u8], reverse: bool) -> Result<FlowKey4> {
 /// Backend sets and service ids of the chain, far above the agent's.
 const CHAIN_SETS: u32 = 0xc000_0000;
 
-/// Frontend `link` of the chain: 10.112.0.0/12, outside the service CIDR and the cluster's.
 /// The pod the chain method's packets come from.
 fn chain_client() -> (Ipv4Addr, u16) {
     (client_ip(7), 33_333)
 }
 
+/// Frontend `link` of the chain: 10.112.0.0/12, outside the service CIDR and the cluster's.
 fn chain_frontend(link: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 112, 0, 1)) + link as u32)
 }
