@@ -533,8 +533,8 @@ mod op {
     pub const MAP_UPDATE_ELEM: i32 = 2;
 }
 
-/// Points the conditional jumps at indexes `at` to instruction `target` (offsets count from
-/// the next instruction).
+/// Points the jumps (conditional or not) at indexes `at` to instruction `target` (offsets
+/// count from the next instruction).
 fn jump_to(code: &mut [u64], at: &[usize], target: usize) {
     for &at in at {
         let off = (target - at - 1) as i16;
@@ -608,7 +608,8 @@ fn floor_instructions(map_fd: i32, connections: Option<i32>) -> Vec<u64> {
     if let Some(table) = connections {
         code.extend(map_and_key(table));
         code.push(insn(CALL, 0, 0, 0, MAP_LOOKUP_ELEM));
-        // A connection recorded: its entry, as the floor's.
+        // A miss goes on to the service table (past the next two instructions); a connection
+        // recorded goes to the rewrite with its entry, as the floor's established packet.
         code.push(insn(JEQ_K, r0, 0, 2, 0));
         code.push(insn(MOV_X, r9, r0, 0, 0));
         to_rewrite.push(code.len());
@@ -914,6 +915,7 @@ mod tests {
         to(first).unwrap();
         let first_run = run(&mut out);
         assert_eq!(first_run.verdict, 7, "TC_ACT_REDIRECT");
+        assert_eq!(out[..first_run.out_len], frame::tcp(client, first)[..]);
         // The service moves on; the recorded connection does not.
         to(second).unwrap();
         run(&mut out);
