@@ -634,21 +634,13 @@ impl<'a> CellBench<'a> {
     /// recorded every link, which is then emptied for the next run.
     fn measure_new_flow_floor(&mut self) -> Result<()> {
         let links = self.bench.settings.chain;
-        let repeat = u32::try_from(links)?;
         let client = chain_client();
-        let input = frame::tcp(client, (chain_frontend(0), SERVICE_PORT));
         let recorded: Vec<([u8; 4], u16)> =
             (0..links).map(|link| (chain_frontend(link).octets(), SERVICE_PORT)).collect();
         for counted in [false, true] {
-            let out = &mut self.bench.out;
-            let empty = sys::test_run(self.bench.empty, &input, out, repeat)?;
-            let run = sys::test_run(self.new_flow_floor.program.as_fd(), &input, out, repeat)?;
-            ensure!(run.verdict == TC_ACT_REDIRECT, "the new-flow floor returned {}", run.verdict);
-            let dst = frame::addr(&out[..run.out_len.min(out.len())], frame::DST_ADDR);
-            ensure!(
-                dst == Some(chain_frontend(links)),
-                "after {links} runs the new-flow floor's packet goes to {dst:?}, not to the end of the chain"
-            );
+            let program = self.new_flow_floor.program.as_fd();
+            let (empty, run) =
+                run_chain(self.bench.empty, program, &mut self.bench.out, links, "the new-flow floor")?;
             self.new_flow_floor.forget_connections((client.0.octets(), client.1), &recorded)?;
             if counted {
                 self.new_flow_floor_ns.push(f64::from(run.ns) - f64::from(empty.ns));
@@ -950,19 +942,12 @@ impl<'a> Bench<'a> {
     /// program's own.
     fn chain_once(&mut self, kind: PathKind, baselines: &mut Baselines) -> Result<(f64, f64)> {
         let links = self.settings.chain;
-        let repeat = u32::try_from(links)?;
         let client = chain_client();
-        let input = frame::tcp(client, (chain_frontend(0), SERVICE_PORT));
-        let empty = sys::test_run(self.empty, &input, &mut self.out, repeat)?;
-        let run = self.run_program(&input, repeat)?;
-        let out = &self.out[..run.out_len.min(self.out.len())];
-        ensure!(run.verdict == TC_ACT_REDIRECT, "{}: verdict {}", kind.label(), run.verdict as i32);
-        let (src, dst) = (frame::addr(out, frame::SRC_ADDR), frame::addr(out, frame::DST_ADDR));
-        ensure!(
-            src == Some(client.0) && dst == Some(chain_frontend(links)),
-            "{}: after {links} runs the packet goes {src:?} -> {dst:?}, not to the end of the chain",
-            kind.label()
-        );
+        let mut out = std::mem::take(&mut self.out);
+        let runs =
+            self.program().and_then(|program| run_chain(self.empty, program, &mut out, links, kind.label()));
+        self.out = out;
+        let (empty, run) = runs?;
         let created: Vec<FlowKey4> = (0..links)
             .flat_map(|link| {
                 let (this, next) =
@@ -1043,6 +1028,32 @@ fn frame_key(frame: &[u8], reverse: bool) -> Result<FlowKey4> {
 
 /// Backend sets and service ids of the chain, far above the agent's.
 const CHAIN_SETS: u32 = 0xc000_0000;
+
+/// One run of the chain method through `program` (the empty program's run on the same packet
+/// first): `links` packets, each a new flow from the chain's pod to the next frontend. Both
+/// runs, once the program is seen to have redirected the last packet from the pod to the
+/// chain's end; `out` holds that packet.
+fn run_chain(
+    empty: BorrowedFd<'_>,
+    program: BorrowedFd<'_>,
+    out: &mut [u8],
+    links: usize,
+    what: &str,
+) -> Result<(sys::Run, sys::Run)> {
+    let repeat = u32::try_from(links)?;
+    let client = chain_client();
+    let input = frame::tcp(client, (chain_frontend(0), SERVICE_PORT));
+    let empty = sys::test_run(empty, &input, out, repeat)?;
+    let run = sys::test_run(program, &input, out, repeat)?;
+    ensure!(run.verdict == TC_ACT_REDIRECT, "{what}: verdict {}", run.verdict as i32);
+    let last = &out[..run.out_len.min(out.len())];
+    let (src, dst) = (frame::addr(last, frame::SRC_ADDR), frame::addr(last, frame::DST_ADDR));
+    ensure!(
+        src == Some(client.0) && dst == Some(chain_frontend(links)),
+        "{what}: after {links} runs the packet goes {src:?} -> {dst:?}, not to the end of the chain"
+    );
+    Ok((empty, run))
+}
 
 /// The pod the chain method's packets come from.
 fn chain_client() -> (Ipv4Addr, u16) {
