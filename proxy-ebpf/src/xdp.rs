@@ -24,7 +24,8 @@
 //!   ingress device (`XDP_TX`) or a device vipr attached XDP to (`XDP_REDIRECT` through the
 //!   `vipr_xdptx` device map, whose targets can transmit XDP frames). A tracked connection's
 //!   packets take the hop cached in its flow entry instead, while the route generation it was
-//!   cached under holds (route.rs), with the device's MTU checked per packet.
+//!   cached under holds (route.rs), with the device's MTU checked per packet; a hop whose
+//!   route's MTU is below its device's is not cached, and every packet asks the FIB.
 //!
 //! Both families take the same steps, written once over [`Address`]: the flow entries, the
 //! service decision and the FIB lookup are the family's, and only the header rewrite differs
@@ -79,6 +80,9 @@ struct FibScratch {
     params: bpf_fib_lookup,
     /// The lookup's destination field as it was asked, in the field's own words.
     asked: [u32; 4],
+    /// The egress device's MTU, as `bpf_check_mtu` writes it (here, not in [`egress`]'s
+    /// frame, for the same reason).
+    device_mtu: u32,
 }
 
 #[map(name = "vipr_xdpfib")]
@@ -142,6 +146,12 @@ struct Egress<A> {
     /// `bool`: `Option<Egress>` would keep its discriminant in the bool's spare values, a
     /// layout BTF cannot describe (the kernel then refuses the object's BTF).
     via_gateway: u8,
+    /// Whether a flow entry may cache the hop (non-zero): the route's MTU is at least its
+    /// device's. A cached hop is checked against the device's MTU alone, so the packets over a
+    /// route with a smaller one (a locked route MTU, or a path MTU the kernel learned from an
+    /// ICMP error before the lookup) ask the FIB every time, which checks the route's, as the
+    /// kernel's forwarding does.
+    cacheable: u8,
 }
 
 /// Where `destination` goes: `false` (pass to TC) unless the FIB forwards it with a resolved
@@ -181,6 +191,13 @@ fn look_up_egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u32) ->
         return None;
     }
     let action = sending_action(ingress, params.ifindex)?;
+    // SAFETY: an XDP lookup always checks the MTU, and a successful one reports the route's.
+    let route_mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
+    // Any non-zero length: only the device's MTU, written back, is wanted.
+    scratch.device_mtu = 1;
+    // SAFETY: a plain helper call; the field lives across it.
+    let device_known =
+        unsafe { bpf_check_mtu(ctx.as_ptr(), params.ifindex, &mut scratch.device_mtu, 0, 0) } >= 0;
     Some(Egress {
         hop: Hop {
             action,
@@ -189,6 +206,7 @@ fn look_up_egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u32) ->
         source: A::fib_source(params),
         // The field changes (to the gateway, of either family) only for a route via one.
         via_gateway: u8::from(unsafe { params.__bindgen_anon_4.ipv6_dst } != scratch.asked),
+        cacheable: u8::from(device_known && route_mtu >= scratch.device_mtu),
     })
 }
 
@@ -209,8 +227,8 @@ fn sending_action(ingress: u32, egress: u32) -> Option<u32> {
 /// current route `generation` with its neighbour's MAC (TC with `--bpf-forwarding=stack`
 /// caches the interface alone), XDP can send out of its device, and `tot_len` bytes of IP
 /// packet fit that device's MTU, checked on every packet (`bpf_check_mtu`, cheap beside a FIB
-/// lookup): a change of the device's MTU applies at once. A smaller MTU of the route itself
-/// (a locked route MTU) is checked only when the hop is looked up.
+/// lookup): a change of the device's MTU applies at once. A hop whose route has a smaller MTU
+/// than its device is never cached ([`Egress::cacheable`]).
 #[inline(always)]
 fn cached_egress<A: Maps>(
     ctx: &XdpContext,
@@ -271,11 +289,11 @@ fn established<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
             return XDP_PASS;
         }
         // SAFETY: written by `egress`, which said so.
-        let found = unsafe { out.assume_init_ref() }.hop;
-        if generation != 0 {
-            cache_hop(&tracked, found.next, generation);
+        let found = unsafe { out.assume_init_ref() };
+        if generation != 0 && found.cacheable != 0 {
+            cache_hop(&tracked, found.hop.next, generation);
         }
-        hop.write(found);
+        hop.write(found.hop);
     }
     // SAFETY: written by `cached_egress` or above.
     let hop = unsafe { hop.assume_init_ref() };

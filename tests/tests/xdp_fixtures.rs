@@ -684,3 +684,63 @@ fn established_flows_leave_by_the_next_hop_cached_in_their_entry_until_the_route
 
     Ok(())
 }
+
+/// A route whose MTU is below its device's (here a locked route MTU, as an operator sets for a
+/// path through a tunnel): the device's MTU, which a cached hop is checked against, is not the
+/// packet's limit. Such a hop is never cached: every packet asks the FIB, which passes the
+/// packets too big for the route to TC (the stack then answers "fragmentation needed") and
+/// sends the others. Without the route, the hop is cached again.
+#[test]
+fn a_route_with_a_smaller_mtu_than_its_device_is_never_cached() -> Result<()> {
+    let mut world = World::new("rtmtu")?;
+    world.set_route_generation(5)?;
+    let other = ep(BACKEND.addr, 9090);
+    let key = flow_key(CLIENT, NODE_PORT, IPPROTO_TCP);
+    HashMap::<_, FlowKey4, Flow4>::try_from(world.ebpf.map_mut(pins::FLOWS4).context("flows")?)?.insert(
+        key,
+        forward_entry(other),
+        0,
+    )?;
+    let small = Packet::tcp(CLIENT, NODE_PORT).payload(&[7; 100]).build();
+    let big = Packet::tcp(CLIENT, NODE_PORT).payload(&[7; 300]).build();
+    // Between the two packets' IP lengths, far below the device's 1,500.
+    world.netns.ip(&["route", "add", "10.0.0.2/32", "dev", "xdp0", "mtu", "lock", "300"])?;
+    let (verdict, out) = world.run(&small)?;
+    ensure!(verdict == XDP_TX, "small: verdict {verdict}");
+    expect_same(&out, &forwarded(Packet::tcp(CLIENT, other).payload(&[7; 100])))?;
+    let entry = world.flow_entry(pins::FLOWS4, key)?;
+    ensure!(entry.next_hop == NextHop::default(), "cached {:?} under a route MTU", entry.next_hop);
+    let (verdict, out) = world.run(&big)?;
+    ensure!(verdict == XDP_PASS && out == big, "too big for the route: verdict {verdict}");
+
+    // The same over IPv6 (1,280 is IPv6's least MTU).
+    let key6 = flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP);
+    let other6 = ep6(BACKEND6.addr, 9090);
+    HashMap::<_, FlowKey6, Flow6>::try_from(world.ebpf.map_mut(pins::FLOWS6).context("flows")?)?.insert(
+        key6,
+        forward_entry(other6),
+        0,
+    )?;
+    let small6 = Packet6::tcp(CLIENT6, NODE_PORT6).build();
+    let big6 = Packet6::tcp(CLIENT6, NODE_PORT6).payload(&[7; 1300]).build();
+    world.netns.ip(&["-6", "route", "add", "fd00::2/128", "dev", "xdp0", "mtu", "lock", "1280"])?;
+    let (verdict, out) = world.run(&small6)?;
+    ensure!(verdict == XDP_TX, "IPv6 small: verdict {verdict}");
+    expect_same6(&out, &with_backend_macs(Packet6::tcp(CLIENT6, other6).build()))?;
+    let entry = world.flow_entry(pins::FLOWS6, key6)?;
+    ensure!(entry.next_hop == NextHop::default(), "IPv6: cached {:?} under a route MTU", entry.next_hop);
+    let (verdict, out) = world.run(&big6)?;
+    ensure!(verdict == XDP_PASS && out == big6, "IPv6 too big for the route: verdict {verdict}");
+
+    // The routes go (the agent then changes the generation): the device's MTU is the limit,
+    // and the hop is cached.
+    world.netns.ip(&["route", "del", "10.0.0.2/32"])?;
+    world.set_route_generation(6)?;
+    let (verdict, out) = world.run(&big)?;
+    ensure!(verdict == XDP_TX, "without the route: verdict {verdict}");
+    expect_same(&out, &forwarded(Packet::tcp(CLIENT, other).payload(&[7; 300])))?;
+    let cached = NextHop { ifindex: world.ifindex, dst_mac: BACKEND_MAC, src_mac: NIC_MAC };
+    let entry = world.flow_entry(pins::FLOWS4, key)?;
+    ensure!(entry.next_hop == cached, "cached {:?}, expected {cached:?}", entry.next_hop);
+    Ok(())
+}
