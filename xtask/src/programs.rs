@@ -69,6 +69,9 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
     ("strip", Provider::Debian("binutils")),
     ("tar", Provider::Debian("tar")),
     ("umount", Provider::Debian("mount")),
+    // A process in namespaces of its own: xdp_e2e.rs starts an agent under it, host_traffic.rs
+    // a client in a cgroup namespace (from a shell script, which the scan does not read).
+    ("unshare", Provider::Debian("util-linux")),
     ("xtask", Provider::Workspace),
     // The benchmarks' run metadata.
     ("git", Provider::Debian("git")),
@@ -89,7 +92,7 @@ pub const EXTERNAL_PROGRAMS: &[(&str, Provider)] = &[
 ];
 
 /// Packages of priority "required": every Debian system has them, debootstrap's minbase too.
-pub const BASE_SYSTEM_PACKAGES: &[&str] = &["dpkg", "apt", "mount", "dash", "coreutils", "tar"];
+pub const BASE_SYSTEM_PACKAGES: &[&str] = &["dpkg", "apt", "mount", "dash", "coreutils", "tar", "util-linux"];
 
 /// Calls that start the program named by one of their arguments: the callee as written just
 /// before `(`, and which argument (from 0) is the program. A new way of starting programs by
