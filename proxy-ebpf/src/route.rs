@@ -221,11 +221,15 @@ pub fn zeroed_fib_params(params: &mut MaybeUninit<bpf_fib_lookup>) -> &mut bpf_f
     unsafe { params.assume_init_mut() }
 }
 
-/// Sends the packet out of `route`'s interface; the kernel resolves the next hop's address.
+/// The hop of an untracked packet's `route` (ifindex 0: not forwarded), without its neighbour:
+/// the kernel resolves that ([`redirect_to_hop`]).
 #[inline(always)]
-pub fn redirect<A>(route: &Route<A>) -> i32 {
-    // SAFETY: no parameters: the kernel looks the neighbour up from the packet's destination.
-    unsafe { bpf_redirect_neigh(route.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
+pub fn hop_of<A>(route: Option<&Route<A>>) -> NextHop {
+    let mut hop = no_hop();
+    if let Some(route) = route {
+        hop.ifindex = route.ifindex;
+    }
+    hop
 }
 
 /// Sends the packet out of `hop`'s interface: to its neighbour's address when the hop has it

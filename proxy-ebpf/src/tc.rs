@@ -16,7 +16,7 @@ use crate::{
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_SYN},
     reject::Reject,
-    route::{redirect, redirect_to_hop, redirecting, route_to, tracked_hop, Route},
+    route::{hop_of, redirect_to_hop, redirecting, route_to, tracked_hop, Route},
     wire::ETH_HLEN,
 };
 
@@ -143,7 +143,7 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let hop = tracked_hop(ctx, destination, &tracked);
-        return forward_tracked(ctx, packet, flow, &hop);
+        return forward(ctx, packet, flow, &hop);
     }
     NEW_CONNECTION
 }
@@ -166,7 +166,7 @@ fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, tracked: &Track
         // A family whose carrier the common parser refuses never sees it here
         // ([`carried_request`] has those packets).
         let Some(frontend) = A::carried(ctx, packet).filter(|_| !A::CARRIED_APART) else {
-            return forward_tracked(ctx, packet, flow, &hop);
+            return forward(ctx, packet, flow, &hop);
         };
         if packet.tcp_flags & TCP_SYN != 0 {
             let _ = track_dsr_backend(packet, &frontend, true);
@@ -175,12 +175,12 @@ fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, tracked: &Track
             // A packet half rewritten must not escape.
             return TC_ACT_SHOT;
         }
-        return deliver_to_hop(ctx, &hop);
+        return deliver(ctx, &hop);
     }
     // A first fragment leaves without the option (fragment.rs places the rest of its
     // datagram); a packet not forwarded (ifindex 0) is the stack's.
     if hop.ifindex == 0 || packet.first_fragment.is_some() {
-        return forward_tracked(ctx, packet, flow, &hop);
+        return forward(ctx, packet, flow, &hop);
     }
     send_dsr(ctx, packet, flow, &hop)
 }
@@ -197,7 +197,7 @@ fn send_dsr<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, hop
         stat(datapath_stat::DSR_MTU_NO_OPTION);
     }
     match carrying(ctx, packet, flow, carry) {
-        Ok(()) => deliver_to_hop(ctx, hop),
+        Ok(()) => deliver(ctx, hop),
         Err(_) => TC_ACT_SHOT,
     }
 }
@@ -213,9 +213,10 @@ fn carrying<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, car
     Ok(())
 }
 
-/// [`deliver`] toward a tracked connection's hop (ifindex 0: not forwarded).
+/// Hands on a packet rewritten in place toward `hop` (ifindex 0: not forwarded): redirected to
+/// it with `--bpf-forwarding=redirect`, else into the stack.
 #[inline(always)]
-fn deliver_to_hop(ctx: &TcContext, hop: &NextHop) -> i32 {
+fn deliver(ctx: &TcContext, hop: &NextHop) -> i32 {
     if hop.ifindex != 0 && redirecting() {
         redirect_to_hop(ctx, hop)
     } else {
@@ -230,17 +231,7 @@ fn strip_and_deliver<A: Datapath>(ctx: &TcContext, route: Option<&Route<A>>) -> 
     if A::strip(ctx).is_err() {
         return TC_ACT_SHOT;
     }
-    deliver(route)
-}
-
-/// Hands on a packet rewritten in place: redirected to its route with `--bpf-forwarding=redirect`,
-/// else into the stack.
-#[inline(always)]
-fn deliver<A>(route: Option<&Route<A>>) -> i32 {
-    match route {
-        Some(route) if redirecting() => redirect(route),
-        _ => TC_ACT_OK,
-    }
+    deliver(ctx, &hop_of(route))
 }
 
 /// The first packet of a connection: choose its backend, track it, rewrite it. The packet is
@@ -309,7 +300,7 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
         Err(_) => return TC_ACT_SHOT,
     };
     count(ctx, counter);
-    self::forward(ctx, packet, &forward, route.as_ref())
+    self::forward(ctx, packet, &forward, &hop_of(route.as_ref()))
 }
 
 /// [`balance_dsr`]'s answer for a connection that is masqueraded after all.
@@ -336,7 +327,7 @@ fn balance_dsr<A: Datapath>(
             stat(datapath_stat::DSR_SENT);
             count(ctx, chosen.counter);
             match carrying(ctx, packet, &forward, true) {
-                Ok(()) => deliver(Some(route)),
+                Ok(()) => deliver(ctx, &hop_of(Some(route))),
                 Err(_) => TC_ACT_SHOT,
             }
         }
@@ -456,7 +447,7 @@ fn reverse_nat_error<A: Datapath>(ctx: &TcContext) -> Option<i32> {
     let destination =
         if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { error.key.dst };
     let route = route_to(ctx, destination);
-    Some(send(icmp_error::reverse_nat(ctx, &error, flow), route.as_ref()))
+    Some(send(ctx, icmp_error::reverse_nat(ctx, &error, flow), &hop_of(route.as_ref())))
 }
 
 /// A later IPv4 fragment (fragment.rs) takes its datagram's rewrites. Everything else the
@@ -476,7 +467,7 @@ fn later_fragment<A: Datapath>(ctx: &TcContext) -> i32 {
     touch(tracked.track, 0);
     let destination = if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { tuple.dst };
     let route = route_to(ctx, destination);
-    send(fragment::rewrite_addresses(ctx, &tuple, &flow), route.as_ref())
+    send(ctx, fragment::rewrite_addresses(ctx, &tuple, &flow), &hop_of(route.as_ref()))
 }
 
 /// A later fragment no flow explains: dropped when it goes to a service address (it cannot
@@ -491,32 +482,17 @@ fn unplaced_fragment<A: Datapath>(dst: &A) -> i32 {
     }
 }
 
-/// Hands a balanced packet on: one the node forwards (a `route`) through the stack with only
-/// its destination rewritten (`--bpf-forwarding=stack`, the default; route.rs explains why),
-/// else rewritten whole and [`send`]. Masqueraded connections and fragments are rewritten whole
-/// and redirected on both paths (see route.rs).
+/// Hands a balanced packet on toward `hop` (ifindex 0: not forwarded; a tracked connection's
+/// may be the one cached in its flow entry, route.rs [`tracked_hop`]): one the node forwards
+/// through the stack with only its destination rewritten (`--bpf-forwarding=stack`, the
+/// default; route.rs explains why), else rewritten whole and [`send`]. Masqueraded connections
+/// and fragments are rewritten whole and redirected on both paths (see route.rs).
 #[inline(always)]
-fn forward<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, route: Option<&Route<A>>) -> i32 {
-    if route.is_some() && stack_forwards(packet, flow) {
+fn forward<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, hop: &NextHop) -> i32 {
+    if hop.ifindex != 0 && stack_forwards(packet, flow) {
         return through_stack(ctx, packet, flow);
     }
-    send(apply(ctx, packet, flow), route)
-}
-
-/// [`forward`] for a tracked connection's packet, toward `hop` (ifindex 0: not forwarded),
-/// which may be the one cached in its flow entry (route.rs [`tracked_hop`]).
-#[inline(always)]
-fn forward_tracked<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, hop: &NextHop) -> i32 {
-    let forwarded = hop.ifindex != 0;
-    if forwarded && stack_forwards(packet, flow) {
-        return through_stack(ctx, packet, flow);
-    }
-    match apply(ctx, packet, flow) {
-        Ok(()) if forwarded => redirect_to_hop(ctx, hop),
-        Ok(()) => TC_ACT_OK,
-        // Half-rewritten packets must not escape.
-        Err(_) => TC_ACT_SHOT,
-    }
+    send(ctx, apply(ctx, packet, flow), hop)
 }
 
 /// Whether a forwarded packet goes through the stack with only its destination rewritten:
@@ -590,14 +566,14 @@ fn egress<A: Datapath>(ctx: &TcContext) -> i32 {
     }
 }
 
-/// Sends a rewritten packet on its way: straight to the next hop when the node forwards it,
-/// else into the stack.
+/// Sends a rewritten packet on its way: straight to `hop` when the node forwards it (ifindex
+/// not 0), else into the stack.
 #[inline(always)]
-fn send<A>(rewritten: Result<(), i64>, route: Option<&Route<A>>) -> i32 {
-    match (rewritten, route) {
-        (Ok(()), Some(route)) => redirect(route),
-        (Ok(()), None) => TC_ACT_OK,
+fn send(ctx: &TcContext, rewritten: Result<(), i64>, hop: &NextHop) -> i32 {
+    match rewritten {
+        Ok(()) if hop.ifindex != 0 => redirect_to_hop(ctx, hop),
+        Ok(()) => TC_ACT_OK,
         // Half-rewritten packets must not escape.
-        (Err(_), _) => TC_ACT_SHOT,
+        Err(_) => TC_ACT_SHOT,
     }
 }
