@@ -190,6 +190,17 @@ impl World {
         Ok(map.get(&key, 0)?)
     }
 
+    /// Writes the flow entry `key` -> `flow` into the flows map `name` (either family).
+    fn insert_flow<A: Family>(&mut self, name: &str, key: FlowKey<A>, flow: Flow<A>) -> Result<()>
+    where
+        FlowKey<A>: aya::Pod,
+        Flow<A>: aya::Pod,
+    {
+        HashMap::<_, FlowKey<A>, Flow<A>>::try_from(self.ebpf.map_mut(name).context("flows")?)?
+            .insert(key, flow, 0)?;
+        Ok(())
+    }
+
     fn datapath_stat(&self, index: u32) -> Result<u64> {
         let map = self.ebpf.map(pins::DATAPATH_STATS).context("stats")?;
         Ok(PerCpuArray::<_, u64>::try_from(map)?.get(&index, 0)?.iter().sum())
@@ -329,11 +340,7 @@ fn an_established_flow_is_rewritten_from_its_entry() -> Result<()> {
     let mut world = World::new("est")?;
     // No service at all: only the flow entry (as TC would have left it) says where to go.
     let other = ep([10, 0, 0, 2], 9090);
-    HashMap::<_, FlowKey4, Flow4>::try_from(world.ebpf.map_mut(pins::FLOWS4).context("flows")?)?.insert(
-        flow_key(CLIENT, NODE_PORT, IPPROTO_TCP),
-        forward_entry(other),
-        0,
-    )?;
+    world.insert_flow(pins::FLOWS4, flow_key(CLIENT, NODE_PORT, IPPROTO_TCP), forward_entry(other))?;
     let (verdict, out) = world.run(&Packet::tcp(CLIENT, NODE_PORT).build())?;
     ensure!(verdict == XDP_TX, "verdict {verdict}");
     expect_same(&out, &forwarded(Packet::tcp(CLIENT, other)))?;
@@ -419,11 +426,7 @@ fn udp_over_ipv6_and_established_ipv6_flows_get_valid_checksums() -> Result<()> 
     expect_same6(&out, &with_backend_macs(Packet6::udp(CLIENT6, BACKEND6).payload(payload).build()))?;
     // A TCP connection known only by its flow entry (as TC would have left it).
     let other = ep6(BACKEND6.addr, 9090);
-    HashMap::<_, FlowKey6, Flow6>::try_from(world.ebpf.map_mut(pins::FLOWS6).context("flows")?)?.insert(
-        flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP),
-        forward_entry(other),
-        0,
-    )?;
+    world.insert_flow(pins::FLOWS6, flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP), forward_entry(other))?;
     let (verdict, out) = world.run(&Packet6::tcp(CLIENT6, NODE_PORT6).build())?;
     ensure!(verdict == XDP_TX, "established: verdict {verdict}");
     expect_same6(&out, &with_backend_macs(Packet6::tcp(CLIENT6, other).build()))?;
@@ -602,11 +605,7 @@ fn established_flows_leave_by_the_next_hop_cached_in_their_entry_until_the_route
     world.set_route_generation(5)?;
     let other = ep([10, 0, 0, 2], 9090);
     let key = flow_key(CLIENT, NODE_PORT, IPPROTO_TCP);
-    HashMap::<_, FlowKey4, Flow4>::try_from(world.ebpf.map_mut(pins::FLOWS4).context("flows")?)?.insert(
-        key,
-        forward_entry(other),
-        0,
-    )?;
+    world.insert_flow(pins::FLOWS4, key, forward_entry(other))?;
     let payload = [7u8; 100];
     let packet = Packet::tcp(CLIENT, NODE_PORT).payload(&payload).build();
     let expected = forwarded(Packet::tcp(CLIENT, other).payload(&payload));
@@ -639,11 +638,7 @@ fn established_flows_leave_by_the_next_hop_cached_in_their_entry_until_the_route
     // IPv6 takes the same steps (before the MTU below, which IPv6 would not survive).
     let key6 = flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP);
     let other6 = ep6(BACKEND6.addr, 9090);
-    HashMap::<_, FlowKey6, Flow6>::try_from(world.ebpf.map_mut(pins::FLOWS6).context("flows")?)?.insert(
-        key6,
-        forward_entry(other6),
-        0,
-    )?;
+    world.insert_flow(pins::FLOWS6, key6, forward_entry(other6))?;
     let packet6 = Packet6::tcp(CLIENT6, NODE_PORT6).build();
     let expected6 = with_backend_macs(Packet6::tcp(CLIENT6, other6).build());
     let (verdict, out) = world.run(&packet6)?;
@@ -670,8 +665,7 @@ fn established_flows_leave_by_the_next_hop_cached_in_their_entry_until_the_route
     // up and caches it.
     let mut entry = world.flow_entry(pins::FLOWS4, key)?;
     entry.next_hop = NextHop { ifindex: world.ifindex, ..NextHop::default() };
-    HashMap::<_, FlowKey4, Flow4>::try_from(world.ebpf.map_mut(pins::FLOWS4).context("flows")?)?
-        .insert(key, entry, 0)?;
+    world.insert_flow(pins::FLOWS4, key, entry)?;
     let (verdict, out) = world.run(&packet)?;
     ensure!(verdict == XDP_TX, "TC's hop: verdict {verdict}");
     expect_same(&out, &moved)?;
@@ -696,11 +690,7 @@ fn a_route_with_a_smaller_mtu_than_its_device_is_never_cached() -> Result<()> {
     world.set_route_generation(5)?;
     let other = ep(BACKEND.addr, 9090);
     let key = flow_key(CLIENT, NODE_PORT, IPPROTO_TCP);
-    HashMap::<_, FlowKey4, Flow4>::try_from(world.ebpf.map_mut(pins::FLOWS4).context("flows")?)?.insert(
-        key,
-        forward_entry(other),
-        0,
-    )?;
+    world.insert_flow(pins::FLOWS4, key, forward_entry(other))?;
     let small = Packet::tcp(CLIENT, NODE_PORT).payload(&[7; 100]).build();
     let big = Packet::tcp(CLIENT, NODE_PORT).payload(&[7; 300]).build();
     // Between the two packets' IP lengths, far below the device's 1,500.
@@ -716,11 +706,7 @@ fn a_route_with_a_smaller_mtu_than_its_device_is_never_cached() -> Result<()> {
     // The same over IPv6 (1,280 is IPv6's least MTU).
     let key6 = flow_key(CLIENT6, NODE_PORT6, IPPROTO_TCP);
     let other6 = ep6(BACKEND6.addr, 9090);
-    HashMap::<_, FlowKey6, Flow6>::try_from(world.ebpf.map_mut(pins::FLOWS6).context("flows")?)?.insert(
-        key6,
-        forward_entry(other6),
-        0,
-    )?;
+    world.insert_flow(pins::FLOWS6, key6, forward_entry(other6))?;
     let small6 = Packet6::tcp(CLIENT6, NODE_PORT6).build();
     let big6 = Packet6::tcp(CLIENT6, NODE_PORT6).payload(&[7; 1300]).build();
     world.netns.ip(&["-6", "route", "add", "fd00::2/128", "dev", "xdp0", "mtu", "lock", "1280"])?;
