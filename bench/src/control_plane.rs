@@ -346,6 +346,7 @@ pub fn child(services: usize, endpoints: usize, changes: usize, seed: u64) -> Re
         xdp: Default::default(),
         forwarding: Default::default(),
         lb_mode: Default::default(),
+        lb_dsr_accept: None,
     };
     let host = HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()), ..Default::default() };
     let started = Instant::now();

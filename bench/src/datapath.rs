@@ -469,6 +469,7 @@ impl<'a> CellBench<'a> {
                 xdp: Default::default(),
                 forwarding: Default::default(),
                 lb_mode: Default::default(),
+                lb_dsr_accept: None,
             };
             let host =
                 HostTrafficOptions { cgroup_root: Some(cgroup.path().to_owned()), ..Default::default() };

@@ -45,7 +45,11 @@ pub mod datapath_stat {
     /// option: with it the packet would have exceeded the egress device's MTU. The backend's
     /// node keeps the entries the connection's first packet stored.
     pub const DSR_MTU_NO_OPTION: u32 = 9;
-    pub const COUNT: u32 = 10;
+    /// A request carried a service address this node does not take (`--lb-mode=snat`, or a UDP
+    /// request with `hybrid`): it went on as if it carried none, and its replies keep the
+    /// backend's address (the backend node's count).
+    pub const DSR_CARRIER_IGNORED: u32 = 10;
+    pub const COUNT: u32 = 11;
 }
 
 map_types! {

@@ -51,6 +51,20 @@ pub mod forwarding {
     pub const REDIRECT: u8 = 1;
 }
 
+/// `--lb-mode` on a backend's node: the protocols whose requests it takes a carried service
+/// address from (direct server return, the other node's option: proxy-ebpf's dsr.rs). The
+/// agent writes the bits into the program's read-only global [`dsr_accept::GLOBAL`] when it
+/// loads it: none with `snat`, TCP with `hybrid`, TCP and UDP with `dsr`. Whoever can send a
+/// pod a request with the option chooses the source address of the pod's replies, so a node
+/// that sends no DSR connections takes none.
+pub mod dsr_accept {
+    /// The name of the `u8` global holding the bits below.
+    pub const GLOBAL: &str = "VIPR_DSR_ACCEPT";
+    pub const NONE: u8 = 0;
+    pub const TCP: u8 = 1;
+    pub const UDP: u8 = 2;
+}
+
 /// IP protocol numbers as carried in [`ServiceKey::proto`] and [`FlowKey::proto`].
 pub mod proto {
     pub const TCP: u8 = 6;

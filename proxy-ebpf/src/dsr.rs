@@ -24,9 +24,10 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
     EbpfContext as _,
 };
-use proxy_common::proto;
+use proxy_common::{datapath_stat, dsr_accept, proto};
 
 use crate::{
+    counters::stat,
     family::{Endpoint, Ipv4, Ipv6},
     packet::{
         bytes_at, copy_address, field, parse_ipv6_carrying, Change, Frame, IpHeader, Packet, TCP_ACK, TCP_SYN,
@@ -104,6 +105,28 @@ impl Room for XdpContext {
     fn header_changed(&self, _old: [u8; 4], _new: [u8; 4], _added: *mut u32, _added_len: u32) {}
 }
 
+/// The protocols whose carried service address this node takes (bits of [`dsr_accept`]),
+/// written by the agent from `--lb-mode` at load time. Read-only data: the verifier knows it.
+/// The object's own value takes none, as `--lb-mode=snat`.
+#[unsafe(no_mangle)]
+static VIPR_DSR_ACCEPT: u8 = dsr_accept::NONE;
+
+/// Whether this node takes a service address carried by a request of `protocol`: only where
+/// its own `--lb-mode` sends such connections by DSR. The option is not authenticated:
+/// whoever sends a pod a request with it chooses the source address of the pod's replies.
+#[inline(always)]
+fn takes_carrier(protocol: u8) -> bool {
+    // SAFETY: a plain read of a global; volatile so that the compiler does not fold the
+    // object's default in (the agent sets the value when it loads the object).
+    let taken = unsafe { core::ptr::read_volatile(&VIPR_DSR_ACCEPT) };
+    let wanted = match protocol {
+        proto::TCP => dsr_accept::TCP,
+        proto::UDP => dsr_accept::UDP,
+        _ => return false,
+    };
+    taken & wanted != 0
+}
+
 /// Where a family stands on direct server return.
 pub trait Dsr: IpHeader {
     /// How many bytes carrying the service address add to a packet.
@@ -113,8 +136,20 @@ pub trait Dsr: IpHeader {
     const CARRIED_APART: bool;
     /// Parses a packet that carries the service address, where [`Dsr::CARRIED_APART`].
     fn parse_carrying(ctx: &TcContext) -> Option<Packet<Self>>;
-    /// The service address and port a request carries, if it carries vipr's option.
-    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>>;
+    /// The service address and port a request carries, if it carries vipr's option and this
+    /// node takes it for the request's protocol ([`takes_carrier`]); one it does not take is
+    /// counted, and the request goes on as if it carried none.
+    #[inline(always)]
+    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
+        let frontend = Self::carrier(ctx, packet)?;
+        if !takes_carrier(packet.flow.proto) {
+            stat(datapath_stat::DSR_CARRIER_IGNORED);
+            return None;
+        }
+        Some(frontend)
+    }
+    /// The service address and port in the request's option, if it has vipr's.
+    fn carrier(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>>;
     /// Inserts the option carrying `frontend`, after the packet's rewrite (it moves the L4
     /// header, and with it every offset of a parsed packet). `Err`: drop the packet.
     fn carry(ctx: &impl Room, frontend: &Endpoint<Self>) -> Result<(), i64>;
@@ -153,7 +188,7 @@ impl Dsr for Ipv4 {
     }
 
     #[inline(always)]
-    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
+    fn carrier(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
         if packet.l4_offset < ETH_HLEN + IPV4_MIN_HLEN + OPTION_LEN {
             return None;
         }
@@ -266,7 +301,7 @@ impl Dsr for Ipv6 {
     }
 
     #[inline(always)]
-    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
+    fn carrier(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
         // The parser went past a destination-options header only if it was vipr's.
         if packet.l4_offset != ETH_HLEN + IPV6_HLEN + DSR6_HLEN {
             return None;

@@ -195,9 +195,20 @@ pub struct Args {
     /// address and carries the service address to the backend's node in an IPv4 option (an
     /// IPv6 destination-options header), and
     /// the replies leave from there straight to the client (direct server return, TCP and UDP;
-    /// every node must run vipr with it); `hybrid` is DSR for TCP and SNAT for UDP and SCTP.
+    /// every node must run vipr with it, taking carried service addresses: see
+    /// --lb-dsr-accept); `hybrid` is DSR for TCP and SNAT for UDP and SCTP.
     #[arg(long, value_enum, value_name = "MODE", default_value = "snat")]
     pub lb_mode: LbMode,
+
+    /// Whether this node, as a backend's node, takes the service address that another node's
+    /// direct-server-return request carries, and gives the backend's replies that address as
+    /// source. The option is not authenticated: whoever can send a pod a request with it
+    /// chooses the source address of the pod's replies, so by default a node takes it only for
+    /// the protocols its own --lb-mode sends by DSR (none with `snat`, TCP with `hybrid`, TCP
+    /// and UDP with `dsr`). `true` takes TCP's and UDP's whatever the mode: for switching a
+    /// running cluster to DSR, first on every node, then --lb-mode. `false` takes none
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, require_equals = true, default_missing_value = "true", action = ArgAction::Set)]
+    pub lb_dsr_accept: Option<bool>,
 
     /// How the eBPF datapath picks a new connection's backend: `random` (as kube-proxy), or
     /// `maglev` (consistent hashing of the flow: every node picks the same backend for a flow,

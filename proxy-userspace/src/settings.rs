@@ -79,6 +79,9 @@ pub struct Settings {
     pub bpf_forwarding: BpfForwarding,
     /// `--lb-mode`: source NAT or direct server return toward backends on other nodes.
     pub lb_mode: LbMode,
+    /// `--lb-dsr-accept`: whether carried DSR service addresses are taken; `None`: as
+    /// `lb_mode` sends.
+    pub lb_dsr_accept: Option<bool>,
     pub cleanup: bool,
     /// `--cleanup-keep-kube-proxy`: `--cleanup` leaves kube-proxy's chains and IPVS state.
     pub cleanup_keep_kube_proxy: bool,
@@ -410,6 +413,7 @@ impl Settings {
             xdp: args.xdp.unwrap_or(XdpMode::Auto),
             bpf_forwarding: args.bpf_forwarding,
             lb_mode: args.lb_mode,
+            lb_dsr_accept: args.lb_dsr_accept,
             cleanup: args.cleanup,
             cleanup_keep_kube_proxy: args.cleanup_keep_kube_proxy,
             healthz_bind_address,
@@ -874,6 +878,7 @@ impl Settings {
                 xdp: self.xdp,
                 forwarding: self.bpf_forwarding,
                 lb_mode: self.lb_mode,
+                lb_dsr_accept: self.lb_dsr_accept,
             },
             host_traffic: HostTrafficOptions {
                 cgroup_root: self.cgroup_root.clone(),
@@ -1472,6 +1477,16 @@ logging:
     fn sync_period_must_be_positive_and_hostname_not_empty() {
         assert!(settings(&["--sync-period=0s"]).is_err());
         assert!(settings(&["--hostname-override= "]).is_err());
+    }
+
+    #[test]
+    fn lb_dsr_accept_follows_the_lb_mode_unless_given() {
+        let accept = |args: &[&str]| settings(args).unwrap().start_options(Mode::Ebpf).ebpf.lb_dsr_accept;
+        assert_eq!(accept(&[]), None);
+        assert_eq!(accept(&["--lb-dsr-accept"]), Some(true));
+        assert_eq!(accept(&["--lb-dsr-accept=true"]), Some(true));
+        assert_eq!(accept(&["--lb-mode=dsr", "--lb-dsr-accept=false"]), Some(false));
+        assert!(settings(&["--lb-dsr-accept=maybe"]).is_err());
     }
 
     #[test]

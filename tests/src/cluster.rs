@@ -433,7 +433,13 @@ impl ClusterLab {
 
     /// Starts vipr in ebpf mode on every node, against the API server, with `extra_args`.
     pub fn start_vipr(&mut self, extra_args: &[&str]) -> Result<()> {
-        for node in &mut self.nodes {
+        self.start_vipr_each(|_| extra_args.to_vec())
+    }
+
+    /// [`Self::start_vipr`] with each node's own `extra_args` (by node index, from 1), as in a
+    /// cluster halfway through a change of flags.
+    pub fn start_vipr_each<'a>(&mut self, extra_args: impl Fn(usize) -> Vec<&'a str>) -> Result<()> {
+        for (index, node) in self.nodes.iter_mut().enumerate() {
             let log = self.workdir.path().join(format!("vipr-{}.log", node.name));
             let mut args = vec![
                 "--proxy-mode=ebpf".to_owned(),
@@ -448,7 +454,7 @@ impl ClusterLab {
                 "--min-sync-period=0s".to_owned(),
                 "-v".to_owned(),
             ];
-            args.extend(extra_args.iter().map(|arg| (*arg).to_owned()));
+            args.extend(extra_args(index + 1).into_iter().map(str::to_owned));
             let vipr = Vipr::start_with_args(&self.binary, &node.netns, &args, &log)
                 .with_context(|| format!("cannot start vipr on {}", node.name))?;
             node.vipr = Some(vipr);
@@ -583,6 +589,12 @@ impl ClusterLab {
                 Err(error) => Check::NotYet(format!("{error:#}")),
             })
         })
+    }
+
+    /// A sample of node `index`'s (from 1) `/metrics` as it is now (`None`: not there).
+    pub fn node_metric_now(&self, index: usize, sample: &str) -> Result<Option<f64>> {
+        let metrics = crate::http::get(&self.nodes[index - 1].netns, "127.0.0.1:10249".parse()?, "/metrics")?;
+        Ok(metrics.metric(sample))
     }
 
     /// `result`, with the end of every node's vipr log printed when it is an error.

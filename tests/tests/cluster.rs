@@ -458,6 +458,51 @@ fn dsr_path_mtu(label: &str, args: &[&str], ipv6: bool) -> Result<()> {
     lab.with_logs(result.map(|_| ()))
 }
 
+/// A cluster halfway through its switch to DSR (docs/deploy.md): n1 already sends by DSR, n2 and
+/// n3 still run `snat`. n2 was given `--lb-dsr-accept`: it takes the service address that n1's
+/// requests carry, and its backend replies straight to the client as in a DSR cluster. n3 was
+/// not: since the option is not authenticated, a node takes it only where its own mode sends by
+/// DSR, so n3 ignores it (counted) and stores nothing (its pod answers with its own address,
+/// which the client does not take).
+#[test]
+fn a_snat_node_takes_a_carried_service_address_only_with_lb_dsr_accept() -> Result<()> {
+    const IGNORED_NODE_PORT: u16 = 30085;
+    let mut lab = ClusterLab::new("cl-dsra", 3, 1, &[POD_PORT])?;
+    let service = node_port_service("direct", DSR_CLUSTER_IP, DSR_NODE_PORT, json!({}));
+    lab.apply_service(service, TARGET_PORTS, &[(2, 0)])?;
+    let service = node_port_service("ignored", "10.96.0.60", IGNORED_NODE_PORT, json!({}));
+    lab.apply_service(service, TARGET_PORTS, &[(3, 0)])?;
+    lab.start_vipr_each(|node| match node {
+        1 => vec!["--lb-mode=dsr"],
+        2 => vec!["--lb-dsr-accept"],
+        _ => vec![],
+    })?;
+    let result = (|| {
+        dsr_replies_straight(&lab, ClusterLab::node_address(1, DSR_NODE_PORT), CLIENT_IP.into(), true)?;
+        let through = ClusterLab::node_address(1, IGNORED_NODE_PORT);
+        let ignored = "vipr_datapath_dsr_total{event=\"carrier_ignored\"}";
+        // A datagram at a time (each may precede n1's sync of the Service) until n3 counts one.
+        wait_for("n3 to ignore a carried service address", TIMEOUT, || {
+            lab.client.run(|| Ok(UdpSocket::bind("0.0.0.0:0")?.send_to(b"who", through)?))?;
+            Ok(match lab.node_metric_now(3, ignored) {
+                Ok(Some(count)) if count >= 1.0 => Check::Done(()),
+                count => Check::NotYet(format!("{count:?}")),
+            })
+        })?;
+        lab.node_metric(1, "vipr_datapath_dsr_total{event=\"connection_sent\"}", 3.0)?;
+        ensure!(
+            lab.nodes[2].maps().flows()?.is_empty(),
+            "n3 stored entries for a carried address it ignored"
+        );
+        ensure!(
+            lab.node_metric_now(3, "vipr_datapath_dsr_total{event=\"connection_received\"}")? == Some(0.0),
+            "n3 took a carried service address"
+        );
+        Ok(())
+    })();
+    lab.with_logs(result)
+}
+
 #[test]
 fn hybrid_dsr_is_direct_for_tcp_and_masqueraded_for_udp() -> Result<()> {
     let lab = dsr_lab("cl-hyb", &["--lb-mode=hybrid"], false)?;

@@ -417,3 +417,49 @@ fn the_backend_node_stores_the_ipv6_service_address_and_strips_the_header() {
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
 }
+
+/// A node takes a carried service address only for the protocols its own `--lb-mode` sends by
+/// direct server return: the option is not authenticated, and whoever sends a pod a request
+/// with it chooses the source address of the pod's replies. With `snat` it takes none, with
+/// `hybrid` TCP's only. An ignored request goes on as if it carried nothing: untouched (the
+/// stack delivers it, and ignores an option it does not know), nothing stored, counted.
+#[test]
+fn a_node_takes_a_carried_service_address_only_for_what_its_lb_mode_sends_by_dsr() {
+    use proxy_common::dsr_accept;
+    in_fresh_netns(|| {
+        let syn = Packet::tcp(CLIENT, BACKEND).tcp_flags(0x02).payload(b"").ip_options(&OPTION);
+        let datagram = Packet::udp(CLIENT, BACKEND).ip_options(&OPTION);
+        let syn6 = Packet6::tcp(CLIENT6, BACKEND6)
+            .tcp_flags(0x02)
+            .payload(b"")
+            .extension_bytes(NEXTHDR_DEST, &carrier6());
+        let datagram6 = Packet6::udp(CLIENT6, BACKEND6).extension_bytes(NEXTHDR_DEST, &carrier6());
+
+        let snat = Harness::taking_carriers(dsr_accept::NONE)?;
+        check(&snat, &syn, TC_ACT_UNSPEC, &syn).context("snat: a SYN with the option")?;
+        check(&snat, &datagram, TC_ACT_UNSPEC, &datagram).context("snat: a datagram with the option")?;
+        check6(&snat, &syn6, TC_ACT_UNSPEC, &syn6).context("snat: an IPv6 SYN with the header")?;
+        check6(&snat, &datagram6, TC_ACT_UNSPEC, &datagram6)
+            .context("snat: an IPv6 datagram with the header")?;
+        ensure!(snat.flows()?.is_empty() && flows6(&snat)?.is_empty(), "snat stored entries");
+        ensure!(snat.datapath_stat(datapath_stat::DSR_CARRIER_IGNORED)? == 4, "snat: DSR_CARRIER_IGNORED");
+        ensure!(snat.datapath_stat(datapath_stat::DSR_RECEIVED)? == 0, "snat: DSR_RECEIVED");
+
+        let hybrid = Harness::taking_carriers(dsr_accept::TCP)?;
+        check(&hybrid, &syn, TC_ACT_OK, &syn.clone().ip_options(&[]))
+            .context("hybrid: a SYN with the option")?;
+        check(&hybrid, &datagram, TC_ACT_UNSPEC, &datagram).context("hybrid: a datagram with the option")?;
+        check6(&hybrid, &syn6, TC_ACT_OK, &syn6.clone().without_extensions())
+            .context("hybrid: an IPv6 SYN with the header")?;
+        check6(&hybrid, &datagram6, TC_ACT_UNSPEC, &datagram6)
+            .context("hybrid: an IPv6 datagram with the header")?;
+        ensure!(hybrid.flows()?.len() == 2 && flows6(&hybrid)?.len() == 2, "hybrid: the SYNs' entries only");
+        ensure!(hybrid.datapath_stat(datapath_stat::DSR_RECEIVED)? == 2, "hybrid: DSR_RECEIVED");
+        ensure!(
+            hybrid.datapath_stat(datapath_stat::DSR_CARRIER_IGNORED)? == 2,
+            "hybrid: DSR_CARRIER_IGNORED"
+        );
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}

@@ -418,11 +418,12 @@ pub const INSERT_FAILURES: [(u32, &str); 3] = [
 ];
 
 /// The direct-server-return events of `datapath_stat`, with their `event` label.
-pub const DSR_EVENTS: [(u32, &str); 4] = [
+pub const DSR_EVENTS: [(u32, &str); 5] = [
     (datapath_stat::DSR_SENT, "connection_sent"),
     (datapath_stat::DSR_RECEIVED, "connection_received"),
     (datapath_stat::DSR_MTU_SNAT, "mtu_snat_fallback"),
     (datapath_stat::DSR_MTU_NO_OPTION, "mtu_option_skipped"),
+    (datapath_stat::DSR_CARRIER_IGNORED, "carrier_ignored"),
 ];
 
 /// Label names stay clear of the target labels Prometheus-Operator puts on every series
@@ -601,7 +602,9 @@ impl Collector for DatapathCollector {
                  connection to a backend on another node without source NAT), connection_received (a request \
                  carried its service address here: this node's backend replies straight to the client), \
                  mtu_snat_fallback (a new connection masqueraded instead: the option would have exceeded the MTU), \
-                 mtu_option_skipped (a DSR connection's packet sent without the option for the same reason)",
+                 mtu_option_skipped (a DSR connection's packet sent without the option for the same reason), \
+                 carrier_ignored (a request carried a service address this node's --lb-mode does not take: \
+                 snat, or UDP with hybrid)",
                 direct_return,
             ),
             gauge(

@@ -68,6 +68,9 @@ pub struct EbpfOptions {
     pub forwarding: BpfForwarding,
     /// `--lb-mode`: source NAT or direct server return toward backends on other nodes.
     pub lb_mode: LbMode,
+    /// `--lb-dsr-accept`: whether this node takes DSR's carried service addresses; `None`:
+    /// for the protocols `lb_mode` sends by DSR ([`LbMode::carriers_taken`]).
+    pub lb_dsr_accept: Option<bool>,
 }
 
 pub struct EbpfDataplane {
@@ -192,6 +195,8 @@ impl EbpfDataplane {
             BpfForwarding::Redirect => forwarding::REDIRECT,
         };
         loader.override_global(forwarding::GLOBAL, &forwarding_global, true);
+        let carriers_taken = options.lb_mode.carriers_taken(options.lb_dsr_accept);
+        loader.override_global(proxy_common::dsr_accept::GLOBAL, &carriers_taken, true);
         for &(map, size) in wanted_sizes {
             loader.map_max_entries(map, size);
         }

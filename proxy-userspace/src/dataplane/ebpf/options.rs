@@ -65,6 +65,29 @@ impl LbMode {
             Self::Hybrid => protocol == Protocol::Tcp,
         }
     }
+
+    /// The protocols whose carried service address this node takes on a backend's side
+    /// (`proxy_common::dsr_accept`): all or none as `--lb-dsr-accept` (`accept`) says, else
+    /// those it sends by direct server return itself. A node with `snat` takes none by
+    /// default, since the option is not authenticated (whoever sends a pod a request with it
+    /// chooses the source address of the pod's replies).
+    pub fn carriers_taken(self, accept: Option<bool>) -> u8 {
+        use crate::model::Protocol;
+        use proxy_common::dsr_accept;
+        match accept {
+            Some(true) => return dsr_accept::TCP | dsr_accept::UDP,
+            Some(false) => return dsr_accept::NONE,
+            None => {}
+        }
+        let mut taken = proxy_common::dsr_accept::NONE;
+        if self.direct_return(Protocol::Tcp) {
+            taken |= proxy_common::dsr_accept::TCP;
+        }
+        if self.direct_return(Protocol::Udp) {
+            taken |= proxy_common::dsr_accept::UDP;
+        }
+        taken
+    }
 }
 
 /// Capacities of the eBPF dataplane's largest maps (`--bpf-*-max`).
@@ -170,4 +193,25 @@ pub enum Balancing {
     /// By the flow's hash in a Maglev table of this many slots (a prime, see
     /// [`super::maglev`]), so that every node picks the same backend for a flow.
     Maglev { table_size: u32 },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LbMode;
+    use proxy_common::dsr_accept;
+
+    #[test]
+    fn a_node_takes_carried_service_addresses_only_for_what_it_sends_by_dsr() {
+        assert_eq!(LbMode::Snat.carriers_taken(None), dsr_accept::NONE);
+        assert_eq!(LbMode::Hybrid.carriers_taken(None), dsr_accept::TCP);
+        assert_eq!(LbMode::Dsr.carriers_taken(None), dsr_accept::TCP | dsr_accept::UDP);
+    }
+
+    #[test]
+    fn lb_dsr_accept_takes_all_or_none_whatever_the_mode() {
+        for mode in [LbMode::Snat, LbMode::Hybrid, LbMode::Dsr] {
+            assert_eq!(mode.carriers_taken(Some(true)), dsr_accept::TCP | dsr_accept::UDP, "{mode:?}");
+            assert_eq!(mode.carriers_taken(Some(false)), dsr_accept::NONE, "{mode:?}");
+        }
+    }
 }
