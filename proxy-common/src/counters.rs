@@ -46,8 +46,8 @@ pub mod datapath_stat {
     /// node keeps the entries the connection's first packet stored.
     pub const DSR_MTU_NO_OPTION: u32 = 9;
     /// A request carried a service address this node does not take (`--lb-mode=snat`, or a UDP
-    /// request with `hybrid`): it went on as if it carried none, and its replies keep the
-    /// backend's address (the backend node's count).
+    /// request with `hybrid`, unless `--lb-dsr-accept`): it went on as if it carried none, and
+    /// its replies keep the backend's address (the backend node's count).
     pub const DSR_CARRIER_IGNORED: u32 = 10;
     pub const COUNT: u32 = 11;
 }

@@ -51,12 +51,13 @@ pub mod forwarding {
     pub const REDIRECT: u8 = 1;
 }
 
-/// `--lb-mode` on a backend's node: the protocols whose requests it takes a carried service
-/// address from (direct server return, the other node's option: proxy-ebpf's dsr.rs). The
-/// agent writes the bits into the program's read-only global [`dsr_accept::GLOBAL`] when it
-/// loads it: none with `snat`, TCP with `hybrid`, TCP and UDP with `dsr`. Whoever can send a
-/// pod a request with the option chooses the source address of the pod's replies, so a node
-/// that sends no DSR connections takes none.
+/// `--lb-mode` and `--lb-dsr-accept` on a backend's node: the protocols whose requests it takes
+/// a carried service address from (direct server return, the other node's option: proxy-ebpf's
+/// dsr.rs). The agent writes the bits into the program's read-only global
+/// [`dsr_accept::GLOBAL`] when it loads it: by default none with `snat`, TCP with `hybrid`, TCP
+/// and UDP with `dsr`; both or none as `--lb-dsr-accept` says. Whoever can send a pod a request
+/// with the option chooses the source address of the pod's replies, so a node that sends no
+/// DSR connections takes none unless told to.
 pub mod dsr_accept {
     /// The name of the `u8` global holding the bits below.
     pub const GLOBAL: &str = "VIPR_DSR_ACCEPT";

@@ -106,13 +106,14 @@ impl Room for XdpContext {
 }
 
 /// The protocols whose carried service address this node takes (bits of [`dsr_accept`]),
-/// written by the agent from `--lb-mode` at load time. Read-only data: the verifier knows it.
+/// written by the agent from `--lb-mode` and `--lb-dsr-accept` at load time. Read-only data:
+/// the verifier knows it.
 /// The object's own value takes none, as `--lb-mode=snat`.
 #[unsafe(no_mangle)]
 static VIPR_DSR_ACCEPT: u8 = dsr_accept::NONE;
 
-/// Whether this node takes a service address carried by a request of `protocol`: only where
-/// its own `--lb-mode` sends such connections by DSR. The option is not authenticated:
+/// Whether this node takes a service address carried by a request of `protocol`: by default
+/// only where its own `--lb-mode` sends such connections by DSR. The option is not authenticated:
 /// whoever sends a pod a request with it chooses the source address of the pod's replies.
 #[inline(always)]
 fn takes_carrier(protocol: u8) -> bool {

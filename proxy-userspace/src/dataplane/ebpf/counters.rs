@@ -603,8 +603,8 @@ impl Collector for DatapathCollector {
                  carried its service address here: this node's backend replies straight to the client), \
                  mtu_snat_fallback (a new connection masqueraded instead: the option would have exceeded the MTU), \
                  mtu_option_skipped (a DSR connection's packet sent without the option for the same reason), \
-                 carrier_ignored (a request carried a service address this node's --lb-mode does not take: \
-                 snat, or UDP with hybrid)",
+                 carrier_ignored (a request carried a service address this node does not take: \
+                 --lb-mode=snat, or UDP with hybrid, unless --lb-dsr-accept)",
                 direct_return,
             ),
             gauge(

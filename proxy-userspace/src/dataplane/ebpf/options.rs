@@ -79,12 +79,12 @@ impl LbMode {
             Some(false) => return dsr_accept::NONE,
             None => {}
         }
-        let mut taken = proxy_common::dsr_accept::NONE;
+        let mut taken = dsr_accept::NONE;
         if self.direct_return(Protocol::Tcp) {
-            taken |= proxy_common::dsr_accept::TCP;
+            taken |= dsr_accept::TCP;
         }
         if self.direct_return(Protocol::Udp) {
-            taken |= proxy_common::dsr_accept::UDP;
+            taken |= dsr_accept::UDP;
         }
         taken
     }
