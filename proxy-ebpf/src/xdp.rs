@@ -147,7 +147,7 @@ struct Egress<A> {
     /// layout BTF cannot describe (the kernel then refuses the object's BTF).
     via_gateway: u8,
     /// Whether a flow entry may cache the hop (non-zero): the route's MTU is at least its
-    /// device's. A cached hop is checked against the device's MTU alone, so the packets over a
+    /// device's (asked only by a lookup for a hop to cache). A cached hop is checked against the device's MTU alone, so the packets over a
     /// route with a smaller one (a locked route MTU, or a path MTU the kernel learned from an
     /// ICMP error before the lookup) ask the FIB every time, which checks the route's, as the
     /// kernel's forwarding does.
@@ -158,20 +158,24 @@ struct Egress<A> {
 /// neighbour out of a device XDP can send on, with room for `tot_len` bytes of IP packet; else
 /// `true` with `out` written. An out-parameter, not an `Option`: a returned struct comes back
 /// through the caller's stack, and the verifier refuses the stack pointer LLVM then may leave
-/// in R0.
+/// in R0. `CACHING`: the hop is for a flow entry to cache ([`Egress::cacheable`] is asked).
 #[inline(never)]
-fn egress<A: Address>(
+fn egress<A: Address, const CACHING: bool>(
     ctx: &XdpContext,
     destination: A,
     tot_len: u32,
     out: &mut MaybeUninit<Egress<A>>,
 ) -> bool {
-    look_up_egress(ctx, destination, tot_len).map(|found| out.write(found)).is_some()
+    look_up_egress::<A, CACHING>(ctx, destination, tot_len).map(|found| out.write(found)).is_some()
 }
 
 /// [`egress`]'s lookup, inlined into it.
 #[inline(always)]
-fn look_up_egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u32) -> Option<Egress<A>> {
+fn look_up_egress<A: Address, const CACHING: bool>(
+    ctx: &XdpContext,
+    destination: A,
+    tot_len: u32,
+) -> Option<Egress<A>> {
     // SAFETY: this CPU's element, which nothing else uses while this program runs.
     let scratch = unsafe { &mut *FIB_SCRATCH.get_ptr_mut(0)? };
     // SAFETY: a `MaybeUninit` of the same layout, zeroed here before every lookup.
@@ -191,13 +195,18 @@ fn look_up_egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u32) ->
         return None;
     }
     let action = sending_action(ingress, params.ifindex)?;
-    // SAFETY: an XDP lookup always checks the MTU, and a successful one reports the route's.
-    let route_mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
-    // Any non-zero length: only the device's MTU, written back, is wanted.
-    scratch.device_mtu = 1;
-    // SAFETY: a plain helper call; the field lives across it.
-    let device_known =
-        unsafe { bpf_check_mtu(ctx.as_ptr(), params.ifindex, &mut scratch.device_mtu, 0, 0) } >= 0;
+    // Only a hop to cache needs the device's MTU beside the route's (a new connection's is
+    // not cached: no cost there).
+    let cacheable = CACHING && {
+        // SAFETY: an XDP lookup always checks the MTU, and a successful one reports the route's.
+        let route_mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
+        // Any non-zero length: only the device's MTU, written back, is wanted.
+        scratch.device_mtu = 1;
+        // SAFETY: a plain helper call; the field lives across it.
+        let known =
+            unsafe { bpf_check_mtu(ctx.as_ptr(), params.ifindex, &mut scratch.device_mtu, 0, 0) } >= 0;
+        known && route_mtu >= scratch.device_mtu
+    };
     Some(Egress {
         hop: Hop {
             action,
@@ -206,7 +215,7 @@ fn look_up_egress<A: Address>(ctx: &XdpContext, destination: A, tot_len: u32) ->
         source: A::fib_source(params),
         // The field changes (to the gateway, of either family) only for a route via one.
         via_gateway: u8::from(unsafe { params.__bindgen_anon_4.ipv6_dst } != scratch.asked),
-        cacheable: u8::from(device_known && route_mtu >= scratch.device_mtu),
+        cacheable: u8::from(cacheable),
     })
 }
 
@@ -285,7 +294,7 @@ fn established<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
         let destination =
             if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let mut out = MaybeUninit::uninit();
-        if !egress(ctx, destination, tot_len, &mut out) {
+        if !egress::<A, true>(ctx, destination, tot_len, &mut out) {
             return XDP_PASS;
         }
         // SAFETY: written by `egress`, which said so.
@@ -329,7 +338,8 @@ fn new_connection<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     // too when fewer than the carrier's bytes short of the MTU: TC serves them the same way.
     let dsr = chosen.service.flags & service_flags::DSR != 0;
     let mut out = MaybeUninit::uninit();
-    if !egress(ctx, chosen.backend.addr, tot_len + if dsr { A::CARRIER_LEN } else { 0 }, &mut out) {
+    if !egress::<A, false>(ctx, chosen.backend.addr, tot_len + if dsr { A::CARRIER_LEN } else { 0 }, &mut out)
+    {
         return XDP_PASS;
     }
     // SAFETY: written by `egress`, which said so.
