@@ -29,6 +29,7 @@ use proxy_common::{datapath_stat, dsr_accept, proto};
 use crate::{
     counters::stat,
     family::{Endpoint, Ipv4, Ipv6},
+    maps::load_time_setting,
     packet::{
         bytes_at, copy_address, field, parse_ipv6_carrying, Change, Frame, IpHeader, Packet, TCP_ACK, TCP_SYN,
     },
@@ -117,9 +118,7 @@ static VIPR_DSR_ACCEPT: u8 = dsr_accept::NONE;
 /// whoever sends a pod a request with it chooses the source address of the pod's replies.
 #[inline(always)]
 fn takes_carrier(protocol: u8) -> bool {
-    // SAFETY: a plain read of a global; volatile so that the compiler does not fold the
-    // object's default in (the agent sets the value when it loads the object).
-    let taken = unsafe { core::ptr::read_volatile(&VIPR_DSR_ACCEPT) };
+    let taken = load_time_setting(&VIPR_DSR_ACCEPT);
     let wanted = match protocol {
         proto::TCP => dsr_accept::TCP,
         proto::UDP => dsr_accept::UDP,

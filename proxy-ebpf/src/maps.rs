@@ -363,3 +363,12 @@ pinned! {
     pub static SOURCE_RANGES6 = "vipr_srcr6_v1" as pins::SOURCE_RANGES6:
         PinnedMap<proxy_common::SourceRange6, u8, LPM_TRIE, { capacity::SOURCE_RANGES as usize }, LPM_FLAGS>;
 }
+
+/// The value of a read-only global the agent writes when it loads the object
+/// (`override_global`): read volatile, so that the compiler does not fold the object's own
+/// default in. The verifier knows the value and drops the branches it rules out.
+#[inline(always)]
+pub fn load_time_setting(global: &u8) -> u8 {
+    // SAFETY: a plain read of a valid reference.
+    unsafe { core::ptr::read_volatile(global) }
+}

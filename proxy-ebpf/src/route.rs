@@ -45,7 +45,7 @@ use proxy_common::{flow_flags, forwarding, NextHop};
 use crate::{
     family::{Address, Tracked},
     family_maps::{no_hop, Maps},
-    maps::ROUTE_GENERATION,
+    maps::{load_time_setting, ROUTE_GENERATION},
     packet::bytes_at,
 };
 
@@ -57,9 +57,7 @@ static VIPR_FORWARDING: u8 = forwarding::STACK;
 /// Whether forwarded packets are redirected past the stack (`--bpf-forwarding=redirect`).
 #[inline(always)]
 pub fn redirecting() -> bool {
-    // SAFETY: a plain read of a global; volatile so that the compiler does not fold the
-    // object's default in (the agent sets the value when it loads the object).
-    unsafe { core::ptr::read_volatile(&VIPR_FORWARDING) == forwarding::REDIRECT }
+    load_time_setting(&VIPR_FORWARDING) == forwarding::REDIRECT
 }
 
 /// The route toward an address, from the node's forwarding table.

@@ -581,11 +581,9 @@ impl ClusterLab {
     /// metrics server may start after the datapath serves).
     pub fn node_metric(&self, index: usize, sample: &str, at_least: f64) -> Result<f64> {
         wait_for(&format!("{sample} >= {at_least} on n{index}"), TIMEOUT, || {
-            Ok(match crate::http::get(&self.nodes[index - 1].netns, "127.0.0.1:10249".parse()?, "/metrics") {
-                Ok(metrics) => match metrics.metric(sample) {
-                    Some(value) if value >= at_least => Check::Done(value),
-                    value => Check::NotYet(format!("{value:?}")),
-                },
+            Ok(match self.node_metric_now(index, sample) {
+                Ok(Some(value)) if value >= at_least => Check::Done(value),
+                Ok(value) => Check::NotYet(format!("{value:?}")),
                 Err(error) => Check::NotYet(format!("{error:#}")),
             })
         })
