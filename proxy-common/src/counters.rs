@@ -49,7 +49,11 @@ pub mod datapath_stat {
     /// request with `hybrid`, unless `--lb-dsr-accept`): it went on as if it carried none, and
     /// its replies keep the backend's address (the backend node's count).
     pub const DSR_CARRIER_IGNORED: u32 = 10;
-    pub const COUNT: u32 = 11;
+    /// A request carried a service address that no service with the request's destination as
+    /// backend has (a forged option, or a backend this node's agent has not learnt yet): it was
+    /// dropped (the backend node's count).
+    pub const DSR_CARRIER_REFUSED: u32 = 11;
+    pub const COUNT: u32 = 12;
 }
 
 map_types! {

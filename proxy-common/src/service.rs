@@ -11,6 +11,11 @@ pub mod source_class {
     pub const POD: u8 = 1;
     /// One of the node's own addresses.
     pub const NODE: u8 = 2;
+    /// No packet's class: the entry a backend's node checks a service address carried by
+    /// direct server return against (dsr.rs). Its backend set is the set the ingress node chose
+    /// from (the OUTSIDE entry's), and a NodePort's is keyed by the unspecified address, since
+    /// the address carried is the ingress node's own, which this node's entries do not hold.
+    pub const CARRIED: u8 = 3;
 }
 
 /// Key of the services map: one frontend of a service, for one source class.
@@ -43,6 +48,9 @@ pub mod service_flags {
     /// carried in an IPv4 option, instead of being masqueraded. Set only on the OUTSIDE
     /// entries of masquerading NodePort, load-balancer and external-IP frontends.
     pub const DSR: u32 = 16;
+    /// The entry of a carried service address ([`super::source_class::CARRIED`]): its set
+    /// keeps its membership entries, which tell whether a backend is in it.
+    pub const CARRIED: u32 = 32;
 }
 
 /// Value of the services map. `backend_set` names the slots in the backends map that hold
@@ -62,6 +70,15 @@ pub struct Service {
     /// previous one while that started less than this many seconds ago. 0: no affinity.
     pub affinity_timeout: u32,
     pub pad: u32,
+}
+
+impl Service {
+    /// Whether the datapath asks the membership map of this entry's set (`BackendMember`):
+    /// session affinity checks a remembered backend against it, a carried service address
+    /// the request's backend.
+    pub fn keeps_members(&self) -> bool {
+        self.affinity_timeout != 0 || self.flags & service_flags::CARRIED != 0
+    }
 }
 
 /// Key of an LPM trie (pod CIDRs, unmatched destinations): the kernel matches the first

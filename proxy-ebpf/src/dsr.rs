@@ -24,11 +24,12 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
     EbpfContext as _,
 };
-use proxy_common::{datapath_stat, dsr_accept, proto};
+use proxy_common::{datapath_stat, dsr_accept, proto, source_class};
 
 use crate::{
     counters::stat,
     family::{Endpoint, Ipv4, Ipv6},
+    family_maps::Maps,
     maps::load_time_setting,
     packet::{
         bytes_at, copy_address, field, parse_ipv6_carrying, Change, Frame, IpHeader, Packet, TCP_ACK, TCP_SYN,
@@ -127,8 +128,37 @@ fn takes_carrier(protocol: u8) -> bool {
     taken & wanted != 0
 }
 
+/// What a request's carrier tells the backend's node.
+pub enum Carried<A> {
+    /// No carrier, or one this node does not take ([`takes_carrier`]): the request goes on as
+    /// if it carried nothing.
+    Nothing,
+    /// The service address of the request's connection, a frontend of a service the request's
+    /// backend serves ([`serves`]).
+    Frontend(Endpoint<A>),
+    /// A carrier this node takes but whose address no service of the request's backend has:
+    /// forged, or for a backend this node's agent has not learnt yet (the client's
+    /// retransmission meets it). Dropped: taken, it would give the backend's replies a source
+    /// address of the sender's choosing.
+    Refused,
+}
+
+/// Whether `frontend` is a frontend of a service of `packet`'s protocol that its destination,
+/// a backend on this node, serves, as the entries for carried addresses (source class
+/// CARRIED) say: one keyed by the address (a load-balancer or external IP), else by the
+/// unspecified address (a NodePort: the address is the ingress node's, which this node's
+/// entries do not hold; the port and the backend are checked).
+#[inline(always)]
+fn serves<A: Maps>(frontend: &Endpoint<A>, packet: &Packet<A>) -> bool {
+    let proto = packet.flow.proto;
+    let service = A::service(frontend, proto, source_class::CARRIED).or_else(|| {
+        A::service(&Endpoint { addr: A::UNSPECIFIED, port: frontend.port }, proto, source_class::CARRIED)
+    });
+    service.is_some_and(|service| A::slot_of(service.backend_set, &packet.flow.destination()).is_some())
+}
+
 /// Where a family stands on direct server return.
-pub trait Dsr: IpHeader {
+pub trait Dsr: IpHeader + Maps {
     /// How many bytes carrying the service address add to a packet.
     const CARRIER_LEN: u32;
     /// Whether a packet that carries the service address needs a parser of its own
@@ -136,17 +166,23 @@ pub trait Dsr: IpHeader {
     const CARRIED_APART: bool;
     /// Parses a packet that carries the service address, where [`Dsr::CARRIED_APART`].
     fn parse_carrying(ctx: &TcContext) -> Option<Packet<Self>>;
-    /// The service address and port a request carries, if it carries vipr's option and this
-    /// node takes it for the request's protocol ([`takes_carrier`]); one it does not take is
-    /// counted, and the request goes on as if it carried none.
+    /// The service address and port a request carries ([`Carried`]): one this node does not
+    /// take for the request's protocol ([`takes_carrier`]) and one it refuses ([`serves`]) are
+    /// counted.
     #[inline(always)]
-    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
-        let frontend = Self::carrier(ctx, packet)?;
+    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Carried<Self> {
+        let Some(frontend) = Self::carrier(ctx, packet) else {
+            return Carried::Nothing;
+        };
         if !takes_carrier(packet.flow.proto) {
             stat(datapath_stat::DSR_CARRIER_IGNORED);
-            return None;
+            return Carried::Nothing;
         }
-        Some(frontend)
+        if !serves(&frontend, packet) {
+            stat(datapath_stat::DSR_CARRIER_REFUSED);
+            return Carried::Refused;
+        }
+        Carried::Frontend(frontend)
     }
     /// The service address and port in the request's option, if it has vipr's.
     fn carrier(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>>;

@@ -45,8 +45,8 @@ pub trait Maps: Address {
     fn early_drop_head() -> Option<Tuple<Self>>;
     /// Takes the oldest key off the early-drop queue.
     fn early_drop_pop();
-    /// The services entry of the packet's destination, for one source class.
-    fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service>;
+    /// The services entry of a frontend of `proto`, for one source class.
+    fn service(frontend: &Endpoint<Self>, proto: u8, source_class: u8) -> Option<Service>;
     /// The backend in a slot, with its (service port, backend) counter index.
     fn counted_backend(slot: &BackendSlot) -> Option<(Endpoint<Self>, u32)>;
     fn is_node(addr: &Self) -> bool;
@@ -233,13 +233,8 @@ macro_rules! family_maps {
             }
 
             #[inline(always)]
-            fn service(packet: &Tuple<Self>, source_class: u8) -> Option<Service> {
-                $services.get(&$service_key {
-                    addr: packet.dst,
-                    port: packet.dst_port,
-                    proto: packet.proto,
-                    source_class,
-                })
+            fn service(frontend: &Endpoint<Self>, proto: u8, source_class: u8) -> Option<Service> {
+                $services.get(&$service_key { addr: frontend.addr, port: frontend.port, proto, source_class })
             }
 
             #[inline(always)]

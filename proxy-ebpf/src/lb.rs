@@ -51,7 +51,7 @@ pub(crate) enum Pick<'a, A> {
 /// affinity see.
 #[inline(always)]
 pub(crate) fn decide<A: Maps>(frontend: &Tuple<A>, class: u8, client: &A, pick: Pick<'_, A>) -> Decision<A> {
-    let Some(service) = A::service(frontend, class) else {
+    let Some(service) = A::service(&frontend.destination(), frontend.proto, class) else {
         return Decision::NoService;
     };
     if service.flags & service_flags::SOURCE_RANGES != 0 && !A::in_source_ranges(service.service_id, client) {

@@ -28,7 +28,7 @@ use aya_ebpf::{
 use proxy_common::{proto, sctp};
 
 use crate::{
-    family::{Address, Ipv4, Ipv6},
+    family::{Address, Endpoint, Ipv4, Ipv6},
     wire::{
         DSR6_HDR_EXT_LEN, DSR6_HLEN, DSR6_OPTION_DATA_LEN, DSR6_OPTION_TYPE, ETH_HLEN, IPPROTO_DSTOPTS,
         IPV4_CSUM_AT, IPV4_MIN_HLEN, IPV6_DADDR_OFF, IPV6_HLEN, IPV6_SADDR_OFF, IP_MF, IP_OFFSET,
@@ -60,6 +60,14 @@ pub struct Tuple<A> {
     pub src_port: u16,
     pub dst_port: u16,
     pub proto: u8,
+}
+
+impl<A: Copy> Tuple<A> {
+    /// The destination address and port.
+    #[inline(always)]
+    pub fn destination(&self) -> Endpoint<A> {
+        Endpoint { addr: self.dst, port: self.dst_port }
+    }
 }
 
 /// The fields of a TCP/UDP/SCTP packet that load balancing needs.

@@ -446,7 +446,7 @@ fn pod_translates<S: SockAddress, const SENDMSG: bool>(
     ctx: &SockAddrContext,
     frontend: &Tuple<S::Addr>,
 ) -> bool {
-    let Some(service) = S::Addr::service(frontend, source_class::POD) else {
+    let Some(service) = S::Addr::service(&frontend.destination(), frontend.proto, source_class::POD) else {
         return true;
     };
     if service.flags & service_flags::MASQUERADE != 0 {

@@ -8,7 +8,7 @@ use proxy_common::{datapath_stat, flow_flags, service_flags, unmatched, NextHop,
 use crate::{
     conntrack::{make_room, observe, touch, track, track_dsr, track_dsr_backend, track_masqueraded, Refusal},
     counters::{self, stat},
-    dsr::{self, Dsr},
+    dsr::{self, Carried, Dsr},
     family::{Endpoint, Ipv4, Ipv6, Nat, Tracked},
     family_maps::Maps,
     fragment::{self, Fragments, LaterFragment},
@@ -107,8 +107,10 @@ fn carried_request<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     let Some(packet) = A::parse_carrying(ctx) else {
         return NOT_BALANCED;
     };
-    let Some(frontend) = A::carried(ctx, &packet) else {
-        return TC_ACT_UNSPEC;
+    let frontend = match A::carried(ctx, &packet) {
+        Carried::Frontend(frontend) => frontend,
+        Carried::Nothing => return TC_ACT_UNSPEC,
+        Carried::Refused => return TC_ACT_SHOT,
     };
     let stored = match A::flow(&packet.flow) {
         Some(tracked) => {
@@ -148,6 +150,17 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
     NEW_CONNECTION
 }
 
+/// [`Dsr::carried`] for a packet the common parser took: a family whose carrier that parser
+/// refuses carries nothing there ([`carried_request`] has those packets).
+#[inline(always)]
+fn carried_in_common_parse<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> Carried<A> {
+    if A::CARRIED_APART {
+        Carried::Nothing
+    } else {
+        A::carried(ctx, packet)
+    }
+}
+
 /// A request of a direct-server-return connection with a flow entry that carries (or may
 /// carry) the service address ([`dsr::carries`]). On the ingress node: the destination
 /// rewritten, the option carried again where the backend's node may need it (a retransmitted
@@ -163,10 +176,10 @@ fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, tracked: &Track
         if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
     let hop = tracked_hop(ctx, destination, tracked);
     if flow.flags & flow_flags::DSR_BACKEND != 0 {
-        // A family whose carrier the common parser refuses never sees it here
-        // ([`carried_request`] has those packets).
-        let Some(frontend) = A::carried(ctx, packet).filter(|_| !A::CARRIED_APART) else {
-            return forward(ctx, packet, flow, &hop);
+        let frontend = match carried_in_common_parse(ctx, packet) {
+            Carried::Frontend(frontend) => frontend,
+            Carried::Nothing => return forward(ctx, packet, flow, &hop),
+            Carried::Refused => return TC_ACT_SHOT,
         };
         if packet.tcp_flags & TCP_SYN != 0 {
             let _ = track_dsr_backend(packet, &frontend, true);
@@ -208,7 +221,7 @@ fn send_dsr<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, hop
 fn carrying<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, carry: bool) -> Result<(), i64> {
     rewrite(ctx, packet, Side::Destination, flow.dst, flow.dst_port)?;
     if carry {
-        A::carry(ctx, &Endpoint { addr: packet.flow.dst, port: packet.flow.dst_port })?;
+        A::carry(ctx, &packet.flow.destination())?;
     }
     Ok(())
 }
@@ -245,10 +258,11 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     };
     let packet = &packet;
     // A request whose service address another node's vipr carried here: this node is the
-    // backend's (direct server return). A family whose carrier the common parser refuses
-    // never sees it here ([`carried_request`] has those packets).
-    if let Some(frontend) = A::carried(ctx, packet).filter(|_| !A::CARRIED_APART) {
-        return dsr_arrived(ctx, packet, &frontend, last_try);
+    // backend's (direct server return).
+    match carried_in_common_parse(ctx, packet) {
+        Carried::Frontend(frontend) => return dsr_arrived(ctx, packet, &frontend, last_try),
+        Carried::Refused => return TC_ACT_SHOT,
+        Carried::Nothing => {}
     }
     // At TC ingress the packet's device is the one it entered through.
     let entered_through = unsafe { (*ctx.skb.skb).ifindex };

@@ -53,7 +53,7 @@ use crate::{
     conntrack::{observe, track, track_dsr, track_masqueraded, Refusal},
     counters::{self, stat},
     dsr::{self, Dsr},
-    family::{Address, Endpoint, Ipv4, Ipv6, Nat, Tracked},
+    family::{Address, Ipv4, Ipv6, Nat, Tracked},
     family_maps::Maps,
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{copy_address, ethertype, field, Change, IpHeader, Packet, ETH_P_IP, ETH_P_IPV6},
@@ -418,7 +418,7 @@ fn finish_carrying<A: Dsr>(ctx: &XdpContext, packet: &Packet<A>, flow: &Nat<A>, 
     if rewrite_in_place(ctx, packet, flow, out).is_none() {
         return XDP_PASS;
     }
-    let frontend = Endpoint { addr: packet.flow.dst, port: packet.flow.dst_port };
+    let frontend = packet.flow.destination();
     if A::carry(ctx, &frontend).is_err() {
         // Rewritten already: a half-made request must not escape.
         return xdp_action::XDP_DROP;

@@ -14,8 +14,8 @@ use testbed::fixtures::{
         compare_frames, ep, input_and_output, parse_ipv4, Ep, L4Checksum, Packet, IPPROTO_TCP, IPPROTO_UDP,
     },
     frame6::{compare_frames6, dsr_carrier6, ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST},
-    harness::{flow_key, verdict_name, Harness, TC_ACT_OK, TC_ACT_UNSPEC},
-    harness6::{add_pod_cidr6, add_service6, flows6},
+    harness::{flow_key, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    harness6::{add_pod_cidr6, add_service6, flows6, service_key6, set_backend6, set_member6, set_service6},
     netns::{in_fresh_netns, ip},
 };
 
@@ -58,6 +58,30 @@ fn dsr_frontend(h: &mut Harness, proto: u8, backend_set: u32) -> Result<()> {
     let service = Service { backend_set, backend_count: 1, service_id: 7, flags, ..Service::default() };
     h.store_service(FRONTEND, proto, service)?;
     h.set_backend(backend_set, 0, BACKEND)
+}
+
+/// The entry a backend's node checks a carried NodePort address against, as an agent that
+/// takes carriers writes it: keyed by the unspecified address and the node port (the address
+/// carried is the ingress node's), its set of `proto` holding `backend` (slot and member).
+fn carried_node_port(h: &mut Harness, proto: u8, backend_set: u32, backend: Ep) -> Result<()> {
+    carried_entry(h, ep([0; 4], FRONTEND.port), proto, backend_set, backend)
+}
+
+/// The entry of a carried `frontend`'s address (source class CARRIED), its set holding
+/// `backend`.
+fn carried_entry(h: &mut Harness, frontend: Ep, proto: u8, backend_set: u32, backend: Ep) -> Result<()> {
+    let flags = service_flags::CARRIED;
+    let service = Service { backend_set, backend_count: 1, service_id: 7, flags, ..Service::default() };
+    h.store_service_for(frontend, proto, source_class::CARRIED, service)?;
+    h.set_backend(backend_set, 0, backend)?;
+    h.set_member(backend_set, backend, 0)
+}
+
+/// The IPv4 option carrying `frontend`.
+fn option(frontend: Ep) -> [u8; 8] {
+    let [port_high, port_low] = frontend.port.to_be_bytes();
+    let [a, b, c, d] = frontend.addr;
+    [0x9a, 8, port_high, port_low, a, b, c, d]
 }
 
 /// Runs `input`, expects `verdict` and exactly `expected` out, with valid checksums.
@@ -146,7 +170,8 @@ fn a_request_too_big_for_the_option_is_masqueraded() {
 #[test]
 fn the_backend_node_stores_the_service_address_and_strips_the_option() {
     in_fresh_netns(|| {
-        let h = Harness::new()?;
+        let mut h = Harness::new()?;
+        carried_node_port(&mut h, IPPROTO_TCP, 1, BACKEND)?;
         let request = Packet::tcp(CLIENT, BACKEND).tcp_flags(0x02).payload(b"").ip_options(&OPTION);
         // No route in this namespace: the stack delivers the packet.
         check(&h, &request, TC_ACT_OK, &request.clone().ip_options(&[])).context("SYN with the option")?;
@@ -286,6 +311,15 @@ fn dsr_frontend6(h: &Harness, proto: u8, backend_set: u32) -> Result<()> {
     add_service6(h, FRONTEND6, proto, source_class::OUTSIDE, backend_set, &[BACKEND6], flags)
 }
 
+/// [`carried_node_port`] for IPv6: the NodePort's entry keyed by `::`.
+fn carried_node_port6(h: &Harness, proto: u8, backend_set: u32, backend: Ep6) -> Result<()> {
+    let flags = service_flags::CARRIED;
+    let service = Service { backend_set, backend_count: 1, service_id: 7, flags, ..Service::default() };
+    set_service6(h, service_key6(ep6([0; 16], FRONTEND6.port), proto, source_class::CARRIED), service)?;
+    set_backend6(h, backend_set, 0, backend)?;
+    set_member6(h, backend_set, backend, 0)
+}
+
 /// Runs `input`, expects `verdict` and exactly `expected` out; the L4 checksum is checked on
 /// its own where the output has no extension header.
 fn check6(h: &Harness, input: &Packet6, verdict: u32, expected: &Packet6) -> Result<()> {
@@ -382,6 +416,7 @@ fn an_ipv6_request_too_big_for_the_carrier_is_masqueraded() {
 fn the_backend_node_stores_the_ipv6_service_address_and_strips_the_header() {
     in_fresh_netns(|| {
         let h = Harness::new()?;
+        carried_node_port6(&h, IPPROTO_TCP, 1, BACKEND6)?;
         let request = Packet6::tcp(CLIENT6, BACKEND6)
             .tcp_flags(0x02)
             .payload(b"")
@@ -435,7 +470,15 @@ fn a_node_takes_a_carried_service_address_only_for_what_its_lb_mode_sends_by_dsr
             .extension_bytes(NEXTHDR_DEST, &carrier6());
         let datagram6 = Packet6::udp(CLIENT6, BACKEND6).extension_bytes(NEXTHDR_DEST, &carrier6());
 
-        let snat = Harness::taking_carriers(dsr_accept::NONE)?;
+        let carried_node_ports = |h: &mut Harness| -> Result<()> {
+            for (set, proto) in [(1, IPPROTO_TCP), (2, IPPROTO_UDP)] {
+                carried_node_port(h, proto, set, BACKEND)?;
+                carried_node_port6(h, proto, set + 10, BACKEND6)?;
+            }
+            Ok(())
+        };
+        let mut snat = Harness::taking_carriers(dsr_accept::NONE)?;
+        carried_node_ports(&mut snat)?;
         check(&snat, &syn, TC_ACT_UNSPEC, &syn).context("snat: a SYN with the option")?;
         check(&snat, &datagram, TC_ACT_UNSPEC, &datagram).context("snat: a datagram with the option")?;
         check6(&snat, &syn6, TC_ACT_UNSPEC, &syn6).context("snat: an IPv6 SYN with the header")?;
@@ -445,7 +488,8 @@ fn a_node_takes_a_carried_service_address_only_for_what_its_lb_mode_sends_by_dsr
         ensure!(snat.datapath_stat(datapath_stat::DSR_CARRIER_IGNORED)? == 4, "snat: DSR_CARRIER_IGNORED");
         ensure!(snat.datapath_stat(datapath_stat::DSR_RECEIVED)? == 0, "snat: DSR_RECEIVED");
 
-        let hybrid = Harness::taking_carriers(dsr_accept::TCP)?;
+        let mut hybrid = Harness::taking_carriers(dsr_accept::TCP)?;
+        carried_node_ports(&mut hybrid)?;
         check(&hybrid, &syn, TC_ACT_OK, &syn.clone().ip_options(&[]))
             .context("hybrid: a SYN with the option")?;
         check(&hybrid, &datagram, TC_ACT_UNSPEC, &datagram).context("hybrid: a datagram with the option")?;
@@ -458,6 +502,80 @@ fn a_node_takes_a_carried_service_address_only_for_what_its_lb_mode_sends_by_dsr
         ensure!(
             hybrid.datapath_stat(datapath_stat::DSR_CARRIER_IGNORED)? == 2,
             "hybrid: DSR_CARRIER_IGNORED"
+        );
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+/// A node that takes carriers takes a carried service address only where a service of the
+/// request's destination has it: the entries for carried addresses (source class CARRIED) hold
+/// a load-balancer IP by address and port, a NodePort by port alone (the address is the
+/// ingress node's), each with the backends an ingress node chooses from. Any other address, or
+/// a service's address to a pod that is not its backend, is refused: dropped, nothing stored,
+/// counted. Taken, it would give the pod's replies a source of the sender's choosing. A tracked
+/// DSR connection's datagram that carries another address is refused the same way.
+#[test]
+fn a_carried_service_address_is_taken_only_from_a_service_of_the_requests_backend() {
+    const LOAD_BALANCER: Ep = ep([198, 51, 100, 10], 80);
+    const OTHER_BACKEND: Ep = ep([10, 244, 2, 11], 8080);
+    const OTHER_CLIENT: Ep = ep([203, 0, 113, 3], 40001);
+    const OTHER_BACKEND6: Ep6 = ep6(ip6([0xfd00, 0x244, 0, 2], 0x11), 8080);
+    in_fresh_netns(|| {
+        let mut h = Harness::new()?;
+        carried_entry(&mut h, LOAD_BALANCER, IPPROTO_TCP, 1, BACKEND)?;
+        carried_node_port(&mut h, IPPROTO_TCP, 2, OTHER_BACKEND)?;
+        carried_node_port(&mut h, IPPROTO_UDP, 3, BACKEND)?;
+        carried_node_port6(&h, IPPROTO_TCP, 4, OTHER_BACKEND6)?;
+        let syn = |client: Ep, backend: Ep, carried: Ep| {
+            Packet::tcp(client, backend).tcp_flags(0x02).payload(b"").ip_options(&option(carried))
+        };
+        let refused = |h: &Harness, packet: &Packet, what: &str| -> Result<()> {
+            let (verdict, out) = h.run(&packet.build())?;
+            ensure!(verdict == TC_ACT_SHOT, "{what}: verdict {} (want TC_ACT_SHOT)", verdict_name(verdict));
+            ensure!(out.is_empty() || out == packet.build(), "{what}: rewritten");
+            Ok(())
+        };
+
+        // Taken: the load balancer's address to its backend; the NodePort from any node's
+        // address to its backend.
+        let taken = syn(CLIENT, BACKEND, LOAD_BALANCER);
+        check(&h, &taken, TC_ACT_OK, &taken.clone().ip_options(&[])).context("the load balancer's SYN")?;
+        let via_node = syn(OTHER_CLIENT, OTHER_BACKEND, ep([192, 168, 100, 7], FRONTEND.port));
+        check(&h, &via_node, TC_ACT_OK, &via_node.clone().ip_options(&[])).context("the NodePort's SYN")?;
+        ensure!(h.flows()?.len() == 4, "two connections' entries: {:?}", h.flows()?);
+
+        // Refused: a service's address to a pod that is not its backend, an address no service
+        // has.
+        let before = h.flows()?.len();
+        refused(&h, &syn(OTHER_CLIENT, BACKEND, FRONTEND), "the NodePort to another service's backend")?;
+        refused(&h, &syn(OTHER_CLIENT, OTHER_BACKEND, LOAD_BALANCER), "the load balancer to a stranger")?;
+        refused(&h, &syn(OTHER_CLIENT, BACKEND, ep([8, 8, 8, 8], 53)), "an address no service has")?;
+        let syn6 = |backend: Ep6| {
+            Packet6::tcp(CLIENT6, backend)
+                .tcp_flags(0x02)
+                .payload(b"")
+                .extension_bytes(NEXTHDR_DEST, &carrier6())
+        };
+        check6(&h, &syn6(OTHER_BACKEND6), TC_ACT_OK, &syn6(OTHER_BACKEND6).without_extensions())
+            .context("the IPv6 NodePort's SYN")?;
+        let (verdict, _) = h.run(&syn6(BACKEND6).build())?;
+        ensure!(verdict == TC_ACT_SHOT, "IPv6 to another pod: verdict {}", verdict_name(verdict));
+        ensure!(h.flows()?.len() == before, "a refused request stored entries: {:?}", h.flows()?);
+        ensure!(flows6(&h)?.len() == 2, "IPv6: the taken connection's entries only");
+        ensure!(h.datapath_stat(datapath_stat::DSR_CARRIER_REFUSED)? == 4, "DSR_CARRIER_REFUSED");
+        ensure!(h.datapath_stat(datapath_stat::DSR_RECEIVED)? == 3, "DSR_RECEIVED");
+
+        // A tracked connection's datagram: taken with the NodePort's address, refused with
+        // another.
+        let datagram = Packet::udp(CLIENT, BACKEND).ip_options(&OPTION);
+        check(&h, &datagram, TC_ACT_OK, &datagram.clone().ip_options(&[])).context("the first datagram")?;
+        let forged = Packet::udp(CLIENT, BACKEND).ip_options(&option(LOAD_BALANCER));
+        refused(&h, &forged, "a tracked connection's datagram with another address")?;
+        let reply_entry: Flow4 = h.flows()?[&flow_key(BACKEND, CLIENT, IPPROTO_UDP)];
+        ensure!(
+            (reply_entry.src_addr, reply_entry.src_port) == (FRONTEND.addr, FRONTEND.port),
+            "the forged datagram changed the reply's source: {reply_entry:?}"
         );
         Ok(())
     })

@@ -13,6 +13,7 @@ use std::{
 };
 
 use super::{
+    encode::{has_carried_entry, Modes},
     family::{Family, V4, V6},
     options::Balancing,
 };
@@ -103,9 +104,9 @@ pub struct Needs {
 }
 
 /// Counts the entries [`super::encode::encode`] would write for each Service of `state`.
-pub fn needs(state: &DesiredState, balancing: Balancing) -> Needs {
+pub fn needs(state: &DesiredState, modes: Modes) -> Needs {
     let mut tracker = NeedsTracker::default();
-    tracker.rebuild(state, balancing);
+    tracker.rebuild(state, modes);
     tracker.needs
 }
 
@@ -134,14 +135,14 @@ impl NeedsTracker {
     }
 
     /// Counts every Service of `state`.
-    pub fn rebuild(&mut self, state: &DesiredState, balancing: Balancing) {
+    pub fn rebuild(&mut self, state: &DesiredState, modes: Modes) {
         *self = Self::default();
         for (frontend, entry) in &state.frontends {
             self.add_frontend(*frontend, &service_name(&entry.service));
         }
         let names: Vec<Arc<str>> = self.frontends.keys().cloned().collect();
         for name in &names {
-            self.recount(state, name, balancing);
+            self.recount(state, name, modes);
         }
         self.count_cluster_ips(state);
         self.count_fixed(state);
@@ -155,7 +156,7 @@ impl NeedsTracker {
         state: &DesiredState,
         changed: &BTreeSet<Frontend>,
         classifiers: bool,
-        balancing: Balancing,
+        modes: Modes,
     ) {
         let mut dirty = BTreeSet::new();
         for frontend in changed {
@@ -170,7 +171,7 @@ impl NeedsTracker {
             }
         }
         for name in &dirty {
-            self.recount(state, name, balancing);
+            self.recount(state, name, modes);
         }
         if classifiers {
             self.count_cluster_ips(state);
@@ -192,7 +193,7 @@ impl NeedsTracker {
         name
     }
 
-    fn recount(&mut self, state: &DesiredState, name: &Arc<str>, balancing: Balancing) {
+    fn recount(&mut self, state: &DesiredState, name: &Arc<str>, modes: Modes) {
         for ip in self.needs.cluster_ips.remove(name).into_iter().flatten() {
             if let Some(count) = self.claimed.get_mut(&ip) {
                 *count -= 1;
@@ -215,7 +216,7 @@ impl NeedsTracker {
         };
         let (entries, cluster_ips) = service_needs(
             frontends.iter().filter_map(|frontend| state.frontends.get_key_value(frontend)),
-            balancing,
+            modes,
         );
         add_entries(&mut self.needs.services_total, &entries, |total, need| total + need);
         self.needs.services.insert(name.clone(), entries);
@@ -267,18 +268,26 @@ fn add_entries(total: &mut Entries, entries: &Entries, fold: impl Fn(u64, u64) -
 /// The entries one Service's `frontends` need, and the cluster IPs they claim.
 fn service_needs<'a>(
     frontends: impl Iterator<Item = (&'a Frontend, &'a FrontendEntry)>,
-    balancing: Balancing,
+    modes: Modes,
 ) -> (Entries, BTreeSet<IpAddr>) {
     let mut needs = Entries::default();
     let mut cluster_ips = BTreeSet::new();
     // Encoded once per service port and family: the source classes' and frontends' lists.
     let mut lists: BTreeSet<(&ServicePortName, usize, &[Backend])> = BTreeSet::new();
     let mut ranges: BTreeSet<(&ServicePortName, usize, &ipnet::IpNet)> = BTreeSet::new();
+    // A NodePort's carried-address entry is one for all its node addresses (see encode).
+    let mut node_ports_carried: BTreeSet<(usize, u16, u8)> = BTreeSet::new();
     for (frontend, entry) in frontends {
         let family = family_index(frontend.ip);
         let entries = &mut needs[family];
         // A loopback frontend has the node's class only (see encode).
         entries[MapKind::Services as usize] += if frontend.ip.is_loopback() { 1 } else { 3 };
+        if has_carried_entry(frontend, entry, modes.carriers_taken)
+            && (entry.kind != FrontendKind::NodePort
+                || node_ports_carried.insert((family, frontend.port, frontend.protocol.number())))
+        {
+            entries[MapKind::Services as usize] += 1;
+        }
         for treatment in [&entry.from_outside, &entry.from_pod, &entry.from_node] {
             if !lists.insert((&entry.service, family, &treatment.backends)) {
                 continue;
@@ -288,7 +297,7 @@ fn service_needs<'a>(
             if count == 0 {
                 continue;
             }
-            entries[MapKind::Backends as usize] += match balancing {
+            entries[MapKind::Backends as usize] += match modes.balancing {
                 Balancing::Maglev { table_size } => u64::from(table_size),
                 Balancing::Random => count,
             };
@@ -429,8 +438,8 @@ mod tests {
         add(&mut state, "web", &[ip(1), ip(2)], 2, &[backend(1), backend(2)]);
         add(&mut state, "api", &[ip(3)], 1, &[backend(3)]);
         let mut tracker = NeedsTracker::default();
-        tracker.rebuild(&state, Balancing::Random);
-        assert_eq!(tracker.needs(), &needs(&state, Balancing::Random));
+        tracker.rebuild(&state, Modes::snat(Balancing::Random));
+        assert_eq!(tracker.needs(), &needs(&state, Modes::snat(Balancing::Random)));
 
         let steps: [&dyn Fn(&mut DesiredState); 7] = [
             // More backends for web, a new Service dns.
@@ -472,8 +481,8 @@ mod tests {
                 .copied()
                 .collect();
             let classifiers = state.cluster_ips != cluster_ips_before;
-            tracker.update(&state, &changed, classifiers, Balancing::Random);
-            assert_eq!(tracker.needs(), &needs(&state, Balancing::Random), "after step {index}");
+            tracker.update(&state, &changed, classifiers, Modes::snat(Balancing::Random));
+            assert_eq!(tracker.needs(), &needs(&state, Modes::snat(Balancing::Random)), "after step {index}");
         }
     }
 
@@ -481,7 +490,7 @@ mod tests {
     fn everything_fits_without_asking_which_services_are_programmed() {
         let mut state = DesiredState::default();
         add(&mut state, "web", &[ip(1)], 1, &[backend(1)]);
-        let refused = admit(&needs(&state, Balancing::Random), &capacity(100, 100, 100), || {
+        let refused = admit(&needs(&state, Modes::snat(Balancing::Random)), &capacity(100, 100, 100), || {
             panic!("asked for the programmed Services although everything fits")
         });
         assert_eq!(refused, Refused::default());
@@ -491,10 +500,10 @@ mod tests {
     fn counts_entries_as_the_encoding_writes_them() {
         let mut state = DesiredState::default();
         add(&mut state, "web", &[ip(1), ip(2)], 2, &[backend(1), backend(2)]);
-        let needs = needs(&state, Balancing::Random);
+        let needs = needs(&state, Modes::snat(Balancing::Random));
         // 2 ports × 2 addresses × 3 classes; one list per port; one cluster IP.
         assert_eq!(needs.services["ns/web"][0], [12, 4, 4, 0, 1]);
-        let maglev = super::needs(&state, Balancing::Maglev { table_size: 251 });
+        let maglev = super::needs(&state, Modes::snat(Balancing::Maglev { table_size: 251 }));
         assert_eq!(maglev.services["ns/web"][0][MapKind::Backends as usize], 2 * 251);
     }
 
@@ -506,7 +515,8 @@ mod tests {
         let external: Vec<IpAddr> = (2..9).map(ip).collect();
         add(&mut state, "aaa-huge", &external, 100, &[backend(2)]);
         add(&mut state, "zzz-small", &[ip(20)], 2, &[backend(3)]);
-        let refused = admit(&needs(&state, Balancing::Random), &capacity(1000, 1000, 100), BTreeSet::new);
+        let refused =
+            admit(&needs(&state, Modes::snat(Balancing::Random)), &capacity(1000, 1000, 100), BTreeSet::new);
         assert_eq!(refused.services.keys().collect::<Vec<_>>(), ["ns/aaa-huge"]);
         let reason = &refused.services["ns/aaa-huge"];
         assert!(reason.contains("needs 2100 entries of vipr_svc4_v2, 1000 free (capacity 1000)"), "{reason}");
@@ -523,7 +533,7 @@ mod tests {
         let mut state = DesiredState::default();
         add(&mut state, "old", &[ip(1)], 1, &[backend(1), backend(2)]);
         add(&mut state, "aaa-new", &[ip(2)], 1, &[backend(3), backend(4)]);
-        let needs = needs(&state, Balancing::Random);
+        let needs = needs(&state, Modes::snat(Balancing::Random));
         let tight = capacity(100, 3, 100);
         assert_eq!(admit(&needs, &tight, BTreeSet::new).services.keys().collect::<Vec<_>>(), ["ns/old"]);
         let programmed = BTreeSet::from(["ns/old".to_string()]);
@@ -542,14 +552,14 @@ mod tests {
         for entry in state.frontends.values_mut() {
             entry.allowed_sources = ranges.clone();
         }
-        let needs = needs(&state, Balancing::Random);
+        let needs = needs(&state, Modes::snat(Balancing::Random));
         assert_eq!(needs.services["ns/ranged"][0][MapKind::SourceRanges as usize], 1000, "once per port");
         let refused = admit(&needs, &capacity(100, 100, 512), BTreeSet::new);
         assert!(refused.services["ns/ranged"].contains("of vipr_srcr4_v1"), "{refused:?}");
 
         let mut state = DesiredState::default();
         add(&mut state, "maglev", &[ip(1)], 10, &[backend(1)]);
-        let needs = super::needs(&state, Balancing::Maglev { table_size: 251 });
+        let needs = super::needs(&state, Modes::snat(Balancing::Maglev { table_size: 251 }));
         let refused = admit(&needs, &capacity(100, 2000, 100), BTreeSet::new);
         assert!(refused.services["ns/maglev"].contains("needs 2510 entries of vipr_back4_v2"), "{refused:?}");
         assert!(admit(&needs, &capacity(100, 2510, 100), BTreeSet::new).services.is_empty());

@@ -418,12 +418,13 @@ pub const INSERT_FAILURES: [(u32, &str); 3] = [
 ];
 
 /// The direct-server-return events of `datapath_stat`, with their `event` label.
-pub const DSR_EVENTS: [(u32, &str); 5] = [
+pub const DSR_EVENTS: [(u32, &str); 6] = [
     (datapath_stat::DSR_SENT, "connection_sent"),
     (datapath_stat::DSR_RECEIVED, "connection_received"),
     (datapath_stat::DSR_MTU_SNAT, "mtu_snat_fallback"),
     (datapath_stat::DSR_MTU_NO_OPTION, "mtu_option_skipped"),
     (datapath_stat::DSR_CARRIER_IGNORED, "carrier_ignored"),
+    (datapath_stat::DSR_CARRIER_REFUSED, "carrier_refused"),
 ];
 
 /// Label names stay clear of the target labels Prometheus-Operator puts on every series
@@ -604,7 +605,8 @@ impl Collector for DatapathCollector {
                  mtu_snat_fallback (a new connection masqueraded instead: the option would have exceeded the MTU), \
                  mtu_option_skipped (a DSR connection's packet sent without the option for the same reason), \
                  carrier_ignored (a request carried a service address this node does not take: \
-                 --lb-mode=snat, or UDP with hybrid, unless --lb-dsr-accept)",
+                 --lb-mode=snat, or UDP with hybrid, unless --lb-dsr-accept), carrier_refused (a request \
+                 carried a service address that no service of its backend has: dropped)",
                 direct_return,
             ),
             gauge(

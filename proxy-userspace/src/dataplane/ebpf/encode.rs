@@ -12,14 +12,14 @@ use std::{
     sync::Arc,
 };
 
-use proxy_common::{service_flags, source_class, unmatched, Backend as MapBackend, ServiceKey};
+use proxy_common::{dsr_accept, service_flags, source_class, unmatched, Backend as MapBackend, ServiceKey};
 
 use super::{
     capacity::Refused,
     counters::CounterIds,
     family::{Family, V4, V6},
     maglev,
-    options::{Balancing, LbMode},
+    options::{carrier_bit, Balancing, LbMode},
     plan::WantedService,
 };
 use crate::model::{
@@ -45,6 +45,10 @@ pub struct FamilyWanted<F: Family> {
     pub pod_cidrs: BTreeMap<LpmKey<F>, u8>,
     pub unmatched: BTreeMap<LpmKey<F>, u8>,
     pub source_ranges: BTreeMap<LpmKey<F::RangeData>, u8>,
+    /// The node addresses whose NodePort frontends put each NodePort's carried-address entry
+    /// (keyed by the unspecified address, see [`FamilyWanted::add_carried`]): the entry goes
+    /// when the last of them does.
+    nodeport_carriers: BTreeMap<ServiceKey<F>, BTreeSet<F>>,
 }
 
 impl<F: Family> Default for FamilyWanted<F> {
@@ -55,6 +59,7 @@ impl<F: Family> Default for FamilyWanted<F> {
             pod_cidrs: BTreeMap::new(),
             unmatched: BTreeMap::new(),
             source_ranges: BTreeMap::new(),
+            nodeport_carriers: BTreeMap::new(),
         }
     }
 }
@@ -65,7 +70,26 @@ const CLASSES: [(SourceClass, u8); 3] = [
     (SourceClass::Node, source_class::NODE),
 ];
 
-/// [`encode_admitted`] with every Service admitted.
+/// How the node encodes its entries: the options of the agent that shape them.
+#[derive(Clone, Copy, Debug)]
+pub struct Modes {
+    pub balancing: Balancing,
+    /// What this node sends by direct server return.
+    pub lb_mode: LbMode,
+    /// The protocols whose carried service address this node takes (`dsr_accept` bits,
+    /// [`LbMode::carriers_taken`]): their frontends get the entries the address is checked
+    /// against.
+    pub carriers_taken: u8,
+}
+
+impl Modes {
+    /// The modes of a node with `--lb-mode=snat` (the default) and no `--lb-dsr-accept`.
+    pub fn snat(balancing: Balancing) -> Self {
+        Self { balancing, lb_mode: LbMode::Snat, carriers_taken: dsr_accept::NONE }
+    }
+}
+
+/// [`encode_admitted`] with every Service admitted, as a `snat` node.
 #[cfg(test)]
 pub fn encode(
     state: &DesiredState,
@@ -73,7 +97,7 @@ pub fn encode(
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> Wanted {
-    encode_admitted(state, &Refused::default(), balancing, LbMode::Snat, service_ids, counters)
+    encode_admitted(state, &Refused::default(), Modes::snat(balancing), service_ids, counters)
 }
 
 /// The entries of every Service but the `refused` ones (see [`super::capacity`]).
@@ -81,14 +105,13 @@ pub fn encode(
 pub fn encode_admitted(
     state: &DesiredState,
     refused: &Refused,
-    balancing: Balancing,
-    lb_mode: LbMode,
+    modes: Modes,
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> Wanted {
     let mut wanted = Wanted::default();
     for (frontend, entry) in state.frontends.iter().filter(|(_, entry)| !refused.contains(&entry.service)) {
-        wanted.add_frontend(frontend, entry, (balancing, lb_mode), service_ids, counters);
+        wanted.add_frontend(frontend, entry, modes, service_ids, counters);
     }
     wanted.v4.add_classifiers(state, refused);
     wanted.v6.add_classifiers(state, refused);
@@ -118,7 +141,7 @@ pub fn encode_changes(
     state: &DesiredState,
     refused: &Refused,
     changes: &StateChanges,
-    modes: (Balancing, LbMode),
+    modes: Modes,
     service_ids: &mut ServiceIds,
     counters: &mut CounterIds,
 ) -> (Touched<V4>, Touched<V6>) {
@@ -163,7 +186,7 @@ impl Wanted {
         &mut self,
         frontend: &Frontend,
         entry: &FrontendEntry,
-        modes: (Balancing, LbMode),
+        modes: Modes,
         service_ids: &mut ServiceIds,
         counters: &mut CounterIds,
     ) {
@@ -187,12 +210,25 @@ impl<F: Family> FamilyWanted<F> {
         };
         let protocol = frontend.protocol.number();
         let mut ranged = false;
-        for (_, class_code) in CLASSES {
+        let class_codes = CLASSES.iter().map(|(_, code)| *code).chain([source_class::CARRIED]);
+        for class_code in class_codes {
             let key = F::service_key(addr, frontend.port, protocol, class_code);
             if let Some(removed) = self.services.remove(&key) {
                 ranged |= removed.flags & service_flags::SOURCE_RANGES != 0;
             }
             keys.insert(key);
+        }
+        let nodeport = F::service_key(F::UNSPECIFIED, frontend.port, protocol, source_class::CARRIED);
+        if let Some(addresses) = self.nodeport_carriers.get_mut(&nodeport) {
+            if addresses.remove(&addr) {
+                keys.insert(nodeport);
+                // Another node address's NodePort frontend keeps the entry; a change of the
+                // Service re-adds each, with the new value.
+                if addresses.is_empty() {
+                    self.nodeport_carriers.remove(&nodeport);
+                    self.services.remove(&nodeport);
+                }
+            }
         }
         ranged
     }
@@ -213,17 +249,14 @@ impl<F: Family> FamilyWanted<F> {
         entry: &FrontendEntry,
         protocol: u8,
         service: ServiceRef<'_>,
-        (balancing, lb_mode): (Balancing, LbMode),
+        modes: Modes,
         counters: &mut CounterIds,
     ) {
+        let Modes { balancing, lb_mode, carriers_taken } = modes;
         let Some(addr) = F::addr(frontend.ip) else { return };
         // Direct server return replaces the masquerade of connections from outside to a
         // NodePort, load-balancer or external IP (the datapath keeps it for local backends).
-        let direct_return = lb_mode.direct_return(frontend.protocol)
-            && matches!(
-                entry.kind,
-                FrontendKind::NodePort | FrontendKind::LoadBalancer | FrontendKind::ExternalIp
-            );
+        let direct_return = lb_mode.direct_return(frontend.protocol) && takes_direct_return(entry.kind);
         let service_id = service.id;
         let mut flags_common = 0;
         // The API bounds the timeout to 1-86400 s; saturate rather than wrap whatever comes.
@@ -270,6 +303,41 @@ impl<F: Family> FamilyWanted<F> {
                 },
             );
         }
+        if has_carried_entry(frontend, entry, carriers_taken) {
+            let outside = &entry.from_outside.backends;
+            if let Some((_, backends)) = encoded.iter().find(|(source, _)| *source == outside) {
+                self.add_carried(frontend, entry, addr, protocol, (service_id, backends.clone()));
+            }
+        }
+    }
+
+    /// The entry a backend's node checks a service address carried by direct server return
+    /// against (proxy-ebpf `dsr.rs`), where [`has_carried_entry`]: the backends an ingress node
+    /// chooses from. A NodePort's carried
+    /// address is the ingress node's, which no entry of this node holds: its entry is keyed
+    /// by the unspecified address, so the check there holds the port and the backend, not the
+    /// address.
+    fn add_carried(
+        &mut self,
+        frontend: &Frontend,
+        entry: &FrontendEntry,
+        addr: F,
+        protocol: u8,
+        (service_id, backends): (u32, Arc<[MapBackend<F>]>),
+    ) {
+        if backends.is_empty() {
+            return;
+        }
+        let key = if entry.kind == FrontendKind::NodePort {
+            let key = F::service_key(F::UNSPECIFIED, frontend.port, protocol, source_class::CARRIED);
+            self.nodeport_carriers.entry(key).or_default().insert(addr);
+            key
+        } else {
+            F::service_key(addr, frontend.port, protocol, source_class::CARRIED)
+        };
+        let carried =
+            WantedService { backends, service_id, flags: service_flags::CARRIED, affinity_timeout: 0 };
+        self.services.insert(key, carried);
     }
 
     /// Node addresses, pod CIDRs and service ranges of this family; cluster IPs but those of
@@ -286,6 +354,23 @@ impl<F: Family> FamilyWanted<F> {
             }
         }
     }
+}
+
+/// Whether a frontend of `kind` goes by direct server return where `--lb-mode` says so: a
+/// NodePort, load-balancer or external IP (for connections from outside it masquerades).
+fn takes_direct_return(kind: FrontendKind) -> bool {
+    matches!(kind, FrontendKind::NodePort | FrontendKind::LoadBalancer | FrontendKind::ExternalIp)
+}
+
+/// Whether a node that takes the carriers of `carriers_taken` (`dsr_accept` bits) has an entry
+/// for `frontend`'s carried address: where ingress nodes may send it by direct server return
+/// (a NodePort, load-balancer or external IP masqueraded from outside), whatever this node's
+/// own `--lb-mode`.
+pub fn has_carried_entry(frontend: &Frontend, entry: &FrontendEntry, carriers_taken: u8) -> bool {
+    carriers_taken & carrier_bit(frontend.protocol) != 0
+        && takes_direct_return(entry.kind)
+        && entry.from_outside.masquerade
+        && !frontend.ip.is_loopback()
 }
 
 /// A treatment's backends and their encoding.
@@ -497,11 +582,11 @@ mod tests {
     fn direct_server_return_marks_only_external_frontends_from_outside() {
         let state = dual_stack(&[]);
         let dsr_keys = |lb_mode| {
+            let modes = Modes { balancing: Balancing::Random, lb_mode, carriers_taken: dsr_accept::NONE };
             let wanted = encode_admitted(
                 &state,
                 &Refused::default(),
-                Balancing::Random,
-                lb_mode,
+                modes,
                 &mut ServiceIds::default(),
                 &mut CounterIds::new(16),
             );
@@ -569,7 +654,7 @@ mod tests {
         use super::super::capacity::{self, MapKind};
 
         let state = dual_stack(&["10.0.0.0/8", "192.168.0.0/16", "2001:db8::/32"]);
-        let needs = capacity::needs(&state, Balancing::Random);
+        let needs = capacity::needs(&state, Modes::snat(Balancing::Random));
         let admitted =
             encode(&state, Balancing::Random, &mut ServiceIds::default(), &mut CounterIds::new(16));
         let need = needs.services["ns/web"];
@@ -588,8 +673,7 @@ mod tests {
         let wanted = encode_admitted(
             &state,
             &refused,
-            Balancing::Random,
-            LbMode::Snat,
+            Modes::snat(Balancing::Random),
             &mut ServiceIds::default(),
             &mut CounterIds::new(16),
         );
@@ -597,6 +681,130 @@ mod tests {
         assert!(wanted.v4.source_ranges.is_empty() && wanted.v6.source_ranges.is_empty());
         assert_eq!(wanted.v4.unmatched.len(), 1, "only the service range: {:?}", wanted.v4.unmatched);
         assert_eq!(wanted.v6.unmatched.len(), 1, "only the service range: {:?}", wanted.v6.unmatched);
+    }
+
+    /// A Service sent by DSR from outside (a LoadBalancer with a NodePort and an external IP,
+    /// eTP Cluster) and one that is not (eTP Local), on a node whose NodePorts listen on
+    /// `node_port_ips`.
+    fn sent_by_dsr(node_port_ips: &[&str]) -> DesiredState {
+        let service = |name: &str, policy: &str, port: u16, addresses: [&str; 2]| -> Service {
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {"type": "LoadBalancer", "clusterIPs": [addresses[0]],
+                         "externalTrafficPolicy": policy, "externalIPs": [addresses[1]],
+                         "ports": [{"name": "http", "port": port, "nodePort": port + 30000}]},
+                "status": {"loadBalancer": {"ingress": [{"ip": "1.2.3.4"}]}},
+            }))
+            .unwrap()
+        };
+        let services = [
+            service("web", "Cluster", 80, ["10.96.0.10", "5.6.7.8"]),
+            service("local", "Local", 81, ["10.96.0.11", "5.6.7.9"]),
+        ];
+        let mut slices = [slice("web-4", "IPv4", "10.1.0.1"), slice("local-4", "IPv4", "10.1.0.2")];
+        if let Some(labels) = slices[1].metadata.labels.as_mut() {
+            labels.insert(SERVICE_NAME_LABEL.into(), "local".into());
+        }
+        let node = NodeContext {
+            name: "node-a".into(),
+            node_port_ips: node_port_ips.iter().map(|ip| ip.parse().unwrap()).collect(),
+            ..NodeContext::default()
+        };
+        desired_state(&services, &slices, &node).state
+    }
+
+    /// The CARRIED entries of `wanted`'s IPv4 services: frontend, and whether each holds the
+    /// OUTSIDE entry's backends and service id of `outside` (the frontend of the same service
+    /// and port an ingress node balances).
+    fn carried_entries(wanted: &Wanted) -> Vec<([u8; 4], u16)> {
+        let outside = &wanted.v4.services[&ServiceKey4 {
+            addr: [1, 2, 3, 4],
+            port: 80,
+            proto: proto::TCP,
+            source_class: source_class::OUTSIDE,
+        }];
+        wanted
+            .v4
+            .services
+            .iter()
+            .filter(|(key, _)| key.source_class == source_class::CARRIED)
+            .map(|(key, service)| {
+                assert_eq!(service.flags, service_flags::CARRIED, "{key:?}");
+                assert_eq!((&service.backends, service.service_id), (&outside.backends, outside.service_id));
+                (key.addr, key.port)
+            })
+            .collect()
+    }
+
+    /// A node that takes TCP's carriers has an entry for each TCP frontend an ingress node
+    /// sends by DSR: the load balancer's and the external IP by address, the NodePort once by
+    /// port (keyed 0.0.0.0) whatever its node addresses; nothing for a cluster IP or an eTP
+    /// Local Service, nothing where it takes no carriers or only UDP's, whatever its own
+    /// `--lb-mode`.
+    #[test]
+    fn a_node_that_takes_carriers_has_an_entry_for_each_frontend_sent_by_dsr() {
+        let state = sent_by_dsr(&["192.168.0.2", "192.168.0.3"]);
+        let encoded = |lb_mode: LbMode, carriers_taken| {
+            let modes = Modes { balancing: Balancing::Random, lb_mode, carriers_taken };
+            encode_admitted(
+                &state,
+                &Refused::default(),
+                modes,
+                &mut ServiceIds::default(),
+                &mut CounterIds::new(16),
+            )
+        };
+        let expected = vec![([0, 0, 0, 0], 30080), ([1, 2, 3, 4], 80), ([5, 6, 7, 8], 80)];
+        assert_eq!(carried_entries(&encoded(LbMode::Snat, dsr_accept::TCP)), expected);
+        assert_eq!(carried_entries(&encoded(LbMode::Dsr, dsr_accept::TCP | dsr_accept::UDP)), expected);
+        assert_eq!(carried_entries(&encoded(LbMode::Dsr, dsr_accept::NONE)), []);
+        assert_eq!(carried_entries(&encoded(LbMode::Snat, dsr_accept::UDP)), []);
+
+        use super::super::capacity::{self, MapKind};
+        let modes =
+            Modes { balancing: Balancing::Random, lb_mode: LbMode::Snat, carriers_taken: dsr_accept::TCP };
+        let needs = capacity::needs(&state, modes);
+        let counted: u64 = needs.services.values().map(|need| need[0][MapKind::Services as usize]).sum();
+        assert_eq!(counted as usize, encoded(LbMode::Snat, dsr_accept::TCP).v4.services.len());
+    }
+
+    /// The NodePort's one entry stays while any of the node's addresses has the NodePort, and
+    /// goes with the last, when only the changed frontends are encoded again.
+    #[test]
+    fn a_node_ports_carried_entry_goes_with_its_last_node_address() {
+        let modes =
+            Modes { balancing: Balancing::Random, lb_mode: LbMode::Dsr, carriers_taken: dsr_accept::TCP };
+        let (mut ids, mut counters) = (ServiceIds::default(), CounterIds::new(16));
+        let two = sent_by_dsr(&["192.168.0.2", "192.168.0.3"]);
+        let mut wanted = encode_admitted(&two, &Refused::default(), modes, &mut ids, &mut counters);
+        let node_port =
+            ServiceKey4 { addr: [0; 4], port: 30080, proto: proto::TCP, source_class: source_class::CARRIED };
+        let changed = |state: &DesiredState, before: &DesiredState| StateChanges {
+            frontends: before
+                .frontends
+                .keys()
+                .chain(state.frontends.keys())
+                .filter(|frontend| state.frontends.get(*frontend) != before.frontends.get(*frontend))
+                .copied()
+                .collect(),
+            ..StateChanges::default()
+        };
+
+        let one = sent_by_dsr(&["192.168.0.2"]);
+        let changes = changed(&one, &two);
+        assert_eq!(changes.frontends.len(), 2, "{changes:?}");
+        let (touched, _) =
+            encode_changes(&mut wanted, &one, &Refused::default(), &changes, modes, &mut ids, &mut counters);
+        assert!(wanted.v4.services.contains_key(&node_port), "the other address's NodePort lost it");
+        assert!(touched.keys.contains(&node_port));
+        assert_eq!(carried_entries(&wanted).len(), 3);
+
+        let none = sent_by_dsr(&[]);
+        let changes = changed(&none, &one);
+        encode_changes(&mut wanted, &none, &Refused::default(), &changes, modes, &mut ids, &mut counters);
+        assert!(!wanted.v4.services.contains_key(&node_port), "no NodePort left, but its entry");
+        assert_eq!(carried_entries(&wanted), vec![([1, 2, 3, 4], 80), ([5, 6, 7, 8], 80)]);
+        assert_eq!(wanted, encode_admitted(&none, &Refused::default(), modes, &mut ids, &mut counters));
     }
 
     #[test]

@@ -27,14 +27,16 @@ use crate::{bpf_sys::update_batch, dataplane::SyncReport};
 pub struct FamilyMaps<F: Family> {
     services: HashMap<MapData, ServiceKey<F>, Service>,
     backends: HashMap<MapData, BackendSlot, Backend<F>>,
-    /// Which backends each set holds. Only session affinity reads it (proxy-ebpf
-    /// `affinity.rs`), so only the sets that an entry with affinity points to get their
-    /// members: most sets have none, and a sync from scratch writes a third fewer entries.
+    /// Which backends each set holds. Only session affinity (proxy-ebpf `affinity.rs`) and the
+    /// check of a carried service address (`dsr.rs`) read it, so only the sets that such an
+    /// entry points to ([`Service::keeps_members`]) get their members: most sets have none,
+    /// and a sync from scratch writes a third fewer entries.
     members: HashMap<MapData, BackendMember<F>, u32>,
     /// The sets whose membership entries are all in the map.
     with_members: HashSet<u32>,
-    /// How many programmed entries with session affinity point to each set.
-    affinity_refs: StdHashMap<u32, usize>,
+    /// How many programmed entries that keep members ([`Service::keeps_members`]) point to
+    /// each set.
+    member_refs: StdHashMap<u32, usize>,
     programmed: Programmed<F>,
     /// Indexes of `programmed` kept along with it, so that a sync of a few entries costs
     /// what they do: complete sets by their backends, how many entries point to each set,
@@ -78,17 +80,17 @@ impl<F: Family> FamilyMaps<F> {
         let mut members: HashMap<MapData, BackendMember<F>, u32> = take_map(ebpf, names.members)?;
         let with_members = remove_stale_members(&mut members, &programmed);
         let mut set_refs = StdHashMap::new();
-        let mut affinity_refs = StdHashMap::new();
+        let mut member_refs = StdHashMap::new();
         for service in programmed.services.values() {
             *set_refs.entry(service.backend_set).or_default() += 1;
-            if service.affinity_timeout != 0 {
-                *affinity_refs.entry(service.backend_set).or_default() += 1;
+            if service.keeps_members() {
+                *member_refs.entry(service.backend_set).or_default() += 1;
             }
         }
         let mut maps = Self {
             members,
             with_members,
-            affinity_refs,
+            member_refs,
             node_ips: Mirrored::adopt(take_map(ebpf, names.node_ips)?),
             pod_cidrs: Mirrored::adopt(take_map(ebpf, names.pod_cidrs)?),
             unmatched: Mirrored::adopt(take_map(ebpf, names.unmatched)?),
@@ -139,19 +141,19 @@ impl<F: Family> FamilyMaps<F> {
     }
 
     /// Records a programmed service entry; the set its old value pointed to may be unused now
-    /// (`unused`), or used by no entry with session affinity (`without_affinity`).
+    /// (`unused`), or used by no entry that keeps members (`without_members`).
     fn store_entry(
         &mut self,
         key: ServiceKey<F>,
         service: Option<Service>,
         unused: &mut BTreeSet<u32>,
-        without_affinity: &mut Vec<u32>,
+        without_members: &mut Vec<u32>,
     ) {
         let old = match service {
             Some(service) => {
                 *self.set_refs.entry(service.backend_set).or_default() += 1;
-                if service.affinity_timeout != 0 {
-                    *self.affinity_refs.entry(service.backend_set).or_default() += 1;
+                if service.keeps_members() {
+                    *self.member_refs.entry(service.backend_set).or_default() += 1;
                 }
                 self.programmed.services.insert(key, service)
             }
@@ -161,8 +163,8 @@ impl<F: Family> FamilyMaps<F> {
             if release_ref(&mut self.set_refs, old.backend_set) {
                 unused.insert(old.backend_set);
             }
-            if old.affinity_timeout != 0 && release_ref(&mut self.affinity_refs, old.backend_set) {
-                without_affinity.push(old.backend_set);
+            if old.keeps_members() && release_ref(&mut self.member_refs, old.backend_set) {
+                without_members.push(old.backend_set);
             }
         }
     }
@@ -236,17 +238,18 @@ impl<F: Family> FamilyMaps<F> {
                 plan_changes(&self.programmed, &self.content, &wanted.services, keys, &mut self.set_ids)
             }
         };
-        // The sets that need their members before the entries are stored: those an entry with
-        // session affinity is about to point to, and, in a sync of everything, those of the
-        // entries with affinity kept as they are (an earlier agent may have left them without).
+        // The sets that need their members before the entries are stored: those an entry that
+        // keeps members (session affinity, a carried address's check) is about to point to,
+        // and, in a sync of everything, those of such entries kept as they are (an earlier
+        // agent may have left them without).
         let mut need_members: HashSet<u32> = plan
             .stores
             .iter()
-            .filter(|(_, service)| service.affinity_timeout != 0)
+            .filter(|(_, service)| service.keeps_members())
             .map(|(_, service)| service.backend_set)
             .collect();
         if keys.is_none() {
-            need_members.extend(self.affinity_refs.keys().copied());
+            need_members.extend(self.member_refs.keys().copied());
         }
         need_members.retain(|set| *set != NO_BACKENDS && !self.with_members.contains(set));
         let mut failed_sets = HashSet::new();
@@ -273,7 +276,7 @@ impl<F: Family> FamilyMaps<F> {
                 }
             }
         }
-        // Sets in the maps already that gain a user with session affinity.
+        // Sets in the maps already that gain a user that keeps members.
         let mut failed_members = HashSet::new();
         for set in need_members {
             let Some(backends) = self.programmed.sets.get(&set) else { continue };
@@ -287,34 +290,34 @@ impl<F: Family> FamilyMaps<F> {
                 }
                 Err(error) => {
                     let error = format!("{} backend set members cannot be stored: {error:#}", F::NAME);
-                    let affinity_user =
-                        |service: &Service| service.backend_set == set && service.affinity_timeout != 0;
-                    refuse_users(&plan.stores, affinity_user, &error, refused);
+                    let member_user =
+                        |service: &Service| service.backend_set == set && service.keeps_members();
+                    refuse_users(&plan.stores, member_user, &error, refused);
                     self.clear_members(set, &backends);
                     failed_members.insert(set);
                 }
             }
         }
         let mut unused = BTreeSet::new();
-        let mut without_affinity = Vec::new();
+        let mut without_members = Vec::new();
         // Deletions first: they make room in a full map for the entries stored next.
         for key in &plan.deletes {
             match self.services.delete(key) {
                 Ok(()) => {
-                    self.store_entry(*key, None, &mut unused, &mut without_affinity);
+                    self.store_entry(*key, None, &mut unused, &mut without_members);
                     report.changed += 1;
                 }
                 Err(error) => report.failed.push(format!("deleting service entry {key:?}: {error}")),
             }
         }
         // An entry whose set failed keeps its old value, which still points to a complete set
-        // (and one with affinity whose set has no members keeps its old value too).
+        // (and one that keeps members whose set has none keeps its old value too).
         let (store_keys, store_values): (Vec<ServiceKey<F>>, Vec<Service>) = plan
             .stores
             .iter()
             .filter(|(_, service)| {
                 !failed_sets.contains(&service.backend_set)
-                    && (service.affinity_timeout == 0 || !failed_members.contains(&service.backend_set))
+                    && (!service.keeps_members() || !failed_members.contains(&service.backend_set))
             })
             .copied()
             .unzip();
@@ -323,14 +326,14 @@ impl<F: Family> FamilyMaps<F> {
         // these key and value types, checking their sizes against the map's.
         if unsafe { update_batch(self.services.map().fd().as_fd(), &store_keys, &store_values) }.is_ok() {
             for (key, service) in store_keys.iter().zip(&store_values) {
-                self.store_entry(*key, Some(*service), &mut unused, &mut without_affinity);
+                self.store_entry(*key, Some(*service), &mut unused, &mut without_members);
             }
             report.changed += store_keys.len();
         } else {
             for (key, service) in store_keys.iter().zip(&store_values) {
                 match self.services.insert(key, service, 0) {
                     Ok(()) => {
-                        self.store_entry(*key, Some(*service), &mut unused, &mut without_affinity);
+                        self.store_entry(*key, Some(*service), &mut unused, &mut without_members);
                         report.changed += 1;
                     }
                     Err(error) => refused.push((
@@ -340,10 +343,10 @@ impl<F: Family> FamilyMaps<F> {
                 }
             }
         }
-        // Sets still in use that no entry with affinity points to any more lose their members
+        // Sets still in use that no entry keeping members points to any more lose their members
         // (unused ones lose them with their slots below).
-        for set in without_affinity {
-            if !self.affinity_refs.contains_key(&set)
+        for set in without_members {
+            if !self.member_refs.contains_key(&set)
                 && self.set_refs.contains_key(&set)
                 && self.with_members.remove(&set)
             {

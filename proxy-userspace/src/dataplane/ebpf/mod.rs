@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 use self::{
     capacity::{Capacity, Refused},
     counters::{CounterIds, CounterMap, DatapathCollector, FlowMetrics, StatsMap},
-    encode::{encode_admitted, encode_changes, ServiceIds, Touched, Wanted},
+    encode::{encode_admitted, encode_changes, Modes, ServiceIds, Touched, Wanted},
     family::{Family, V4, V6},
     family_maps::FamilyMaps,
 };
@@ -90,8 +90,8 @@ pub struct EbpfDataplane {
     wanted: Wanted,
     synced: Option<u64>,
     service_ids: ServiceIds,
-    balancing: Balancing,
-    lb_mode: LbMode,
+    /// How the entries are encoded (balancing, `--lb-mode`, the carriers taken).
+    modes: Modes,
     /// The maps' capacities, and the Services refused because they do not fit them (see
     /// [`capacity`]); decided again when the state changes.
     capacity: Capacity,
@@ -284,8 +284,7 @@ impl EbpfDataplane {
             xdp,
             hooks,
             service_ids,
-            balancing: options.balancing,
-            lb_mode: options.lb_mode,
+            modes: Modes { balancing: options.balancing, lb_mode: options.lb_mode, carriers_taken },
             capacity,
             needs: capacity::NeedsTracker::default(),
             refused: Refused::default(),
@@ -391,10 +390,8 @@ impl EbpfDataplane {
     /// `None` to count everything.
     fn admit(&mut self, state: &DesiredState, changes: Option<&StateChanges>) -> Refused {
         match changes {
-            Some(changes) => {
-                self.needs.update(state, &changes.frontends, changes.classifiers, self.balancing)
-            }
-            None => self.needs.rebuild(state, self.balancing),
+            Some(changes) => self.needs.update(state, &changes.frontends, changes.classifiers, self.modes),
+            None => self.needs.rebuild(state, self.modes),
         }
         let (v4, v6) = (&self.v4, &self.v6);
         capacity::admit(self.needs.needs(), &self.capacity, || {
@@ -535,7 +532,7 @@ impl Dataplane for EbpfDataplane {
                 state,
                 &self.refused,
                 changes,
-                (self.balancing, self.lb_mode),
+                self.modes,
                 &mut self.service_ids,
                 &mut self.counter_ids,
             ))
@@ -543,8 +540,7 @@ impl Dataplane for EbpfDataplane {
             self.wanted = encode_admitted(
                 state,
                 &self.refused,
-                self.balancing,
-                self.lb_mode,
+                self.modes,
                 &mut self.service_ids,
                 &mut self.counter_ids,
             );

@@ -75,18 +75,25 @@ impl LbMode {
         use crate::model::Protocol;
         use proxy_common::dsr_accept;
         match accept {
-            Some(true) => return dsr_accept::TCP | dsr_accept::UDP,
-            Some(false) => return dsr_accept::NONE,
-            None => {}
+            Some(true) => dsr_accept::TCP | dsr_accept::UDP,
+            Some(false) => dsr_accept::NONE,
+            None => [Protocol::Tcp, Protocol::Udp]
+                .into_iter()
+                .filter(|protocol| self.direct_return(*protocol))
+                .fold(dsr_accept::NONE, |taken, protocol| taken | carrier_bit(protocol)),
         }
-        let mut taken = dsr_accept::NONE;
-        if self.direct_return(Protocol::Tcp) {
-            taken |= dsr_accept::TCP;
-        }
-        if self.direct_return(Protocol::Udp) {
-            taken |= dsr_accept::UDP;
-        }
-        taken
+    }
+}
+
+/// The `proxy_common::dsr_accept` bit of `protocol`'s carriers (none for SCTP, which never goes
+/// by direct server return).
+pub fn carrier_bit(protocol: crate::model::Protocol) -> u8 {
+    use crate::model::Protocol;
+    use proxy_common::dsr_accept;
+    match protocol {
+        Protocol::Tcp => dsr_accept::TCP,
+        Protocol::Udp => dsr_accept::UDP,
+        Protocol::Sctp => dsr_accept::NONE,
     }
 }
 

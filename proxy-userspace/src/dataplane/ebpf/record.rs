@@ -244,6 +244,8 @@ pub fn source_name(class: u8) -> &'static str {
         source_class::OUTSIDE => "outside",
         source_class::POD => "pod",
         source_class::NODE => "node",
+        // The entry a DSR request's carried service address is checked against.
+        source_class::CARRIED => "carried",
         _ => "?",
     }
 }
