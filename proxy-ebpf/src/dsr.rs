@@ -191,13 +191,11 @@ pub trait Dsr: IpHeader + Maps {
     fn carry(ctx: &impl Room, frontend: &Endpoint<Self>) -> Result<(), i64>;
     /// Removes the option [`Dsr::carried`] found.
     fn strip(ctx: &TcContext) -> Result<(), i64>;
-    /// The IP packet's length (header and payload, as the header says).
-    fn ip_len(packet: &Packet<Self>) -> u32;
 
     /// Whether the packet with the option added still fits `mtu` (the egress device's).
     #[inline(always)]
     fn fits_with_option(packet: &Packet<Self>, mtu: u32) -> bool {
-        Self::ip_len(packet) + Self::CARRIER_LEN <= mtu
+        packet.ip_len() + Self::CARRIER_LEN <= mtu
     }
 
     /// [`Dsr::fits_with_option`] for the device `ifindex`, asked of the kernel
@@ -207,7 +205,7 @@ pub trait Dsr: IpHeader + Maps {
     fn fits_with_option_on(ctx: &TcContext, packet: &Packet<Self>, ifindex: u32) -> bool {
         // The IP length asked for, as the FIB lookup's `tot_len`: the skb's own length would
         // count a GSO packet whole.
-        let mut mtu_len = Self::ip_len(packet);
+        let mut mtu_len = packet.ip_len();
         // SAFETY: a plain helper call; `mtu_len` lives across it.
         unsafe { bpf_check_mtu(ctx.as_ptr(), ifindex, &mut mtu_len, Self::CARRIER_LEN as i32, 0) == 0 }
     }
@@ -299,11 +297,6 @@ impl Dsr for Ipv4 {
         }
         ctx.adjust_room(-(OPTION_LEN as i32), BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_NO_CSUM_RESET)
     }
-
-    #[inline(always)]
-    fn ip_len(packet: &Packet<Self>) -> u32 {
-        (packet.l4_offset - ETH_HLEN) as u32 + packet.l4_len
-    }
 }
 
 /// The header checksum's change when the option's four 16-bit words come into the header
@@ -394,11 +387,6 @@ impl Dsr for Ipv6 {
         // The kernel takes the removed bytes out of a complete sum itself.
         update_complete_sum(ctx, old, new, core::ptr::null_mut(), 0);
         ctx.adjust_room(-(DSR6_HLEN as i32), BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_NO_CSUM_RESET)
-    }
-
-    #[inline(always)]
-    fn ip_len(packet: &Packet<Self>) -> u32 {
-        (packet.l4_offset - ETH_HLEN) as u32 + packet.l4_len
     }
 }
 

@@ -85,6 +85,14 @@ pub struct Packet<A> {
     pub first_fragment: Option<u16>,
 }
 
+impl<A> Packet<A> {
+    /// The IP packet's length (header and payload, as the header says).
+    #[inline(always)]
+    pub fn ip_len(&self) -> u32 {
+        (self.l4_offset - ETH_HLEN) as u32 + self.l4_len
+    }
+}
+
 /// A program context with direct packet access, TC's (`__sk_buff`) or XDP's (`xdp_md`): what
 /// the parser needs of it, so one parser serves both.
 pub trait Frame {
@@ -143,6 +151,8 @@ pub trait IpHeader: Address {
     /// Parses a TCP/UDP/SCTP packet of this family (the ethertype already checked), at TC or
     /// at XDP.
     fn parse(ctx: &impl Frame) -> Option<Packet<Self>>;
+    /// Whether a router may fragment the packet: an IPv4 packet without DF; never IPv6's.
+    fn may_fragment(ctx: &impl Frame) -> bool;
     /// The checksum side of an address change `old` -> `new` (the implementations say how
     /// each family does it).
     fn address_checksums(
@@ -187,6 +197,12 @@ impl IpHeader for Ipv4 {
         Some(packet)
     }
 
+    #[inline(always)]
+    fn may_fragment(ctx: &impl Frame) -> bool {
+        // The flags byte: DF is 0x40. A packet too short to have it was not parsed.
+        bytes_at::<1>(ctx, ETH_HLEN + 6).is_some_and(|flags| unsafe { *flags }[0] & 0x40 == 0)
+    }
+
     /// The checksum side of an IPv4 address change `old` -> `new`: the header checksum, and the L4
     /// checksum at `l4_csum` (the address is part of the pseudo header; SCTP's checksum has none,
     /// `None`). `mangled` is `BPF_F_MARK_MANGLED_0` for UDP, else 0.
@@ -213,6 +229,11 @@ impl IpHeader for Ipv6 {
     #[inline(always)]
     fn parse(ctx: &impl Frame) -> Option<Packet<Self>> {
         parse_ipv6::<false>(ctx)
+    }
+
+    #[inline(always)]
+    fn may_fragment(_ctx: &impl Frame) -> bool {
+        false
     }
 
     /// The checksum side of an IPv6 address change: IPv6 has no header checksum, and the 16-byte

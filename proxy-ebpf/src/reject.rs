@@ -1,7 +1,9 @@
 //! REJECT for services without endpoints: the packet that found no backend is turned, in
 //! place, into the ICMP "port unreachable" its sender's kernel expects, and sent back out of
 //! the interface it came in on. The client's connect() or recv() then fails with
-//! ECONNREFUSED instead of timing out, as with kube-proxy's REJECT rule.
+//! ECONNREFUSED instead of timing out, as with kube-proxy's REJECT rule. The same construction
+//! answers a tracked packet too big for its way (route.rs) with "fragmentation needed" (IPv6:
+//! "packet too big") naming the MTU, as a router would; both count against one rate.
 //!
 //! The error is built from the packet itself, so it costs no socket, no route lookup and no
 //! copy to userspace:
@@ -66,11 +68,15 @@ use crate::{
     },
 };
 
-/// A family's port unreachable.
+/// A family's ICMP errors to a packet's sender: port unreachable, and "too big" (IPv4's
+/// fragmentation needed, IPv6's packet too big).
 pub trait Reject: Address {
     /// Answers the TCP/UDP/SCTP packet whose L4 header starts at `l4_offset` with this
     /// family's ICMP port unreachable; the program's verdict.
     fn reject(ctx: &TcContext, l4_offset: usize) -> i32;
+    /// Answers it with this family's "too big" error naming `mtu`, as a router on its way
+    /// would (path MTU discovery); the program's verdict.
+    fn too_big(ctx: &TcContext, l4_offset: usize, mtu: u32) -> i32;
 }
 
 impl Reject for Ipv4 {
@@ -78,12 +84,25 @@ impl Reject for Ipv4 {
     fn reject(ctx: &TcContext, l4_offset: usize) -> i32 {
         reject_ipv4(ctx, l4_offset)
     }
+
+    #[inline(always)]
+    fn too_big(ctx: &TcContext, l4_offset: usize, mtu: u32) -> i32 {
+        // RFC 1191: the next hop's MTU in the low 16 bits of the header's second word.
+        let [high, low] = u16::try_from(mtu).unwrap_or(u16::MAX).to_be_bytes();
+        answer_ipv4(ctx, l4_offset, [ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED, 0, 0, 0, 0, high, low])
+    }
 }
 
 impl Reject for Ipv6 {
     #[inline(always)]
     fn reject(ctx: &TcContext, l4_offset: usize) -> i32 {
         reject_ipv6(ctx, l4_offset)
+    }
+
+    #[inline(always)]
+    fn too_big(ctx: &TcContext, l4_offset: usize, mtu: u32) -> i32 {
+        let [a, b, c, d] = mtu.to_be_bytes();
+        answer_ipv6(ctx, l4_offset, [ICMPV6_PKT_TOOBIG, 0, 0, 0, a, b, c, d])
     }
 }
 
@@ -100,6 +119,7 @@ const IPTOS_PREC_INTERNETCONTROL: u8 = 0xc0;
 const IPTOS_TOS_MASK: u8 = 0x1e;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
+const ICMP_FRAG_NEEDED: u8 = 4;
 /// Type, code, checksum (filled in last), unused.
 const ICMP_HEADER: [u8; ICMP_HLEN] = [ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
 const TTL: u8 = 64;
@@ -107,6 +127,7 @@ const TTL: u8 = 64;
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
 const ICMPV6_HEADER: [u8; ICMP_HLEN] = [ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH, 0, 0, 0, 0, 0, 0];
+const ICMPV6_PKT_TOOBIG: u8 = 2;
 
 /// Offsets of the answer's parts from the start of the frame.
 const V4_ICMP_OFF: usize = ETH_HLEN + IPV4_MIN_HLEN;
@@ -173,10 +194,16 @@ fn within_rate() -> bool {
 
 #[inline(always)]
 pub fn reject_ipv4(ctx: &TcContext, l4_offset: usize) -> i32 {
+    answer_ipv4(ctx, l4_offset, ICMP_HEADER)
+}
+
+/// [`reject_ipv4`] with `header` as the ICMP header (its checksum bytes are filled in).
+#[inline(always)]
+fn answer_ipv4(ctx: &TcContext, l4_offset: usize, header: [u8; ICMP_HLEN]) -> i32 {
     if !within_rate() {
         return TC_ACT_SHOT;
     }
-    match ipv4_unreachable(ctx, l4_offset) {
+    match ipv4_error(ctx, l4_offset, header) {
         Some(()) => send_back(ctx),
         None => TC_ACT_SHOT,
     }
@@ -188,17 +215,23 @@ pub fn reject_ipv4(ctx: &TcContext, l4_offset: usize) -> i32 {
 /// pseudo header.
 #[inline(always)]
 pub fn reject_ipv6(ctx: &TcContext, l4_offset: usize) -> i32 {
+    answer_ipv6(ctx, l4_offset, ICMPV6_HEADER)
+}
+
+/// [`reject_ipv6`] with `header` as the ICMPv6 header (its checksum bytes are filled in).
+#[inline(always)]
+fn answer_ipv6(ctx: &TcContext, l4_offset: usize, header: [u8; ICMP_HLEN]) -> i32 {
     if !within_rate() {
         return TC_ACT_SHOT;
     }
-    match ipv6_unreachable(ctx, l4_offset) {
+    match ipv6_error(ctx, l4_offset, header) {
         Some(()) => send_back(ctx),
         None => TC_ACT_SHOT,
     }
 }
 
 #[inline(always)]
-fn ipv4_unreachable(ctx: &TcContext, l4_offset: usize) -> Option<()> {
+fn ipv4_error(ctx: &TcContext, l4_offset: usize, header: [u8; ICMP_HLEN]) -> Option<()> {
     // Everything the answer needs from the packet's headers, read before they move.
     let eth = unsafe { *bytes_at::<{ ETH_HLEN }>(ctx, 0)? };
     let ip = unsafe { *bytes_at::<IPV4_MIN_HLEN>(ctx, ETH_HLEN)? };
@@ -234,7 +267,7 @@ fn ipv4_unreachable(ctx: &TcContext, l4_offset: usize) -> Option<()> {
         let frame = &mut *headers;
         swap_ethernet_addresses(frame, &eth);
         frame[ETH_HLEN..V4_ICMP_OFF].copy_from_slice(&new_ip);
-        frame[V4_ICMP_OFF..V4_QUOTE_OFF].copy_from_slice(&ICMP_HEADER);
+        frame[V4_ICMP_OFF..V4_QUOTE_OFF].copy_from_slice(&header);
     }
     settle_quoted_l4_checksum(ctx, V4_QUOTE_OFF + ihl, protocol)?;
     let icmp_csum = icmp_checksum::<{ V4_MAX_ICMP / 4 }>(ctx, V4_ICMP_OFF, icmp_len, 0)?;
@@ -242,7 +275,7 @@ fn ipv4_unreachable(ctx: &TcContext, l4_offset: usize) -> Option<()> {
 }
 
 #[inline(always)]
-fn ipv6_unreachable(ctx: &TcContext, l4_offset: usize) -> Option<()> {
+fn ipv6_error(ctx: &TcContext, l4_offset: usize, header: [u8; ICMP_HLEN]) -> Option<()> {
     if l4_offset != ETH_HLEN + IPV6_HLEN {
         return None;
     }
@@ -274,7 +307,7 @@ fn ipv6_unreachable(ctx: &TcContext, l4_offset: usize) -> Option<()> {
         new_ip[7] = TTL;
         new_ip[8..24].copy_from_slice(&dst);
         new_ip[24..40].copy_from_slice(&src);
-        frame[V6_ICMP_OFF..V6_QUOTE_OFF].copy_from_slice(&ICMPV6_HEADER);
+        frame[V6_ICMP_OFF..V6_QUOTE_OFF].copy_from_slice(&header);
     }
     settle_quoted_l4_checksum(ctx, V6_QUOTE_OFF + IPV6_HLEN, protocol)?;
     // The addresses lie right before the ICMPv6 message: one sum covers both. The rest of the

@@ -32,10 +32,10 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::{
     bindings::{
-        bpf_fib_lookup, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH,
-        BPF_FIB_LOOKUP_SRC,
+        bpf_check_mtu_flags::BPF_MTU_CHK_SEGS, bpf_fib_lookup, BPF_FIB_LKUP_RET_FRAG_NEEDED,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC,
     },
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    helpers::{bpf_check_mtu, bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
     EbpfContext as _,
 };
@@ -78,7 +78,8 @@ pub struct Route<A> {
 #[inline(always)]
 pub fn route_to<A: Address>(ctx: &TcContext, destination: A) -> Option<Route<A>> {
     let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
-    let (result, params) = fib(ctx, destination, &mut params, BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH);
+    let (result, params) =
+        fib(ctx, destination, &mut params, BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH, 0);
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
         return None;
     }
@@ -90,17 +91,21 @@ pub fn route_to<A: Address>(ctx: &TcContext, destination: A) -> Option<Route<A>>
     Some(Route { ifindex: params.ifindex, source: A::fib_source(params), via_gateway, mtu })
 }
 
-/// One FIB lookup toward `destination` from the packet's interface, with `flags`.
+/// One FIB lookup toward `destination` from the packet's interface, with `flags`, for a packet
+/// of `tot_len` bytes (0: the skb's, checked against the device's MTU).
 #[inline(always)]
 fn fib<'p, A: Address>(
     ctx: &TcContext,
     destination: A,
     params: &'p mut MaybeUninit<bpf_fib_lookup>,
     flags: u32,
+    tot_len: u32,
 ) -> (i64, &'p mut bpf_fib_lookup) {
     let params = zeroed_fib_params(params);
     // SAFETY: ctx wraps a valid __sk_buff for the whole program run.
     params.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // An IP packet's length fits 16 bits; a larger one is checked as the skb (0).
+    params.__bindgen_anon_1.tot_len = u16::try_from(tot_len).unwrap_or(0);
     A::fib_destination(params, destination);
     // SAFETY: valid parameters of the size passed, for the helper's whole call.
     let result = unsafe { fib_lookup(ctx.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, flags) };
@@ -147,6 +152,25 @@ pub fn cache_hop<A: Maps>(tracked: &Tracked<A>, hop: NextHop, generation: u32) {
     }
 }
 
+/// [`look_up_hop`]'s length for a GSO packet, whose IP length is its segments' sum: the kernel
+/// then checks its segments against the device's MTU only.
+const SEGMENTS: u32 = u32::MAX;
+
+/// A hop is cached only where its device's MTU, and its route's, are at least this (IPv6's
+/// minimum MTU, below every Ethernet, overlay or tunnel device in a cluster), so that a packet
+/// of at most this many bytes needs no check on a cached hop: the helper call would cost the
+/// established path a tenth of its time. An MTU that changes later moves the route generation
+/// (route_generation.rs watches links), which drops the cached hop.
+const UNCHECKED_UP_TO: u32 = 1280;
+
+/// Where a tracked connection's packet goes on.
+pub enum Onward {
+    /// Toward this hop (ifindex 0: not forwarded, the stack's).
+    Hop(NextHop),
+    /// Too big for its way, whose MTU this is.
+    TooBig(u32),
+}
+
 /// The next hop of a tracked connection's packet toward `destination`: the one cached in its
 /// flow entry while the routes and neighbours are those it was cached under, else looked up
 /// and cached. An empty hop ([`no_hop`]) when the destination is not forwarded (not cached: the lookup is
@@ -155,40 +179,79 @@ pub fn cache_hop<A: Maps>(tracked: &Tracked<A>, hop: NextHop, generation: u32) {
 /// the kernel resolves (`bpf_redirect_neigh`), not cached, so that a later packet caches the
 /// neighbour once it is known. With `stack` a cached hop only says "forwarded" (XDP, which
 /// needs the neighbour, then looks it up and caches it with the neighbour: xdp.rs).
+///
+/// A packet of `ip_len` bytes (its IP header's length; 0: not checked, the stack checks it) is
+/// checked as the kernel's forwarding would: on a cached hop against its device's MTU
+/// (`bpf_check_mtu`: the cache holds the device, not its MTU) when larger than
+/// [`UNCHECKED_UP_TO`], in a lookup against the route's (a GSO packet's segments against the
+/// device's). A hop whose route has a smaller MTU than its device is never cached, so its
+/// packets always meet the route's.
 #[inline(always)]
-pub fn tracked_hop<A: Address + Maps>(ctx: &TcContext, destination: A, tracked: &Tracked<A>) -> NextHop {
+pub fn tracked_hop<A: Address + Maps>(
+    ctx: &TcContext,
+    destination: A,
+    tracked: &Tracked<A>,
+    ip_len: u32,
+) -> Onward {
     let generation = route_generation();
     if let Some(hop) = cached_hop(tracked, generation) {
-        return hop;
+        // A GSO packet this short has segments shorter still.
+        if ip_len <= UNCHECKED_UP_TO {
+            return Onward::Hop(hop);
+        }
+        // 0: the skb's own length, a GSO packet's segments each (BPF_MTU_CHK_SEGS).
+        let mut mtu = 0;
+        // SAFETY: a plain helper call; `mtu` lives across it and holds the device's MTU after.
+        if unsafe { bpf_check_mtu(ctx.as_ptr(), hop.ifindex, &mut mtu, 0, u64::from(BPF_MTU_CHK_SEGS)) } == 0
+        {
+            return Onward::Hop(hop);
+        }
+        return Onward::TooBig(mtu);
     }
+    // SAFETY: ctx wraps a valid __sk_buff for the whole program run.
+    let asked = if ip_len != 0 && unsafe { (*ctx.skb.skb).gso_size } != 0 { SEGMENTS } else { ip_len };
     let mut hop = no_hop();
-    match look_up_hop(ctx, &destination, &mut hop) {
-        HOP_NONE => return no_hop(),
-        HOP_CACHEABLE if generation != 0 => cache_hop(tracked, hop, generation),
-        _ => {}
+    match look_up_hop(ctx, &destination, &mut hop, asked) {
+        HOP_NONE => Onward::Hop(no_hop()),
+        HOP_CACHEABLE => {
+            if generation != 0 {
+                cache_hop(tracked, hop, generation);
+            }
+            Onward::Hop(hop)
+        }
+        too_big_for if too_big_for < 0 => Onward::TooBig(too_big_for.unsigned_abs()),
+        _ => Onward::Hop(hop),
     }
-    hop
 }
 
 /// [`look_up_hop`]'s answers: no forwarded route; a hop to cache; a hop whose neighbour the
-/// kernel resolves, not to cache.
+/// kernel resolves, or whose route's MTU is below its device's, not to cache. A negative
+/// answer: the packet is too big for the route, whose MTU is its magnitude.
 const HOP_NONE: i32 = 0;
 const HOP_CACHEABLE: i32 = 1;
-const HOP_UNRESOLVED: i32 = 2;
+const HOP_UNCACHED: i32 = 2;
 
-/// The FIB lookup of [`tracked_hop`], into `hop`. A function of its own (a BPF-to-BPF call),
-/// so that its parameters never add up with the packet path's frame (BPF's 512 bytes over a
-/// call chain); an `i32` answer, since a returned struct would travel through the caller's
-/// stack.
+/// The FIB lookup of [`tracked_hop`], into `hop`, checking `tot_len` bytes of IP packet
+/// against the route's MTU (0: unchecked; [`SEGMENTS`]: a GSO packet). A function of its own (a
+/// BPF-to-BPF call), so that its parameters never add up with the packet path's frame (BPF's
+/// 512 bytes over a call chain); an `i32` answer, since a returned struct would travel through
+/// the caller's stack.
 #[inline(never)]
-fn look_up_hop<A: Address>(ctx: &TcContext, destination: &A, hop: &mut NextHop) -> i32 {
+fn look_up_hop<A: Address>(ctx: &TcContext, destination: &A, hop: &mut NextHop, tot_len: u32) -> i32 {
     let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
     let redirect = redirecting();
     let flags = if redirect { 0 } else { BPF_FIB_LOOKUP_SKIP_NEIGH };
-    let (result, params) = fib(ctx, *destination, &mut params, flags);
+    let asked = if tot_len == SEGMENTS { 0 } else { tot_len };
+    let (result, params) = fib(ctx, *destination, &mut params, flags, asked);
     hop.ifindex = params.ifindex;
+    // SAFETY: a lookup reports an MTU here: the route's when given a length (also when the
+    // packet exceeds it), else the device's.
+    let mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
+    if result == BPF_FIB_LKUP_RET_FRAG_NEEDED as i64 {
+        return -(mtu.min(i32::MAX as u32) as i32).max(1);
+    }
     if result == BPF_FIB_LKUP_RET_NO_NEIGH as i64 && redirect {
-        return HOP_UNRESOLVED;
+        return HOP_UNCACHED;
     }
     if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
         return HOP_NONE;
@@ -197,7 +260,22 @@ fn look_up_hop<A: Address>(ctx: &TcContext, destination: &A, hop: &mut NextHop) 
         hop.dst_mac = params.dmac;
         hop.src_mac = params.smac;
     }
-    HOP_CACHEABLE
+    // Unchecked, the stack checks every packet; a GSO packet's lookup does not know the
+    // route's MTU: not cached (the connection's next packet of another kind caches it).
+    match tot_len {
+        0 => return HOP_CACHEABLE,
+        SEGMENTS => return HOP_UNCACHED,
+        _ => {}
+    }
+    // Any non-zero length: only the device's MTU, written back, is wanted.
+    let mut device_mtu = 1;
+    // SAFETY: a plain helper call; `device_mtu` lives across it.
+    let known = unsafe { bpf_check_mtu(ctx.as_ptr(), params.ifindex, &mut device_mtu, 0, 0) } >= 0;
+    if known && mtu >= device_mtu && device_mtu >= UNCHECKED_UP_TO {
+        HOP_CACHEABLE
+    } else {
+        HOP_UNCACHED
+    }
 }
 
 /// Zeroes FIB lookup parameters in place, one 32-bit store at a time. Any zeroing the compiler

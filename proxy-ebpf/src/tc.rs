@@ -10,13 +10,13 @@ use crate::{
     counters::{self, stat},
     dsr::{self, Carried, Dsr},
     family::{Endpoint, Ipv4, Ipv6, Nat, Tracked},
-    family_maps::Maps,
+    family_maps::{no_hop, Maps},
     fragment::{self, Fragments, LaterFragment},
     icmp_error::{self, IcmpErrors},
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_SYN},
     reject::Reject,
-    route::{hop_of, redirect_to_hop, redirecting, route_to, tracked_hop, Route},
+    route::{hop_of, redirect_to_hop, redirecting, route_to, tracked_hop, Onward, Route},
     wire::ETH_HLEN,
 };
 
@@ -57,6 +57,9 @@ fn family<A: Datapath>(ctx: &TcContext) -> i32 {
             verdict => return verdict,
         },
         NOT_BALANCED => {}
+        too_big_for if (TOO_BIG..=TOO_BIG + 0xffff).contains(&too_big_for) => {
+            return too_big::<A>(ctx, too_big_for)
+        }
         NEW_CONNECTION => {
             // A full flows map: early drop, and the decision taken anew (nothing was stored).
             // Here, from the entry, so that the frames of the two never add up.
@@ -81,6 +84,8 @@ const NOT_BALANCED: i32 = i32::MIN;
 const NEW_CONNECTION: i32 = i32::MIN + 1;
 /// [`balance_new`]'s answer when the flows map is full and it may not refuse yet.
 const MAP_FULL: i32 = i32::MIN + 2;
+/// [`balance`]'s answers from here to `TOO_BIG + 0xffff`: [`too_big_for`].
+const TOO_BIG: i32 = i32::MIN + 0x1_0000;
 
 /// The datapath of a tracked connection, for one family: IPv4 and IPv6 packets take the same
 /// steps, on their own maps. [`NOT_BALANCED`] for a packet that is not TCP/UDP with ports,
@@ -142,12 +147,51 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
             // next-hop lookup's add up past BPF's 512 bytes.
             return dsr_request(ctx, packet, &tracked);
         }
-        let destination =
-            if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
-        let hop = tracked_hop(ctx, destination, &tracked);
-        return forward(ctx, packet, flow, &hop);
+        return match onward(ctx, packet, &tracked, !stack_forwards(packet, flow)) {
+            Onward::Hop(hop) => forward(ctx, packet, flow, &hop),
+            Onward::TooBig(mtu) => too_big_for(mtu),
+        };
     }
     NEW_CONNECTION
+}
+
+/// [`balance`]'s answer for a tracked packet too big for its way and not to be fragmented:
+/// [`TOO_BIG`] plus the MTU it must fit (below 2^16), for [`too_big`] to answer.
+#[inline(always)]
+fn too_big_for(mtu: u32) -> i32 {
+    TOO_BIG + mtu.min(u32::from(u16::MAX)) as i32
+}
+
+/// A tracked packet too big for its way ([`too_big_for`]), answered ([`Reject::too_big`]),
+/// parsed again for where its L4 header starts. Called from the entry: with [`balance`]'s
+/// frame, the answer's checksum buffer would pass BPF's 512 bytes.
+#[inline(never)]
+fn too_big<A: Datapath>(ctx: &TcContext, verdict: i32) -> i32 {
+    match A::parse(ctx) {
+        Some(packet) => A::too_big(ctx, packet.l4_offset, (verdict - TOO_BIG) as u32),
+        None => TC_ACT_SHOT,
+    }
+}
+
+/// Where a tracked connection's packet goes on, toward its flow's destination ([`tracked_hop`]):
+/// its size checked there when vipr sends it on itself (`redirected`), as the kernel's
+/// forwarding would check it; through the stack, the stack checks it.
+#[inline(always)]
+fn onward<A: Datapath>(
+    ctx: &TcContext,
+    packet: &Packet<A>,
+    tracked: &Tracked<A>,
+    redirected: bool,
+) -> Onward {
+    let flow = &tracked.nat;
+    let destination =
+        if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
+    let ip_len = if redirected { packet.ip_len() } else { 0 };
+    match tracked_hop(ctx, destination, tracked, ip_len) {
+        // A router fragments a packet without DF: the stack does, the packet rewritten.
+        Onward::TooBig(_) if A::may_fragment(ctx) => Onward::Hop(no_hop()),
+        onward => onward,
+    }
 }
 
 /// [`Dsr::carried`] for a packet the common parser took: a family whose carrier that parser
@@ -172,9 +216,11 @@ fn carried_in_common_parse<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> 
 #[inline(always)]
 fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, tracked: &Tracked<A>) -> i32 {
     let flow = &tracked.nat;
-    let destination =
-        if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
-    let hop = tracked_hop(ctx, destination, tracked);
+    // Such a request is redirected only with `--bpf-forwarding=redirect` ([`deliver`]).
+    let hop = match onward(ctx, packet, tracked, redirecting()) {
+        Onward::Hop(hop) => hop,
+        Onward::TooBig(mtu) => return too_big_for(mtu),
+    };
     if flow.flags & flow_flags::DSR_BACKEND != 0 {
         let frontend = match carried_in_common_parse(ctx, packet) {
             Carried::Frontend(frontend) => frontend,

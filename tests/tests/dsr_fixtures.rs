@@ -7,7 +7,7 @@
 //! its own, whose routes it sets. Needs root (BPF, mount, unshare).
 
 use anyhow::{anyhow, ensure, Context as _, Result};
-use aya::maps::{lpm_trie::Key, Array, LpmTrie, MapData};
+use aya::maps::{lpm_trie::Key, LpmTrie, MapData};
 use proxy_common::{datapath_stat, flow_flags, pins, service_flags, source_class, Flow4, Flow6, Service};
 use testbed::fixtures::{
     frame::{
@@ -202,16 +202,6 @@ fn the_backend_node_stores_the_service_address_and_strips_the_option() {
     .unwrap_or_else(|err| panic!("{err:#}"));
 }
 
-/// The route generation, as the agent writes it when it watches the node's routes and
-/// neighbours (0, the map's initial value: nothing is cached).
-fn set_route_generation(h: &Harness, generation: u32) -> Result<()> {
-    let path = h.bpffs().join(pins::ROUTE_GENERATION);
-    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-    let mut array: Array<_, u32> = aya::maps::Map::Array(data).try_into()?;
-    array.set(0, generation, 0)?;
-    Ok(())
-}
-
 /// A tracked DSR connection's requests that carry the service address (every UDP datagram)
 /// leave by the next hop cached in its flow entry, as every tracked packet does: no FIB lookup
 /// per datagram while the route generation holds (a new neighbour address is not seen until
@@ -227,7 +217,7 @@ fn tracked_requests_carrying_the_service_address_leave_by_the_cached_next_hop() 
         ip(&["neigh", "add", "192.168.100.2", "lladdr", &text(NODE2_MAC), "dev", "vd0", "nud", "permanent"])?;
         let mut h = Harness::new()?;
         cluster_cidr(&h)?;
-        set_route_generation(&h, 3)?;
+        h.set_route_generation(3)?;
         dsr_frontend(&mut h, IPPROTO_UDP, 2)?;
         let datagram = Packet::udp(CLIENT, FRONTEND).payload(&[0x5a; 100]);
         let carried = datagram.clone().to(BACKEND).ip_options(&OPTION);
@@ -271,7 +261,7 @@ fn tracked_requests_carrying_the_service_address_leave_by_the_cached_next_hop() 
 
         // A new generation: the datagram follows node 2's new address.
         ip(&["link", "set", "vd0", "mtu", "1500"])?;
-        set_route_generation(&h, 4)?;
+        h.set_route_generation(4)?;
         let (verdict, out) = h.run(&datagram.build())?;
         ensure!(verdict == TC_ACT_REDIRECT, "new generation: verdict {}", verdict_name(verdict));
         ensure!(out[..6] == NEW_MAC, "new generation: to {:02x?}", &out[..6]);

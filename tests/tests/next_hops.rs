@@ -40,17 +40,24 @@ fn forward_entry(lab: &Lab, from: SocketAddr) -> Result<Option<FlowEntry>> {
     Ok(lab.maps().flows()?.into_iter().find(|entry| SocketAddr::V4(entry.source) == from))
 }
 
-#[test]
-fn a_cached_next_hop_follows_a_neighbour_that_changes_its_address() -> Result<()> {
+/// A lab whose vipr redirects forwarded packets (`--bpf-forwarding=redirect`, no XDP), serving
+/// one cluster IP over the load's backends; its UDP echo frontend.
+fn redirecting_lab(label: &str) -> Result<(Lab, SocketAddr)> {
     let web = ClusterIpService::web(
         VIP,
         (8080, 5353),
         load::BACKENDS.iter().map(|(name, addr)| Endpoint::ready(*addr, name)).collect(),
     );
     let dns = web.frontend_named("dns")?.socket_addr();
-    let mut lab = load::lab("nexthop", vec![web])?;
+    let mut lab = load::lab(label, vec![web])?;
     lab.start_vipr_with(&["--bpf-forwarding=redirect", "--xdp=off"])?;
     lab.wait_programmed()?;
+    Ok((lab, dns))
+}
+
+#[test]
+fn a_cached_next_hop_follows_a_neighbour_that_changes_its_address() -> Result<()> {
+    let (mut lab, dns) = redirecting_lab("nexthop")?;
 
     let client = lab.client();
     let socket = client.run(|| {
@@ -121,4 +128,84 @@ fn a_cached_next_hop_follows_a_neighbour_that_changes_its_address() -> Result<()
     lab.stop_vipr()?;
     assert_eq!(lab.maps().route_generation()?, 0, "the cache is off once the agent stopped");
     Ok(())
+}
+
+/// Path MTU discovery through a service whose packets vipr redirects past the stack (which
+/// checks no MTU there): the links to the backends shrink below the datagrams a client sends
+/// with DF; the client must hear "fragmentation needed" from the node, as it would from a
+/// router or from kube-proxy's node, and learn the path's MTU (its next send of that size fails
+/// with EMSGSIZE). Without the answer the datagrams vanish at the backends' links.
+#[test]
+fn a_client_learns_the_smaller_mtu_of_the_way_to_its_backend() -> Result<()> {
+    const LINK_MTU: u32 = 1000;
+    let (lab, dns) = redirecting_lab("pmtu")?;
+
+    let client = lab.client();
+    let socket = client.run(|| {
+        let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        socket.set_read_timeout(Some(Duration::from_millis(500)))?;
+        // DF on every datagram, and EMSGSIZE for one larger than the path's known MTU.
+        set_int_option(&socket, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)?;
+        socket.connect(dns)?;
+        Ok(socket)
+    })?;
+    let backend = wait_for("a first answer", TIMEOUT, || {
+        Ok(match udp_ask(&socket, dns) {
+            Ok(answer) => Check::Done(answer.backend),
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    })?;
+
+    // Both ends of the flow's backend's link shrink.
+    let leaf = lab.topology().leaf(&backend)?;
+    let mtu = LINK_MTU.to_string();
+    lab.node().ip(&["link", "set", "dev", &leaf.spec.node_interface, "mtu", &mtu])?;
+    leaf.netns.ip(&["link", "set", "dev", &leaf.spec.leaf_interface, "mtu", &mtu])?;
+
+    let large = [0x5a; 1200];
+    wait_for("EMSGSIZE for a datagram larger than the way's MTU", TIMEOUT, || {
+        Ok(match socket.send(&large) {
+            Err(error) if error.raw_os_error() == Some(libc::EMSGSIZE) => Check::Done(()),
+            Ok(_) => Check::NotYet("sent".into()),
+            Err(error) => Check::NotYet(format!("{error}")),
+        })
+    })?;
+    assert_eq!(int_option(&socket, libc::IP_MTU)?, LINK_MTU as i32, "the path MTU the client learnt");
+    // The flow itself goes on with what fits.
+    let answer = wait_for("an answer after the MTU shrank", TIMEOUT, || {
+        Ok(match udp_ask(&socket, dns) {
+            Ok(answer) => Check::Done(answer),
+            Err(error) => Check::NotYet(format!("{error:#}")),
+        })
+    })?;
+    assert_eq!(answer.backend, backend, "the flow kept its backend");
+    Ok(())
+}
+
+fn set_int_option(socket: &UdpSocket, name: libc::c_int, value: libc::c_int) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: a valid socket and an int of the size passed.
+    let set = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_IP,
+            name,
+            (&raw const value).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    anyhow::ensure!(set == 0, "setsockopt {name}: {}", std::io::Error::last_os_error());
+    Ok(())
+}
+
+fn int_option(socket: &UdpSocket, name: libc::c_int) -> Result<libc::c_int> {
+    use std::os::fd::AsRawFd as _;
+    let mut value: libc::c_int = 0;
+    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a valid socket and an int of the size passed.
+    let got = unsafe {
+        libc::getsockopt(socket.as_raw_fd(), libc::IPPROTO_IP, name, (&raw mut value).cast(), &mut len)
+    };
+    anyhow::ensure!(got == 0, "getsockopt {name}: {}", std::io::Error::last_os_error());
+    Ok(value)
 }

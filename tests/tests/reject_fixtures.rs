@@ -32,7 +32,7 @@ use frame::{
 };
 use harness::{describe_flows, nat_entries, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT};
 use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
-use proxy_common::{pins, service_flags, source_class, unmatched, Service, ServiceKey4};
+use proxy_common::{flow_flags, pins, service_flags, source_class, unmatched, Service, ServiceKey4};
 use table::{run_table, Outcome};
 
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
@@ -124,6 +124,14 @@ impl Layout {
 }
 
 fn expected_answer(input: &[u8]) -> Vec<u8> {
+    expected_answer_with(input, PORT_UNREACHABLE)
+}
+
+/// ICMP type 3 code 3, unused word 0.
+const PORT_UNREACHABLE: [u8; 8] = [3, 3, 0, 0, 0, 0, 0, 0];
+
+/// [`expected_answer`] with `header` as the ICMP header (its checksum filled in).
+fn expected_answer_with(input: &[u8], header: [u8; 8]) -> Vec<u8> {
     let layout = Layout::of_input(input);
     let ip = &input[ETH_HLEN..];
     let (src, dst) = (&ip[12..16], &ip[16..20]);
@@ -135,7 +143,7 @@ fn expected_answer(input: &[u8]) -> Vec<u8> {
     quote[layout.ihl + csum_at..layout.ihl + csum_at + 2].copy_from_slice(&settled.to_be_bytes());
     assert_eq!(quote.len(), layout.ihl + l4_len);
 
-    let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+    let mut icmp = header.to_vec();
     icmp.extend_from_slice(&quote);
     let icmp_csum = checksum(ones_sum(0, &icmp));
     icmp[2..4].copy_from_slice(&icmp_csum.to_be_bytes());
@@ -161,6 +169,11 @@ fn expected_answer(input: &[u8]) -> Vec<u8> {
 
 /// Checks an answer without the expected bytes: what a receiving kernel relies on.
 fn check_answer_alone(input: &[u8], out: &[u8]) -> Result<()> {
+    check_answer_alone_with(input, out, PORT_UNREACHABLE)
+}
+
+/// [`check_answer_alone`] for an answer whose ICMP header is `header` but for its checksum.
+fn check_answer_alone_with(input: &[u8], out: &[u8], header: [u8; 8]) -> Result<()> {
     let layout = Layout::of_input(input);
     ensure!(out.len() == layout.frame_len(), "answer is {} bytes, not {}", out.len(), layout.frame_len());
     ensure!(out[0..6] == input[6..12] && out[6..12] == input[0..6], "Ethernet addresses not swapped");
@@ -175,7 +188,8 @@ fn check_answer_alone(input: &[u8], out: &[u8]) -> Result<()> {
     ensure!(ip[12..16] == original[16..20], "source is not the service address");
     ensure!(ip[16..20] == original[12..16], "destination is not the client");
     let icmp = &out[Layout::ICMP_AT..];
-    ensure!((icmp[0], icmp[1]) == (3, 3), "ICMP type/code {}/{}", icmp[0], icmp[1]);
+    ensure!((icmp[0], icmp[1]) == (header[0], header[1]), "ICMP type/code {}/{}", icmp[0], icmp[1]);
+    ensure!(icmp[4..8] == header[4..8], "ICMP second word {:02x?}, not {:02x?}", &icmp[4..8], &header[4..8]);
     ensure!(fold(ones_sum(0, icmp)) == 0xffff, "ICMP checksum invalid");
     let quote = &out[Layout::QUOTE_AT..];
     ensure!(quote[..layout.ihl] == original[..layout.ihl], "quoted IPv4 header differs from the input's");
@@ -390,4 +404,148 @@ fn answer_checks_can_fail() {
         };
         assert_eq!(offload_fixed_point(&region, 6), closed, "others {others:#x}");
     }
+}
+
+/// A tracked connection's packet that vipr sends on itself (`--bpf-forwarding=redirect`) is
+/// checked against the MTU of its way, as the kernel's forwarding checks a packet it forwards
+/// (`bpf_redirect` checks nothing): too big and not to be fragmented (DF), it is answered with
+/// "fragmentation needed" naming the MTU, quoting the packet as the client sent it (to the
+/// service address), so that the client's path MTU discovery works through the service; without
+/// DF it goes to the stack, rewritten, which fragments it. A cached next hop is checked against
+/// its device's MTU for every packet larger than 1280 bytes (a hop is cached only where the MTUs
+/// are at least that, and a change moves the route generation); a route whose MTU is below its
+/// device's is never cached, and its packets meet the route's MTU in the lookup. IPv6 is
+/// answered with "packet too big".
+#[test]
+fn a_tracked_packet_too_big_for_its_way_is_answered_as_a_router_would() {
+    use testbed::fixtures::{
+        frame6::{ep6, ip6, Packet6},
+        harness::flow_key,
+        harness6::{add_service6, flows6},
+        icmp_error::check_icmp6_answer,
+        netns::{in_fresh_netns, ip},
+    };
+    const FRONTEND: Ep = ep([10, 96, 0, 30], 53);
+    const BACKEND: Ep = ep([10, 244, 2, 10], 5353);
+    let frontend6 = ep6(ip6([0xfd00, 0x96, 0, 0], 0x30), 53);
+    let backend6 = ep6(ip6([0xfd00, 0x244, 0, 2], 0x10), 5353);
+    let client6 = ep6(ip6([0x2001, 0xdb8, 1, 0], 0x64), 40000);
+    in_fresh_netns(|| {
+        ip(&["link", "set", "lo", "up"])?;
+        ip(&["link", "add", "vd0", "mtu", "1500", "type", "veth", "peer", "name", "vd1"])?;
+        ip(&["link", "set", "vd1", "up"])?;
+        ip(&["link", "set", "vd0", "up"])?;
+        ip(&["addr", "add", "192.168.100.1/24", "dev", "vd0"])?;
+        ip(&["-6", "addr", "add", "fd00:100::1/64", "dev", "vd0", "nodad"])?;
+        let node_two_mac = "02:cc:00:00:00:02";
+        for (family, cidr, node_two) in
+            [("-4", "10.244.2.0/24", "192.168.100.2"), ("-6", "fd00:244:0:2::/64", "fd00:100::2")]
+        {
+            ip(&[family, "route", "add", cidr, "via", node_two])?;
+            ip(&[
+                family,
+                "neigh",
+                "add",
+                node_two,
+                "lladdr",
+                node_two_mac,
+                "dev",
+                "vd0",
+                "nud",
+                "permanent",
+            ])?;
+        }
+        for family in ["ipv4", "ipv6"] {
+            std::fs::write(format!("/proc/sys/net/{family}/conf/all/forwarding"), "1")?;
+        }
+        let mut h = Harness::new()?;
+        h.add_service(FRONTEND, IPPROTO_UDP, 1, &[BACKEND])?;
+        add_service6(&h, frontend6, IPPROTO_UDP, source_class::OUTSIDE, 2, &[backend6], 0)?;
+        h.set_route_generation(3)?;
+        let datagram = |len: usize| Packet::udp(CLIENT, FRONTEND).payload(&vec![0x5a; len]);
+        let run = |packet: &Packet, want: u32, what: &str| -> Result<(Vec<u8>, Vec<u8>)> {
+            let input = packet.build();
+            let (verdict, out) = h.run(&input)?;
+            ensure!(
+                verdict == want,
+                "{what}: verdict {}\n  {}",
+                verdict_name(verdict),
+                input_and_output(&input, &out)
+            );
+            Ok((input, out))
+        };
+        let answered = |packet: &Packet, mtu: u16, what: &str| -> Result<()> {
+            let (input, out) = run(packet, TC_ACT_REDIRECT, what)?;
+            let [high, low] = mtu.to_be_bytes();
+            let header = [3, 4, 0, 0, 0, 0, high, low];
+            ensure!(
+                out == expected_answer_with(&input, header),
+                "{what}: not the expected answer\n  {}",
+                input_and_output(&input, &out)
+            );
+            check_answer_alone_with(&input, &out, header).with_context(|| what.to_string())
+        };
+        let to_backend =
+            |out: &[u8]| out.len() > ETH_HLEN + 20 && out[ETH_HLEN + 16..ETH_HLEN + 20] == BACKEND.addr;
+
+        // Balanced, then its hop cached.
+        for round in 0..2 {
+            let (_, out) = run(&datagram(1000), TC_ACT_REDIRECT, "a datagram that fits")?;
+            ensure!(to_backend(&out), "round {round}: not sent to the backend");
+        }
+        let entry = h.flows()?[&flow_key(CLIENT, FRONTEND, IPPROTO_UDP)];
+        ensure!(
+            entry.next_hop.ifindex != 0 && entry.flags >> flow_flags::ROUTE_GENERATION_SHIFT == 3,
+            "not cached: {entry:?}"
+        );
+
+        // IPv6: "packet too big" with the cached device's MTU (first: an MTU below 1280 takes
+        // IPv6 off the device).
+        let datagram6 = |len: usize| Packet6::udp(client6, frontend6).payload(&vec![0x5a; len]);
+        for round in 0..2 {
+            let (verdict, out) = h.run(&datagram6(1000).build())?;
+            ensure!(
+                verdict == TC_ACT_REDIRECT,
+                "IPv6 round {round}: verdict {} out {}",
+                verdict_name(verdict),
+                hex(&out[..80])
+            );
+        }
+        ensure!(
+            flows6(&h)?.values().any(|entry| entry.next_hop.ifindex != 0),
+            "IPv6 hop not cached: {:?}",
+            flows6(&h)?
+        );
+        ip(&["link", "set", "vd0", "mtu", "1300"])?;
+        let input = datagram6(1400).build();
+        let (verdict, out) = h.run(&input)?;
+        ensure!(verdict == TC_ACT_REDIRECT, "IPv6 too big: verdict {}", verdict_name(verdict));
+        let icmp = check_icmp6_answer(&input, &out, [2, 0, 0, 0, 0, 0, 0x05, 0x14])?;
+        ensure!(icmp[8..48] == input[ETH_HLEN..ETH_HLEN + 40], "the quote is not the datagram's IPv6 header");
+
+        // The device's MTU drops under the same generation: the cached hop is checked.
+        // (IPv6 left it at 1300.) A packet of at most 1280 bytes fits every cached hop's device.
+        ip(&["link", "set", "vd0", "mtu", "1300"])?;
+        answered(&datagram(1400), 1300, "too big for the cached hop's device")?;
+        let (_, out) = run(&datagram(1400).frag(0), TC_ACT_OK, "too big, without DF")?;
+        ensure!(to_backend(&out), "a datagram without DF went to the stack unrewritten");
+        let (_, out) = run(&datagram(1200), TC_ACT_REDIRECT, "a datagram that fits the device")?;
+        ensure!(to_backend(&out), "not sent to the backend");
+
+        // A route with a smaller MTU than its device's: not cached, checked in the lookup.
+        ip(&["link", "set", "vd0", "mtu", "1500"])?;
+        ip(&["route", "replace", "10.244.2.0/24", "via", "192.168.100.2", "mtu", "lock", "700"])?;
+        h.set_route_generation(4)?;
+        let (_, out) = run(&datagram(600), TC_ACT_REDIRECT, "a datagram that fits the route")?;
+        ensure!(to_backend(&out), "not sent to the backend");
+        let entry = h.flows()?[&flow_key(CLIENT, FRONTEND, IPPROTO_UDP)];
+        ensure!(
+            entry.flags >> flow_flags::ROUTE_GENERATION_SHIFT == 3,
+            "cached under the smaller route MTU: {entry:?}"
+        );
+        answered(&datagram(1000), 700, "too big for the route")?;
+
+        Ok(())
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
 }
