@@ -161,7 +161,7 @@ const SEGMENTS: u32 = u32::MAX;
 /// of at most this many bytes needs no check on a cached hop: the helper call would cost the
 /// established path a tenth of its time. An MTU that changes later moves the route generation
 /// (route_generation.rs watches links), which drops the cached hop.
-const UNCHECKED_UP_TO: u32 = 1280;
+pub const UNCHECKED_UP_TO: u32 = 1280;
 
 /// Where a tracked connection's packet goes on.
 pub enum Onward {
@@ -260,12 +260,12 @@ fn look_up_hop<A: Address>(ctx: &TcContext, destination: &A, hop: &mut NextHop, 
         hop.dst_mac = params.dmac;
         hop.src_mac = params.smac;
     }
-    // Unchecked, the stack checks every packet; a GSO packet's lookup does not know the
-    // route's MTU: not cached (the connection's next packet of another kind caches it).
-    match tot_len {
-        0 => return HOP_CACHEABLE,
-        SEGMENTS => return HOP_UNCACHED,
-        _ => {}
+    // A GSO packet's lookup does not know the route's MTU: not cached (the connection's next
+    // packet of another kind caches it). Unchecked (0), `mtu` is the device's: the hop must
+    // still suit a packet checked later (a first fragment's, XDP's), whose check trusts the
+    // rule below.
+    if tot_len == SEGMENTS {
+        return HOP_UNCACHED;
     }
     // Any non-zero length: only the device's MTU, written back, is wanted.
     let mut device_mtu = 1;

@@ -57,7 +57,7 @@ use crate::{
     family_maps::Maps,
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{copy_address, ethertype, field, Change, IpHeader, Packet, ETH_P_IP, ETH_P_IPV6},
-    route::{cache_hop, cached_hop, route_generation, zeroed_fib_params},
+    route::{cache_hop, cached_hop, route_generation, zeroed_fib_params, UNCHECKED_UP_TO},
     wire::{ETH_HLEN, IPV4_CSUM_AT, TCP_CSUM_AT, UDP_CSUM_AT},
 };
 
@@ -205,7 +205,8 @@ fn look_up_egress<A: Address, const CACHING: bool>(
         // SAFETY: a plain helper call; the field lives across it.
         let known =
             unsafe { bpf_check_mtu(ctx.as_ptr(), params.ifindex, &mut scratch.device_mtu, 0, 0) } >= 0;
-        known && route_mtu >= scratch.device_mtu
+        // A hop cached at all is one TC trusts for packets up to UNCHECKED_UP_TO (route.rs).
+        known && route_mtu >= scratch.device_mtu && scratch.device_mtu >= UNCHECKED_UP_TO
     };
     Some(Egress {
         hop: Hop {

@@ -662,7 +662,8 @@ fn established_flows_leave_by_the_next_hop_cached_in_their_entry_until_the_route
     expect_same(&out, &moved)?;
 
     // TC's hop without the neighbour, under the current generation: XDP looks the neighbour
-    // up and caches it.
+    // up and caches it (on a device whose MTU is at least 1280, as every cached hop's).
+    world.netns.ip(&["link", "set", "xdp0", "mtu", "1500"])?;
     let mut entry = world.flow_entry(pins::FLOWS4, key)?;
     entry.next_hop = NextHop { ifindex: world.ifindex, ..NextHop::default() };
     world.insert_flow(pins::FLOWS4, key, entry)?;
