@@ -313,10 +313,10 @@ impl<F: Family> FamilyWanted<F> {
 
     /// The entry a backend's node checks a service address carried by direct server return
     /// against (proxy-ebpf `dsr.rs`), where [`has_carried_entry`]: the backends an ingress node
-    /// chooses from. A NodePort's carried
-    /// address is the ingress node's, which no entry of this node holds: its entry is keyed
-    /// by the unspecified address, so the check there holds the port and the backend, not the
-    /// address.
+    /// chooses from. A NodePort's carried address is the ingress node's, which no entry of
+    /// this node holds: its entry is keyed by the unspecified address, so the check there holds
+    /// the port and the backend, not the address. None without backends: no request can name
+    /// one.
     fn add_carried(
         &mut self,
         frontend: &Frontend,
