@@ -13,9 +13,8 @@ use std::{
 };
 
 use super::{
-    encode::{has_carried_entry, Modes},
     family::{Family, V4, V6},
-    options::Balancing,
+    options::{has_carried_entry, Balancing, Modes},
 };
 use crate::model::{
     kubernetes::Rejection, Backend, DesiredState, Frontend, FrontendEntry, FrontendKind, ServicePortName,

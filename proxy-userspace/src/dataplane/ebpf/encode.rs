@@ -12,14 +12,14 @@ use std::{
     sync::Arc,
 };
 
-use proxy_common::{dsr_accept, service_flags, source_class, unmatched, Backend as MapBackend, ServiceKey};
+use proxy_common::{service_flags, source_class, unmatched, Backend as MapBackend, ServiceKey};
 
 use super::{
     capacity::Refused,
     counters::CounterIds,
     family::{Family, V4, V6},
     maglev,
-    options::{carrier_bit, Balancing, LbMode},
+    options::{has_carried_entry, takes_direct_return, Balancing, Modes},
     plan::WantedService,
 };
 use crate::model::{
@@ -69,25 +69,6 @@ const CLASSES: [(SourceClass, u8); 3] = [
     (SourceClass::Pod, source_class::POD),
     (SourceClass::Node, source_class::NODE),
 ];
-
-/// How the node encodes its entries: the options of the agent that shape them.
-#[derive(Clone, Copy, Debug)]
-pub struct Modes {
-    pub balancing: Balancing,
-    /// What this node sends by direct server return.
-    pub lb_mode: LbMode,
-    /// The protocols whose carried service address this node takes (`dsr_accept` bits,
-    /// [`LbMode::carriers_taken`]): their frontends get the entries the address is checked
-    /// against.
-    pub carriers_taken: u8,
-}
-
-impl Modes {
-    /// The modes of a node with `--lb-mode=snat` (the default) and no `--lb-dsr-accept`.
-    pub fn snat(balancing: Balancing) -> Self {
-        Self { balancing, lb_mode: LbMode::Snat, carriers_taken: dsr_accept::NONE }
-    }
-}
 
 /// [`encode_admitted`] with every Service admitted, as a `snat` node.
 #[cfg(test)]
@@ -356,23 +337,6 @@ impl<F: Family> FamilyWanted<F> {
     }
 }
 
-/// Whether a frontend of `kind` goes by direct server return where `--lb-mode` says so: a
-/// NodePort, load-balancer or external IP (for connections from outside it masquerades).
-fn takes_direct_return(kind: FrontendKind) -> bool {
-    matches!(kind, FrontendKind::NodePort | FrontendKind::LoadBalancer | FrontendKind::ExternalIp)
-}
-
-/// Whether a node that takes the carriers of `carriers_taken` (`dsr_accept` bits) has an entry
-/// for `frontend`'s carried address: where ingress nodes may send it by direct server return
-/// (a NodePort, load-balancer or external IP masqueraded from outside), whatever this node's
-/// own `--lb-mode`.
-pub fn has_carried_entry(frontend: &Frontend, entry: &FrontendEntry, carriers_taken: u8) -> bool {
-    carriers_taken & carrier_bit(frontend.protocol) != 0
-        && takes_direct_return(entry.kind)
-        && entry.from_outside.masquerade
-        && !frontend.ip.is_loopback()
-}
-
 /// A treatment's backends and their encoding.
 type Encoded<'a, F> = (&'a Arc<[Backend]>, Arc<[MapBackend<F>]>);
 
@@ -508,10 +472,10 @@ mod tests {
 
     use ipnet::IpNet;
     use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-    use proxy_common::{proto, Backend4, Backend6, ServiceKey4, ServiceKey6};
+    use proxy_common::{dsr_accept, proto, Backend4, Backend6, ServiceKey4, ServiceKey6};
     use serde_json::json;
 
-    use super::*;
+    use super::{super::options::LbMode, *};
     use crate::model::Protocol;
 
     /// The maps key services by the IP protocol number the kernel programs compare with the

@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 use self::{
     capacity::{Capacity, Refused},
     counters::{CounterIds, CounterMap, DatapathCollector, FlowMetrics, StatsMap},
-    encode::{encode_admitted, encode_changes, Modes, ServiceIds, Touched, Wanted},
+    encode::{encode_admitted, encode_changes, ServiceIds, Touched, Wanted},
     family::{Family, V4, V6},
     family_maps::FamilyMaps,
 };
@@ -50,7 +50,9 @@ mod snat;
 mod xdp_attach;
 
 pub use attach::{Attachment, Hook};
-pub use options::{Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts, FlowPressure, LbMode, XdpMode};
+pub use options::{
+    Balancing, BpfForwarding, BpfMapSizes, ConntrackTimeouts, FlowPressure, LbMode, Modes, XdpMode,
+};
 pub use pin_dir::PinDir;
 
 #[derive(Clone, Debug)]

@@ -3,6 +3,9 @@
 use std::time::Duration;
 
 use clap::ValueEnum;
+use proxy_common::dsr_accept;
+
+use crate::model::{Frontend, FrontendEntry, FrontendKind};
 
 /// `--xdp`: where the XDP fast path for traffic from outside the node runs.
 ///
@@ -83,6 +86,42 @@ impl LbMode {
                 .fold(dsr_accept::NONE, |taken, protocol| taken | carrier_bit(protocol)),
         }
     }
+}
+
+/// How the node encodes its entries: the options of the agent that shape them.
+#[derive(Clone, Copy, Debug)]
+pub struct Modes {
+    pub balancing: Balancing,
+    /// What this node sends by direct server return.
+    pub lb_mode: LbMode,
+    /// The protocols whose carried service address this node takes (`dsr_accept` bits,
+    /// [`LbMode::carriers_taken`]): their frontends get the entries the address is checked
+    /// against.
+    pub carriers_taken: u8,
+}
+
+impl Modes {
+    /// The modes of a node with `--lb-mode=snat` (the default) and no `--lb-dsr-accept`.
+    pub fn snat(balancing: Balancing) -> Self {
+        Self { balancing, lb_mode: LbMode::Snat, carriers_taken: dsr_accept::NONE }
+    }
+}
+
+/// Whether a frontend of `kind` goes by direct server return where `--lb-mode` says so: a
+/// NodePort, load-balancer or external IP (for connections from outside it masquerades).
+pub fn takes_direct_return(kind: FrontendKind) -> bool {
+    matches!(kind, FrontendKind::NodePort | FrontendKind::LoadBalancer | FrontendKind::ExternalIp)
+}
+
+/// Whether a node that takes the carriers of `carriers_taken` (`dsr_accept` bits) has an entry
+/// for `frontend`'s carried address: where ingress nodes may send it by direct server return
+/// (a NodePort, load-balancer or external IP masqueraded from outside), whatever this node's
+/// own `--lb-mode`.
+pub fn has_carried_entry(frontend: &Frontend, entry: &FrontendEntry, carriers_taken: u8) -> bool {
+    carriers_taken & carrier_bit(frontend.protocol) != 0
+        && takes_direct_return(entry.kind)
+        && entry.from_outside.masquerade
+        && !frontend.ip.is_loopback()
 }
 
 /// The `proxy_common::dsr_accept` bit of `protocol`'s carriers (none for SCTP, which never goes
