@@ -50,8 +50,9 @@ pub mod datapath_stat {
     /// its replies keep the backend's address (the backend node's count).
     pub const DSR_CARRIER_IGNORED: u32 = 10;
     /// A request carried a service address that no service with the request's destination as
-    /// backend has (a forged option, or a backend this node's agent has not learnt yet): it was
-    /// dropped (the backend node's count).
+    /// backend has (a forged option, or a backend this node's agent has not learnt yet): a new
+    /// connection's was dropped, a tracked one's retransmitted SYN renewed nothing (the backend
+    /// node's count).
     pub const DSR_CARRIER_REFUSED: u32 = 11;
     pub const COUNT: u32 = 12;
 }

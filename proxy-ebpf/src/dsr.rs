@@ -128,28 +128,16 @@ fn takes_carrier(protocol: u8) -> bool {
     taken & wanted != 0
 }
 
-/// What a request's carrier tells the backend's node.
-pub enum Carried<A> {
-    /// No carrier, or one this node does not take ([`takes_carrier`]): the request goes on as
-    /// if it carried nothing.
-    Nothing,
-    /// The service address of the request's connection, a frontend of a service the request's
-    /// backend serves ([`serves`]).
-    Frontend(Endpoint<A>),
-    /// A carrier this node takes but whose address no service of the request's backend has:
-    /// forged, or for a backend this node's agent has not learnt yet (the client's
-    /// retransmission meets it). Dropped: taken, it would give the backend's replies a source
-    /// address of the sender's choosing.
-    Refused,
-}
-
 /// Whether `frontend` is a frontend of a service of `packet`'s protocol that its destination,
 /// a backend on this node, serves, as the entries for carried addresses (source class
 /// CARRIED) say: one keyed by the address (a load-balancer or external IP), else by the
 /// unspecified address (a NodePort: the address is the ingress node's, which this node's
-/// entries do not hold; the port and the backend are checked).
+/// entries do not hold; the port and the backend are checked). Asked where a carried address is
+/// about to be stored (tc.rs `take_carried`): an address that no service of the backend has is
+/// forged, or for a backend this node's agent has not learnt yet, and stored it would give the
+/// backend's replies a source of the sender's choosing.
 #[inline(always)]
-fn serves<A: Maps>(frontend: &Endpoint<A>, packet: &Packet<A>) -> bool {
+pub fn serves<A: Maps>(frontend: &Endpoint<A>, packet: &Packet<A>) -> bool {
     let proto = packet.flow.proto;
     let service = A::service(frontend, proto, source_class::CARRIED).or_else(|| {
         A::service(&Endpoint { addr: A::UNSPECIFIED, port: frontend.port }, proto, source_class::CARRIED)
@@ -166,23 +154,18 @@ pub trait Dsr: IpHeader + Maps {
     const CARRIED_APART: bool;
     /// Parses a packet that carries the service address, where [`Dsr::CARRIED_APART`].
     fn parse_carrying(ctx: &TcContext) -> Option<Packet<Self>>;
-    /// The service address and port a request carries ([`Carried`]): one this node does not
-    /// take for the request's protocol ([`takes_carrier`]) and one it refuses ([`serves`]) are
-    /// counted.
+    /// The service address and port a request carries, if it carries vipr's option and this
+    /// node takes it for the request's protocol ([`takes_carrier`]); one it does not take is
+    /// counted, and the request goes on as if it carried none. Whether a service has the
+    /// address is asked only where it is stored ([`serves`]).
     #[inline(always)]
-    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Carried<Self> {
-        let Some(frontend) = Self::carrier(ctx, packet) else {
-            return Carried::Nothing;
-        };
+    fn carried(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>> {
+        let frontend = Self::carrier(ctx, packet)?;
         if !takes_carrier(packet.flow.proto) {
             stat(datapath_stat::DSR_CARRIER_IGNORED);
-            return Carried::Nothing;
+            return None;
         }
-        if !serves(&frontend, packet) {
-            stat(datapath_stat::DSR_CARRIER_REFUSED);
-            return Carried::Refused;
-        }
-        Carried::Frontend(frontend)
+        Some(frontend)
     }
     /// The service address and port in the request's option, if it has vipr's.
     fn carrier(ctx: &TcContext, packet: &Packet<Self>) -> Option<Endpoint<Self>>;

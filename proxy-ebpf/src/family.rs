@@ -43,6 +43,19 @@ pub struct Nat<A> {
     pub state: u32,
 }
 
+impl<A: Copy> Nat<A> {
+    /// Where a packet of this direction goes once rewritten: the rewritten destination, else the
+    /// one it was sent to (`asked`).
+    #[inline(always)]
+    pub fn destination(&self, asked: A) -> A {
+        if self.flags & proxy_common::flow_flags::REWRITE_DESTINATION != 0 {
+            self.dst
+        } else {
+            asked
+        }
+    }
+}
+
 /// An address and a port: where a backend listens.
 #[derive(Clone, Copy)]
 pub struct Endpoint<A> {

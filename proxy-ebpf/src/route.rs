@@ -161,7 +161,15 @@ const SEGMENTS: u32 = u32::MAX;
 /// of at most this many bytes needs no check on a cached hop: the helper call would cost the
 /// established path a tenth of its time. An MTU that changes later moves the route generation
 /// (route_generation.rs watches links), which drops the cached hop.
-pub const UNCHECKED_UP_TO: u32 = 1280;
+const UNCHECKED_UP_TO: u32 = 1280;
+
+/// Whether a hop whose route has an MTU of `route_mtu` and whose device one of `device_mtu`
+/// may be cached, by TC or XDP: the route's limit is not below the device's, which the
+/// per-packet check asks, and both trust packets up to [`UNCHECKED_UP_TO`] unchecked.
+#[inline(always)]
+pub fn cacheable_mtus(route_mtu: u32, device_mtu: u32) -> bool {
+    route_mtu >= device_mtu && device_mtu >= UNCHECKED_UP_TO
+}
 
 /// Where a tracked connection's packet goes on.
 pub enum Onward {
@@ -271,7 +279,7 @@ fn look_up_hop<A: Address>(ctx: &TcContext, destination: &A, hop: &mut NextHop, 
     let mut device_mtu = 1;
     // SAFETY: a plain helper call; `device_mtu` lives across it.
     let known = unsafe { bpf_check_mtu(ctx.as_ptr(), params.ifindex, &mut device_mtu, 0, 0) } >= 0;
-    if known && mtu >= device_mtu && device_mtu >= UNCHECKED_UP_TO {
+    if known && cacheable_mtus(mtu, device_mtu) {
         HOP_CACHEABLE
     } else {
         HOP_UNCACHED

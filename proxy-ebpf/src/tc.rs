@@ -8,7 +8,7 @@ use proxy_common::{datapath_stat, flow_flags, service_flags, unmatched, NextHop,
 use crate::{
     conntrack::{make_room, observe, touch, track, track_dsr, track_dsr_backend, track_masqueraded, Refusal},
     counters::{self, stat},
-    dsr::{self, Carried, Dsr},
+    dsr::{self, Dsr},
     family::{Endpoint, Ipv4, Ipv6, Nat, Tracked},
     family_maps::{no_hop, Maps},
     fragment::{self, Fragments, LaterFragment},
@@ -112,10 +112,8 @@ fn carried_request<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     let Some(packet) = A::parse_carrying(ctx) else {
         return NOT_BALANCED;
     };
-    let frontend = match A::carried(ctx, &packet) {
-        Carried::Frontend(frontend) => frontend,
-        Carried::Nothing => return TC_ACT_UNSPEC,
-        Carried::Refused => return TC_ACT_SHOT,
+    let Some(frontend) = A::carried(ctx, &packet) else {
+        return TC_ACT_UNSPEC;
     };
     let stored = match A::flow(&packet.flow) {
         Some(tracked) => {
@@ -184,8 +182,7 @@ fn onward<A: Datapath>(
     redirected: bool,
 ) -> Onward {
     let flow = &tracked.nat;
-    let destination =
-        if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
+    let destination = flow.destination(packet.flow.dst);
     let ip_len = if redirected { packet.ip_len() } else { 0 };
     match tracked_hop(ctx, destination, tracked, ip_len) {
         // A router fragments a packet without DF: the stack does, the packet rewritten.
@@ -197,12 +194,30 @@ fn onward<A: Datapath>(
 /// [`Dsr::carried`] for a packet the common parser took: a family whose carrier that parser
 /// refuses carries nothing there ([`carried_request`] has those packets).
 #[inline(always)]
-fn carried_in_common_parse<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> Carried<A> {
+fn carried_in_common_parse<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> Option<Endpoint<A>> {
+    // A constant: the other family's parse is not even emitted.
     if A::CARRIED_APART {
-        Carried::Nothing
+        None
     } else {
         A::carried(ctx, packet)
     }
+}
+
+/// Stores a DSR connection's entries on its backend's node ([`track_dsr_backend`]) where its
+/// carried `frontend` is one a service of the request's backend has ([`dsr::serves`]); another
+/// is refused, counted. Checked here, where an address is stored, and only here: a tracked
+/// connection's later requests (a datagram) lose their carrier and store nothing.
+#[inline(always)]
+fn take_carried<A: Datapath>(
+    packet: &Packet<A>,
+    frontend: &Endpoint<A>,
+    last_try: bool,
+) -> Result<(), Refusal> {
+    if !dsr::serves(frontend, packet) {
+        stat(datapath_stat::DSR_CARRIER_REFUSED);
+        return Err(Refusal::Counted);
+    }
+    track_dsr_backend(packet, frontend, last_try)
 }
 
 /// A request of a direct-server-return connection with a flow entry that carries (or may
@@ -222,13 +237,11 @@ fn dsr_request<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, tracked: &Track
         Onward::TooBig(mtu) => return too_big_for(mtu),
     };
     if flow.flags & flow_flags::DSR_BACKEND != 0 {
-        let frontend = match carried_in_common_parse(ctx, packet) {
-            Carried::Frontend(frontend) => frontend,
-            Carried::Nothing => return forward(ctx, packet, flow, &hop),
-            Carried::Refused => return TC_ACT_SHOT,
+        let Some(frontend) = carried_in_common_parse(ctx, packet) else {
+            return forward(ctx, packet, flow, &hop);
         };
         if packet.tcp_flags & TCP_SYN != 0 {
-            let _ = track_dsr_backend(packet, &frontend, true);
+            let _ = take_carried(packet, &frontend, true);
         }
         if A::strip(ctx).is_err() {
             // A packet half rewritten must not escape.
@@ -305,10 +318,8 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     let packet = &packet;
     // A request whose service address another node's vipr carried here: this node is the
     // backend's (direct server return).
-    match carried_in_common_parse(ctx, packet) {
-        Carried::Frontend(frontend) => return dsr_arrived(ctx, packet, &frontend, last_try),
-        Carried::Refused => return TC_ACT_SHOT,
-        Carried::Nothing => {}
+    if let Some(frontend) = carried_in_common_parse(ctx, packet) {
+        return dsr_arrived(ctx, packet, &frontend, last_try);
     }
     // At TC ingress the packet's device is the one it entered through.
     let entered_through = unsafe { (*ctx.skb.skb).ifindex };
@@ -433,13 +444,13 @@ fn arrive<A: Datapath>(
     last_try: bool,
 ) -> i32 {
     if !stored {
-        match track_dsr_backend(packet, frontend, last_try) {
+        match take_carried(packet, frontend, last_try) {
             Ok(()) => stat(datapath_stat::DSR_RECEIVED),
             Err(Refusal::MapFull) => return MAP_FULL,
             Err(_) => return TC_ACT_SHOT,
         }
     } else if packet.tcp_flags & TCP_SYN != 0 {
-        let _ = track_dsr_backend(packet, frontend, true);
+        let _ = take_carried(packet, frontend, true);
     }
     // Only a redirect is sent along a route; into the stack (`stack`) the request needs none.
     let route = if redirecting() { route_to(ctx, packet.flow.dst) } else { None };
@@ -504,9 +515,7 @@ fn reverse_nat_error<A: Datapath>(ctx: &TcContext) -> Option<i32> {
         return Some(TC_ACT_UNSPEC);
     };
     let flow = &tracked.nat;
-    let destination =
-        if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { error.key.dst };
-    let route = route_to(ctx, destination);
+    let route = route_to(ctx, flow.destination(error.key.dst));
     Some(send(ctx, icmp_error::reverse_nat(ctx, &error, flow), &hop_of(route.as_ref())))
 }
 
@@ -525,8 +534,7 @@ fn later_fragment<A: Datapath>(ctx: &TcContext) -> i32 {
     let flow = tracked.nat;
     count(ctx, flow.counter);
     touch(tracked.track, 0);
-    let destination = if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { tuple.dst };
-    let route = route_to(ctx, destination);
+    let route = route_to(ctx, flow.destination(tuple.dst));
     send(ctx, fragment::rewrite_addresses(ctx, &tuple, &flow), &hop_of(route.as_ref()))
 }
 

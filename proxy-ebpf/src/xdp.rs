@@ -57,7 +57,7 @@ use crate::{
     family_maps::Maps,
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{copy_address, ethertype, field, Change, IpHeader, Packet, ETH_P_IP, ETH_P_IPV6},
-    route::{cache_hop, cached_hop, route_generation, zeroed_fib_params, UNCHECKED_UP_TO},
+    route::{cache_hop, cacheable_mtus, cached_hop, route_generation, zeroed_fib_params},
     wire::{ETH_HLEN, IPV4_CSUM_AT, TCP_CSUM_AT, UDP_CSUM_AT},
 };
 
@@ -205,8 +205,7 @@ fn look_up_egress<A: Address, const CACHING: bool>(
         // SAFETY: a plain helper call; the field lives across it.
         let known =
             unsafe { bpf_check_mtu(ctx.as_ptr(), params.ifindex, &mut scratch.device_mtu, 0, 0) } >= 0;
-        // A hop cached at all is one TC trusts for packets up to UNCHECKED_UP_TO (route.rs).
-        known && route_mtu >= scratch.device_mtu && scratch.device_mtu >= UNCHECKED_UP_TO
+        known && cacheable_mtus(route_mtu, scratch.device_mtu)
     };
     Some(Egress {
         hop: Hop {
@@ -292,10 +291,8 @@ fn established<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     let generation = route_generation();
     let mut hop = MaybeUninit::uninit();
     if !cached_egress(ctx, &tracked, generation, tot_len, &mut hop) {
-        let destination =
-            if flow.flags & flow_flags::REWRITE_DESTINATION != 0 { flow.dst } else { packet.flow.dst };
         let mut out = MaybeUninit::uninit();
-        if !egress::<A, true>(ctx, destination, tot_len, &mut out) {
+        if !egress::<A, true>(ctx, flow.destination(packet.flow.dst), tot_len, &mut out) {
             return XDP_PASS;
         }
         // SAFETY: written by `egress`, which said so.

@@ -4,12 +4,14 @@
 
 use std::{
     collections::BTreeMap,
-    fmt,
+    fmt, io,
     io::{BufRead, BufReader, Read as _, Write},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     str::FromStr,
     time::Duration,
 };
+
+use std::os::fd::RawFd;
 
 use anyhow::{bail, ensure, Context, Result};
 
@@ -211,6 +213,43 @@ pub fn count_by_backend<'a>(exchanges: impl IntoIterator<Item = &'a Exchange>) -
         *counts.entry(exchange.answer.backend.clone()).or_default() += 1;
     }
     counts
+}
+
+/// Sets an int-valued socket option (`setsockopt`).
+pub fn set_int_option(
+    socket: RawFd,
+    level: libc::c_int,
+    option: libc::c_int,
+    value: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: `value` is a valid c_int for the duration of the call and its size is passed.
+    let set = unsafe {
+        libc::setsockopt(
+            socket,
+            level,
+            option,
+            (&raw const value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if set == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Reads an int-valued socket option (`getsockopt`).
+pub fn int_option(socket: RawFd, level: libc::c_int, option: libc::c_int) -> io::Result<libc::c_int> {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `value` and `len` are valid for the duration of the call; `len` holds its size.
+    let got = unsafe { libc::getsockopt(socket, level, option, (&raw mut value).cast(), &mut len) };
+    if got == 0 {
+        Ok(value)
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 #[cfg(test)]

@@ -51,7 +51,8 @@ use anyhow::{anyhow, bail, Context, Result};
 pub use apiserver::FakeApiServer;
 pub use bpffs::BpfFs;
 pub use client::{
-    count_by_backend, exchange, exchanges, tcp_exchange, udp_ask, udp_exchange, Answer, Exchange, TcpSession,
+    count_by_backend, exchange, exchanges, int_option, set_int_option, tcp_exchange, udp_ask, udp_exchange,
+    Answer, Exchange, TcpSession,
 };
 pub use echo::EchoServer;
 pub use exclusive::{exclusive, Exclusive};

@@ -40,7 +40,7 @@ use anyhow::{Context, Result};
 use proxy_common::sctp::{checksum, CHECKSUM_OFFSET, HEADER_LEN};
 use socket2::{Domain, SockAddr, Socket, Type};
 
-use crate::{Answer, Netns};
+use crate::{client::set_int_option, Answer, Netns};
 
 /// SCTP's IP protocol number.
 pub const PROTOCOL: i32 = libc::IPPROTO_SCTP;
@@ -561,29 +561,6 @@ fn reply_for(bytes: &[u8], from_ip: IpAddr, ports: Ports, tag: u32) -> Option<Re
                 chunks.len()
             ),
         }),
-    }
-}
-
-fn set_int_option(
-    socket: RawFd,
-    level: libc::c_int,
-    option: libc::c_int,
-    value: libc::c_int,
-) -> io::Result<()> {
-    // SAFETY: `value` is a valid c_int for the duration of the call and its size is passed.
-    let set = unsafe {
-        libc::setsockopt(
-            socket,
-            level,
-            option,
-            (&raw const value).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if set == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
     }
 }
 

@@ -11,7 +11,8 @@ use aya::maps::{lpm_trie::Key, LpmTrie, MapData};
 use proxy_common::{datapath_stat, flow_flags, pins, service_flags, source_class, Flow4, Flow6, Service};
 use testbed::fixtures::{
     frame::{
-        compare_frames, ep, input_and_output, parse_ipv4, Ep, L4Checksum, Packet, IPPROTO_TCP, IPPROTO_UDP,
+        compare_frames, dsr_option, ep, input_and_output, parse_ipv4, Ep, L4Checksum, Packet, IPPROTO_TCP,
+        IPPROTO_UDP,
     },
     frame6::{compare_frames6, dsr_carrier6, ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST},
     harness::{flow_key, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -75,13 +76,6 @@ fn carried_entry(h: &mut Harness, frontend: Ep, proto: u8, backend_set: u32, bac
     h.store_service_for(frontend, proto, source_class::CARRIED, service)?;
     h.set_backend(backend_set, 0, backend)?;
     h.set_member(backend_set, backend, 0)
-}
-
-/// The IPv4 option carrying `frontend`.
-fn option(frontend: Ep) -> [u8; 8] {
-    let [port_high, port_low] = frontend.port.to_be_bytes();
-    let [a, b, c, d] = frontend.addr;
-    [0x9a, 8, port_high, port_low, a, b, c, d]
 }
 
 /// Runs `input`, expects `verdict` and exactly `expected` out, with valid checksums.
@@ -504,7 +498,9 @@ fn a_node_takes_a_carried_service_address_only_for_what_its_lb_mode_sends_by_dsr
 /// ingress node's), each with the backends an ingress node chooses from. Any other address, or
 /// a service's address to a pod that is not its backend, is refused: dropped, nothing stored,
 /// counted. Taken, it would give the pod's replies a source of the sender's choosing. A tracked
-/// DSR connection's datagram that carries another address is refused the same way.
+/// connection's retransmitted SYN that carries another address renews nothing (refused,
+/// counted); its datagrams store nothing at all and only lose their carrier: the replies keep
+/// the source the first request stored.
 #[test]
 fn a_carried_service_address_is_taken_only_from_a_service_of_the_requests_backend() {
     const LOAD_BALANCER: Ep = ep([198, 51, 100, 10], 80);
@@ -518,7 +514,7 @@ fn a_carried_service_address_is_taken_only_from_a_service_of_the_requests_backen
         carried_node_port(&mut h, IPPROTO_UDP, 3, BACKEND)?;
         carried_node_port6(&h, IPPROTO_TCP, 4, OTHER_BACKEND6)?;
         let syn = |client: Ep, backend: Ep, carried: Ep| {
-            Packet::tcp(client, backend).tcp_flags(0x02).payload(b"").ip_options(&option(carried))
+            Packet::tcp(client, backend).tcp_flags(0x02).payload(b"").ip_options(&dsr_option(carried))
         };
         let refused = |h: &Harness, packet: &Packet, what: &str| -> Result<()> {
             let (verdict, out) = h.run(&packet.build())?;
@@ -539,7 +535,9 @@ fn a_carried_service_address_is_taken_only_from_a_service_of_the_requests_backen
         // has.
         let before = h.flows()?.len();
         refused(&h, &syn(OTHER_CLIENT, BACKEND, FRONTEND), "the NodePort to another service's backend")?;
-        refused(&h, &syn(OTHER_CLIENT, OTHER_BACKEND, LOAD_BALANCER), "the load balancer to a stranger")?;
+        // (A client of its own: OTHER_CLIENT's connection to OTHER_BACKEND is tracked.)
+        let new_client = ep([203, 0, 113, 4], 40002);
+        refused(&h, &syn(new_client, OTHER_BACKEND, LOAD_BALANCER), "the load balancer to a stranger")?;
         refused(&h, &syn(OTHER_CLIENT, BACKEND, ep([8, 8, 8, 8], 53)), "an address no service has")?;
         let syn6 = |backend: Ep6| {
             Packet6::tcp(CLIENT6, backend)
@@ -556,17 +554,21 @@ fn a_carried_service_address_is_taken_only_from_a_service_of_the_requests_backen
         ensure!(h.datapath_stat(datapath_stat::DSR_CARRIER_REFUSED)? == 4, "DSR_CARRIER_REFUSED");
         ensure!(h.datapath_stat(datapath_stat::DSR_RECEIVED)? == 3, "DSR_RECEIVED");
 
-        // A tracked connection's datagram: taken with the NodePort's address, refused with
-        // another.
+        // Tracked connections: a retransmitted SYN with an address no service has renews
+        // nothing; a datagram with another service's address stores nothing.
+        let reply_source = |proto: u8| -> Result<Ep> {
+            let entry: Flow4 = h.flows()?[&flow_key(BACKEND, CLIENT, proto)];
+            Ok(ep(entry.src_addr, entry.src_port))
+        };
+        let forged_syn = syn(CLIENT, BACKEND, ep([8, 8, 8, 8], 53));
+        check(&h, &forged_syn, TC_ACT_OK, &forged_syn.clone().ip_options(&[])).context("a forged SYN")?;
+        ensure!(h.datapath_stat(datapath_stat::DSR_CARRIER_REFUSED)? == 5, "the SYN's renewal not refused");
+        ensure!(reply_source(IPPROTO_TCP)? == LOAD_BALANCER, "the forged SYN changed the reply's source");
         let datagram = Packet::udp(CLIENT, BACKEND).ip_options(&OPTION);
         check(&h, &datagram, TC_ACT_OK, &datagram.clone().ip_options(&[])).context("the first datagram")?;
-        let forged = Packet::udp(CLIENT, BACKEND).ip_options(&option(LOAD_BALANCER));
-        refused(&h, &forged, "a tracked connection's datagram with another address")?;
-        let reply_entry: Flow4 = h.flows()?[&flow_key(BACKEND, CLIENT, IPPROTO_UDP)];
-        ensure!(
-            (reply_entry.src_addr, reply_entry.src_port) == (FRONTEND.addr, FRONTEND.port),
-            "the forged datagram changed the reply's source: {reply_entry:?}"
-        );
+        let forged = Packet::udp(CLIENT, BACKEND).ip_options(&dsr_option(LOAD_BALANCER));
+        check(&h, &forged, TC_ACT_OK, &forged.clone().ip_options(&[])).context("a forged datagram")?;
+        ensure!(reply_source(IPPROTO_UDP)? == FRONTEND, "the forged datagram changed the reply's source");
         Ok(())
     })
     .unwrap_or_else(|err| panic!("{err:#}"));

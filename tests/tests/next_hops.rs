@@ -8,11 +8,14 @@
 
 use std::{
     net::{Ipv4Addr, SocketAddr, UdpSocket},
+    os::fd::AsRawFd as _,
     time::Duration,
 };
 
 use anyhow::{Context as _, Result};
-use testbed::{load, udp_ask, wait_for, Check, ClusterIpService, Endpoint, FlowEntry, Lab};
+use testbed::{
+    int_option, load, set_int_option, udp_ask, wait_for, Check, ClusterIpService, Endpoint, FlowEntry, Lab,
+};
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -145,7 +148,7 @@ fn a_client_learns_the_smaller_mtu_of_the_way_to_its_backend() -> Result<()> {
         let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
         socket.set_read_timeout(Some(Duration::from_millis(500)))?;
         // DF on every datagram, and EMSGSIZE for one larger than the path's known MTU.
-        set_int_option(&socket, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)?;
+        set_int_option(socket.as_raw_fd(), libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)?;
         socket.connect(dns)?;
         Ok(socket)
     })?;
@@ -170,7 +173,8 @@ fn a_client_learns_the_smaller_mtu_of_the_way_to_its_backend() -> Result<()> {
             Err(error) => Check::NotYet(format!("{error}")),
         })
     })?;
-    assert_eq!(int_option(&socket, libc::IP_MTU)?, LINK_MTU as i32, "the path MTU the client learnt");
+    let learnt = int_option(socket.as_raw_fd(), libc::IPPROTO_IP, libc::IP_MTU)?;
+    assert_eq!(learnt, LINK_MTU as i32, "the path MTU the client learnt");
     // The flow itself goes on with what fits.
     let answer = wait_for("an answer after the MTU shrank", TIMEOUT, || {
         Ok(match udp_ask(&socket, dns) {
@@ -180,32 +184,4 @@ fn a_client_learns_the_smaller_mtu_of_the_way_to_its_backend() -> Result<()> {
     })?;
     assert_eq!(answer.backend, backend, "the flow kept its backend");
     Ok(())
-}
-
-fn set_int_option(socket: &UdpSocket, name: libc::c_int, value: libc::c_int) -> Result<()> {
-    use std::os::fd::AsRawFd as _;
-    // SAFETY: a valid socket and an int of the size passed.
-    let set = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::IPPROTO_IP,
-            name,
-            (&raw const value).cast(),
-            size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    anyhow::ensure!(set == 0, "setsockopt {name}: {}", std::io::Error::last_os_error());
-    Ok(())
-}
-
-fn int_option(socket: &UdpSocket, name: libc::c_int) -> Result<libc::c_int> {
-    use std::os::fd::AsRawFd as _;
-    let mut value: libc::c_int = 0;
-    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: a valid socket and an int of the size passed.
-    let got = unsafe {
-        libc::getsockopt(socket.as_raw_fd(), libc::IPPROTO_IP, name, (&raw mut value).cast(), &mut len)
-    };
-    anyhow::ensure!(got == 0, "getsockopt {name}: {}", std::io::Error::last_os_error());
-    Ok(value)
 }

@@ -606,7 +606,8 @@ impl Collector for DatapathCollector {
                  mtu_option_skipped (a DSR connection's packet sent without the option for the same reason), \
                  carrier_ignored (a request carried a service address this node does not take: \
                  --lb-mode=snat, or UDP with hybrid, unless --lb-dsr-accept), carrier_refused (a request \
-                 carried a service address that no service of its backend has: dropped)",
+                 carried a service address that no service of its backend has: a new connection dropped, a \
+                 retransmitted SYN's renewal skipped)",
                 direct_return,
             ),
             gauge(
