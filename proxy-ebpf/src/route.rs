@@ -71,24 +71,44 @@ pub struct Route<A> {
     pub via_gateway: bool,
     /// The egress device's MTU.
     pub mtu: u32,
+    /// Whether the packet fits that MTU (a GSO packet's segments do).
+    pub fits: bool,
 }
 
-/// `None` when the destination is not forwarded: local to the node, or unreachable. The stack
-/// then handles the packet as it would have.
+/// `None` when the destination is not forwarded: local to the node, or unreachable, or when the
+/// packet does not fit its egress device. The stack then handles the packet as it would have
+/// (fragments it, or answers "fragmentation needed").
+#[inline(always)]
+pub fn route_fitting<A: Address>(ctx: &TcContext, destination: A) -> Option<Route<A>> {
+    route(ctx, destination, false)
+}
+
+/// [`route_fitting`], but a packet too big for its egress device still has its route, without
+/// `fits`: the kernel checks the packet's size after a lookup without a length (`tot_len` 0),
+/// which is then whole.
 #[inline(always)]
 pub fn route_to<A: Address>(ctx: &TcContext, destination: A) -> Option<Route<A>> {
+    route(ctx, destination, true)
+}
+
+/// One lookup for [`route_to`] and [`route_fitting`]: a parameter, not a filter of the answer,
+/// since an `Option` filtered after its inlined construction left a register read that the
+/// verifier refuses (its `None` carried an undefined payload).
+#[inline(always)]
+fn route<A: Address>(ctx: &TcContext, destination: A, too_big_too: bool) -> Option<Route<A>> {
     let mut params = MaybeUninit::<bpf_fib_lookup>::uninit();
     let (result, params) =
         fib(ctx, destination, &mut params, BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH, 0);
-    if result != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+    let fits = result == BPF_FIB_LKUP_RET_SUCCESS as i64;
+    if !fits && !(too_big_too && result == BPF_FIB_LKUP_RET_FRAG_NEEDED as i64) {
         return None;
     }
     // The lookup leaves the next hop in the destination's place: the gateway, if the route
     // has one. Without a length to check, it reports the egress device's MTU.
     let via_gateway = !A::fib_next_hop(params).is(&destination);
-    // SAFETY: a successful lookup without `tot_len` fills `mtu_result`.
+    // SAFETY: a lookup without `tot_len` that found the route fills `mtu_result`.
     let mtu = u32::from(unsafe { params.__bindgen_anon_1.mtu_result });
-    Some(Route { ifindex: params.ifindex, source: A::fib_source(params), via_gateway, mtu })
+    Some(Route { ifindex: params.ifindex, source: A::fib_source(params), via_gateway, mtu, fits })
 }
 
 /// One FIB lookup toward `destination` from the packet's interface, with `flags`, for a packet

@@ -16,7 +16,7 @@ use crate::{
     lb::{classify, decide, Chosen, Decision, Pick},
     packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_SYN},
     reject::Reject,
-    route::{hop_of, redirect_to_hop, redirecting, route_to, tracked_hop, Onward, Route},
+    route::{hop_of, redirect_to_hop, redirecting, route_fitting, route_to, tracked_hop, Onward, Route},
     wire::ETH_HLEN,
 };
 
@@ -57,18 +57,16 @@ fn family<A: Datapath>(ctx: &TcContext) -> i32 {
             verdict => return verdict,
         },
         NOT_BALANCED => {}
-        too_big_for if (TOO_BIG..=TOO_BIG + 0xffff).contains(&too_big_for) => {
-            return too_big::<A>(ctx, too_big_for)
-        }
+        too_big_for if is_too_big(too_big_for) => return too_big::<A>(ctx, too_big_for),
         NEW_CONNECTION => {
             // A full flows map: early drop, and the decision taken anew (nothing was stored).
             // Here, from the entry, so that the frames of the two never add up.
-            let verdict = balance_new::<A>(ctx, false);
-            if verdict != MAP_FULL {
-                return verdict;
+            let mut verdict = balance_new::<A>(ctx, false);
+            if verdict == MAP_FULL {
+                make_room::<A>();
+                verdict = balance_new::<A>(ctx, true);
             }
-            make_room::<A>();
-            return balance_new::<A>(ctx, true);
+            return if is_too_big(verdict) { too_big::<A>(ctx, verdict) } else { verdict };
         }
         verdict => return verdict,
     }
@@ -84,7 +82,7 @@ const NOT_BALANCED: i32 = i32::MIN;
 const NEW_CONNECTION: i32 = i32::MIN + 1;
 /// [`balance_new`]'s answer when the flows map is full and it may not refuse yet.
 const MAP_FULL: i32 = i32::MIN + 2;
-/// [`balance`]'s answers from here to `TOO_BIG + 0xffff`: [`too_big_for`].
+/// [`balance`] and [`balance_new`]'s answers from here to `TOO_BIG + 0xffff`: [`too_big_for`].
 const TOO_BIG: i32 = i32::MIN + 0x1_0000;
 
 /// The datapath of a tracked connection, for one family: IPv4 and IPv6 packets take the same
@@ -153,14 +151,20 @@ fn balance_packet<A: Datapath>(ctx: &TcContext, packet: &Packet<A>) -> i32 {
     NEW_CONNECTION
 }
 
-/// [`balance`]'s answer for a tracked packet too big for its way and not to be fragmented:
+/// The answer for a packet too big for its way and not to be fragmented:
 /// [`TOO_BIG`] plus the MTU it must fit (below 2^16), for [`too_big`] to answer.
 #[inline(always)]
 fn too_big_for(mtu: u32) -> i32 {
     TOO_BIG + mtu.min(u32::from(u16::MAX)) as i32
 }
 
-/// A tracked packet too big for its way ([`too_big_for`]), answered ([`Reject::too_big`]),
+/// Whether a verdict is [`too_big_for`]'s.
+#[inline(always)]
+fn is_too_big(verdict: i32) -> bool {
+    (TOO_BIG..=TOO_BIG + 0xffff).contains(&verdict)
+}
+
+/// A packet too big for its way ([`too_big_for`]), answered ([`Reject::too_big`]),
 /// parsed again for where its L4 header starts. Called from the entry: with [`balance`]'s
 /// frame, the answer's checksum buffer would pass BPF's 512 bytes.
 #[inline(never)]
@@ -185,10 +189,20 @@ fn onward<A: Datapath>(
     let destination = flow.destination(packet.flow.dst);
     let ip_len = if redirected { packet.ip_len() } else { 0 };
     match tracked_hop(ctx, destination, tracked, ip_len) {
-        // A router fragments a packet without DF: the stack does, the packet rewritten.
-        Onward::TooBig(_) if A::may_fragment(ctx) => Onward::Hop(no_hop()),
+        Onward::TooBig(_) if stack_fragments::<A>(ctx, masqueraded(flow)) => Onward::Hop(no_hop()),
         onward => onward,
     }
+}
+
+/// Whether a packet too big for its way goes rewritten into the stack, which fragments it, as a
+/// router fragments a packet without DF. A masqueraded packet cannot: its source is now one of
+/// the node's own addresses, which the stack drops arriving from outside (a martian). It is
+/// answered "fragmentation needed" even without DF (as a packet with DF is): a Linux client
+/// learns the way's MTU from it, whatever its socket's `IP_MTU_DISCOVER`, and fragments its
+/// later datagrams itself; the alternative was to lose every one.
+#[inline(always)]
+fn stack_fragments<A: Datapath>(ctx: &TcContext, masqueraded: bool) -> bool {
+    !masqueraded && A::may_fragment(ctx)
 }
 
 /// [`Dsr::carried`] for a packet the common parser took: a family whose carrier that parser
@@ -356,7 +370,22 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
             }
         }
     }
-    let forward = if service.flags & service_flags::MASQUERADE != 0 || hairpin {
+    let masquerading = service.flags & service_flags::MASQUERADE != 0 || hairpin;
+    // A packet that vipr sends on itself (masqueraded, or redirected) and that does not fit its
+    // way is treated as a tracked one is ([`onward`]): answered "fragmentation needed" before
+    // anything is stored (the client sends it again smaller, as a new connection), or, if a
+    // router may fragment it and the stack can forward it rewritten, handed to the stack.
+    // (A flag, not the hop itself: 16 more bytes of frame here pass BPF's 512 over the chain.)
+    let mut into_stack = false;
+    if let Some(route) = route.as_ref().filter(|route| !route.fits) {
+        if masquerading || redirected_whatever_its_flow(packet) {
+            if !stack_fragments::<A>(ctx, masquerading) {
+                return too_big_for(route.mtu);
+            }
+            into_stack = true;
+        }
+    }
+    let forward = if masquerading {
         // Without a route there is no address to masquerade to.
         let Some(route) = &route else {
             return TC_ACT_SHOT;
@@ -371,7 +400,8 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
         Err(_) => return TC_ACT_SHOT,
     };
     count(ctx, counter);
-    self::forward(ctx, packet, &forward, &hop_of(route.as_ref()))
+    let hop = if into_stack { no_hop() } else { hop_of(route.as_ref()) };
+    self::forward(ctx, packet, &forward, &hop)
 }
 
 /// [`balance_dsr`]'s answer for a connection that is masqueraded after all.
@@ -453,7 +483,7 @@ fn arrive<A: Datapath>(
         let _ = take_carried(packet, frontend, true);
     }
     // Only a redirect is sent along a route; into the stack (`stack`) the request needs none.
-    let route = if redirecting() { route_to(ctx, packet.flow.dst) } else { None };
+    let route = if redirecting() { route_fitting(ctx, packet.flow.dst) } else { None };
     strip_and_deliver::<A>(ctx, route.as_ref())
 }
 
@@ -515,7 +545,7 @@ fn reverse_nat_error<A: Datapath>(ctx: &TcContext) -> Option<i32> {
         return Some(TC_ACT_UNSPEC);
     };
     let flow = &tracked.nat;
-    let route = route_to(ctx, flow.destination(error.key.dst));
+    let route = route_fitting(ctx, flow.destination(error.key.dst));
     Some(send(ctx, icmp_error::reverse_nat(ctx, &error, flow), &hop_of(route.as_ref())))
 }
 
@@ -534,7 +564,7 @@ fn later_fragment<A: Datapath>(ctx: &TcContext) -> i32 {
     let flow = tracked.nat;
     count(ctx, flow.counter);
     touch(tracked.track, 0);
-    let route = route_to(ctx, flow.destination(tuple.dst));
+    let route = route_fitting(ctx, flow.destination(tuple.dst));
     send(ctx, fragment::rewrite_addresses(ctx, &tuple, &flow), &hop_of(route.as_ref()))
 }
 
@@ -568,9 +598,14 @@ fn forward<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>, hop:
 /// [`forward`]).
 #[inline(always)]
 fn stack_forwards<A>(packet: &Packet<A>, flow: &Nat<A>) -> bool {
-    let masqueraded = flow.flags & (flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION)
-        == flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION;
-    !redirected_whatever_its_flow(packet) && !masqueraded
+    !redirected_whatever_its_flow(packet) && !masqueraded(flow)
+}
+
+/// Whether a flow's packets are rewritten on both sides: a masqueraded connection's.
+#[inline(always)]
+fn masqueraded<A>(flow: &Nat<A>) -> bool {
+    flow.flags & (flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION)
+        == flow_flags::REWRITE_SOURCE | flow_flags::REWRITE_DESTINATION
 }
 
 /// Whether a forwarded packet is redirected past the stack whatever its flow entry says:

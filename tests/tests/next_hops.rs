@@ -4,17 +4,21 @@
 //! route generation, and the next packet looks its hop up again. Here a backend's MAC address
 //! changes under an established UDP flow: the flow must follow it (a stale cached address is
 //! one the backend's interface drops), and its entry must cache the new address; the agent's
-//! stop turns the cache off. Needs root and a built vipr.
+//! stop turns the cache off. And the MTU of a packet's way, which vipr checks where it sends the
+//! packet on itself, as the kernel's forwarding does (`bpf_redirect` checks none): a client
+//! learns it through the service, for a tracked connection and a new one. Needs root and a
+//! built vipr.
 
 use std::{
-    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket},
     os::fd::AsRawFd as _,
     time::Duration,
 };
 
 use anyhow::{Context as _, Result};
 use testbed::{
-    int_option, load, set_int_option, udp_ask, wait_for, Check, ClusterIpService, Endpoint, FlowEntry, Lab,
+    int_option, load, set_int_option, udp_ask, wait_for, Answer, Check, ClusterIpService, Endpoint,
+    FlowEntry, Lab,
 };
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -43,16 +47,21 @@ fn forward_entry(lab: &Lab, from: SocketAddr) -> Result<Option<FlowEntry>> {
     Ok(lab.maps().flows()?.into_iter().find(|entry| SocketAddr::V4(entry.source) == from))
 }
 
-/// A lab whose vipr redirects forwarded packets (`--bpf-forwarding=redirect`, no XDP), serving
-/// one cluster IP over the load's backends; its UDP echo frontend.
-fn redirecting_lab(label: &str) -> Result<(Lab, SocketAddr)> {
+/// A lab (vipr not started) serving one cluster IP over the load's backends; its UDP echo
+/// frontend.
+fn web_lab(label: &str) -> Result<(Lab, SocketAddr)> {
     let web = ClusterIpService::web(
         VIP,
         (8080, 5353),
         load::BACKENDS.iter().map(|(name, addr)| Endpoint::ready(*addr, name)).collect(),
     );
     let dns = web.frontend_named("dns")?.socket_addr();
-    let mut lab = load::lab(label, vec![web])?;
+    Ok((load::lab(label, vec![web])?, dns))
+}
+
+/// A [`web_lab`] whose vipr redirects forwarded packets (`--bpf-forwarding=redirect`, no XDP).
+fn redirecting_lab(label: &str) -> Result<(Lab, SocketAddr)> {
+    let (mut lab, dns) = web_lab(label)?;
     lab.start_vipr_with(&["--bpf-forwarding=redirect", "--xdp=off"])?;
     lab.wait_programmed()?;
     Ok((lab, dns))
@@ -184,4 +193,111 @@ fn a_client_learns_the_smaller_mtu_of_the_way_to_its_backend() -> Result<()> {
     })?;
     assert_eq!(answer.backend, backend, "the flow kept its backend");
     Ok(())
+}
+
+/// A connection's first datagram too big for the way to its backend, however vipr sends it on
+/// (into the stack or redirected; only DNATed, or masqueraded as a NodePort's is), must not
+/// vanish. Without DF it is answered: fragmented on the way, or, masqueraded (whose rewritten
+/// packet the stack cannot forward: its source is the node's own), after the client learns the
+/// way's MTU from vipr's "fragmentation needed" and fragments its datagrams itself. With DF the
+/// client hears "fragmentation needed" and learns the way's MTU, as from a router or
+/// kube-proxy's node. Every datagram here is sent from a new socket, so each is a new
+/// connection's first packet. Before, a masqueraded connection's first datagram that did not
+/// fit was dropped unanswered: the route lookup that chooses its source address saw
+/// "fragmentation needed" and took it for "no route".
+#[test]
+fn a_new_connections_first_datagram_too_big_for_its_way_is_answered_or_fragmented() -> Result<()> {
+    for (label, flags, masqueraded) in [
+        ("newmtu-s", &["--xdp=off"][..], false),
+        ("newmtu-sm", &["--xdp=off", "--masquerade-all"][..], true),
+        ("newmtu-r", &["--xdp=off", "--bpf-forwarding=redirect"][..], false),
+        ("newmtu-rm", &["--xdp=off", "--bpf-forwarding=redirect", "--masquerade-all"][..], true),
+    ] {
+        first_datagrams_too_big(label, flags, masqueraded).with_context(|| format!("vipr {flags:?}"))?;
+    }
+    Ok(())
+}
+
+fn first_datagrams_too_big(label: &str, flags: &[&str], masqueraded: bool) -> Result<()> {
+    const LINK_MTU: u32 = 1000;
+    const CLIENT_MTU: i32 = 1500;
+    let (mut lab, dns) = web_lab(label)?;
+    // Every backend's link is smaller than the client's before any connection.
+    let mtu = LINK_MTU.to_string();
+    for (name, _) in load::BACKENDS {
+        let leaf = lab.topology().leaf(name)?;
+        lab.node().ip(&["link", "set", "dev", &leaf.spec.node_interface, "mtu", &mtu])?;
+        leaf.netns.ip(&["link", "set", "dev", &leaf.spec.leaf_interface, "mtu", &mtu])?;
+    }
+    lab.start_vipr_with(flags)?;
+    lab.wait_programmed()?;
+
+    let client = lab.client();
+    let large = [0x5a; 1200];
+    let answer = wait_for("an answer to a new socket's datagram without DF", TIMEOUT, || {
+        client.run(|| {
+            let socket = socket_to(dns, Some(libc::IP_PMTUDISC_DONT))?;
+            socket.send(&large)?;
+            let mut reply = [0; 1500];
+            Ok(match socket.recv(&mut reply) {
+                Ok(len) => Check::Done(std::str::from_utf8(&reply[..len])?.parse::<Answer>()?),
+                Err(error) => Check::NotYet(format!("{error}")),
+            })
+        })
+    })?;
+    let client_address = IpAddr::V4(lab.client_addr());
+    assert_eq!(
+        answer.observed_client.ip() != client_address,
+        masqueraded,
+        "the backend saw {} (masqueraded: {masqueraded})",
+        answer.observed_client
+    );
+
+    // Fragmented by the stack, the datagrams taught the client nothing; masqueraded, the
+    // client learnt the way's MTU from vipr's answer, as it fragments its datagrams since.
+    let known = client.run(|| {
+        let socket = socket_to(dns, None)?;
+        Ok(int_option(socket.as_raw_fd(), libc::IPPROTO_IP, libc::IP_MTU)?)
+    })?;
+    let expected = if masqueraded { LINK_MTU as i32 } else { CLIENT_MTU };
+    assert_eq!(known, expected, "the path MTU the client knows after datagrams without DF");
+
+    // What the client learnt of the way is forgotten: the next datagrams leave whole.
+    client.ip(&["route", "flush", "cache"])?;
+    let learnt = wait_for("EMSGSIZE for a new socket's datagram larger than the way's MTU", TIMEOUT, || {
+        client.run(|| {
+            let socket = socket_to(dns, Some(libc::IP_PMTUDISC_DO))?;
+            // EMSGSIZE once the client knows the way's MTU: at once if an earlier socket's
+            // datagram taught it, else after this one's first datagram is answered.
+            for _ in 0..2 {
+                match socket.send(&large) {
+                    Err(error) if error.raw_os_error() == Some(libc::EMSGSIZE) => {
+                        return Ok(Check::Done(int_option(
+                            socket.as_raw_fd(),
+                            libc::IPPROTO_IP,
+                            libc::IP_MTU,
+                        )?));
+                    }
+                    Err(error) => return Ok(Check::NotYet(format!("{error}"))),
+                    // The answer ("fragmentation needed") arrives while the socket waits.
+                    Ok(_) => drop(socket.recv(&mut [0; 1500])),
+                }
+            }
+            Ok(Check::NotYet("sent twice".into()))
+        })
+    })?;
+    assert_eq!(learnt, LINK_MTU as i32, "the path MTU the client learnt");
+    Ok(())
+}
+
+/// A new UDP socket connected to `to`, with `discovery` as its `IP_MTU_DISCOVER` (DF on its
+/// datagrams or not), waiting half a second for an answer.
+fn socket_to(to: SocketAddr, discovery: Option<i32>) -> Result<UdpSocket> {
+    let socket = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    if let Some(discovery) = discovery {
+        set_int_option(socket.as_raw_fd(), libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, discovery)?;
+    }
+    socket.set_read_timeout(Some(Duration::from_millis(500)))?;
+    socket.connect(to)?;
+    Ok(socket)
 }

@@ -427,6 +427,7 @@ fn a_tracked_packet_too_big_for_its_way_is_answered_as_a_router_would() {
     };
     const FRONTEND: Ep = ep([10, 96, 0, 30], 53);
     const BACKEND: Ep = ep([10, 244, 2, 10], 5353);
+    const MASQUERADED: Ep = ep([10, 96, 0, 31], 53);
     let frontend6 = ep6(ip6([0xfd00, 0x96, 0, 0], 0x30), 53);
     let backend6 = ep6(ip6([0xfd00, 0x244, 0, 2], 0x10), 5353);
     let client6 = ep6(ip6([0x2001, 0xdb8, 1, 0], 0x64), 40000);
@@ -460,6 +461,7 @@ fn a_tracked_packet_too_big_for_its_way_is_answered_as_a_router_would() {
         }
         let mut h = Harness::new()?;
         h.add_service(FRONTEND, IPPROTO_UDP, 1, &[BACKEND])?;
+        h.add_service_with_flags(MASQUERADED, IPPROTO_UDP, 3, &[BACKEND], service_flags::MASQUERADE)?;
         add_service6(&h, frontend6, IPPROTO_UDP, source_class::OUTSIDE, 2, &[backend6], 0)?;
         h.set_route_generation(3)?;
         let datagram = |len: usize| Packet::udp(CLIENT, FRONTEND).payload(&vec![0x5a; len]);
@@ -544,6 +546,25 @@ fn a_tracked_packet_too_big_for_its_way_is_answered_as_a_router_would() {
             "cached under the smaller route MTU: {entry:?}"
         );
         answered(&datagram(1000), 700, "too big for the route")?;
+
+        // A masqueraded connection's packet too big without DF cannot go into the stack
+        // rewritten (its source is then the node's own, which the stack drops as a martian):
+        // answered as one with DF is, its first packet (a new connection) and a later one alike.
+        ip(&["route", "replace", "10.244.2.0/24", "via", "192.168.100.2"])?;
+        ip(&["link", "set", "vd0", "mtu", "1300"])?;
+        h.set_route_generation(5)?;
+        let masqueraded = |len: usize| Packet::udp(CLIENT, MASQUERADED).payload(&vec![0x5a; len]);
+        answered(&masqueraded(1400).frag(0), 1300, "a new masqueraded connection's datagram without DF")?;
+        ensure!(
+            !h.flows()?.contains_key(&flow_key(CLIENT, MASQUERADED, IPPROTO_UDP)),
+            "a connection answered \"too big\" was stored"
+        );
+        let (_, out) = run(&masqueraded(1000), TC_ACT_REDIRECT, "a masqueraded datagram that fits")?;
+        ensure!(
+            to_backend(&out) && out[ETH_HLEN + 12..ETH_HLEN + 16] == [192, 168, 100, 1],
+            "not masqueraded to the backend"
+        );
+        answered(&masqueraded(1400).frag(0), 1300, "a masqueraded connection's datagram without DF")?;
 
         Ok(())
     })
