@@ -40,6 +40,7 @@ mod nftables_lab;
 mod packet_fixtures;
 mod packet_fixtures_v6;
 mod pod_sockets;
+mod program_load;
 mod reject_fixtures;
 mod sctp_fixtures;
 mod sctp_raw;
