@@ -51,9 +51,16 @@ pub(crate) enum Pick<'a, A> {
 /// affinity see.
 #[inline(always)]
 pub(crate) fn decide<A: Maps>(frontend: &Tuple<A>, class: u8, client: &A, pick: Pick<'_, A>) -> Decision<A> {
-    let Some(service) = A::service(&frontend.destination(), frontend.proto, class) else {
-        return Decision::NoService;
-    };
+    match A::service(&frontend.destination(), frontend.proto, class) {
+        Some(service) => decide_for(service, client, pick),
+        None => Decision::NoService,
+    }
+}
+
+/// [`decide`] past the services entry, for a hook that looked it up already (a socket hook
+/// asks it whether a pod's socket is translated at all).
+#[inline(always)]
+pub(crate) fn decide_for<A: Maps>(service: Service, client: &A, pick: Pick<'_, A>) -> Decision<A> {
     if service.flags & service_flags::SOURCE_RANGES != 0 && !A::in_source_ranges(service.service_id, client) {
         return Decision::SourceDenied;
     }

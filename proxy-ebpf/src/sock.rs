@@ -37,14 +37,14 @@ use aya_ebpf::{
     EbpfContext as _,
 };
 use proxy_common::{
-    proto, service_flags, source_class, unmatched, Family, SockConfig, SockFrontend4, SockFrontend6,
+    proto, service_flags, source_class, unmatched, Family, Service, SockConfig, SockFrontend4, SockFrontend6,
     SockRevKey4, SockRevKey6,
 };
 
 use crate::{
     family::{Address, Ipv4, Ipv6},
     family_maps::Maps,
-    lb::{decide, Decision, Pick},
+    lb::{decide_for, Decision, Pick},
     maps::{SOCK_CONFIG, SOCK_PODS, SOCK_REVERSE4, SOCK_REVERSE6},
     packet::Tuple,
 };
@@ -411,17 +411,23 @@ fn choose<S: SockAddress, const SENDMSG: bool>(
     frontend: &Tuple<S::Addr>,
     pick: u32,
 ) -> Choice<S::Addr> {
-    if caller.class == source_class::POD && !pod_translates::<S, SENDMSG>(ctx, frontend) {
+    // Looked up here, not in `decide`: a pod's socket asks its entry first whether it is
+    // translated at all, and one lookup serves both.
+    let Some(service) = S::Addr::service(&frontend.destination(), frontend.proto, caller.class) else {
+        return Choice::Verdict(unmatched_destination(&frontend.dst));
+    };
+    if caller.class == source_class::POD && !pod_translates::<S, SENDMSG>(ctx, &service) {
         return Choice::Verdict(ALLOW);
     }
     // Source ranges and session affinity see the socket's source. Every node process shares
     // the node's address, so with session affinity they share one backend, as behind
     // kube-proxy.
     let client = source::<S, SENDMSG>(ctx, &caller.config);
-    match decide(frontend, caller.class, &client, Pick::Given(pick)) {
+    match decide_for(service, &client, Pick::Given(pick)) {
         Decision::Backend(chosen) => {
             Choice::Backend(Peer { addr: chosen.backend.addr, port: chosen.backend.port })
         }
+        // Not from `decide_for`, which starts from a services entry.
         Decision::NoService => Choice::Verdict(unmatched_destination(&frontend.dst)),
         // A drop: a socket has no silent equivalent.
         Decision::SourceDenied => Choice::Verdict(REFUSE),
@@ -439,16 +445,10 @@ fn choose<S: SockAddress, const SENDMSG: bool>(
 /// Whether a pod's socket is translated here: the service's POD entry neither masquerades
 /// the pod's traffic (the backend must see the node's address, which only the TC path gives
 /// it) nor needs the pod's address (source ranges, session affinity) that a socket not bound
-/// yet does not show. A frontend without a POD entry goes on to the unmatched-destination
-/// check, as the node's sockets do.
+/// yet does not show. (A frontend without a POD entry goes on to the unmatched-destination
+/// check, as the node's sockets do.)
 #[inline(always)]
-fn pod_translates<S: SockAddress, const SENDMSG: bool>(
-    ctx: &SockAddrContext,
-    frontend: &Tuple<S::Addr>,
-) -> bool {
-    let Some(service) = S::Addr::service(&frontend.destination(), frontend.proto, source_class::POD) else {
-        return true;
-    };
+fn pod_translates<S: SockAddress, const SENDMSG: bool>(ctx: &SockAddrContext, service: &Service) -> bool {
     if service.flags & service_flags::MASQUERADE != 0 {
         return false;
     }

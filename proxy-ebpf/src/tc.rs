@@ -396,12 +396,21 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     };
     let forward = match forward {
         Ok(forward) => forward,
-        Err(Refusal::MapFull) => return MAP_FULL,
-        Err(_) => return TC_ACT_SHOT,
+        Err(refusal) => return refused(refusal),
     };
     count(ctx, counter);
     let hop = if into_stack { no_hop() } else { hop_of(route.as_ref()) };
     self::forward(ctx, packet, &forward, &hop)
+}
+
+/// The verdict for a new connection whose entries were not stored: [`MAP_FULL`] for a full
+/// flows map (the entry makes room and tries again), else dropped (the tracking counted why).
+#[inline(always)]
+fn refused(refusal: Refusal) -> i32 {
+    match refusal {
+        Refusal::MapFull => MAP_FULL,
+        _ => TC_ACT_SHOT,
+    }
 }
 
 /// [`balance_dsr`]'s answer for a connection that is masqueraded after all.
@@ -432,8 +441,7 @@ fn balance_dsr<A: Datapath>(
                 Err(_) => TC_ACT_SHOT,
             }
         }
-        Err(Refusal::MapFull) => MAP_FULL,
-        Err(_) => TC_ACT_SHOT,
+        Err(refusal) => refused(refusal),
     }
 }
 
@@ -476,8 +484,7 @@ fn arrive<A: Datapath>(
     if !stored {
         match take_carried(packet, frontend, last_try) {
             Ok(()) => stat(datapath_stat::DSR_RECEIVED),
-            Err(Refusal::MapFull) => return MAP_FULL,
-            Err(_) => return TC_ACT_SHOT,
+            Err(refusal) => return refused(refusal),
         }
     } else if packet.tcp_flags & TCP_SYN != 0 {
         let _ = take_carried(packet, frontend, true);

@@ -368,10 +368,7 @@ fn connection<A: Maps + Dsr>(
     };
     let forward = match forward {
         Ok(forward) => forward,
-        // A full flows map: TC makes room (early drop) or refuses.
-        Err(Refusal::MapFull) => return XDP_PASS,
-        // Counted by the tracking; TC would drop it the same way.
-        Err(_) => return xdp_action::XDP_DROP,
+        Err(refusal) => return refused(refusal),
     };
     count(ctx, *counter);
     finish(ctx, packet, &forward, &out.hop)
@@ -400,13 +397,22 @@ fn dsr_connection<A: Maps + Dsr>(
     }
     let forward = match track_dsr(packet, backend, *counter, *now, false) {
         Ok(forward) => forward,
-        // A full flows map: TC makes room (early drop) or refuses.
-        Err(Refusal::MapFull) => return XDP_PASS,
-        Err(_) => return xdp_action::XDP_DROP,
+        Err(refusal) => return refused(refusal),
     };
     stat(datapath_stat::DSR_SENT);
     count(ctx, *counter);
     finish_carrying(ctx, packet, &forward, &out.hop)
+}
+
+/// XDP's verdict for a new connection whose entries were not stored: a full flows map is left
+/// to TC, which makes room (early drop) or refuses; another refusal, counted by the tracking,
+/// is dropped as TC would drop it.
+#[inline(always)]
+fn refused(refusal: Refusal) -> u32 {
+    match refusal {
+        Refusal::MapFull => XDP_PASS,
+        _ => xdp_action::XDP_DROP,
+    }
 }
 
 /// [`finish`] for a DSR request that carries its service address (the packet's destination
