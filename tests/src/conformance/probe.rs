@@ -255,6 +255,33 @@ pub fn check(flow: &FlowCheck) -> Result<String, String> {
     }
 }
 
+/// Whether the source `backend` saw for a connection from `client` is what the flow expects:
+/// a node's address when `masquerade` is `Some(true)`, the client's own address when
+/// `Some(false)`, either when `None`.
+///
+/// Only the address is compared: a connection whose reply tuple clashes with one still in the
+/// conntrack table (an earlier case's connection from the same ephemeral port to the same
+/// backend) is given a new source port by the kernel's NAT null binding, with no masquerade
+/// rule involved. A node's own connections would otherwise fail now and then, in every mode.
+fn check_source(
+    masquerade: Option<bool>,
+    node_addresses: &BTreeSet<IpAddr>,
+    backend: SocketAddr,
+    observed: SocketAddr,
+    client: SocketAddr,
+) -> Result<(), String> {
+    match masquerade {
+        Some(true) if !node_addresses.contains(&observed.ip()) => {
+            Err(format!("not masqueraded: {backend} saw the client as {observed}"))
+        }
+        Some(false) if observed.ip() != client.ip() => {
+            let how = if node_addresses.contains(&observed.ip()) { "masqueraded: " } else { "" };
+            Err(format!("{how}{backend} saw the client as {observed}, not {client}"))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn endpoint_list(endpoints: &BTreeSet<SocketAddr>) -> String {
     endpoints.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
 }
@@ -282,16 +309,15 @@ fn check_dnat(flow: &FlowCheck) -> Result<String, String> {
         if replied_from != flow.dest {
             return Err(format!("the reply from {backend} came from {replied_from}, not {}", flow.dest));
         }
-        let observed = answer.observed_client;
         let to_itself = backend.ip() == flow.source;
-        if to_itself || (flow.expect.masquerade && !hairpin_flow) {
-            if !flow.node_addresses.contains(&observed.ip()) {
-                return Err(format!("not masqueraded: {backend} saw the client as {observed}"));
-            }
-        } else if !flow.expect.masquerade && observed != client {
-            let how = if flow.node_addresses.contains(&observed.ip()) { "masqueraded: " } else { "" };
-            return Err(format!("{how}{backend} saw the client as {observed}, not {client}"));
-        }
+        let masquerade = if to_itself || (flow.expect.masquerade && !hairpin_flow) {
+            Some(true)
+        } else if flow.expect.masquerade {
+            None
+        } else {
+            Some(false)
+        };
+        check_source(masquerade, &flow.node_addresses, backend, answer.observed_client, client)?;
         *hits.entry(backend).or_default() += 1;
         let covered = flow.affinity || hits.len() == expected.len();
         if connections >= DNAT_MIN_CONNECTIONS && covered {
@@ -363,5 +389,39 @@ pub fn drop_control(flow: &FlowCheck) -> Result<(), String> {
             Err("testbed: even without vipr this packet gets no answer, so a drop cannot be seen".into())
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> BTreeSet<IpAddr> {
+        BTreeSet::from(["192.168.0.2".parse().unwrap()])
+    }
+
+    fn addr(text: &str) -> SocketAddr {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn a_node_client_given_a_new_source_port_by_conntrack_is_not_masqueraded() {
+        let backend = addr("10.180.0.2:80");
+        let client = addr("192.168.0.2:56901");
+        assert_eq!(check_source(Some(false), &node(), backend, addr("192.168.0.2:50709"), client), Ok(()));
+    }
+
+    #[test]
+    fn a_changed_source_address_is_what_fails() {
+        let backend = addr("10.180.0.2:80");
+        let pod = addr("10.180.0.9:40000");
+        let masqueraded = check_source(Some(false), &node(), backend, addr("192.168.0.2:40000"), pod);
+        assert_eq!(
+            masqueraded,
+            Err(format!("masqueraded: {backend} saw the client as 192.168.0.2:40000, not {pod}"))
+        );
+        assert!(check_source(Some(true), &node(), backend, pod, pod).is_err());
+        assert_eq!(check_source(Some(true), &node(), backend, addr("192.168.0.2:1"), pod), Ok(()));
+        assert_eq!(check_source(None, &node(), backend, pod, pod), Ok(()));
     }
 }
