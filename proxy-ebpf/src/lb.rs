@@ -12,9 +12,6 @@ use crate::{affinity, family::Endpoint, family_maps::Maps, maps::POD_INTERFACES,
 
 /// What the service decision found for a new connection.
 pub(crate) enum Decision<A> {
-    /// No services entry for the destination and this source class: the hook asks the
-    /// unmatched-destination trie.
-    NoService,
     /// The service has source ranges and the client is outside them: dropped.
     SourceDenied,
     /// The service has no backend: rejected or dropped, as its flags say.
@@ -48,13 +45,17 @@ pub(crate) enum Pick<'a, A> {
 
 /// The service decision. `frontend` is the destination asked for, `class` the source's class
 /// (`proxy_common::source_class`), `client` the source address that source ranges and session
-/// affinity see.
+/// affinity see. `None`: no services entry for the destination and this source class (the hook
+/// asks the unmatched-destination trie).
 #[inline(always)]
-pub(crate) fn decide<A: Maps>(frontend: &Tuple<A>, class: u8, client: &A, pick: Pick<'_, A>) -> Decision<A> {
-    match A::service(&frontend.destination(), frontend.proto, class) {
-        Some(service) => decide_for(service, client, pick),
-        None => Decision::NoService,
-    }
+pub(crate) fn decide<A: Maps>(
+    frontend: &Tuple<A>,
+    class: u8,
+    client: &A,
+    pick: Pick<'_, A>,
+) -> Option<Decision<A>> {
+    A::service(&frontend.destination(), frontend.proto, class)
+        .map(|service| decide_for(service, client, pick))
 }
 
 /// [`decide`] past the services entry, for a hook that looked it up already (a socket hook

@@ -427,8 +427,6 @@ fn choose<S: SockAddress, const SENDMSG: bool>(
         Decision::Backend(chosen) => {
             Choice::Backend(Peer { addr: chosen.backend.addr, port: chosen.backend.port })
         }
-        // Not from `decide_for`, which starts from a services entry.
-        Decision::NoService => Choice::Verdict(unmatched_destination(&frontend.dst)),
         // A drop: a socket has no silent equivalent.
         Decision::SourceDenied => Choice::Verdict(REFUSE),
         Decision::NoBackend(service) => {

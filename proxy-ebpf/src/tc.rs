@@ -340,12 +340,12 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     let class = classify(&packet.flow.src, entered_through);
     let Chosen { service, backend, counter, now } =
         match decide(&packet.flow, class, &packet.flow.src, Pick::Flow(&packet.flow)) {
-            Decision::Backend(chosen) => chosen,
-            Decision::NoService => return unmatched_destination(ctx, packet),
-            Decision::SourceDenied => return TC_ACT_SHOT,
-            Decision::NoBackend(service) => return no_backend(ctx, packet, &service),
+            Some(Decision::Backend(chosen)) => chosen,
+            None => return unmatched_destination(ctx, packet),
+            Some(Decision::SourceDenied) => return TC_ACT_SHOT,
+            Some(Decision::NoBackend(service)) => return no_backend(ctx, packet, &service),
             // The client retransmits and meets the new set.
-            Decision::Retired => return TC_ACT_SHOT,
+            Some(Decision::Retired) => return TC_ACT_SHOT,
         };
     // A pod reaching itself through its service must see the node as peer, or it would answer
     // itself directly and the reply would never be reverse-NATed.
@@ -361,8 +361,10 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
         || service.flags & (service_flags::DSR | service_flags::MASQUERADE) != 0
         || redirected_whatever_its_flow(packet);
     let route = if needs_route { route_to(ctx, backend.addr) } else { None };
+    // A packet too big for the way even without the option is no DSR fallback: it is answered
+    // (or fragmented) below, as a masqueraded one is.
     if service.flags & service_flags::DSR != 0 && !hairpin {
-        if let Some(route) = route.as_ref().filter(|route| remote(packet, &backend, route)) {
+        if let Some(route) = route.as_ref().filter(|route| route.fits && remote(packet, &backend, route)) {
             let chosen = Chosen { service, backend, counter, now };
             let verdict = balance_dsr(ctx, packet, &chosen, route, last_try);
             if verdict != NOT_DSR {

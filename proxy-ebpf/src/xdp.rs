@@ -320,7 +320,7 @@ fn new_connection<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     let Some((packet, tot_len)) = parse::<A>(ctx) else {
         return XDP_PASS;
     };
-    let Decision::Backend(chosen) =
+    let Some(Decision::Backend(chosen)) =
         decide(&packet.flow, source_class::OUTSIDE, &packet.flow.src, Pick::Flow(&packet.flow))
     else {
         // Unmatched destinations, source-range drops and empty services are TC's (it answers

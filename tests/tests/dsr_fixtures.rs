@@ -11,8 +11,8 @@ use aya::maps::{lpm_trie::Key, LpmTrie, MapData};
 use proxy_common::{datapath_stat, flow_flags, pins, service_flags, source_class, Flow4, Flow6, Service};
 use testbed::fixtures::{
     frame::{
-        compare_frames, dsr_option, ep, input_and_output, parse_ipv4, Ep, L4Checksum, Packet, IPPROTO_TCP,
-        IPPROTO_UDP,
+        compare_frames, dsr_option, ep, input_and_output, parse_ipv4, Ep, L4Checksum, Packet, ETH_HLEN,
+        IPPROTO_TCP, IPPROTO_UDP,
     },
     frame6::{compare_frames6, dsr_carrier6, ep6, ip6, parse_ipv6, Ep6, Packet6, NEXTHDR_DEST},
     harness::{flow_key, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
@@ -134,7 +134,7 @@ fn the_ingress_node_sends_the_request_with_the_service_address_and_no_source_nat
 }
 
 /// A first datagram that would exceed the uplink's MTU with the option is masqueraded instead,
-/// and counted.
+/// and counted; one that exceeds it without the option is answered, not counted.
 #[test]
 fn a_request_too_big_for_the_option_is_masqueraded() {
     in_fresh_netns(|| {
@@ -153,6 +153,25 @@ fn a_request_too_big_for_the_option_is_masqueraded() {
         );
         ensure!(h.datapath_stat(datapath_stat::DSR_MTU_SNAT)? == 1, "DSR_MTU_SNAT");
         ensure!(h.datapath_stat(datapath_stat::DSR_SENT)? == 0, "DSR_SENT");
+
+        // One too big for the uplink even without the option (DF set) is answered
+        // "fragmentation needed" with the uplink's MTU, and not counted as a DSR fallback.
+        let too_big = Packet::udp(ep(CLIENT.addr, CLIENT.port + 1), FRONTEND).payload(&[0x5a; 1300]);
+        let (verdict, out) = h.run(&too_big.build())?;
+        ensure!(verdict == TC_ACT_REDIRECT, "too big: verdict {}", verdict_name(verdict));
+        let icmp = ETH_HLEN + 20;
+        ensure!(
+            out.len() > icmp + 8
+                && out[ETH_HLEN + 9] == 1
+                && out[ETH_HLEN + 16..ETH_HLEN + 20] == CLIENT.addr
+                && out[icmp..icmp + 2] == [3, 4]
+                && out[icmp + 6..icmp + 8] == 1280u16.to_be_bytes(),
+            "not answered \"fragmentation needed\", MTU 1280: {out:02x?}"
+        );
+        ensure!(
+            h.datapath_stat(datapath_stat::DSR_MTU_SNAT)? == 1,
+            "DSR_MTU_SNAT counted a packet too big anyway"
+        );
         Ok(())
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
@@ -369,7 +388,7 @@ fn the_ingress_node_sends_an_ipv6_request_with_the_service_address_in_a_destinat
 }
 
 /// An IPv6 datagram that would exceed the uplink's MTU with the 24-byte header is masqueraded
-/// instead, and counted.
+/// instead, and counted; one that exceeds it without the header is answered, not counted.
 #[test]
 fn an_ipv6_request_too_big_for_the_carrier_is_masqueraded() {
     in_fresh_netns(|| {
@@ -387,6 +406,25 @@ fn an_ipv6_request_too_big_for_the_carrier_is_masqueraded() {
         );
         ensure!(h.datapath_stat(datapath_stat::DSR_MTU_SNAT)? == 1, "DSR_MTU_SNAT");
         ensure!(h.datapath_stat(datapath_stat::DSR_SENT)? == 0, "DSR_SENT");
+
+        // One too big for the uplink even without the header is answered "packet too big"
+        // with the uplink's MTU, and not counted as a DSR fallback.
+        let too_big = Packet6::udp(ep6(CLIENT6.addr, CLIENT6.port + 1), FRONTEND6).payload(&[0x5a; 1300]);
+        let (verdict, out) = h.run(&too_big.build())?;
+        ensure!(verdict == TC_ACT_REDIRECT, "too big: verdict {}", verdict_name(verdict));
+        let icmp = ETH_HLEN + 40;
+        ensure!(
+            out.len() > icmp + 8
+                && out[ETH_HLEN + 6] == 58
+                && out[ETH_HLEN + 24..ETH_HLEN + 40] == CLIENT6.addr
+                && out[icmp..icmp + 2] == [2, 0]
+                && out[icmp + 4..icmp + 8] == 1280u32.to_be_bytes(),
+            "not answered \"packet too big\", MTU 1280: {out:02x?}"
+        );
+        ensure!(
+            h.datapath_stat(datapath_stat::DSR_MTU_SNAT)? == 1,
+            "DSR_MTU_SNAT counted a packet too big anyway"
+        );
         Ok(())
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
