@@ -54,7 +54,11 @@ pub mod datapath_stat {
     /// connection's was dropped, a tracked one's retransmitted SYN renewed nothing (the backend
     /// node's count).
     pub const DSR_CARRIER_REFUSED: u32 = 11;
-    pub const COUNT: u32 = 12;
+    /// A TCP packet past its handshake found no flow entry while an upgrade switched to new
+    /// maps ([`crate::pins::SWITCH_DEADLINE`]): dropped, for its retransmission to find the
+    /// entries being copied, rather than sent to another backend.
+    pub const SWITCH_HELD: u32 = 12;
+    pub const COUNT: u32 = 13;
 }
 
 map_types! {

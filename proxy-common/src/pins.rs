@@ -53,6 +53,12 @@ pub const EARLY_DROP6: &str = "vipr_edrop6_v1";
 /// cached in a flow entry ([`crate::NextHop`]) holds while the generation it was cached
 /// under does; 0 turns the cache off (no agent watches the routes).
 pub const ROUTE_GENERATION: &str = "vipr_rtgen_v1";
+/// While an upgrade switches to new maps: array of one `u64`, a CLOCK_MONOTONIC_COARSE
+/// deadline (ns) until which a TCP packet past its handshake that finds no flow entry is
+/// dropped, not balanced anew: its connection's entries are being copied from the earlier
+/// programs' map, and another backend would reset it. 0 (or a past deadline) otherwise; a
+/// deadline, not a flag, so that an agent killed mid-switch leaves nothing held for long.
+pub const SWITCH_DEADLINE: &str = "vipr_switch_v1";
 /// Earlier layouts of the maps above. While any is pinned, the programs of the earlier
 /// vipr keep serving until the new maps hold the agent's first complete sync; then the
 /// links are switched to the new programs and the pins removed. Their content is never

@@ -6,9 +6,15 @@
 //! own: TC rejects or drops and tracks, XDP leaves what it does not handle to TC, a socket hook
 //! fails the system call or rewrites its address.
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
-use proxy_common::{service_flags, source_class, BackendSlot, Service};
+use proxy_common::{proto, service_flags, source_class, BackendSlot, Service};
 
-use crate::{affinity, family::Endpoint, family_maps::Maps, maps::POD_INTERFACES, packet::Tuple};
+use crate::{
+    affinity,
+    family::Endpoint,
+    family_maps::Maps,
+    maps::{POD_INTERFACES, SWITCH_DEADLINE},
+    packet::{Tuple, TCP_SYN},
+};
 
 /// What the service decision found for a new connection.
 pub(crate) enum Decision<A> {
@@ -130,4 +136,17 @@ fn mix32(mut h: u32) -> u32 {
     h ^= h >> 13;
     h = h.wrapping_mul(0xc2b2_ae35);
     h ^ (h >> 16)
+}
+
+/// Whether a packet that found no flow entry and was decided a backend at `now` must wait
+/// instead: a TCP packet past its handshake (no SYN) while an upgrade switches to new maps
+/// ([`SWITCH_DEADLINE`]). Its connection was opened by the earlier programs just before the
+/// switch, and its entries are still being copied into the new map: balanced anew it could go
+/// to another backend, which would reset it; dropped, it is retransmitted and finds them. (A
+/// SYN, a datagram or an SCTP chunk is balanced: it may open a connection.)
+#[inline(always)]
+pub(crate) fn awaits_carried_entry<A>(flow: &Tuple<A>, tcp_flags: u8, now: u64) -> bool {
+    flow.proto == proto::TCP
+        && tcp_flags & TCP_SYN == 0
+        && SWITCH_DEADLINE.get(&0).is_some_and(|deadline| now < deadline)
 }

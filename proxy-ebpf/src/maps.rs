@@ -261,6 +261,15 @@ pinned! {
 const EARLY_DROP_ARRAY: usize = aya_ebpf::bindings::bpf_map_type::BPF_MAP_TYPE_ARRAY as usize;
 
 // ---------------------------------------------------------------------------------------------
+// An upgrade's switch to new maps (lb.rs): until when a connection's entry may still be on its
+// way from the earlier programs' map.
+
+pinned! {
+    pub static SWITCH_DEADLINE = "vipr_switch_v1" as pins::SWITCH_DEADLINE:
+        PinnedMap<u32, u64, EARLY_DROP_ARRAY, 1>;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The route generation (route.rs): next hops cached in flow entries hold while it does.
 
 pinned! {

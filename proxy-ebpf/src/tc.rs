@@ -13,7 +13,7 @@ use crate::{
     family_maps::{no_hop, Maps},
     fragment::{self, Fragments, LaterFragment},
     icmp_error::{self, IcmpErrors},
-    lb::{classify, decide, Chosen, Decision, Pick},
+    lb::{awaits_carried_entry, classify, decide, Chosen, Decision, Pick},
     packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_SYN},
     reject::Reject,
     route::{hop_of, redirect_to_hop, redirecting, route_fitting, route_to, tracked_hop, Onward, Route},
@@ -347,6 +347,10 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
             // The client retransmits and meets the new set.
             Some(Decision::Retired) => return TC_ACT_SHOT,
         };
+    if awaits_carried_entry(&packet.flow, packet.tcp_flags, now) {
+        stat(datapath_stat::SWITCH_HELD);
+        return TC_ACT_SHOT;
+    }
     // A pod reaching itself through its service must see the node as peer, or it would answer
     // itself directly and the reply would never be reverse-NATed.
     let hairpin = backend.addr.is(&packet.flow.src);

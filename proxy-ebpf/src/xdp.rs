@@ -55,7 +55,7 @@ use crate::{
     dsr::{self, Dsr},
     family::{Address, Ipv4, Ipv6, Nat, Tracked},
     family_maps::Maps,
-    lb::{classify, decide, Chosen, Decision, Pick},
+    lb::{awaits_carried_entry, classify, decide, Chosen, Decision, Pick},
     packet::{copy_address, ethertype, field, Change, IpHeader, Packet, ETH_P_IP, ETH_P_IPV6},
     route::{cache_hop, cacheable_mtus, cached_hop, route_generation, zeroed_fib_params},
     wire::{ETH_HLEN, IPV4_CSUM_AT, TCP_CSUM_AT, UDP_CSUM_AT},
@@ -327,6 +327,10 @@ fn new_connection<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
         // with ICMP errors), and so is a set retired meanwhile.
         return XDP_PASS;
     };
+    // TC drops it (and counts it).
+    if awaits_carried_entry(&packet.flow, packet.tcp_flags, chosen.now) {
+        return XDP_PASS;
+    }
     // A hairpin is TC's.
     if chosen.backend.addr.is(&packet.flow.src) {
         return XDP_PASS;

@@ -2,7 +2,8 @@
 //! ClientIP session affinity (remembered per client and service port, bounded by the
 //! service's timeout and by the backend set's membership) and Maglev consistent hashing (the
 //! same backend for a flow from identical tables, and about 1/N of the flows moved when one
-//! of N backends goes).
+//! of N backends goes), and a connection's packet past its handshake that finds no entry
+//! while an upgrade switches maps held back, not balanced anew.
 //!
 //! Needs root (BPF and mount); every harness has its own private bpffs.
 
@@ -12,8 +13,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::{anyhow, ensure, Result};
 use frame::{ep, parse_ipv4, Ep, Packet, IPPROTO_TCP};
-use harness::{verdict_name, Harness, TC_ACT_OK};
-use proxy_common::{service_flags, Service};
+use harness::{flow_key, verdict_name, Harness, TC_ACT_OK, TC_ACT_SHOT};
+use proxy_common::{datapath_stat, service_flags, Service};
 use vipr::dataplane::ebpf::maglev;
 
 const FRONTEND: Ep = ep([10, 96, 0, 80], 80);
@@ -234,5 +235,49 @@ fn maglev_disruption() -> Result<()> {
     );
     // Random choice would move ~90% of the flows; Maglev ~1/N plus a little.
     ensure!(share < 0.1 * 1.5 + 0.02, "{:.1}% of the flows moved", share * 100.0);
+    Ok(())
+}
+
+/// While an upgrade switches to new maps (the agent's deadline ahead), a TCP packet past its
+/// handshake without an entry is dropped and counted, stored nowhere: its connection's entry
+/// is on its way from the earlier map, and another backend would reset it. A SYN is balanced
+/// meanwhile; once the deadline passed (or is lifted), the same packet is balanced too.
+#[test]
+fn a_packet_past_its_handshake_without_an_entry_waits_while_an_upgrade_switches_maps() {
+    switch_hold().unwrap_or_else(|err| panic!("{err:#}"));
+}
+
+fn switch_hold() -> Result<()> {
+    let mut h = Harness::new()?;
+    h.add_service(FRONTEND, IPPROTO_TCP, 1, &backends(3))?;
+    let mid_stream = ep([203, 0, 113, 9], 40001);
+    let stored = |h: &Harness, client: Ep| -> Result<bool> {
+        Ok(h.flows()?.contains_key(&flow_key(client, FRONTEND, IPPROTO_TCP)))
+    };
+
+    h.set_switch_deadline(kernel_now_ns() + 60_000_000_000)?;
+    let (verdict, _) = h.run(&Packet::tcp(mid_stream, FRONTEND).tcp_flags(0x10).build())?;
+    ensure!(verdict == TC_ACT_SHOT, "an ACK without an entry mid-switch: verdict {}", verdict_name(verdict));
+    ensure!(!stored(&h, mid_stream)?, "the held ACK's connection was stored");
+    ensure!(h.datapath_stat(datapath_stat::SWITCH_HELD)? == 1, "SWITCH_HELD not counted");
+    let opening = ep([203, 0, 113, 9], 40002);
+    let (verdict, _) = h.run(&Packet::tcp(opening, FRONTEND).tcp_flags(0x02).build())?;
+    ensure!(
+        verdict == TC_ACT_OK && stored(&h, opening)?,
+        "a SYN mid-switch: verdict {}",
+        verdict_name(verdict)
+    );
+
+    for (deadline, what) in [(kernel_now_ns() - 1, "past"), (0, "lifted")] {
+        h.set_switch_deadline(deadline)?;
+        let client = ep([203, 0, 113, 9], if deadline == 0 { 40004 } else { 40003 });
+        let (verdict, _) = h.run(&Packet::tcp(client, FRONTEND).tcp_flags(0x10).build())?;
+        ensure!(
+            verdict == TC_ACT_OK && stored(&h, client)?,
+            "an ACK without an entry, the deadline {what}: verdict {}",
+            verdict_name(verdict)
+        );
+    }
+    ensure!(h.datapath_stat(datapath_stat::SWITCH_HELD)? == 1, "SWITCH_HELD counted more");
     Ok(())
 }

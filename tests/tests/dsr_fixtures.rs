@@ -78,6 +78,20 @@ fn carried_entry(h: &mut Harness, frontend: Ep, proto: u8, backend_set: u32, bac
     h.set_member(backend_set, backend, 0)
 }
 
+/// Whether `out` is an ICMP "fragmentation needed" (IPv4) or ICMPv6 "packet too big" to
+/// `client` (4 or 16 bytes) telling `mtu`.
+fn answers_too_big(out: &[u8], client: &[u8], mtu: u32) -> bool {
+    let (header, next_header_at, destination_at, protocol, kind) =
+        if client.len() == 16 { (40, 6, 24, 58, [2, 0]) } else { (20, 9, 16, 1, [3, 4]) };
+    let icmp = ETH_HLEN + header;
+    out.len() > icmp + 8
+        && out[ETH_HLEN + next_header_at] == protocol
+        && out[ETH_HLEN + destination_at..ETH_HLEN + destination_at + client.len()] == *client
+        && out[icmp..icmp + 2] == kind
+        // IPv4's unused half word before the 16-bit MTU is zero.
+        && out[icmp + 4..icmp + 8] == mtu.to_be_bytes()
+}
+
 /// Runs `input`, expects `verdict` and exactly `expected` out, with valid checksums.
 fn check(h: &Harness, input: &Packet, verdict: u32, expected: &Packet) -> Result<()> {
     let input = input.build();
@@ -159,13 +173,8 @@ fn a_request_too_big_for_the_option_is_masqueraded() {
         let too_big = Packet::udp(ep(CLIENT.addr, CLIENT.port + 1), FRONTEND).payload(&[0x5a; 1300]);
         let (verdict, out) = h.run(&too_big.build())?;
         ensure!(verdict == TC_ACT_REDIRECT, "too big: verdict {}", verdict_name(verdict));
-        let icmp = ETH_HLEN + 20;
         ensure!(
-            out.len() > icmp + 8
-                && out[ETH_HLEN + 9] == 1
-                && out[ETH_HLEN + 16..ETH_HLEN + 20] == CLIENT.addr
-                && out[icmp..icmp + 2] == [3, 4]
-                && out[icmp + 6..icmp + 8] == 1280u16.to_be_bytes(),
+            answers_too_big(&out, &CLIENT.addr, 1280),
             "not answered \"fragmentation needed\", MTU 1280: {out:02x?}"
         );
         ensure!(
@@ -412,13 +421,8 @@ fn an_ipv6_request_too_big_for_the_carrier_is_masqueraded() {
         let too_big = Packet6::udp(ep6(CLIENT6.addr, CLIENT6.port + 1), FRONTEND6).payload(&[0x5a; 1300]);
         let (verdict, out) = h.run(&too_big.build())?;
         ensure!(verdict == TC_ACT_REDIRECT, "too big: verdict {}", verdict_name(verdict));
-        let icmp = ETH_HLEN + 40;
         ensure!(
-            out.len() > icmp + 8
-                && out[ETH_HLEN + 6] == 58
-                && out[ETH_HLEN + 24..ETH_HLEN + 40] == CLIENT6.addr
-                && out[icmp..icmp + 2] == [2, 0]
-                && out[icmp + 4..icmp + 8] == 1280u32.to_be_bytes(),
+            answers_too_big(&out, &CLIENT6.addr, 1280),
             "not answered \"packet too big\", MTU 1280: {out:02x?}"
         );
         ensure!(

@@ -20,6 +20,13 @@
 //! what fits, connections that cannot be evicted (established ones) before the others; how
 //! many were left out is logged.
 //!
+//! A connection the old programs open after the copy before the switch has no entry in the new
+//! map until the copy after it: its next packets reach the new programs meanwhile. A TCP packet
+//! past its handshake is therefore held (dropped, and retransmitted by its sender) while the
+//! switch runs, instead of being balanced anew to a backend that would reset the connection
+//! ([`Carrying::hold_mid_stream`]). (A reply of such a connection in that moment passes
+//! without its reverse NAT; the copy after the switch shortens the moment to the attaches'.)
+//!
 //! The old pin goes last because it marks the switch as unfinished: an agent that dies at any
 //! point before finds the aside pin (or the retired one) at its next start and redoes the
 //! whole switch. Had the dead agent attached its TC programs already, they served with the new
@@ -29,9 +36,10 @@
 use std::{
     os::fd::{AsFd as _, BorrowedFd},
     path::PathBuf,
+    time::Duration,
 };
 
-use aya::maps::{MapData, MapType};
+use aya::maps::{Array, Map, MapData, MapType};
 use proxy_common::{
     flow_state,
     legacy::{self, Flow4V3, Flow6V3},
@@ -44,6 +52,12 @@ use crate::bpf_sys::{self, BPF_NOEXIST};
 
 /// The suffix of a map's pin while it is being replaced.
 const ASIDE: &str = "_resizing";
+
+/// How long the new programs hold back a TCP packet past its handshake that finds no entry,
+/// from the start of the switch ([`Carrying::hold_mid_stream`]): longer than the copies of a
+/// full flows map take, short enough that an agent killed mid-switch (which never lifts the
+/// hold) delays such packets only by a retransmission or two.
+const MID_STREAM_HOLD: Duration = Duration::from_secs(5);
 
 /// The old maps whose entries are carried into new ones.
 #[derive(Default)]
@@ -185,6 +199,29 @@ impl Carrying {
         }
     }
 
+    /// Right before the switch: until the connections the old programs add meanwhile are
+    /// copied ([`Self::copy_added`]), a TCP packet past its handshake that finds no entry in the
+    /// new map is dropped by the new programs, not balanced anew (see
+    /// [`pins::SWITCH_DEADLINE`]); lifted by [`Self::release`], or by itself after
+    /// [`MID_STREAM_HOLD`].
+    pub fn hold_mid_stream(&self) {
+        if !self.maps.is_empty() {
+            let deadline = super::reaper::monotonic_coarse_ns() + MID_STREAM_HOLD.as_nanos() as u64;
+            self.set_switch_deadline(deadline);
+        }
+    }
+
+    fn set_switch_deadline(&self, deadline: u64) {
+        let written = self
+            .new_map(pins::SWITCH_DEADLINE)
+            .ok_or_else(|| anyhow::anyhow!("not pinned"))
+            .and_then(|map| Ok(Array::<MapData, u64>::try_from(Map::Array(map))?))
+            .and_then(|mut array| Ok(array.set(0, deadline, 0)?));
+        if let Err(error) = written {
+            warn!(map = pins::SWITCH_DEADLINE, %error, "cannot write the switch's deadline");
+        }
+    }
+
     fn copy(&self, old: &OldMap, overwrite: bool) {
         let Some(new) = self.new_map(old.name) else { return };
         match copy_entries(old, &new, overwrite) {
@@ -219,10 +256,13 @@ impl Carrying {
         }
     }
 
-    /// The last step of the switch, once every hook runs the new programs: removes the old
-    /// pins, which frees the old maps. Last, because an old pin is what tells the next agent
+    /// The last step of the switch, once every hook runs the new programs: lifts the hold of
+    /// [`Self::hold_mid_stream`] and removes the old pins, which frees the old maps. Last, because an old pin is what tells the next agent
     /// that the switch is unfinished: one killed before this step is redone whole by the next.
     pub fn release(self) {
+        if !self.maps.is_empty() {
+            self.set_switch_deadline(0);
+        }
         for old in &self.maps {
             match std::fs::remove_file(&old.aside) {
                 Ok(()) => {

@@ -503,6 +503,7 @@ impl Collector for DatapathCollector {
                         + stats.read(datapath_stat::FLOW_INSERT_REPLY),
                 ),
                 reason("snat_port_exhausted", stats.read(datapath_stat::SNAT_PORT_EXHAUSTED)),
+                reason("upgrade_switch", stats.read(datapath_stat::SWITCH_HELD)),
             ];
             (failures, evictions, refusals, stats.read(datapath_stat::REPLY_CLASH_REMAPPED))
         };
@@ -582,7 +583,9 @@ impl Collector for DatapathCollector {
             family(
                 "vipr_flow_refusals_total",
                 "New connections the datapath refused (their packet dropped), by reason: map_full (no entry could be \
-                 stored nor evicted), snat_port_exhausted (no masquerade port free or reclaimable)",
+                 stored nor evicted), snat_port_exhausted (no masquerade port free or reclaimable), upgrade_switch (a \
+                 TCP packet past its handshake without an entry while an upgrade switched maps: its entry was being \
+                 copied; the sender retransmits it)",
                 refusals,
             ),
             family(

@@ -322,6 +322,9 @@ impl EbpfDataplane {
                 "no complete sync yet; switching to the new programs with what the maps hold"
             );
         }
+        // Before the copy: a connection the earlier programs open from now on is copied only
+        // once the new programs serve, and its packets must not be balanced anew meanwhile.
+        pending.carrying.hold_mid_stream();
         // The earlier programs' connections up to now, theirs being the current state.
         pending.carrying.refresh_connections();
         match attach_all(&mut self.ebpf, &self.pin_dir, self.hooks, &mut pending) {
@@ -435,6 +438,8 @@ fn attach_all(
     attach::detach_stale_links(pin_dir, &link_names(hooks, &pending.devices))?;
     let xdp = xdp_attach::XdpPath::start(ebpf, pin_dir, pending.xdp, &pending.devices)?;
     let host_traffic = HostTraffic::start(ebpf, pin_dir, &pending.host)?;
+    // The earlier XDP programs served until just now, and stored connections too.
+    pending.carrying.copy_added();
     // Every hook serves with the new layouts now; the earlier maps are unused. Their pins go
     // last: until then, an agent killed half way leaves them for the next one, which redoes
     // the switch.
