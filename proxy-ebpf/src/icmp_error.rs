@@ -29,7 +29,9 @@
 //! addresses. Every change is balanced by a checksum inside the same bytes, so the sum over the
 //! packet is unchanged and a CHECKSUM_COMPLETE skb's `csum` stays right without an update.
 //! ICMP errors arriving at TC ingress were built by another host (or namespace) with a full
-//! checksum, never CHECKSUM_PARTIAL.
+//! checksum, never CHECKSUM_PARTIAL; so are those the node's own stack sends about a request it
+//! forwarded DNATed (`--bpf-forwarding=stack`), which the egress program reverse-NATs the same
+//! way (tc.rs `stack_error`).
 //!
 //! An SCTP quote gets its addresses and ports rewritten and keeps its quoted checksum.
 //!

@@ -645,7 +645,8 @@ fn through_stack<A: Datapath>(ctx: &TcContext, packet: &Packet<A>, flow: &Nat<A>
 /// The TC program at egress of every served device, for `--bpf-forwarding=stack`: a reply of a
 /// connection that kept its client's address, which crossed the stack as backend -> client,
 /// gets the frontend as source. Its flow key is the packet's own tuple: one lookup per packet.
-/// Everything else leaves untouched.
+/// An ICMP error the node itself sends about such a connection is reverse-NATed
+/// ([`stack_error`]). Everything else leaves untouched.
 #[classifier]
 pub fn vipr_tc_egress(ctx: TcContext) -> i32 {
     if redirecting() {
@@ -661,7 +662,7 @@ pub fn vipr_tc_egress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn egress<A: Datapath>(ctx: &TcContext) -> i32 {
     let Some(packet) = A::parse(ctx) else {
-        return TC_ACT_UNSPEC;
+        return stack_error::<A>(ctx);
     };
     if packet.first_fragment.is_some() {
         return TC_ACT_UNSPEC;
@@ -677,6 +678,35 @@ fn egress<A: Datapath>(ctx: &TcContext) -> i32 {
         return TC_ACT_UNSPEC;
     }
     match rewrite(ctx, &packet, Side::Source, nat.src, nat.src_port) {
+        Ok(()) => TC_ACT_OK,
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// An ICMP error the node's stack sends about a packet it forwarded for a tracked connection
+/// (with `stack`, a request goes through it DNATed): "fragmentation needed" for a request too
+/// big for the backend's link, "host unreachable" for a backend gone, a DSR request on its
+/// backend's node. The stack quotes the packet as it forwarded it, to the backend, which the
+/// client cannot match to its socket; kube-proxy's conntrack un-NATs the quote of such a
+/// locally sent error, and so does this, with the same rule as for an error arriving
+/// ([`reverse_nat_error`]). `TC_ACT_UNSPEC` for anything else, which leaves untouched (an
+/// error a backend sent was reverse-NATed at ingress already: its reversed quote is no flow
+/// key any more).
+#[inline(never)]
+fn stack_error<A: Datapath>(ctx: &TcContext) -> i32 {
+    // Direct reads see only an skb's linear part: the headers up to the quoted checksum (an
+    // IPv4 header with options, ICMP's, a quoted one with options, TCP's to its checksum) are
+    // pulled into it, should the quote lie in a page fragment. The stack's own errors are
+    // linear (a no-op then); only packets no parser took get here, never TCP/UDP.
+    const ERROR_HEADERS: u32 = (ETH_HLEN + 60 + 8 + 60 + 18) as u32;
+    let _ = ctx.pull_data(ctx.len().min(ERROR_HEADERS));
+    let Some(error) = A::icmp_error(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    let Some(tracked) = A::flow(&error.key) else {
+        return TC_ACT_UNSPEC;
+    };
+    match icmp_error::reverse_nat(ctx, &error, &tracked.nat) {
         Ok(()) => TC_ACT_OK,
         Err(_) => TC_ACT_SHOT,
     }

@@ -37,6 +37,9 @@ const WEB_BACKEND: Ep = ep([10, 244, 1, 5], 8080);
 const NODE: Ep = ep([10, 244, 0, 1], 61000);
 /// A router between the node and a backend.
 const ROUTER: [u8; 4] = [10, 244, 9, 1];
+/// The node's address toward the client.
+const NODE_UPLINK: [u8; 4] = [192, 168, 1, 1];
+const NODE6_UPLINK: [u8; 16] = ip6([0xfd00, 0x1, 0, 0], 0x1);
 
 const CLIENT6: Ep6 = ep6(ip6([0xfd00, 0x1, 0, 0], 0x64), 40000);
 const DNS6: Ep6 = ep6(ip6([0xfd00, 0x10, 0x96, 0], 0xa), 53);
@@ -135,6 +138,13 @@ struct Fixture {
     /// Whether the input is an ICMP error, whose checksums must then be right (else the
     /// program could leave it alone for the wrong reason).
     error_input: bool,
+    /// Run through the egress program (an error the node's own stack sends), not ingress.
+    at_egress: bool,
+}
+
+/// `fixture` run through the egress program.
+fn at_egress(fixture: Fixture) -> Fixture {
+    Fixture { at_egress: true, ..fixture }
 }
 
 /// What an error must become; `reversed` is the error as the client must receive it.
@@ -144,11 +154,19 @@ fn reversed(
     input: Vec<u8>,
     output: Vec<u8>,
 ) -> Fixture {
-    Fixture { name, setup, input, verdict: TC_ACT_OK, output: Some(output), error_input: true }
+    Fixture {
+        name,
+        setup,
+        input,
+        verdict: TC_ACT_OK,
+        output: Some(output),
+        error_input: true,
+        at_egress: false,
+    }
 }
 
 fn untouched(name: &'static str, setup: fn(&mut Harness) -> Result<()>, input: Vec<u8>) -> Fixture {
-    Fixture { name, setup, input, verdict: TC_ACT_UNSPEC, output: None, error_input: true }
+    Fixture { name, setup, input, verdict: TC_ACT_UNSPEC, output: None, error_input: true, at_egress: false }
 }
 
 /// A frame that is no ICMP error, left alone.
@@ -315,6 +333,28 @@ fn ipv4_fixtures() -> Vec<Fixture> {
         // no flow may be found from bytes outside the message.
         untouched("ports_beyond_the_ip_packet", world, padded_ports),
         untouched("fragmented_error", world, fragmented.build()),
+        // The node's own stack, forwarding a DNATed request (`stack`), answers it: at egress
+        // toward the client the quote gets the frontend back, as conntrack does for a locally
+        // sent error.
+        at_egress(reversed(
+            "node_fragmentation_needed_about_a_request_at_egress",
+            world,
+            frag_needed.about(NODE_UPLINK, client, CLIENT, WEB_BACKEND),
+            frag_needed.about(WEB.addr, client, CLIENT, WEB),
+        )),
+        at_egress(reversed(
+            "node_host_unreachable_about_a_udp_request_at_egress",
+            world,
+            Error4::of(HOST_UNREACHABLE, IPPROTO_UDP).about(NODE_UPLINK, client, CLIENT, DNS_BACKEND),
+            Error4::of(HOST_UNREACHABLE, IPPROTO_UDP).about(DNS.addr, client, CLIENT, DNS),
+        )),
+        // A backend's error, reverse-NATed at ingress already, leaves as it is.
+        at_egress(untouched(
+            "reverse_nated_error_at_egress",
+            world,
+            udp.about(DNS.addr, client, CLIENT, DNS),
+        )),
+        at_egress(not_an_error("echo_request_at_egress", world, Packet::icmp_echo(client, VIP).build())),
         not_an_error("echo_request_to_the_vip", world, Packet::icmp_echo(client, VIP).build()),
         not_an_error("echo_request_from_the_backend", world, Packet::icmp_echo(backend, client).build()),
     ]
@@ -362,6 +402,12 @@ fn ipv6_fixtures() -> Vec<Fixture> {
             udp.about(backend, client, ep6(client, 40001), DNS6_BACKEND),
         ),
         not_an_error("v6_echo_request_to_the_vip", world6, Packet6::icmp6_echo(client, DNS6.addr).build()),
+        at_egress(reversed(
+            "v6_node_packet_too_big_about_a_request_at_egress",
+            world6,
+            too_big.about(NODE6_UPLINK, client, CLIENT6, WEB6_BACKEND),
+            too_big.about(WEB6.addr, client, CLIENT6, WEB6),
+        )),
     ]
 }
 
@@ -378,10 +424,12 @@ fn run_fixture(fixture: &Fixture) -> Result<Outcome> {
     if fixture.error_input {
         check_error_checksums(&fixture.input).map_err(|e| anyhow!("fixture bug: input: {e}"))?;
     }
-    let mut h = Harness::new()?;
+    // The egress program serves `--bpf-forwarding=stack` only.
+    let mut h = if fixture.at_egress { Harness::stack()? } else { Harness::new()? };
     (fixture.setup)(&mut h)?;
     let before = all_flows(&h)?;
-    let (verdict, out) = h.run(&fixture.input)?;
+    let (verdict, out) =
+        if fixture.at_egress { h.run_egress(&fixture.input)? } else { h.run(&fixture.input)? };
     let observed = || input_and_output(&fixture.input, &out);
     check_verdict(&fixture.input, verdict, &out, fixture.verdict, fixture.output.is_none())?;
     match &fixture.output {
