@@ -224,6 +224,37 @@ fn the_backend_node_stores_the_service_address_and_strips_the_option() {
     .unwrap_or_else(|err| panic!("{err:#}"));
 }
 
+/// With `stack` the backend's node forwards a carried request through its stack, which may
+/// answer it with an ICMP error ("fragmentation needed": the pod's link is smaller than the
+/// client's way) quoting it as forwarded, to the pod. At the node's egress the error gets the
+/// service address back, in the quote and as its source, as if the ingress node had sent it:
+/// the client matches it to its socket and learns the MTU.
+#[test]
+fn the_backend_node_s_own_error_about_a_carried_request_names_the_service_address() {
+    use testbed::fixtures::icmp_error::{check_error_checksums, compare_errors, icmp4_error, quote, Quote};
+    const NODE_TWO: [u8; 4] = [192, 168, 100, 2];
+    const FRAGMENTATION_NEEDED: (u8, u8) = (3, 4);
+    const MTU_1400: [u8; 4] = [0, 0, 0x05, 0x78];
+    in_fresh_netns(|| {
+        let mut h = Harness::stack()?;
+        carried_node_port(&mut h, IPPROTO_TCP, 1, BACKEND)?;
+        let request = Packet::tcp(CLIENT, BACKEND).tcp_flags(0x02).payload(b"").ip_options(&OPTION);
+        let (verdict, _) = h.run(&request.build())?;
+        ensure!(verdict == TC_ACT_OK, "the carried SYN: verdict {}", verdict_name(verdict));
+
+        let data = |to: Ep| Packet::tcp(CLIENT, to).tcp_flags(0x18).payload(&[0x5a; 200]).build();
+        let error = |from: [u8; 4], to: Ep| {
+            icmp4_error(from, CLIENT.addr, FRAGMENTATION_NEEDED, MTU_1400, &quote(&data(to), Quote::Whole))
+                .build()
+        };
+        let (verdict, out) = h.run_egress(&error(NODE_TWO, BACKEND))?;
+        ensure!(verdict == TC_ACT_OK, "the node's error at egress: verdict {}", verdict_name(verdict));
+        check_error_checksums(&out).map_err(|e| anyhow!("output: {e}"))?;
+        compare_errors(&error(FRONTEND.addr, FRONTEND), &out).map_err(|e| anyhow!("output frame: {e}"))
+    })
+    .unwrap_or_else(|err| panic!("{err:#}"));
+}
+
 /// A tracked DSR connection's requests that carry the service address (every UDP datagram)
 /// leave by the next hop cached in its flow entry, as every tracked packet does: no FIB lookup
 /// per datagram while the route generation holds (a new neighbour address is not seen until

@@ -257,8 +257,9 @@ impl Carrying {
     }
 
     /// The last step of the switch, once every hook runs the new programs: lifts the hold of
-    /// [`Self::hold_mid_stream`] and removes the old pins, which frees the old maps. Last, because an old pin is what tells the next agent
-    /// that the switch is unfinished: one killed before this step is redone whole by the next.
+    /// [`Self::hold_mid_stream`] and removes the old pins, which frees the old maps. Last,
+    /// because an old pin is what tells the next agent that the switch is unfinished: one
+    /// killed before this step is redone whole by the next.
     pub fn release(self) {
         if !self.maps.is_empty() {
             self.set_switch_deadline(0);
