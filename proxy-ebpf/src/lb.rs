@@ -29,6 +29,18 @@ pub(crate) enum Decision<A> {
     Backend(Chosen<A>),
 }
 
+/// What [`decide`] found for a packet without a flow entry.
+pub(crate) enum PacketDecision<A> {
+    /// No services entry for the destination and the source's class: the hook asks the
+    /// unmatched-destination trie.
+    Unmatched,
+    /// A TCP packet past its handshake while an upgrade switches maps
+    /// ([`awaits_carried_entry`]): dropped, with nothing chosen or remembered for it.
+    Held,
+    /// The service's decision.
+    Decided(Decision<A>),
+}
+
 /// A new connection's backend and what the hook needs to track and count it.
 pub(crate) struct Chosen<A> {
     pub service: Service,
@@ -49,19 +61,20 @@ pub(crate) enum Pick<'a, A> {
     Given(u32),
 }
 
-/// The service decision. `frontend` is the destination asked for, `class` the source's class
-/// (`proxy_common::source_class`), `client` the source address that source ranges and session
-/// affinity see. `None`: no services entry for the destination and this source class (the hook
-/// asks the unmatched-destination trie).
+/// The service decision for a packet that found no flow entry: `flow` is the packet's,
+/// `tcp_flags` its TCP flags, `class` its source's class (`proxy_common::source_class`); source
+/// ranges and session affinity see its source, and the slot is picked by the flow.
 #[inline(always)]
-pub(crate) fn decide<A: Maps>(
-    frontend: &Tuple<A>,
-    class: u8,
-    client: &A,
-    pick: Pick<'_, A>,
-) -> Option<Decision<A>> {
-    A::service(&frontend.destination(), frontend.proto, class)
-        .map(|service| decide_for(service, client, pick))
+pub(crate) fn decide<A: Maps>(flow: &Tuple<A>, tcp_flags: u8, class: u8) -> PacketDecision<A> {
+    let Some(service) = A::service(&flow.destination(), flow.proto, class) else {
+        return PacketDecision::Unmatched;
+    };
+    // Before the choice: a held packet must leave nothing behind (an affinity entry above all,
+    // which the carried one would then not overwrite).
+    if awaits_carried_entry(flow, tcp_flags) {
+        return PacketDecision::Held;
+    }
+    PacketDecision::Decided(decide_for(service, &flow.src, Pick::Flow(flow)))
 }
 
 /// [`decide`] past the services entry, for a hook that looked it up already (a socket hook
@@ -138,15 +151,18 @@ fn mix32(mut h: u32) -> u32 {
     h ^ (h >> 16)
 }
 
-/// Whether a packet that found no flow entry and was decided a backend at `now` must wait
-/// instead: a TCP packet past its handshake (no SYN) while an upgrade switches to new maps
+/// Whether a packet to a service that found no flow entry must wait instead of being balanced:
+/// a TCP packet past its handshake (no SYN) while an upgrade switches to new maps
 /// ([`SWITCH_DEADLINE`]). Its connection was opened by the earlier programs just before the
 /// switch, and its entries are still being copied into the new map: balanced anew it could go
 /// to another backend, which would reset it; dropped, it is retransmitted and finds them. (A
-/// SYN, a datagram or an SCTP chunk is balanced: it may open a connection.)
+/// SYN, a datagram or an SCTP chunk is balanced: it may open a connection.) The clock is read
+/// only while a deadline is set.
 #[inline(always)]
-pub(crate) fn awaits_carried_entry<A>(flow: &Tuple<A>, tcp_flags: u8, now: u64) -> bool {
+fn awaits_carried_entry<A>(flow: &Tuple<A>, tcp_flags: u8) -> bool {
     flow.proto == proto::TCP
         && tcp_flags & TCP_SYN == 0
-        && SWITCH_DEADLINE.get(&0).is_some_and(|deadline| now < deadline)
+        && SWITCH_DEADLINE
+            .get(&0)
+            .is_some_and(|deadline| deadline != 0 && unsafe { bpf_ktime_get_coarse_ns() } < deadline)
 }

@@ -13,7 +13,7 @@ use crate::{
     family_maps::{no_hop, Maps},
     fragment::{self, Fragments, LaterFragment},
     icmp_error::{self, IcmpErrors},
-    lb::{awaits_carried_entry, classify, decide, Chosen, Decision, Pick},
+    lb::{classify, decide, Chosen, Decision, PacketDecision},
     packet::{ethertype, rewrite, IpHeader, Packet, Side, ETH_P_IP, ETH_P_IPV6, TCP_SYN},
     reject::Reject,
     route::{hop_of, redirect_to_hop, redirecting, route_fitting, route_to, tracked_hop, Onward, Route},
@@ -338,19 +338,24 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     // At TC ingress the packet's device is the one it entered through.
     let entered_through = unsafe { (*ctx.skb.skb).ifindex };
     let class = classify(&packet.flow.src, entered_through);
-    let Chosen { service, backend, counter, now } =
-        match decide(&packet.flow, class, &packet.flow.src, Pick::Flow(&packet.flow)) {
-            Some(Decision::Backend(chosen)) => chosen,
-            None => return unmatched_destination(ctx, packet),
-            Some(Decision::SourceDenied) => return TC_ACT_SHOT,
-            Some(Decision::NoBackend(service)) => return no_backend(ctx, packet, &service),
-            // The client retransmits and meets the new set.
-            Some(Decision::Retired) => return TC_ACT_SHOT,
-        };
-    if awaits_carried_entry(&packet.flow, packet.tcp_flags, now) {
-        stat(datapath_stat::SWITCH_HELD);
-        return TC_ACT_SHOT;
-    }
+    // Two matches: with one over the nested patterns LLVM read a register that the `Retired`
+    // path leaves unset, which the verifier refuses.
+    let decision = match decide(&packet.flow, packet.tcp_flags, class) {
+        PacketDecision::Decided(decision) => decision,
+        PacketDecision::Unmatched => return unmatched_destination(ctx, packet),
+        // Retransmitted, it finds the entry copied meanwhile.
+        PacketDecision::Held => {
+            stat(datapath_stat::SWITCH_HELD);
+            return TC_ACT_SHOT;
+        }
+    };
+    let Chosen { service, backend, counter, now } = match decision {
+        Decision::Backend(chosen) => chosen,
+        Decision::SourceDenied => return TC_ACT_SHOT,
+        Decision::NoBackend(service) => return no_backend(ctx, packet, &service),
+        // The client retransmits and meets the new set.
+        Decision::Retired => return TC_ACT_SHOT,
+    };
     // A pod reaching itself through its service must see the node as peer, or it would answer
     // itself directly and the reply would never be reverse-NATed.
     let hairpin = backend.addr.is(&packet.flow.src);

@@ -55,7 +55,7 @@ use crate::{
     dsr::{self, Dsr},
     family::{Address, Ipv4, Ipv6, Nat, Tracked},
     family_maps::Maps,
-    lb::{awaits_carried_entry, classify, decide, Chosen, Decision, Pick},
+    lb::{classify, decide, Chosen, Decision, PacketDecision},
     packet::{copy_address, ethertype, field, Change, IpHeader, Packet, ETH_P_IP, ETH_P_IPV6},
     route::{cache_hop, cacheable_mtus, cached_hop, route_generation, zeroed_fib_params},
     wire::{ETH_HLEN, IPV4_CSUM_AT, TCP_CSUM_AT, UDP_CSUM_AT},
@@ -320,17 +320,14 @@ fn new_connection<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
     let Some((packet, tot_len)) = parse::<A>(ctx) else {
         return XDP_PASS;
     };
-    let Some(Decision::Backend(chosen)) =
-        decide(&packet.flow, source_class::OUTSIDE, &packet.flow.src, Pick::Flow(&packet.flow))
+    let PacketDecision::Decided(Decision::Backend(chosen)) =
+        decide(&packet.flow, packet.tcp_flags, source_class::OUTSIDE)
     else {
         // Unmatched destinations, source-range drops and empty services are TC's (it answers
-        // with ICMP errors), and so is a set retired meanwhile.
+        // with ICMP errors), and so is a set retired meanwhile, and a packet held while an
+        // upgrade switches maps (TC counts it).
         return XDP_PASS;
     };
-    // TC drops it (and counts it).
-    if awaits_carried_entry(&packet.flow, packet.tcp_flags, chosen.now) {
-        return XDP_PASS;
-    }
     // A hairpin is TC's.
     if chosen.backend.addr.is(&packet.flow.src) {
         return XDP_PASS;

@@ -241,7 +241,10 @@ fn maglev_disruption() -> Result<()> {
 /// While an upgrade switches to new maps (the agent's deadline ahead), a TCP packet past its
 /// handshake without an entry is dropped and counted, stored nowhere: its connection's entry
 /// is on its way from the earlier map, and another backend would reset it. A SYN is balanced
-/// meanwhile; once the deadline passed (or is lifted), the same packet is balanced too.
+/// meanwhile; once the deadline passed (or is lifted), the same packet is balanced too. A
+/// held packet to a service with session affinity leaves its client unremembered: the carried
+/// connection's backend is the one to remember, and a choice made for a dropped packet would
+/// keep the client's next connections elsewhere.
 #[test]
 fn a_packet_past_its_handshake_without_an_entry_waits_while_an_upgrade_switches_maps() {
     switch_hold().unwrap_or_else(|err| panic!("{err:#}"));
@@ -279,5 +282,18 @@ fn switch_hold() -> Result<()> {
         );
     }
     ensure!(h.datapath_stat(datapath_stat::SWITCH_HELD)? == 1, "SWITCH_HELD counted more");
+
+    affinity_service(&mut h, 2, &backends(3))?;
+    h.set_switch_deadline(kernel_now_ns() + 60_000_000_000)?;
+    let client = [203, 0, 113, 10];
+    let (verdict, _) = h.run(&Packet::tcp(ep(client, 40005), FRONTEND).tcp_flags(0x10).build())?;
+    ensure!(
+        verdict == TC_ACT_SHOT,
+        "an ACK to an affinity service mid-switch: verdict {}",
+        verdict_name(verdict)
+    );
+    ensure!(h.datapath_stat(datapath_stat::SWITCH_HELD)? == 2, "the second hold not counted");
+    let remembered = h.affinity(SERVICE_ID, client)?;
+    ensure!(remembered.is_none(), "a held packet's client was remembered: {remembered:?}");
     Ok(())
 }
