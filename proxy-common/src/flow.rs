@@ -106,6 +106,12 @@ pub mod flow_flags {
     /// destination; the reply entry gives replies that service address as source. The
     /// entries are each other's plain reversal.
     pub const DSR_BACKEND: u32 = 16;
+    /// A forward entry whose client was of source class OUTSIDE when its connection was
+    /// balanced (`proxy_common::source_class`): the XDP program finishes the connection's later
+    /// packets without classifying their source again (three lookups per packet). Only what
+    /// came from the wire has the complete checksums XDP's rewrite needs; an entry without the
+    /// flag (a pod's or the node's connection, or one an earlier vipr stored) is TC's.
+    pub const FROM_OUTSIDE: u32 = 32;
     /// The bits above hold the low 24 bits of the route generation ([`crate::pins::ROUTE_GENERATION`])
     /// the entry's [`crate::NextHop`] was cached under; the bits below are the flags above.
     pub const ROUTE_GENERATION_SHIFT: u32 = 8;

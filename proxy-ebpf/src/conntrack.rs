@@ -6,7 +6,9 @@
 use core::ptr::NonNull;
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
-use proxy_common::{capacity, datapath_stat, flow_flags, flow_state, proto, snat, FlowTrack, SnatPorts};
+use proxy_common::{
+    capacity, datapath_stat, flow_flags, flow_state, proto, snat, source_class, FlowTrack, SnatPorts,
+};
 
 use crate::{
     counters::stat,
@@ -193,18 +195,29 @@ pub(crate) fn make_room<A: Maps>() -> bool {
 /// Queue entries [`make_room`] looks at, at most.
 const EARLY_DROP_CANDIDATES: u32 = 8;
 
+/// The flags a new connection's forward entry gets for its client's source `class`.
+#[inline(always)]
+fn origin(class: u8) -> u32 {
+    if class == source_class::OUTSIDE {
+        flow_flags::FROM_OUTSIDE
+    } else {
+        0
+    }
+}
+
 /// Records both directions of a new connection that keeps its source (or only its address,
 /// when its reply tuple is taken); an error when the flows
 /// map is full, and the caller drops the packet: a connection whose replies could not be
 /// reverse-NATed, or whose next packet could go to another backend, must not start. Unless
 /// `last_try`, a full map is [`Refusal::MapFull`], not counted: the caller makes room and
 /// tries again. `now` is the clock reading the caller took for the whole decision (affinity,
-/// `last_seen`).
+/// `last_seen`), `class` the client's source class.
 #[inline(always)]
 pub(crate) fn track<A: Maps>(
     packet: &Packet<A>,
     backend: &Endpoint<A>,
     counter: u32,
+    class: u8,
     now: u64,
     last_try: bool,
 ) -> Result<Nat<A>, Refusal> {
@@ -231,7 +244,7 @@ pub(crate) fn track<A: Maps>(
         src_port: 0,
         dst: backend.addr,
         dst_port: backend.port,
-        flags: flow_flags::REWRITE_DESTINATION,
+        flags: flow_flags::REWRITE_DESTINATION | origin(class),
         counter,
         last_seen: now,
         state: initial_state(packet),
@@ -248,7 +261,7 @@ pub(crate) fn track<A: Maps>(
         // on such a clash, the new connection gets another source port (its address kept).
         Err(_) => {
             stat(datapath_stat::REPLY_CLASH_REMAPPED);
-            return track_masqueraded(packet, backend, counter, client.src, now, last_try);
+            return track_masqueraded(packet, backend, counter, class, client.src, now, last_try);
         }
     }
     if let Err(error) = A::record(client, &forward) {
@@ -267,6 +280,7 @@ pub(crate) fn track_dsr<A: Maps>(
     packet: &Packet<A>,
     backend: &Endpoint<A>,
     counter: u32,
+    class: u8,
     now: u64,
     last_try: bool,
 ) -> Result<Nat<A>, Refusal> {
@@ -275,7 +289,7 @@ pub(crate) fn track_dsr<A: Maps>(
         src_port: 0,
         dst: backend.addr,
         dst_port: backend.port,
-        flags: flow_flags::REWRITE_DESTINATION | flow_flags::DSR_INGRESS,
+        flags: flow_flags::REWRITE_DESTINATION | flow_flags::DSR_INGRESS | origin(class),
         counter,
         last_seen: now,
         state: initial_state(packet),
@@ -359,6 +373,7 @@ pub(crate) fn track_masqueraded<A: Maps>(
     packet: &Packet<A>,
     backend: &Endpoint<A>,
     counter: u32,
+    class: u8,
     node_addr: A,
     now: u64,
     last_try: bool,
@@ -387,7 +402,7 @@ pub(crate) fn track_masqueraded<A: Maps>(
         src_port: node_port,
         dst: backend.addr,
         dst_port: backend.port,
-        flags: flow_flags::REWRITE_DESTINATION | flow_flags::REWRITE_SOURCE,
+        flags: flow_flags::REWRITE_DESTINATION | flow_flags::REWRITE_SOURCE | origin(class),
         counter,
         last_seen: now,
         state: initial_state(packet),

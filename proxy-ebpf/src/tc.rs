@@ -375,7 +375,7 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
     if service.flags & service_flags::DSR != 0 && !hairpin {
         if let Some(route) = route.as_ref().filter(|route| route.fits && remote(packet, &backend, route)) {
             let chosen = Chosen { service, backend, counter, now };
-            let verdict = balance_dsr(ctx, packet, &chosen, route, last_try);
+            let verdict = balance_dsr(ctx, packet, &chosen, class, route, last_try);
             if verdict != NOT_DSR {
                 return verdict;
             }
@@ -401,9 +401,9 @@ fn balance_new<A: Datapath>(ctx: &TcContext, last_try: bool) -> i32 {
         let Some(route) = &route else {
             return TC_ACT_SHOT;
         };
-        track_masqueraded(packet, &backend, counter, route.source, now, last_try)
+        track_masqueraded(packet, &backend, counter, class, route.source, now, last_try)
     } else {
-        track(packet, &backend, counter, now, last_try)
+        track(packet, &backend, counter, class, now, last_try)
     };
     let forward = match forward {
         Ok(forward) => forward,
@@ -436,6 +436,7 @@ fn balance_dsr<A: Datapath>(
     ctx: &TcContext,
     packet: &Packet<A>,
     chosen: &Chosen<A>,
+    class: u8,
     route: &Route<A>,
     last_try: bool,
 ) -> i32 {
@@ -443,7 +444,7 @@ fn balance_dsr<A: Datapath>(
         stat(datapath_stat::DSR_MTU_SNAT);
         return NOT_DSR;
     }
-    match track_dsr(packet, &chosen.backend, chosen.counter, chosen.now, last_try) {
+    match track_dsr(packet, &chosen.backend, chosen.counter, class, chosen.now, last_try) {
         Ok(forward) => {
             stat(datapath_stat::DSR_SENT);
             count(ctx, chosen.counter);

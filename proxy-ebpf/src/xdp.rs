@@ -10,7 +10,9 @@
 //!   extension headers), parsed by the parser the TC program uses (packet.rs, generic over
 //!   both contexts and both families);
 //! - only sources of class OUTSIDE (not the node, not a pod): a packet generated on the node
-//!   or in a pod is CHECKSUM_PARTIAL on veth, and XDP cannot see that (see below);
+//!   or in a pod is CHECKSUM_PARTIAL on veth, and XDP cannot see that (see below). A new
+//!   connection's source is classified; a tracked one's entry says what it was
+//!   (`flow_flags::FROM_OUTSIDE`, set when it was balanced, by TC or here);
 //! - only the client-to-backend direction (replies from backends pass to TC);
 //! - a new connection only when a backend is chosen and no drop or reject is due (TC answers
 //!   those), not for a hairpin, and with `MASQUERADE` only when a masquerade port is claimed;
@@ -272,17 +274,20 @@ fn established<A: Maps + Dsr>(ctx: &XdpContext) -> u32 {
         return XDP_PASS;
     };
     // Only traffic from outside carries complete checksums (see the module's documentation).
-    // The interface index fits in 32 bits (the kernel's own type for it).
-    if classify(&packet.flow.src, ctx.ingress_ifindex() as u32) != source_class::OUTSIDE {
-        return XDP_PASS;
-    }
     let Some(tracked) = A::flow(&packet.flow) else {
+        // The interface index fits in 32 bits (the kernel's own type for it).
+        if classify(&packet.flow.src, ctx.ingress_ifindex() as u32) != source_class::OUTSIDE {
+            return XDP_PASS;
+        }
         return NEW_CONNECTION;
     };
     let flow = tracked.nat;
-    // Replies, and the requests that reach a DSR backend's node (the carrier is removed
-    // there), pass to TC.
-    if flow.flags & (flow_flags::REPLY | flow_flags::DSR_BACKEND) != 0 {
+    // A tracked connection's source was classified when it was balanced: an entry of a client
+    // from outside says so, and its packets need no classifying again. Replies, and the
+    // requests that reach a DSR backend's node (the carrier is removed there), pass to TC, and
+    // so does everything a pod or the node sent.
+    let ours = flow_flags::REPLY | flow_flags::DSR_BACKEND | flow_flags::FROM_OUTSIDE;
+    if flow.flags & ours != flow_flags::FROM_OUTSIDE {
         return XDP_PASS;
     }
     // A DSR request carries the service address again where the backend's node may need it.
@@ -363,9 +368,9 @@ fn connection<A: Maps + Dsr>(
 ) -> u32 {
     let Chosen { service, backend, counter, now } = chosen;
     let forward = if service.flags & service_flags::MASQUERADE != 0 {
-        track_masqueraded(packet, backend, *counter, out.source, *now, false)
+        track_masqueraded(packet, backend, *counter, source_class::OUTSIDE, out.source, *now, false)
     } else {
-        track(packet, backend, *counter, *now, false)
+        track(packet, backend, *counter, source_class::OUTSIDE, *now, false)
     };
     let forward = match forward {
         Ok(forward) => forward,
@@ -396,7 +401,7 @@ fn dsr_connection<A: Maps + Dsr>(
     if !A::in_pod_cidr(&backend.addr) {
         return NOT_DSR;
     }
-    let forward = match track_dsr(packet, backend, *counter, *now, false) {
+    let forward = match track_dsr(packet, backend, *counter, source_class::OUTSIDE, *now, false) {
         Ok(forward) => forward,
         Err(refusal) => return refused(refusal),
     };

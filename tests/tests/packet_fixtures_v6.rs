@@ -26,13 +26,15 @@ use harness::{
     TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use harness6::{
-    add_node_ip6, add_pod_cidr6, add_service6, add_source_range6, flows6, insert_flow6, remove_service6,
-    service_key6, set_backend6, set_service6, set_unmatched6,
+    add_node_ip6, add_pod_cidr6, add_service6, add_source_range6, flows6, insert_flow6, raw_flows6,
+    remove_service6, service_key6, set_backend6, set_service6, set_unmatched6,
 };
 use icmp_error::{check_icmp6_unreachable_answer, icmp6_unreachable_answer};
 use icmp_quote::{l4_quote, offload_checksum, offload_fixed_point};
 use netns::{in_fresh_netns, ip};
-use proxy_common::{service_flags, snat, source_class, unmatched, Flow6, FlowKey6, Service, SnatPorts};
+use proxy_common::{
+    flow_flags, service_flags, snat, source_class, unmatched, Flow6, FlowKey6, Service, SnatPorts,
+};
 use table::{run_table, Outcome};
 
 /// TC_ACT_REDIRECT, as BPF_PROG_TEST_RUN reports the program's return.
@@ -510,7 +512,16 @@ fn source_classes_choose_their_own_entries() {
                 .with_context(|| format!("from {source}"))?;
             flows.extend(nat_entries(source, WEB, backend, IPPROTO_TCP));
         }
-        expect_flows(&h, &flows)
+        expect_flows(&h, &flows)?;
+        // Only the outside client's forward entry says it came from outside: XDP finishes that
+        // connection's later packets, and leaves a pod's or the node's (partial checksums) to TC.
+        let raw = raw_flows6(&h)?;
+        for (key, flow) in &raw {
+            let outside = flow.flags & flow_flags::FROM_OUTSIDE != 0;
+            let expected = flow.flags & flow_flags::REPLY == 0 && key.src_addr == CLIENT.addr;
+            ensure!(outside == expected, "{key:?}: FROM_OUTSIDE {outside}, expected {expected}");
+        }
+        Ok(())
     })
     .unwrap_or_else(|err| panic!("{err:#}"));
 }

@@ -292,18 +292,22 @@ fn tracked_entries<A: Family + Ord>(
     let mut entries = nat_entries(client, frontend, backend, proto);
     for (_, flow) in &mut entries {
         flow.track.counter = 3;
+        if flow.flags & flow_flags::REPLY == 0 {
+            flow.flags |= flow_flags::FROM_OUTSIDE;
+        }
     }
     entries.sort_by_key(|(key, _)| (key.src_addr, key.src_port));
     entries
 }
 
+/// The forward entry of a client from outside balanced to `backend`.
 fn forward_entry<A: Family>(backend: frame::Ep<A>) -> Flow<A> {
     Flow {
         src_addr: A::UNSPECIFIED,
         src_port: 0,
         dst_addr: backend.addr,
         dst_port: backend.port,
-        flags: flow_flags::REWRITE_DESTINATION,
+        flags: flow_flags::REWRITE_DESTINATION | flow_flags::FROM_OUTSIDE,
         track: FlowTrack { counter: 3, ..FlowTrack::default() },
         next_hop: Default::default(),
     }
@@ -344,6 +348,22 @@ fn an_established_flow_is_rewritten_from_its_entry() -> Result<()> {
     let (verdict, out) = world.run(&Packet::tcp(CLIENT, NODE_PORT).build())?;
     ensure!(verdict == XDP_TX, "verdict {verdict}");
     expect_same(&out, &forwarded(Packet::tcp(CLIENT, other)))?;
+    Ok(())
+}
+
+/// A tracked connection that was not balanced from outside (a pod's or the node's, or one an
+/// earlier vipr stored) is TC's, whatever its packet's source address: its source is not
+/// classified again per packet, the entry says it.
+#[test]
+fn an_entry_not_marked_from_outside_passes_to_tc() -> Result<()> {
+    let mut world = World::new("orig")?;
+    let other = ep([10, 0, 0, 2], 9090);
+    let mut entry = forward_entry(other);
+    entry.flags &= !flow_flags::FROM_OUTSIDE;
+    world.insert_flow(pins::FLOWS4, flow_key(CLIENT, NODE_PORT, IPPROTO_TCP), entry)?;
+    let frame = Packet::tcp(CLIENT, NODE_PORT).build();
+    let (verdict, out) = world.run(&frame)?;
+    ensure!(verdict == XDP_PASS && out == frame, "verdict {verdict}, expected XDP_PASS untouched");
     Ok(())
 }
 
