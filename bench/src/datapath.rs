@@ -27,13 +27,17 @@
 
 use std::{
     net::Ipv4Addr,
-    os::fd::{AsFd as _, BorrowedFd},
+    os::fd::{AsFd as _, BorrowedFd, OwnedFd},
     path::{Path, PathBuf},
     time::Instant,
 };
 
 use anyhow::{bail, ensure, Context as _, Result};
-use aya::{maps::HashMap, programs::SchedClassifier, Ebpf, EbpfLoader};
+use aya::{
+    maps::HashMap,
+    programs::{SchedClassifier, Xdp},
+    Ebpf, EbpfLoader,
+};
 use proxy_common::{
     flow_flags, pins, service_flags, source_class, Backend4, BackendSlot, Flow4, FlowKey4, Service,
     ServiceKey4,
@@ -55,6 +59,7 @@ use super::{
 /// TC verdicts as BPF_PROG_TEST_RUN returns them.
 const TC_ACT_UNSPEC: u32 = -1i32 as u32;
 const TC_ACT_REDIRECT: u32 = 7;
+const XDP_TX: u32 = 3;
 const PROTO_TCP: u8 = 6;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -241,6 +246,10 @@ pub struct Cell {
     /// for a connection's first packet.
     #[serde(default)]
     pub new_flow_floor: Option<Summary>,
+    /// The XDP program (`vipr_xdp`) on the established path's packet received on the uplink,
+    /// repeat method, ns per packet less an empty XDP program.
+    #[serde(default)]
+    pub xdp_established: Option<Summary>,
 }
 
 impl Cell {
@@ -349,6 +358,15 @@ pub fn run(meta: RunMeta, settings: Settings) -> Result<Results> {
                 );
             }
         }
+        if let Some(xdp) = &cell.xdp_established {
+            eprintln!(
+                "  established through XDP {:.1} ns/packet ({:.1}..{:.1}); {:.2}x TC's",
+                xdp.median,
+                xdp.min,
+                xdp.max,
+                cell.path(PathKind::Established).map_or(f64::NAN, |path| xdp.median / path.program.median),
+            );
+        }
     }
     let mut meta = meta;
     meta.finish();
@@ -427,6 +445,11 @@ struct CellBench<'a> {
     /// and what it measured.
     new_flow_floor: sys::FloorProgram,
     new_flow_floor_ns: Vec<f64>,
+    /// The empty XDP program, the interface the established packet is received on, and what
+    /// `vipr_xdp` measured on that packet (program ns per repetition).
+    xdp_empty: OwnedFd,
+    ifindex: u32,
+    xdp_established_ns: Vec<f64>,
 }
 
 impl<'a> CellBench<'a> {
@@ -489,6 +512,7 @@ impl<'a> CellBench<'a> {
         let setup_seconds = started.elapsed().as_secs_f64();
 
         let mut bench = Bench::load(vipr::EBPF_OBJECT, bpffs.path(), sizes, empty, settings)?;
+        bench.load_xdp()?;
         let service_entries = bench.count(pins::SERVICES4)?;
         let backend_slots = bench.count(pins::BACKENDS4)?;
         ensure!(service_entries == 3 * services, "{service_entries} service entries for {services} services");
@@ -506,7 +530,8 @@ impl<'a> CellBench<'a> {
                 src_port: 0,
                 dst_addr: vip.octets(),
                 dst_port: SERVICE_PORT,
-                flags: flow_flags::REWRITE_DESTINATION,
+                // Balanced from outside, as XDP's established packets are (TC ignores it).
+                flags: flow_flags::REWRITE_DESTINATION | flow_flags::FROM_OUTSIDE,
                 track: Default::default(),
                 next_hop: Default::default(),
             },
@@ -590,6 +615,9 @@ impl<'a> CellBench<'a> {
             floor_ns: Vec::new(),
             new_flow_floor,
             new_flow_floor_ns: Vec::new(),
+            xdp_empty: sys::load_empty_xdp_program()?,
+            ifindex: sys::device_ifindex()?,
+            xdp_established_ns: Vec::new(),
         })
     }
 
@@ -610,7 +638,31 @@ impl<'a> CellBench<'a> {
             }
         }
         self.measure_floor()?;
-        self.measure_new_flow_floor()
+        self.measure_new_flow_floor()?;
+        self.measure_xdp_established()
+    }
+
+    /// One repetition of `vipr_xdp` on the established packet, received on the uplink (repeat
+    /// method, as TC's established path): flow hit, the hop cached in the entry, the rewrite,
+    /// `XDP_TX` back out of the uplink, where the route to the service address leads.
+    fn measure_xdp_established(&mut self) -> Result<()> {
+        let (repeat, ifindex) = (self.bench.settings.repeat, self.ifindex);
+        let mut out = std::mem::take(&mut self.bench.out);
+        let empty = sys::test_run_xdp(self.xdp_empty.as_fd(), &self.established, &mut out, repeat, ifindex);
+        let run = self
+            .bench
+            .xdp_program()
+            .and_then(|program| sys::test_run_xdp(program, &self.established, &mut out, repeat, ifindex));
+        self.bench.out = out;
+        let (empty, run) = (empty?, run?);
+        ensure!(run.verdict == XDP_TX, "vipr_xdp returned {} on the established packet", run.verdict);
+        // Past the Ethernet addresses, which XDP writes toward the cached neighbour.
+        ensure!(
+            self.bench.out[12..run.out_len] == self.established[12..],
+            "vipr_xdp changed the established packet (its entry maps it to itself)"
+        );
+        self.xdp_established_ns.push(f64::from(run.ns) - f64::from(empty.ns));
+        Ok(())
     }
 
     /// One repetition of the floor program on the established packet (repeat method: its
@@ -749,6 +801,7 @@ impl<'a> CellBench<'a> {
             },
             floor: Summary::of(&self.floor_ns),
             new_flow_floor: Summary::of(&self.new_flow_floor_ns),
+            xdp_established: Summary::of(&self.xdp_established_ns),
         })
     }
 }
@@ -803,6 +856,22 @@ impl<'a> Bench<'a> {
         )?;
         generation.set(0, 1, 0)?;
         Ok(Self { ebpf, empty, settings, out: vec![0; 512] })
+    }
+
+    /// Loads the object's XDP program beside its TC program (on the same maps).
+    fn load_xdp(&mut self) -> Result<()> {
+        let program: &mut Xdp = self
+            .ebpf
+            .program_mut(pins::XDP_PROGRAM)
+            .with_context(|| format!("no program {}", pins::XDP_PROGRAM))?
+            .try_into()?;
+        program.load().context("loading the XDP program")
+    }
+
+    fn xdp_program(&self) -> Result<BorrowedFd<'_>> {
+        let program: &Xdp =
+            self.ebpf.program(pins::XDP_PROGRAM).context("XDP program missing")?.try_into()?;
+        Ok(program.fd()?.as_fd())
     }
 
     fn program(&self) -> Result<BorrowedFd<'_>> {

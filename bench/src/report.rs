@@ -744,11 +744,14 @@ fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], 
             }
             let _ = writeln!(w);
         }
-        // The reference programs measured beside vipr's paths (issue 16).
-        let references: [(&str, datapath::Method, ReferenceOf); 2] = [
+        // The reference programs, and vipr's XDP program, measured beside vipr's TC paths (issue 16).
+        let references: [(&str, datapath::Method, ReferenceOf); 3] = [
             ("the floor (reference program)", datapath::Method::Repeat, |cell| cell.floor.as_ref()),
             ("the new-flow floor (reference program)", datapath::Method::Chain, |cell| {
                 cell.new_flow_floor.as_ref()
+            }),
+            ("established, through XDP (`vipr_xdp`)", datapath::Method::Repeat, |cell| {
+                cell.xdp_established.as_ref()
             }),
         ];
         for (label, method, of) in references {
@@ -882,7 +885,12 @@ fn render_datapath(w: &mut String, results: &datapath::Results, plots: &[&str], 
          reverse NAT, no state), the rewrite and the redirect. The least a load balancer that keeps \
          its connections on their backends does for a connection's first packet. It runs with the \
          chain method on a chain of its own (a first run uncounted, as vipr's), and its table is \
-         emptied after each run (every link must have been recorded).\n",
+         emptied after each run (every link must have been recorded).\n\
+         - Established through XDP: vipr's XDP program (`vipr_xdp`, loaded from the same object on \
+         the same maps) on the established packet, received on the uplink (`struct xdp_md`'s \
+         ingress interface): the flow hit, the hop cached in its entry, the rewrite, `XDP_TX`. Less \
+         an empty XDP program measured the same way. Its output must be the packet with the \
+         neighbour's addresses written.\n",
         s.services_axis.iter().map(|n| short(*n)).collect::<Vec<_>>().join(", "),
         s.default_backends,
         short(s.backends_axis_services),

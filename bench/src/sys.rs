@@ -24,6 +24,15 @@ const GATEWAY: &str = "172.16.0.2";
 const GATEWAY_MAC: &str = "02:76:69:70:72:02";
 /// The veth pair the node has; vipr serves the first.
 pub const DEVICE: &str = "vb0";
+
+/// The interface index of [`DEVICE`] in this thread's network namespace.
+pub fn device_ifindex() -> Result<u32> {
+    let name = CString::new(DEVICE)?;
+    // SAFETY: a NUL-terminated name that outlives the call.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    ensure!(index != 0, "no interface {DEVICE}: {}", std::io::Error::last_os_error());
+    Ok(index)
+}
 const PEER: &str = "vb1";
 
 /// Moves this process into a mount namespace and a network namespace of its own, so every
@@ -239,12 +248,20 @@ impl Drop for PodCgroup {
 use vipr::bpf_sys::{self, bpf, cmd, ProgLoadAttr, TestRunAttr};
 
 const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+const BPF_PROG_TYPE_XDP: u32 = 6;
 
 /// A TC classifier that only returns TC_ACT_UNSPEC: `r0 = -1; exit`. Loaded from two raw
 /// instructions, so the baseline needs no BPF object of its own.
 pub fn load_empty_tc_program() -> Result<OwnedFd> {
     bpf_sys::load_program(BPF_PROG_TYPE_SCHED_CLS, 0, &bpf_sys::returning(-1), "bench_noop")
         .context("loading the empty TC program")
+}
+
+/// An XDP program that only returns XDP_PASS (2): the baseline of XDP measurements, as
+/// [`load_empty_tc_program`] is TC's.
+pub fn load_empty_xdp_program() -> Result<OwnedFd> {
+    bpf_sys::load_program(BPF_PROG_TYPE_XDP, 0, &bpf_sys::returning(2), "bench_xdp_noop")
+        .context("loading the empty XDP program")
 }
 
 /// The floor: a TC classifier that does only the work no load balancer can avoid for an
@@ -396,7 +413,6 @@ pub struct XdpCountDrop {
 impl XdpCountDrop {
     pub fn load(udp_port: u16) -> Result<Self> {
         const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
-        const BPF_PROG_TYPE_XDP: u32 = 6;
         let mut attr = bpf_sys::MapCreateAttr {
             map_type: BPF_MAP_TYPE_PERCPU_ARRAY,
             key_size: 4,
@@ -693,6 +709,33 @@ pub struct Run {
 /// rewriting program sees its own output from the second run on) and leaves the last output
 /// in `out`.
 pub fn test_run(program: BorrowedFd<'_>, frame: &[u8], out: &mut [u8], repeat: u32) -> Result<Run> {
+    test_run_in(program, frame, out, repeat, &[])
+}
+
+/// [`test_run`] of an XDP program on a frame received on interface `ifindex` (`struct
+/// xdp_md`'s `ingress_ifindex`: where `XDP_TX` sends it, and what its FIB lookups start from).
+pub fn test_run_xdp(
+    program: BorrowedFd<'_>,
+    frame: &[u8],
+    out: &mut [u8],
+    repeat: u32,
+    ifindex: u32,
+) -> Result<Run> {
+    // struct xdp_md: data, data_end (the frame's length), data_meta, ingress_ifindex, ...
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    test_run_in(program, frame, out, repeat, &ctx)
+}
+
+/// [`test_run`] with a context (`ctx`, empty for none).
+fn test_run_in(
+    program: BorrowedFd<'_>,
+    frame: &[u8],
+    out: &mut [u8],
+    repeat: u32,
+    ctx: &[u8],
+) -> Result<Run> {
     let mut attr = TestRunAttr {
         prog_fd: program.as_raw_fd() as u32,
         data_size_in: frame.len() as u32,
@@ -700,9 +743,11 @@ pub fn test_run(program: BorrowedFd<'_>, frame: &[u8], out: &mut [u8], repeat: u
         data_in: frame.as_ptr() as u64,
         data_out: out.as_mut_ptr() as u64,
         repeat,
+        ctx_size_in: ctx.len() as u32,
+        ctx_in: if ctx.is_empty() { 0 } else { ctx.as_ptr() as u64 },
         ..TestRunAttr::default()
     };
-    // SAFETY: the frame and the output buffer outlive the call, at the sizes given.
+    // SAFETY: the frame, the output buffer and the context outlive the call, at the sizes given.
     unsafe { bpf(cmd::PROG_TEST_RUN, &mut attr) }.context("BPF_PROG_TEST_RUN")?;
     Ok(Run { verdict: attr.retval, ns: attr.duration, out_len: attr.data_size_out as usize })
 }
