@@ -511,7 +511,19 @@ fn all_counted_redirected_by_xdp(
     traffic: impl FnOnce() -> Result<()>,
 ) -> Result<()> {
     let ext = lab.leaf("ext");
-    let (sent_before, redirected_before) = (sent(ext)?, xdp_counter(lab.node(), "to-ext", "xdp_redirect")?);
+    // The counts start from a quiet moment: on a loaded machine a segment of the traffic before
+    // (a last ACK) can be counted by the client before the window and redirected inside it.
+    let counts =
+        || -> Result<(u64, u64)> { Ok((sent(ext)?, xdp_counter(lab.node(), "to-ext", "xdp_redirect")?)) };
+    let mut last = counts()?;
+    let (sent_before, redirected_before) =
+        wait_for("the client's counters and XDP's to settle", SETTLE, || {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = counts()?;
+            let quiet = now == last;
+            last = now;
+            Ok(if quiet { Check::Done(now) } else { Check::NotYet(format!("{now:?}")) })
+        })?;
     traffic()?;
     // The last ACKs of a closed connection may still be on their way.
     wait_for(&format!("every {protocol} packet of the client to be redirected by XDP"), SETTLE, || {
