@@ -24,15 +24,6 @@ const GATEWAY: &str = "172.16.0.2";
 const GATEWAY_MAC: &str = "02:76:69:70:72:02";
 /// The veth pair the node has; vipr serves the first.
 pub const DEVICE: &str = "vb0";
-
-/// The interface index of [`DEVICE`] in this thread's network namespace.
-pub fn device_ifindex() -> Result<u32> {
-    let name = CString::new(DEVICE)?;
-    // SAFETY: a NUL-terminated name that outlives the call.
-    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    ensure!(index != 0, "no interface {DEVICE}: {}", std::io::Error::last_os_error());
-    Ok(index)
-}
 const PEER: &str = "vb1";
 
 /// Moves this process into a mount namespace and a network namespace of its own, so every
@@ -77,6 +68,15 @@ pub fn set_up_network() -> Result<()> {
     // /proc/sys/net is the namespace of the thread that opens it: ours.
     fs::write("/proc/sys/net/ipv4/ip_forward", "1").context("enabling forwarding")?;
     Ok(())
+}
+
+/// The interface index of [`DEVICE`] in this thread's network namespace.
+pub fn device_ifindex() -> Result<u32> {
+    let name = CString::new(DEVICE)?;
+    // SAFETY: a NUL-terminated name that outlives the call.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    ensure!(index != 0, "no interface {DEVICE}: {}", std::io::Error::last_os_error());
+    Ok(index)
 }
 
 fn ip(args: &[&str]) -> Result<()> {
